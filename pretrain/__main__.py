@@ -1,0 +1,41 @@
+"""Command line: `python -m pretrain --config configs/tiny.toml [section.key=value ...]`."""
+import argparse
+import json
+import sys
+
+from pretrain.config import ConfigError, load_config
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__)
+    parser.add_argument("--config", help="TOML config file (defaults apply where it is silent)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. zero.stage=2")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as JSON and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from pretrain.train import train
+    from pretrain.topology import destroy_topology
+    try:
+        train(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_topology()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

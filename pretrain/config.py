@@ -1,0 +1,326 @@
+"""One typed config tree, loaded from TOML with `section.key=value` overrides, validated with clear errors."""
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the key, the value and what is valid."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # None: 4 × hidden_size
+    seq_length: int = 64
+    vocab_size: int = 512  # tokenizer vocabulary; the embedding is padded (see padded_vocab_size)
+    make_vocab_size_divisible_by: int = 128
+    tie_embeddings: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    recompute: Literal["none", "full"] = "none"  # full: every transformer layer recomputed
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Megatron's rule: pad the vocabulary to a multiple of divisible_by × TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    stage: Literal[0, 1, 2, 3] = 0
+    bucket_elements: int = 50_000_000  # CB: constant-size communication buckets, in elements
+    overlap_comm: bool = True  # stage 2/3: reduce-scatter buckets while backward runs
+    param_persistence_threshold: int = 0  # stage 3: parameters this small stay whole on every rank
+    prefetch_units: int = 1  # stage 3: how many units ahead to gather
+    partition_activations: bool = False  # Pa: checkpoints sliced across the TP group
+    cpu_checkpointing: bool = False  # Pa+cpu: the slices live in host memory
+    contiguous_checkpointing: bool = False  # MD: checkpoints in one pre-allocated buffer
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 5
+    decay_steps: Optional[int] = None  # None: train.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    initial_loss_scale: float = 2.0**16  # fp16 dynamic loss scaling
+    min_loss_scale: float = 1.0
+    growth_interval: int = 1000  # clean steps before the scale doubles
+    backoff_factor: float = 0.5
+    hysteresis: int = 2  # overflows tolerated before backing off
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "data/corpus.jsonl"  # text (.txt: blank-line separated documents) or JSONL {"text": ...}
+    tokenizer_model: Optional[str] = None  # None: trained from the corpus into cache_dir
+    prefix: Optional[str] = None  # Megatron .bin/.idx prefix; None: built from the corpus into cache_dir
+    cache_dir: str = "runs/data"
+    valid_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 40
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    seed: int = 1234
+    eval_interval: int = 20  # 0 disables validation
+    eval_iters: int = 2
+    save_interval: int = 0  # 0: save only at the end
+    save_dir: Optional[str] = None  # None: <run_dir>/checkpoints
+    resume: bool = True  # continue from the latest checkpoint in save_dir when there is one
+    timeout_minutes: float = 10.0  # collective timeout: a stuck rank fails instead of hanging
+
+
+@dataclass
+class LoggingConfig:
+    name: str = "run"
+    run_dir: Optional[str] = None  # None: runs/<name>
+    log_interval: int = 1
+    console: Literal["auto", "bar", "plain"] = "auto"
+    wandb: bool = True
+    wandb_project: str = "zero3d"
+    wandb_group: Optional[str] = None
+
+
+@dataclass
+class ClusterConfig:
+    """Where a config runs under Slurm; the training run itself takes its world from the launcher."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu: str = "H100"  # peak table key for MFU and the estimator: V100, A100, H100, H200
+    gpu_memory_gb: float = 80.0
+    time_limit: str = "01:00:00"
+    partition: Optional[str] = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir or f"runs/{self.logging.name}")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _coerce(key: str, value, annotation):
+    """Check `value` against a dataclass field annotation; return it (ints widen to floats)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices or type(value) is not type(choices[0]):
+            raise ConfigError(f"{key} = {value!r} is invalid; valid values: "
+                              f"{', '.join(repr(c) for c in choices)}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} is invalid; expected true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key} = {value!r} is invalid; expected an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {value!r} is invalid; expected a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r} is invalid; expected a string")
+        return value
+    raise TypeError(f"unsupported annotation {annotation} for {key}")
+
+
+def _unknown(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(valid)}")
+
+
+def _merge(cfg: Config, tree: dict, source: str) -> None:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for name, body in tree.items():
+        if name not in sections:
+            raise _unknown(name, list(sections))
+        if not isinstance(body, dict):
+            raise ConfigError(f"[{name}] in {source} must be a table of keys, got {body!r}")
+        section = getattr(cfg, name)
+        hints = typing.get_type_hints(type(section))
+        fields = [f.name for f in dataclasses.fields(section)]
+        for key, value in body.items():
+            if key not in fields:
+                raise _unknown(f"{name}.{key}", fields)
+            setattr(section, key, _coerce(f"{name}.{key}", value, hints[key]))
+
+
+def _parse_override(text: str) -> tuple[str, str, object]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. zero.stage=2")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {dotted!r} must be section.key, e.g. model.num_layers")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # bare words are strings: logging.name=foo
+    return parts[0], parts[1], value
+
+
+def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """Defaults ← TOML file ← `section.key=value` overrides; then validate()."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+        _merge(cfg, tree, str(path))
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        _merge(cfg, {section: {key: value}}, f"override {text!r}")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Checks that need no process group; with `world_size`, also the layout's divisibility."""
+    m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                "make_vocab_size_divisible_by"):
+        _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} is invalid; must be > 0")
+    _require(m.hidden_size % m.num_attention_heads == 0,
+             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
+             f"{m.num_attention_heads}")
+    for key in ("hidden_dropout", "attention_dropout"):
+        _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} = {getattr(m, key)} must be in [0, 1)")
+    _require(p.tensor >= 1, f"parallel.tensor = {p.tensor} is invalid; must be >= 1")
+    _require(p.pipeline == 1,
+             f"parallel.pipeline = {p.pipeline} is not supported: zero3d's training loop runs "
+             "pipeline-parallel size 1 (tensor × data parallelism); set parallel.pipeline = 1")
+    _require(m.num_attention_heads % p.tensor == 0,
+             f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
+             f"parallel.tensor = {p.tensor}")
+    _require(m.hidden_size % p.tensor == 0,
+             f"model.hidden_size = {m.hidden_size} is not divisible by parallel.tensor = {p.tensor}")
+    _require(m.ffn_size % p.tensor == 0,
+             f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}")
+    _require(not (p.sequence_parallel and p.tensor == 1),
+             "parallel.sequence_parallel = true needs parallel.tensor > 1")
+    _require(not p.sequence_parallel,
+             "parallel.sequence_parallel = true is not supported yet: zero3d does not all-reduce "
+             "the sequence-parallel layer-norm gradients over the TP group; set it to false")
+    _require(z.bucket_elements > 0, f"zero.bucket_elements = {z.bucket_elements} must be > 0")
+    _require(z.prefetch_units >= 0, f"zero.prefetch_units = {z.prefetch_units} must be >= 0")
+    _require(z.param_persistence_threshold >= 0,
+             f"zero.param_persistence_threshold = {z.param_persistence_threshold} must be >= 0")
+    _require(not z.cpu_checkpointing or z.partition_activations,
+             "zero.cpu_checkpointing = true needs zero.partition_activations = true (Pa+cpu offloads "
+             "the partitioned checkpoints)")
+    _require(not (z.partition_activations or z.contiguous_checkpointing) or m.recompute == "full",
+             "zero.partition_activations / zero.contiguous_checkpointing need model.recompute = "
+             f"\"full\" (they store the recomputation checkpoints); got model.recompute = {m.recompute!r}")
+    _require(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
+    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr]")
+    _require(o.warmup_steps >= 0, f"optimizer.warmup_steps = {o.warmup_steps} must be >= 0")
+    _require(o.clip_grad >= 0, f"optimizer.clip_grad = {o.clip_grad} must be >= 0 (0 disables)")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)")
+    pr = cfg.precision
+    _require(pr.initial_loss_scale >= pr.min_loss_scale > 0,
+             "precision.initial_loss_scale must be >= precision.min_loss_scale > 0")
+    _require(0 < pr.backoff_factor < 1, f"precision.backoff_factor = {pr.backoff_factor} must be in (0, 1)")
+    _require(pr.growth_interval >= 1 and pr.hysteresis >= 1,
+             "precision.growth_interval and precision.hysteresis must be >= 1")
+    _require(0 < cfg.data.valid_fraction < 1,
+             f"data.valid_fraction = {cfg.data.valid_fraction} must be in (0, 1)")
+    for key in ("steps", "micro_batch_size", "global_batch_size", "eval_iters"):
+        _require(getattr(t, key) > 0, f"train.{key} = {getattr(t, key)} must be > 0")
+    _require(t.eval_interval >= 0 and t.save_interval >= 0,
+             "train.eval_interval and train.save_interval must be >= 0")
+    _require(t.timeout_minutes > 0, f"train.timeout_minutes = {t.timeout_minutes} must be > 0")
+    _require(cfg.logging.log_interval >= 1, "logging.log_interval must be >= 1")
+    _require(cfg.cluster.nodes >= 1 and cfg.cluster.gpus_per_node >= 1,
+             "cluster.nodes and cluster.gpus_per_node must be >= 1")
+    if world_size is not None:
+        validate_layout(cfg, world_size)
+
+
+def validate_layout(cfg: Config, world_size: int) -> int:
+    """Returns the gradient-accumulation steps; raises if the layout does not divide."""
+    p, t = cfg.parallel, cfg.train
+    model_parallel = p.tensor * p.pipeline
+    _require(world_size % model_parallel == 0,
+             f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline = "
+             f"{model_parallel}; valid world sizes are multiples of {model_parallel}")
+    dp = world_size // model_parallel
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+             f"train.micro_batch_size × data-parallel size = {t.micro_batch_size} × {dp} = {per_step}; "
+             f"valid global batch sizes are multiples of {per_step}")
+    return t.global_batch_size // per_step

@@ -1,0 +1,59 @@
+"""megatron-core GPTModel from the config: local spec, or Transformer Engine's on GPU when importable."""
+import torch
+
+from pretrain.config import Config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def layer_spec(on_cuda: bool):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    if on_cuda:
+        try:
+            import transformer_engine  # noqa: F401
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec)
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return get_gpt_layer_local_spec()
+
+
+def transformer_config(cfg: Config, on_cuda: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    m, dtype = cfg.model, cfg.precision.dtype
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if m.recompute == "full" else {}
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size, tensor_model_parallel_size=cfg.parallel.tensor,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std, params_dtype=DTYPES[dtype],
+        bf16=dtype == "bf16", fp16=dtype == "fp16",
+        # CPU init draws the full weights from one generator and then slices them, so every TP
+        # layout starts from identical weights (what the cross-layout tests compare).
+        use_cpu_initialization=not on_cuda,
+        # Fusions are CUDA kernels; on CPU they are off.
+        bias_activation_fusion=on_cuda, masked_softmax_fusion=on_cuda, persist_layer_norm=on_cuda,
+        bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **recompute)
+
+
+def build_model(cfg: Config, device: torch.device):
+    """The TP-local GPTModel on `device`, in the training dtype."""
+    from megatron.core.models.gpt import GPTModel
+    on_cuda = device.type == "cuda"
+    model = GPTModel(config=transformer_config(cfg, on_cuda), transformer_layer_spec=layer_spec(on_cuda),
+                     vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
+                     max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
+                     share_embeddings_and_output_weights=cfg.model.tie_embeddings)
+    return model.to(device)
+
+
+def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of a [batch, seq+1] token block (megatron's vocab-parallel cross entropy)."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
+    per_token = model(inputs, positions, None, labels=labels)
+    return per_token.float().mean()

@@ -1,0 +1,160 @@
+"""The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zero3d
+from pretrain import checkpoint, metrics
+from pretrain.config import Config
+from pretrain.model import DTYPES, build_model, gpt_loss
+from pretrain.topology import Topology, init_topology
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warmup to optimizer.lr, then cosine decay to optimizer.min_lr (step is 0-based)."""
+    o = cfg.optimizer
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    decay_steps = o.decay_steps or cfg.train.steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, decay_steps - o.warmup_steps))
+    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def on_main_then_share(topo: Topology, fn):
+    """Run fn on rank 0 and hand its result (or its error, raised everywhere) to every rank."""
+    box = [None]
+    if topo.is_main:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def engine_settings(cfg: Config) -> zero3d.EngineSettings:
+    o, pr = cfg.optimizer, cfg.precision
+    scaler = zero3d.LossScaler(scale=pr.initial_loss_scale, min_scale=pr.min_loss_scale,
+                               growth_interval=pr.growth_interval, backoff_factor=pr.backoff_factor,
+                               hysteresis=pr.hysteresis) if pr.dtype == "fp16" else None
+    return zero3d.EngineSettings(
+        bucket_elements=cfg.zero.bucket_elements, overlap_comm=cfg.zero.overlap_comm, lr=o.lr,
+        weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, clip_grad=o.clip_grad,
+        dtype=DTYPES[pr.dtype], loss_scaler=scaler,
+        param_persistence_threshold=cfg.zero.param_persistence_threshold,
+        prefetch_units=cfg.zero.prefetch_units)
+
+
+class Batches:
+    """Which samples each rank reads: step s uses samples [s·G, (s+1)·G) of the shuffled stream,
+    split by (DP rank, micro-batch), so any (TP, DP, accumulation) layout sees the same global batch."""
+
+    def __init__(self, dataset, cfg: Config, topo: Topology):
+        self.dataset, self.topo = dataset, topo
+        self.global_batch, self.micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
+
+    def get(self, step: int, micro_index: int) -> torch.Tensor:
+        first = step * self.global_batch + (self.topo.dp_rank * self.topo.grad_accum + micro_index) * self.micro
+        tokens = torch.stack([self.dataset.sample(first + i) for i in range(self.micro)])
+        return tokens.to(self.topo.device)
+
+
+def mean_over_dp(values: list[torch.Tensor], topo: Topology) -> float:
+    total = torch.stack(values).double().sum().reshape(1)
+    dist.all_reduce(total, group=topo.dp_group)
+    return total.item() / (len(values) * topo.dp)
+
+
+@torch.no_grad()
+def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
+    engine.eval()
+    n = cfg.train.micro_batch_size
+    losses = []
+    for i in range(cfg.train.eval_iters):
+        first = (i * topo.dp + topo.dp_rank) * n
+        tokens = torch.stack([valid.sample(first + j) for j in range(n)]).to(topo.device)
+        losses.append(gpt_loss(engine, tokens))
+    engine.train()
+    return mean_over_dp(losses, topo)
+
+
+def layout_signature(cfg: Config, topo: Topology) -> dict:
+    """What a checkpoint's shards depend on; resume refuses a mismatch."""
+    return {"world_size": topo.world_size, "tensor": topo.tp, "data": topo.dp,
+            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
+            "model": [cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads,
+                      cfg.model.padded_vocab_size(topo.tp), cfg.model.seq_length, cfg.model.tie_embeddings]}
+
+
+def train(cfg: Config) -> dict:
+    """Run the configured job; returns the last logged record (rank 0's view) plus a summary."""
+    from pretrain.data import open_datasets, prepare_files
+
+    topo = init_topology(cfg)
+    run_dir = cfg.run_dir
+    save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
+    d, m = cfg.data, cfg.model
+    files = on_main_then_share(topo, lambda: prepare_files(
+        corpus=d.corpus, tokenizer_model=d.tokenizer_model, data_prefix=d.prefix, cache_dir=d.cache_dir,
+        vocab_size=m.vocab_size, seq_length=m.seq_length, valid_fraction=d.valid_fraction,
+        seed=cfg.train.seed))
+    train_ds, valid_ds, _ = open_datasets(*files, model_vocab_size=m.vocab_size, seq_length=m.seq_length,
+                                          valid_fraction=d.valid_fraction, seed=cfg.train.seed)
+
+    model = build_model(cfg, topo.device)
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
+                               zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+    layout = layout_signature(cfg, topo)
+    start = 0
+    if cfg.train.resume and (step_dir := checkpoint.latest(save_dir)) is not None:
+        start = checkpoint.load(step_dir, layout, model, engine)["step"]
+
+    logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
+                                 total_steps=cfg.train.steps, console_mode=cfg.logging.console,
+                                 use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
+                                 wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group)
+    flops_per_step = metrics.gpt_flops_per_step(m.num_layers, m.hidden_size, m.seq_length,
+                                                m.padded_vocab_size(1), cfg.train.global_batch_size,
+                                                recompute=m.recompute == "full")
+    gpu = metrics.detect_gpu(torch.cuda.get_device_name(topo.device)) if topo.device.type == "cuda" else None
+    peak = metrics.peak_tflops(gpu, cfg.precision.dtype) if gpu else None
+    batches = Batches(train_ds, cfg, topo)
+    tokens_per_step = cfg.train.global_batch_size * m.seq_length
+    record: dict = {}
+    engine.train()
+    for step in range(start, cfg.train.steps):
+        engine.comm_stats.reset()
+        t0 = time.perf_counter()
+        losses = []
+        for micro in range(topo.grad_accum):
+            loss = gpt_loss(engine, batches.get(step, micro))
+            engine.backward(loss / topo.grad_accum)
+            losses.append(loss.detach())
+        lr = lr_at(step, cfg)
+        result = engine.step(lr)
+        loss_value = mean_over_dp(losses, topo)
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - t0
+        done = step + 1
+        if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
+            record = {"loss": loss_value, "lr": lr, "grad_norm": result.grad_norm,
+                      "loss_scale": result.loss_scale, "skipped": int(result.skipped),
+                      "step_time_s": step_time, "grad_accum": topo.grad_accum,
+                      **metrics.throughput(step_time, tokens_per_step, topo.world_size, flops_per_step, peak),
+                      **metrics.memory_report(topo.device.type, engine.state_bytes()),
+                      **engine.comm_stats.report()}
+            if cfg.train.eval_interval and (done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
+                val = evaluate(engine, valid_ds, cfg, topo)
+                record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+            logger.log(done, record)
+        if (cfg.train.save_interval and done % cfg.train.save_interval == 0) or done == cfg.train.steps:
+            checkpoint.save(save_dir, done, layout, model, engine, {"config": cfg.to_dict()})
+    logger.close()
+    return {"record": record, "start_step": start, "topology": topo}
