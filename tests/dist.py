@@ -1,4 +1,5 @@
 """Test harness: run a function on N gloo ranks in forked processes; fail, never hang, on timeout."""
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -23,7 +24,10 @@ def _rank_main(fn, rank, world_size, port, args, queue):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Serialised to bytes: tensors sent as shared-memory handles die with the rank's process.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -80,4 +84,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
             p.kill()
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
-    return [results[r] for r in range(world_size)]
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

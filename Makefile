@@ -1,0 +1,22 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+NPROC ?= 4
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[cpu,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install  ## tiny GPT on 4 CPU ranks, TP=2 x DP=2, ZeRO stage 2
+	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
+		-m pretrain --config configs/tiny.toml $(ARGS)
+
+test: install  ## the whole suite, CPU ranks over gloo
+	$(VENV)/bin/pytest -q --timeout 900 tests $(PYTEST_ARGS)
+
+.PHONY: install demo test

@@ -1,0 +1,1 @@
+"""GPT pretraining on megatron-core with zero3d: config, data, model, loop, metrics, checkpoints."""

@@ -1,0 +1,70 @@
+"""Shared test body: a few training steps of a tiny megatron GPTModel under zero3d, on synthetic tokens."""
+import torch
+import torch.distributed as dist
+
+import zero3d
+from pretrain.config import load_config
+from pretrain.model import build_model, gpt_loss
+from pretrain.topology import init_topology
+from pretrain.train import Batches, engine_settings, mean_over_dp
+
+BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
+        "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",
+        "optimizer.warmup_steps=0", "optimizer.lr=1e-3", "optimizer.min_lr=1e-3", "logging.wandb=false",
+        "zero.bucket_elements=1000"]
+
+
+class SyntheticTokens:
+    """Sample i is a fixed random token block (same on every rank, any layout)."""
+
+    def __init__(self, vocab: int, seq_length: int):
+        self.vocab, self.seq_length = vocab, seq_length
+
+    def sample(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + i)
+        return torch.randint(0, self.vocab, (self.seq_length + 1,), generator=g)
+
+
+def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
+    """Train `steps` steps; returns losses, grad norms, skips, final TP-local params, bytes, comm."""
+    cfg = load_config(None, BASE + list(overrides))
+    topo = init_topology(cfg)
+    model = build_model(cfg, topo.device)
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
+                               zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+    batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+    out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": []}
+    for step in range(steps):
+        engine.comm_stats.reset()
+        losses = []
+        for micro in range(topo.grad_accum):
+            loss = gpt_loss(engine, batches.get(step, micro))
+            engine.backward(loss / topo.grad_accum)
+            losses.append(loss.detach())
+        if inject_inf_at is not None and step == inject_inf_at[0] and topo.rank == inject_inf_at[1]:
+            poison_gradients(engine)
+        result = engine.step(cfg.optimizer.lr)
+        out["loss"].append(mean_over_dp(losses, topo))
+        out["grad_norm"].append(result.grad_norm)
+        out["skipped"].append(result.skipped)
+        out["loss_scale"].append(result.loss_scale)
+        out["comm"].append(engine.comm_stats.report())
+        out["comm_elements"].append(engine.comm_stats.total(("grads", "params")))
+    out["params"] = {n: p.detach().float().clone() for n, p in full_params(engine).items()}
+    out["state_bytes"] = engine.state_bytes()
+    out["tp_rank"], out["dp_rank"] = topo.tp_rank, topo.dp_rank
+    out["psi"] = sum(p.numel() for p in model.parameters())
+    dist.barrier()
+    return out
+
+
+def full_params(engine):
+    """TP-local parameters as the model sees them (stage 3 gathers them for inspection)."""
+    gather = getattr(engine, "gathered_parameters", None)
+    return gather() if gather else dict(engine.model.named_parameters())
+
+
+def poison_gradients(engine):
+    """Put an inf in this rank's local gradient storage (whatever the stage keeps)."""
+    g = next(iter(engine.groups.values()))
+    g.grads.view(-1)[0] = float("inf")
