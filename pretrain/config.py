@@ -286,7 +286,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              "zero.partition_activations / zero.contiguous_checkpointing need model.recompute = "
              f"\"full\" (they store the recomputation checkpoints); got model.recompute = {m.recompute!r}")
     _require(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
-    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr]")
+    _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]")
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps = {o.warmup_steps} must be >= 0")
     _require(o.clip_grad >= 0, f"optimizer.clip_grad = {o.clip_grad} must be >= 0 (0 disables)")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)")

@@ -48,7 +48,8 @@ def build_model(cfg: Config, device: torch.device):
                      vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                      max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=cfg.model.tie_embeddings)
-    return model.to(device)
+    # As Megatron's Float16Module does: every parameter in the training dtype (layer norms too).
+    return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
 
 
 def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:

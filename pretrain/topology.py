@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
-from pretrain.config import Config, ConfigError, validate_layout
+from pretrain.config import Config, validate_layout
 
 
 @dataclass
@@ -75,8 +75,6 @@ def init_topology(cfg: Config) -> Topology:
     launch = launcher_env()
     grad_accum = validate_layout(cfg, launch["world_size"])
     use_cuda = torch.cuda.is_available()
-    if cfg.precision.dtype == "fp16" and not use_cuda:
-        raise ConfigError("precision.dtype = 'fp16' needs CUDA; on CPU use 'fp32' or 'bf16'")
     device = torch.device("cuda", launch["local_rank"]) if use_cuda else torch.device("cpu")
     megatron_patches.apply(device.type)
     if use_cuda:

@@ -100,12 +100,12 @@ def train(cfg: Config) -> dict:
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
     d, m = cfg.data, cfg.model
+    # Rank 0 trains the tokenizer and writes .bin/.idx (cached); a data error stops every rank.
     files = on_main_then_share(topo, lambda: prepare_files(
         corpus=d.corpus, tokenizer_model=d.tokenizer_model, data_prefix=d.prefix, cache_dir=d.cache_dir,
-        vocab_size=m.vocab_size, seq_length=m.seq_length, valid_fraction=d.valid_fraction,
-        seed=cfg.train.seed))
-    train_ds, valid_ds, _ = open_datasets(*files, model_vocab_size=m.vocab_size, seq_length=m.seq_length,
-                                          valid_fraction=d.valid_fraction, seed=cfg.train.seed)
+        vocab_size=m.vocab_size))
+    train_ds, valid_ds, _ = open_datasets(*files, seq_length=m.seq_length, valid_fraction=d.valid_fraction,
+                                          seed=cfg.train.seed, model_vocab_size=m.vocab_size)
 
     model = build_model(cfg, topo.device)
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
@@ -118,12 +118,12 @@ def train(cfg: Config) -> dict:
     logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,
                                  use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
-                                 wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group)
+                                 wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
+                                 start_step=start)
     flops_per_step = metrics.gpt_flops_per_step(m.num_layers, m.hidden_size, m.seq_length,
                                                 m.padded_vocab_size(1), cfg.train.global_batch_size,
                                                 recompute=m.recompute == "full")
-    gpu = metrics.detect_gpu(torch.cuda.get_device_name(topo.device)) if topo.device.type == "cuda" else None
-    peak = metrics.peak_tflops(gpu, cfg.precision.dtype) if gpu else None
+    peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
     batches = Batches(train_ds, cfg, topo)
     tokens_per_step = cfg.train.global_batch_size * m.seq_length
     record: dict = {}
@@ -144,15 +144,16 @@ def train(cfg: Config) -> dict:
         step_time = time.perf_counter() - t0
         done = step + 1
         if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
-            record = {"loss": loss_value, "lr": lr, "grad_norm": result.grad_norm,
-                      "loss_scale": result.loss_scale, "skipped": int(result.skipped),
-                      "step_time_s": step_time, "grad_accum": topo.grad_accum,
-                      **metrics.throughput(step_time, tokens_per_step, topo.world_size, flops_per_step, peak),
+            record = {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": result.grad_norm,
+                      "train/loss_scale": result.loss_scale, "train/skipped": int(result.skipped),
+                      "train/grad_accum": topo.grad_accum, "train/tokens": done * tokens_per_step,
+                      **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size,
+                                                   flops_per_step, peak),
                       **metrics.memory_report(topo.device.type, engine.state_bytes()),
                       **engine.comm_stats.report()}
             if cfg.train.eval_interval and (done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
                 val = evaluate(engine, valid_ds, cfg, topo)
-                record.update(val_loss=val, val_ppl=math.exp(min(val, 50.0)))
+                record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
             logger.log(done, record)
         if (cfg.train.save_interval and done % cfg.train.save_interval == 0) or done == cfg.train.steps:
             checkpoint.save(save_dir, done, layout, model, engine, {"config": cfg.to_dict()})

@@ -15,14 +15,16 @@ BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads
 
 
 class SyntheticTokens:
-    """Sample i is a fixed random token block (same on every rank, any layout)."""
+    """Sample i is a fixed token block (same on every rank, any layout): an arithmetic progression
+    mod vocab with a random start and stride, so there is something to learn."""
 
     def __init__(self, vocab: int, seq_length: int):
         self.vocab, self.seq_length = vocab, seq_length
 
     def sample(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 + i)
-        return torch.randint(0, self.vocab, (self.seq_length + 1,), generator=g)
+        start, stride = torch.randint(0, self.vocab, (2,), generator=g).tolist()
+        return (start + (stride % 7 + 1) * torch.arange(self.seq_length + 1)) % self.vocab
 
 
 def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
@@ -33,7 +35,8 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
                                zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
-    out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": []}
+    out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
+           "param_checksum": []}
     for step in range(steps):
         engine.comm_stats.reset()
         losses = []
@@ -50,10 +53,14 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
         out["loss_scale"].append(result.loss_scale)
         out["comm"].append(engine.comm_stats.report())
         out["comm_elements"].append(engine.comm_stats.total(("grads", "params")))
+        out["param_checksum"].append(sum(p.double().sum().item() for p in full_params(engine).values()))
     out["params"] = {n: p.detach().float().clone() for n, p in full_params(engine).items()}
     out["state_bytes"] = engine.state_bytes()
     out["tp_rank"], out["dp_rank"] = topo.tp_rank, topo.dp_rank
     out["psi"] = sum(p.numel() for p in model.parameters())
+    # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
+    out["group_numels"] = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
+                           "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
     dist.barrier()
     return out
 

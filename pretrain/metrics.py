@@ -1,0 +1,334 @@
+"""Training-loop metrics: model FLOPs, throughput and MFU, memory, and the console/JSONL/W&B sinks."""
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import psutil
+import torch
+
+
+def gpt_flops_per_step(num_layers: int, hidden: int, seq_length: int, vocab_size: int,
+                       global_batch: int, recompute: bool) -> float:
+    """Model FLOPs of one training step (all ranks together), Megatron-LM convention.
+
+    Narayanan et al. 2021 (eq. 3), with B = global batch, s = sequence, L = layers, h = hidden,
+    V = vocabulary (pass the padded vocabulary: that is the width the logit GEMM computes):
+
+      transformer layers, one forward:  24·B·s·L·h²·(1 + s/(6h))
+      logit layer, one forward:         2·B·s·h·V
+      step = 3 × layers + 3 × logit            (backward = 2 × forward)
+      step = 4 × layers + 3 × logit            with full recomputation
+
+    i.e. 72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V without recomputation, 96·… with it. The recomputed
+    forward is counted, as Megatron's and the ZeRO paper's TFLOP/s are ("hardware FLOPs"); the logit
+    layer is never recomputed. The layer term assumes ffn = 4h and ignores softmax/norms/biases.
+    """
+    # 24·B·s·L·h²·(1 + s/(6h)) = 24·B·s·L·h² + 4·B·s²·L·h, kept in integers so the result is exact.
+    layers_forward = 24 * global_batch * seq_length * num_layers * hidden ** 2 \
+        + 4 * global_batch * seq_length ** 2 * num_layers * hidden
+    logit_forward = 2 * global_batch * seq_length * hidden * vocab_size
+    layer_passes = 4 if recompute else 3
+    return float(layer_passes * layers_forward + 3 * logit_forward)
+
+
+# Dense (no sparsity) peak TFLOP/s per GPU from NVIDIA's datasheets. bf16/fp16 are tensor-core
+# peaks; fp32 is the non-tensor-core peak, which is what fp32 matmuls get with TF32 off (torch's
+# default for matmuls). V100 has no bf16. A100 PCIe and SXM share their peaks; H100 PCIe and V100
+# PCIe run lower clocks, so they have their own rows rather than borrowing the SXM numbers.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "V100": {"fp16": 125.0, "fp32": 15.7},  # SXM2
+    "V100-PCIe": {"fp16": 112.0, "fp32": 14.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
+    "H100-PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
+}
+
+# First match wins. Variants whose peaks differ and are not in the table (H100/H200 NVL, V100S,
+# GH200) must map to nothing: no MFU beats a wrong MFU.
+_GPU_PATTERNS = [
+    (re.compile(r"\bNVL\b|V100S|GH200"), None),
+    (re.compile(r"\bV100\b.*PCIE"), "V100-PCIe"),
+    (re.compile(r"\bV100\b"), "V100"),
+    (re.compile(r"\bA100\b"), "A100"),
+    (re.compile(r"\bH100\b.*PCIE"), "H100-PCIe"),
+    (re.compile(r"\bH100\b"), "H100"),
+    (re.compile(r"\bH200\b"), "H200"),
+]
+
+
+def detect_gpu(name: str) -> Optional[str]:
+    """PEAK_TFLOPS key for a torch.cuda.get_device_name() string, e.g. "NVIDIA H100 80GB HBM3" → "H100"."""
+    upper = name.upper()
+    for pattern, key in _GPU_PATTERNS:
+        if pattern.search(upper):
+            return key
+    return None
+
+
+def peak_tflops(gpu_key: Optional[str], dtype: str) -> Optional[float]:
+    """Dense peak TFLOP/s for a PEAK_TFLOPS key and "bf16" | "fp16" | "fp32"; None when unknown (CPU)."""
+    if gpu_key is None:
+        return None
+    return PEAK_TFLOPS.get(gpu_key, {}).get(dtype)
+
+
+def device_peak_tflops(device_type: str, dtype: str) -> Optional[float]:
+    """Peak of the GPU this process runs on; None on CPU or on a GPU missing from the table."""
+    if device_type != "cuda":
+        return None
+    return peak_tflops(detect_gpu(torch.cuda.get_device_name()), dtype)
+
+
+def throughput_metrics(step_time_s: float, tokens_per_step: int, world_size: int,
+                       flops_per_step: float, peak: Optional[float]) -> dict:
+    """tokens/s, TFLOP/s per GPU (= FLOPs / time / world / 1e12) and MFU (= that / peak, if known)."""
+    tflops_per_gpu = flops_per_step / step_time_s / world_size / 1e12
+    record = {
+        "perf/step_time_s": step_time_s,
+        "perf/tokens_per_s": tokens_per_step / step_time_s,
+        "perf/tflops_per_gpu": tflops_per_gpu,
+    }
+    if peak is not None:
+        record["perf/mfu"] = tflops_per_gpu / peak
+    return record
+
+
+class StepTimer:
+    """Mean wall time per step over the steps since the last report, turned into throughput metrics."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, world_size: int,
+                 peak: Optional[float], device_type: str = "cpu",
+                 clock: Callable[[], float] = time.perf_counter):
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_step = flops_per_step
+        self.world_size = world_size
+        self.peak = peak
+        self.device_type = device_type
+        self.clock = clock
+        self._start = None
+        self._steps = 0
+
+    def _now(self) -> float:
+        # Kernels run asynchronously: without a sync the clock would stop before the GPU does.
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        return self.clock()
+
+    def start(self) -> None:
+        self._start = self._now()
+        self._steps = 0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def report(self) -> dict:
+        """Throughput over the steps counted since start()/the last report; restarts the interval."""
+        if self._start is None or self._steps == 0:
+            raise RuntimeError("StepTimer.report() needs start() and at least one step()")
+        now = self._now()
+        record = throughput_metrics((now - self._start) / self._steps, self.tokens_per_step,
+                                    self.world_size, self.flops_per_step, self.peak)
+        self._start, self._steps = now, 0
+        return record
+
+
+def memory_report(device_type: str, state_bytes: dict[str, int]) -> dict:
+    """`mem/<category>_bytes` for the engine's state, plus the CUDA peaks (on GPU) or process RSS (on CPU)."""
+    record = {f"mem/{name}_bytes": int(size) for name, size in state_bytes.items()}
+    if device_type == "cuda":
+        # Peaks since process start: the step's high-water mark, which is what decides an OOM.
+        record["mem/max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        record["mem/max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    else:
+        record["mem/rss_bytes"] = psutil.Process().memory_info().rss
+    return record
+
+
+# ---------------------------------------------------------------- sinks
+
+
+def format_record(record: dict) -> str:
+    """The console fields of a record, in a fixed order, skipping those it lacks."""
+    fields = [("train/loss", "loss", "{:.4f}"), ("val/loss", "val_loss", "{:.4f}"),
+              ("train/lr", "lr", "{:.1e}"), ("train/grad_norm", "grad_norm", "{:.3g}"),
+              ("train/loss_scale", "scale", "{:.0f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+              ("perf/tflops_per_gpu", "TFLOP/s/GPU", "{:.3g}")]
+    parts = [f"{label} {fmt.format(record[key])}" for key, label, fmt in fields if key in record]
+    if "perf/mfu" in record:
+        parts.append(f"MFU {100 * record['perf/mfu']:.1f}%")
+    memory = record.get("mem/max_allocated_bytes", record.get("mem/rss_bytes"))
+    if memory is not None:
+        parts.append(f"mem {memory / 2**30:.2f} GiB")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    """A tqdm bar on an interactive terminal; one plain line per logged step in logs and under Slurm."""
+
+    def __init__(self, total_steps: int, mode: str = "auto", start_step: int = 0, stream=None):
+        if mode not in ("auto", "bar", "plain"):
+            raise ValueError(f"console mode {mode!r} is invalid; valid modes: 'auto', 'bar', 'plain'")
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            # Slurm output files are not terminals, but some launchers fake a TTY; a bar's carriage
+            # returns would turn such a log into one unreadable line.
+            interactive = self.stream.isatty() and "SLURM_JOB_ID" not in os.environ
+            mode = "bar" if interactive else "plain"
+        self.mode = mode
+        self.total_steps = total_steps
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, file=self.stream,
+                            dynamic_ncols=True, unit="step")
+
+    def log(self, step: int, record: dict) -> None:
+        text = format_record(record)
+        if self.bar is None:
+            print(f"step {step}/{self.total_steps} | {text}", file=self.stream, flush=True)
+            return
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        if any(key.startswith("val/") for key in record):
+            self.bar.write(f"step {step}/{self.total_steps} | {text}", file=self.stream)
+        else:
+            self.bar.set_postfix_str(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _json_value(value):
+    # Tensors and numpy scalars slip into records; .item() makes them plain numbers.
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON-serializable")
+
+
+class JsonlSink:
+    """Appends one JSON object per log call ({"step", "time", **record}) to a metrics.jsonl file.
+
+    The file is opened O_APPEND and each line goes out in a single write, so a crash never leaves a
+    half line and a resumed run continues the same file; steps logged after the last checkpoint
+    appear twice after a resume (the later record of a step is the one that counts).
+    """
+
+    def __init__(self, path: str | Path, fsync: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def log(self, step: int, record: dict) -> None:
+        line = json.dumps({"step": step, "time": time.time(), **record}, default=_json_value) + "\n"
+        data = line.encode()
+        while data:  # os.write may return short; finish the same line before anything else
+            data = data[os.write(self._fd, data):]
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def wandb_mode(environ) -> Optional[str]:
+    """None (wandb reads WANDB_MODE itself) if it is set; else online with an API key, offline without."""
+    if "WANDB_MODE" in environ:
+        return None
+    return "online" if environ.get("WANDB_API_KEY") else "offline"
+
+
+class WandbSink:
+    """A Weights & Biases run: offline unless WANDB_MODE says otherwise or an API key is present."""
+
+    ID_FILE = "wandb_run_id"  # in run_dir: lets a resumed run continue the same W&B run
+
+    def __init__(self, project: str, name: str, group: Optional[str], config: dict,
+                 run_dir: str | Path, resume_id: Optional[str] = None):
+        try:
+            import wandb
+        except ImportError as err:
+            raise RuntimeError("logging.wandb = true but wandb is not importable; install it "
+                               "(pip install wandb==0.31.0) or set logging.wandb=false") from err
+        self._wandb = wandb
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        kwargs = {}
+        mode = wandb_mode(os.environ)
+        if mode is not None:
+            kwargs["mode"] = mode
+        if resume_id is not None:
+            kwargs.update(id=resume_id, resume="allow")
+        self.run = wandb.init(project=project, name=name, group=group, config=config,
+                              dir=str(run_dir), **kwargs)
+        (run_dir / self.ID_FILE).write_text(self.run.id + "\n")
+
+    def log(self, step: int, record: dict) -> None:
+        self.run.log(record, step=step)
+
+    def set_summary(self, values: dict) -> None:
+        for key, value in values.items():
+            self.run.summary[key] = value
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            # finish() can return before wandb-core has written the offline store (seen in ~1 of 20
+            # runs); teardown waits for the service to exit, so the run files are complete here.
+            self._wandb.teardown()
+            self.run = None
+
+
+class MetricsLogger:
+    """Fans each record out to its sinks; with no sinks (ranks ≠ 0) every call does nothing."""
+
+    def __init__(self, sinks: list):
+        self.sinks = list(sinks)
+
+    def log(self, step: int, record: dict) -> None:
+        for sink in self.sinks:
+            sink.log(step, record)
+
+    def set_summary(self, values: dict) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "set_summary"):
+                sink.set_summary(values)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_logger(rank: int, run_dir: str | Path, config_dict: dict, total_steps: int,
+                console_mode: str, use_wandb: bool, wandb_project: str, wandb_name: str,
+                wandb_group: Optional[str], start_step: int = 0) -> MetricsLogger:
+    """Rank 0: console + <run_dir>/metrics.jsonl (+ W&B); other ranks: a logger that does nothing.
+
+    start_step > 0 means the run resumed from a checkpoint: the bar starts there and W&B continues
+    the run recorded in <run_dir>/wandb_run_id, if there is one.
+    """
+    if rank != 0:
+        return MetricsLogger([])
+    run_dir = Path(run_dir)
+    sinks = []
+    if use_wandb:  # first: wandb.init prints, and a bar already on screen would be torn by it
+        id_file = run_dir / WandbSink.ID_FILE
+        resume_id = id_file.read_text().strip() if start_step > 0 and id_file.is_file() else None
+        sinks.append(WandbSink(wandb_project, wandb_name, wandb_group, config_dict, run_dir, resume_id))
+    sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    sinks.append(ConsoleSink(total_steps, console_mode, start_step=start_step))
+    return MetricsLogger(sinks)

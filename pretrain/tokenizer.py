@@ -1,0 +1,120 @@
+"""Trains and wraps a sentencepiece BPE tokenizer whose end-of-document id separates documents."""
+import io
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import sentencepiece as spm
+
+# Fixed special ids so every model trained here agrees on them; pad stays off (-1) because
+# GPT samples are cut from one unbroken token stream and never padded.
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be trained or loaded; the message names the file or the size at fault."""
+
+
+def _lines(documents: Iterable[str]) -> Iterator[str]:
+    # sentencepiece trains on single lines (a newline never sits inside a training sentence);
+    # newlines still encode at run time, through the byte-fallback piece <0x0A>.
+    for document in documents:
+        for line in document.split("\n"):
+            if line.strip():
+                yield line
+
+
+def _clear_training_error(err: RuntimeError, vocab_size: int, corpus_path: Path) -> TokenizerError:
+    """Turn sentencepiece's internal assertion text into a message naming the requested size."""
+    text = str(err)
+    too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", text)
+    if too_high:
+        return TokenizerError(
+            f"vocab_size {vocab_size} is too large for corpus {str(corpus_path)!r}: sentencepiece can "
+            f"learn at most {too_high.group(1)} pieces from it; lower model.vocab_size or use a larger "
+            "corpus")
+    too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", text)
+    if too_low:
+        return TokenizerError(
+            f"vocab_size {vocab_size} is too small for corpus {str(corpus_path)!r}: the 256 byte-fallback "
+            f"pieces, the special tokens and the corpus's characters need at least {too_low.group(1)}")
+    return TokenizerError(f"training a tokenizer of vocab_size {vocab_size} on {str(corpus_path)!r} failed: "
+                          f"{text}")
+
+
+def train_tokenizer(corpus_path: str | os.PathLike, model_prefix: str | os.PathLike, vocab_size: int) -> Path:
+    """Train a BPE model on the corpus and write it atomically to <model_prefix>.model; returns that path.
+
+    Deterministic: every sentence is used in file order (no sampling, no shuffle) on one thread.
+    byte_fallback makes any text encodable; identity normalisation and kept whitespace make
+    decode(encode(text)) == text for all text without U+2581, the symbol sentencepiece uses for a space.
+    """
+    # Imported here because pretrain.data imports this module to build datasets.
+    from pretrain.data import read_documents
+
+    corpus_path = Path(corpus_path)
+    model_path = Path(f"{model_prefix}.model")
+    # Read everything first: sentencepiece keeps all sentences in memory anyway, and it would turn
+    # a DataError raised inside its iterator into an opaque RuntimeError.
+    sentences = list(_lines(read_documents(corpus_path)))
+    model_bytes = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model_bytes,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,  # indentation runs in code become single pieces
+            split_digits=True,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=1,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise _clear_training_error(err, vocab_size, corpus_path) from None
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target, then rename: a crash never leaves a half-written model under the real name.
+    tmp_path = model_path.with_name(f".{model_path.name}.tmp{os.getpid()}")
+    tmp_path.write_bytes(model_bytes.getvalue())
+    os.replace(tmp_path, model_path)
+    return model_path
+
+
+class Tokenizer:
+    """A loaded sentencepiece model: encode/decode plus the ids the data pipeline needs."""
+
+    def __init__(self, model_path: str | os.PathLike):
+        self.model_path = Path(model_path)
+        if not self.model_path.is_file():
+            raise TokenizerError(f"tokenizer model {str(self.model_path)!r} does not exist")
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(self.model_path))
+        except (OSError, RuntimeError) as err:
+            raise TokenizerError(
+                f"tokenizer model {str(self.model_path)!r} is not a sentencepiece model: {err}") from None
+        if self._sp.eos_id() < 0:
+            raise TokenizerError(
+                f"tokenizer model {str(self.model_path)!r} has no end-of-sequence piece; "
+                "documents need one to be separated (train it with eos_id set)")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.vocab_size()
+
+    @property
+    def eod_id(self) -> int:
+        """Appended after every document, as Megatron's preprocess_data does with --append-eod."""
+        return self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])

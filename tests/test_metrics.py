@@ -1,0 +1,222 @@
+"""Tests for pretrain.metrics: FLOPs formula, throughput/MFU, GPU peaks, memory and the sinks."""
+import io
+import json
+
+import pytest
+
+from pretrain import metrics
+from pretrain.metrics import (ConsoleSink, JsonlSink, MetricsLogger, StepTimer, WandbSink,
+                              detect_gpu, gpt_flops_per_step, make_logger, memory_report,
+                              peak_tflops, throughput_metrics, wandb_mode)
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def test_flops_tiny_shape_by_hand():
+    # B=4, s=32, L=2, h=64, V=128.
+    # layers, one forward: 24·4·32·2·64²·(1 + 32/384) = 25,165,824 · 13/12 = 27,262,976
+    # logit, one forward:  2·4·32·64·128 = 2,097,152
+    layers_forward, logit_forward = 27_262_976, 2_097_152
+    assert 24 * 4 * 32 * 2 * 64**2 * 13 // 12 == layers_forward
+    no_recompute = 3 * layers_forward + 3 * logit_forward
+    with_recompute = 4 * layers_forward + 3 * logit_forward
+    assert no_recompute == 88_080_384
+    assert with_recompute == 115_343_360
+    assert gpt_flops_per_step(2, 64, 32, 128, 4, recompute=False) == 88_080_384.0
+    assert gpt_flops_per_step(2, 64, 32, 128, 4, recompute=True) == 115_343_360.0
+
+
+def test_flops_matches_megatron_closed_form():
+    # 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) with recompute (Narayanan et al. eq. 3); exact here
+    # because every fraction divides: s/(6h) = 1024/6144 = 1/6, V/(16Lh) = 51200/(16·24·2048)
+    B, s, L, h, V = 8, 1024, 24, 2048, 51200
+    closed_form = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
+    assert gpt_flops_per_step(L, h, s, V, B, recompute=True) == pytest.approx(closed_form, rel=1e-15)
+
+
+# ---------------------------------------------------------------- throughput, peaks
+
+
+def test_throughput_tflops_and_mfu():
+    peak = peak_tflops("H100", "bf16")
+    assert peak == 989.0
+    # 7.912e15 FLOPs in 2 s over 8 GPUs: 7.912e15 / 2 / 8 / 1e12 = 494.5 TFLOP/s/GPU = 50% of 989
+    record = throughput_metrics(2.0, 4096, 8, 7.912e15, peak)
+    assert record == {"perf/step_time_s": 2.0, "perf/tokens_per_s": 2048.0,
+                      "perf/tflops_per_gpu": 494.5, "perf/mfu": 0.5}
+    assert "perf/mfu" not in throughput_metrics(2.0, 4096, 8, 7.912e15, None)
+
+
+def test_step_timer_averages_over_the_interval():
+    ticks = iter([10.0, 13.0, 14.0])
+    timer = StepTimer(tokens_per_step=1000, flops_per_step=6e12, world_size=2, peak=None,
+                      clock=lambda: next(ticks))
+    timer.start()
+    for _ in range(3):
+        timer.step()
+    assert timer.report() == {"perf/step_time_s": 1.0, "perf/tokens_per_s": 1000.0,
+                              "perf/tflops_per_gpu": 3.0}
+    timer.step()  # the next interval starts where the last report ended: one step in 1 s
+    assert timer.report()["perf/step_time_s"] == 1.0
+    with pytest.raises(RuntimeError, match="at least one step"):
+        timer.report()
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA H100 80GB HBM3", "H100"),
+    ("NVIDIA H100 PCIe", "H100-PCIe"),
+    ("NVIDIA H100 NVL", None),
+    ("NVIDIA H200", "H200"),
+    ("NVIDIA GH200 480GB", None),
+    ("NVIDIA A100-SXM4-80GB", "A100"),
+    ("NVIDIA A100-PCIE-40GB", "A100"),
+    ("Tesla V100-SXM2-32GB", "V100"),
+    ("Tesla V100-PCIE-16GB", "V100-PCIe"),
+    ("Tesla V100S-PCIE-32GB", None),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_detect_gpu(name, key):
+    assert detect_gpu(name) == key
+
+
+def test_peak_table_values():
+    assert peak_tflops("V100", "fp16") == 125.0
+    assert peak_tflops("V100", "bf16") is None  # no bf16 on Volta
+    assert peak_tflops("A100", "bf16") == 312.0
+    assert peak_tflops("A100", "fp32") == 19.5
+    assert peak_tflops("H200", "fp16") == 989.0
+    assert peak_tflops("H100", "fp32") == 67.0
+    assert peak_tflops(None, "bf16") is None
+    assert metrics.device_peak_tflops("cpu", "fp32") is None
+
+
+def test_memory_report_cpu():
+    state = {"params": 1000, "grads": 2000, "master_params": 4000, "optimizer_states": 8000}
+    record = memory_report("cpu", state)
+    rss = record.pop("mem/rss_bytes")
+    assert isinstance(rss, int) and rss > 0
+    assert record == {"mem/params_bytes": 1000, "mem/grads_bytes": 2000,
+                      "mem/master_params_bytes": 4000, "mem/optimizer_states_bytes": 8000}
+
+
+# ---------------------------------------------------------------- sinks
+
+RECORD = {"train/loss": 5.12341, "train/lr": 1e-3, "train/grad_norm": 1.234,
+          "perf/tokens_per_s": 1234.4, "perf/tflops_per_gpu": 0.0123, "perf/mfu": 0.4123,
+          "mem/rss_bytes": 3 * 2**29}
+
+
+def test_console_plain_format(capsys):
+    sink = ConsoleSink(total_steps=40, mode="plain")
+    sink.log(10, RECORD)
+    sink.log(20, {"val/loss": 4.5, "train/loss_scale": 65536.0})
+    sink.close()
+    assert capsys.readouterr().out.splitlines() == [
+        "step 10/40 | loss 5.1234 | lr 1.0e-03 | grad_norm 1.23 | tok/s 1234 | TFLOP/s/GPU 0.0123"
+        " | MFU 41.2% | mem 1.50 GiB",
+        "step 20/40 | val_loss 4.5000 | scale 65536",
+    ]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_console_auto_mode(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert ConsoleSink(40, "auto", stream=io.StringIO()).mode == "plain"  # not a terminal
+    bar = ConsoleSink(40, "auto", stream=FakeTerminal())
+    assert bar.mode == "bar"
+    bar.close()
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    assert ConsoleSink(40, "auto", stream=FakeTerminal()).mode == "plain"
+    with pytest.raises(ValueError, match="'auto', 'bar', 'plain'"):
+        ConsoleSink(40, "fancy")
+
+
+def test_console_bar_advances_and_keeps_eval_lines():
+    stream = FakeTerminal()
+    sink = ConsoleSink(40, "bar", start_step=5, stream=stream)
+    sink.log(10, RECORD)
+    assert sink.bar.n == 10
+    sink.log(20, {"val/loss": 4.5})
+    sink.close()
+    assert "step 20/40 | val_loss 4.5000\n" in stream.getvalue()
+
+
+def test_jsonl_appends_and_resumes(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in range(1, 4):
+        sink.log(step, {"train/loss": 10.0 - step, "perf/tokens_per_s": 100.0 * step})
+    sink.close()
+    JsonlSink(path, fsync=True).log(4, {"train/loss": 6.0})  # a resumed run reopens the file
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4
+    rows = [json.loads(line) for line in lines]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["train/loss"] for r in rows] == [9.0, 8.0, 7.0, 6.0]
+    assert rows[2]["perf/tokens_per_s"] == 300.0
+    assert all(isinstance(r["time"], float) for r in rows)
+    assert set(rows[3]) == {"step", "time", "train/loss"}
+
+
+def test_wandb_mode_choice():
+    assert wandb_mode({}) == "offline"
+    assert wandb_mode({"WANDB_API_KEY": "k"}) == "online"
+    assert wandb_mode({"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}) is None
+
+
+def test_wandb_offline_run_files_and_summary(tmp_path, offline_wandb):
+    run_dir = tmp_path / "run"
+    config = {"model": {"num_layers": 2}, "zero": {"stage": 2}}
+    sink = WandbSink("zero3d-test", "tiny", "g", config, run_dir)
+    run_id = sink.run.id
+    assert sink.run.settings.mode == "offline"
+    assert sink.run.config["model"] == {"num_layers": 2}
+    sink.log(1, {"train/loss": 5.0})
+    sink.set_summary({"final/val_loss": 4.25, "final/tflops_per_gpu": 0.5})
+    assert sink.run.summary["final/val_loss"] == 4.25
+    assert sink.run.summary["final/tflops_per_gpu"] == 0.5
+    sink.close()
+    (offline_dir,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}")
+    store = (offline_dir / f"run-{run_id}.wandb").read_bytes()
+    # The offline store is protobuf: a summary item's key and JSON value appear verbatim.
+    assert b"final/val_loss" in store and b"4.25" in store
+    assert (run_dir / "wandb_run_id").read_text() == run_id + "\n"
+
+
+def test_make_logger_rank0_resumes_wandb_run(tmp_path, offline_wandb, capsys):
+    args = dict(run_dir=tmp_path, config_dict={"train": {"steps": 4}}, total_steps=4,
+                console_mode="plain", use_wandb=True, wandb_project="p", wandb_name="n",
+                wandb_group=None)
+    with make_logger(0, **args) as logger:
+        logger.log(2, {"train/loss": 3.0})
+        first_id = logger.sinks[0].run.id
+    with make_logger(0, start_step=2, **args) as logger:
+        assert logger.sinks[0].run.id == first_id
+        logger.log(4, {"train/loss": 2.0})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"]) for r in rows] == [(2, 3.0), (4, 2.0)]
+    assert "step 4/4 | loss 2.0000" in capsys.readouterr().out
+
+
+def test_make_logger_other_ranks_write_nothing(tmp_path, capsys):
+    logger = make_logger(1, tmp_path / "run", {}, 40, "plain", True, "p", "n", None)
+    assert isinstance(logger, MetricsLogger) and logger.sinks == []
+    logger.log(1, RECORD)
+    logger.set_summary({"final/val_loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "run").exists()
+    assert capsys.readouterr().out == ""
