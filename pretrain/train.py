@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import zero3d
+from megatron_patches import disable_zero3d_recompute, route_recompute_to_zero3d
 from pretrain import checkpoint, metrics
 from pretrain.config import Config
 from pretrain.model import DTYPES, build_model, gpt_loss
@@ -84,6 +85,13 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     return mean_over_dp(losses, topo)
 
 
+def route_activation_checkpoints(cfg: Config, topo: Topology, engine):
+    """ZeRO-R (Pa, Pa+cpu, MD): megatron's per-layer recomputation runs zero3d's checkpoint; None if off."""
+    z = cfg.zero
+    return route_recompute_to_zero3d(z.partition_activations, z.cpu_checkpointing, z.contiguous_checkpointing,
+                                     topo.tp_group, engine.comm_stats)
+
+
 def layout_signature(cfg: Config, topo: Topology) -> dict:
     """What a checkpoint's shards depend on; resume refuses a mismatch."""
     return {"world_size": topo.world_size, "tensor": topo.tp, "data": topo.dp,
@@ -110,6 +118,7 @@ def train(cfg: Config) -> dict:
     model = build_model(cfg, topo.device)
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
                                zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+    activations = route_activation_checkpoints(cfg, topo, engine)
     layout = layout_signature(cfg, topo)
     start = 0
     if cfg.train.resume and (step_dir := checkpoint.latest(save_dir)) is not None:
@@ -130,6 +139,8 @@ def train(cfg: Config) -> dict:
     engine.train()
     for step in range(start, cfg.train.steps):
         engine.comm_stats.reset()
+        if activations:
+            activations.reset_step()
         t0 = time.perf_counter()
         losses = []
         for micro in range(topo.grad_accum):
@@ -150,7 +161,7 @@ def train(cfg: Config) -> dict:
                       **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size,
                                                    flops_per_step, peak),
                       **metrics.memory_report(topo.device.type, engine.state_bytes()),
-                      **engine.comm_stats.report()}
+                      **engine.comm_stats.report(), **(activations.report() if activations else {})}
             if cfg.train.eval_interval and (done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
                 val = evaluate(engine, valid_ds, cfg, topo)
                 record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
@@ -158,4 +169,5 @@ def train(cfg: Config) -> dict:
         if (cfg.train.save_interval and done % cfg.train.save_interval == 0) or done == cfg.train.steps:
             checkpoint.save(save_dir, done, layout, model, engine, {"config": cfg.to_dict()})
     logger.close()
+    disable_zero3d_recompute()
     return {"record": record, "start_step": start, "topology": topo}

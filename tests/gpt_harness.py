@@ -6,7 +6,8 @@ import zero3d
 from pretrain.config import load_config
 from pretrain.model import build_model, gpt_loss
 from pretrain.topology import init_topology
-from pretrain.train import Batches, engine_settings, mean_over_dp
+from megatron_patches import disable_zero3d_recompute
+from pretrain.train import Batches, engine_settings, mean_over_dp, route_activation_checkpoints
 
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -34,6 +35,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
     model = build_model(cfg, topo.device)
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
                                zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+    activations = route_activation_checkpoints(cfg, topo, engine)
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
     out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
            "param_checksum": []}
@@ -61,6 +63,8 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
     # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
     out["group_numels"] = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
                            "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
+    out["activations"] = activations.report() if activations else {}
+    disable_zero3d_recompute()
     dist.barrier()
     return out
 

@@ -1,0 +1,366 @@
+"""Per-GPU memory estimator for a GPT shape under tensor parallelism × ZeRO, and its CLI."""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional
+
+GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
+V100_MEMORY_BYTES = 32 * 2**30  # V100-SXM3-32GB carries 32 GiB of HBM2
+# CUDA context, NCCL/cuBLAS workspaces and allocator fragmentation (docs/estimator.md, Margin)
+DEFAULT_MARGIN_FRACTION = 0.15
+DEFAULT_BUCKET_ELEMENTS = 50_000_000  # CB bucket, the project's zero.bucket_elements default
+VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per activation element."""
+
+    name: str
+    param_bytes: int  # working copy used in forward/backward
+    grad_bytes: int
+    optimizer_bytes: int  # K: Adam moments, plus the fp32 master copy under mixed precision
+    activation_bytes: int
+
+
+PRECISIONS = {
+    "fp16": Precision("fp16", 2, 2, 12, 2),  # fp32 master 4 + momentum 4 + variance 4
+    "bf16": Precision("bf16", 2, 2, 12, 2),
+    "fp32": Precision("fp32", 4, 4, 8, 4),  # the parameters are the master copy: K = 8
+}
+
+
+def padded_vocab(vocab: int, tp: int = 1, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron pads the vocabulary up to a multiple of divisible_by × tp."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+def layer_param_count(hidden: int, tp: int = 1, ffn_hidden: Optional[int] = None) -> int:
+    """Parameters of one transformer layer on one TP rank (12h² + 13h at tp = 1, ffn = 4h)."""
+    ffn = ffn_hidden or 4 * hidden
+    # qkv w+b, proj w, fc1 w+b, fc2 w are split across the TP ranks ...
+    split = 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden * ffn + ffn + ffn * hidden
+    # ... proj bias, fc2 bias and the two LayerNorms (weight + bias) are whole on every rank.
+    whole = hidden + hidden + 2 * 2 * hidden
+    return split // tp + whole
+
+
+def embedding_param_count(hidden: int, vocab: int, seq: int, tp: int = 1,
+                          vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Word embedding (this rank's slice of the padded vocabulary) + learned position embedding."""
+    return padded_vocab(vocab, tp, vocab_divisible_by) * hidden // tp + seq * hidden
+
+
+def gpt_param_count(layers: int, hidden: int, vocab: int, seq: int, tp: int = 1, tied: bool = False,
+                    ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Parameters on one TP rank of megatron-core's GPTModel (local spec, learned positions, biases)."""
+    output_layer = 0 if tied else padded_vocab(vocab, tp, vocab_divisible_by) * hidden // tp
+    final_layernorm = 2 * hidden
+    return (layers * layer_param_count(hidden, tp, ffn_hidden) + final_layernorm + output_layer
+            + embedding_param_count(hidden, vocab, seq, tp, vocab_divisible_by))
+
+
+def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16") -> tuple:
+    """(param, grad, optimizer) bytes per GPU for ZeRO `stage` over `dp` ranks, as exact Fractions."""
+    p = PRECISIONS[precision]
+    psi = Fraction(params)
+    param = psi * p.param_bytes / (dp if stage >= 3 else 1)
+    grad = psi * p.grad_bytes / (dp if stage >= 2 else 1)
+    optimizer = psi * p.optimizer_bytes / (dp if stage >= 1 else 1)
+    return param, grad, optimizer
+
+
+def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
+                           act_bytes: int = 2, ffn_hidden: Optional[int] = None) -> int:
+    """Korthikanti et al. 2022 (no sequence parallelism) activations one layer keeps for backward.
+
+    At 2-byte activations and ffn = 4h this is s·b·h·(10 + 24/t + 5·a·s/(h·t)); dropout masks are
+    1 byte per element whatever the activation dtype, so the general form keeps them apart.
+    """
+    s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, act_bytes
+    f = ffn_hidden or 4 * h
+    # whole on every rank: 2 LayerNorm inputs, qkv input, fc1 input (e each) + 2 dropout masks (1)
+    whole = s * b * h * (4 * e + 2)
+    # split by tp: Q, K, V and proj input (4·e·sbh), fc1 output and GeLU output (2·e·sbf)
+    split = s * b * (4 * e * h + 2 * e * f)
+    # attention: softmax output (e) + dropout mask (1) + dropout output (e), per score
+    scores = a * s * s * b * (2 * e + 1)
+    return whole + (split + scores) // t
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-GPU bytes by category; total = model states + activations + buffers + margin."""
+
+    params_per_rank: int  # Ψ: parameters on one TP rank, embeddings included
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    checkpoint_bytes: float  # recomputation checkpoints kept on the device
+    working_set_bytes: float  # per-layer activations (all layers without recomputation, one with)
+    logits_bytes: float
+    buffer_bytes: float  # fused/bucketed fp32 gradient buffer + stage-3 gathered parameters
+    margin_bytes: float
+    gpu_memory_bytes: float
+    margin_fraction: float = DEFAULT_MARGIN_FRACTION
+    host_bytes: float = 0.0  # Pa+cpu: checkpoints moved to host memory
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def activation_bytes(self) -> float:
+        return self.checkpoint_bytes + self.working_set_bytes + self.logits_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_state_bytes + self.activation_bytes + self.buffer_bytes + self.margin_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.gpu_memory_bytes
+
+    def fits_in(self, gpu_memory_bytes: float) -> bool:
+        """Would it fit a GPU of another size (the margin scales with that size)?"""
+        needed = self.total_bytes - self.margin_bytes + self.margin_fraction * gpu_memory_bytes
+        return needed <= gpu_memory_bytes
+
+    @property
+    def dominant(self) -> str:
+        """The largest consumer other than the margin."""
+        terms = {"model states": self.model_state_bytes, "activations": self.activation_bytes,
+                 "buffers": self.buffer_bytes}
+        return max(terms, key=terms.get)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(model_state_bytes=self.model_state_bytes, activation_bytes=self.activation_bytes,
+                   total_bytes=self.total_bytes, fits=self.fits, dominant=self.dominant)
+        return out
+
+
+def validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute,
+                   pa, pa_cpu, precision, bucket_elements=None, prefetch_units=1) -> None:
+    """Raise ValueError naming the bad value and what would be valid."""
+    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("vocab", vocab),
+                        ("seq", seq), ("gpus", gpus), ("tp", tp), ("micro_batch", micro_batch)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} = {value!r} is invalid; must be a positive integer")
+    if hidden % heads:
+        raise ValueError(f"hidden = {hidden} is not divisible by heads = {heads}")
+    for name, value in (("heads", heads), ("hidden", hidden), ("gpus", gpus)):
+        if value % tp:
+            valid = [d for d in range(1, heads + 1) if heads % d == 0 and hidden % d == 0 and gpus % d == 0]
+            raise ValueError(f"{name} = {value} is not divisible by tp = {tp}; valid tp values: "
+                             f"{', '.join(map(str, valid))}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage = {stage!r} is invalid; valid stages: 0, 1, 2, 3")
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute = {recompute!r} is invalid; valid values: 'none', 'full'")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision = {precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
+    if pa_cpu and not pa:
+        raise ValueError("pa_cpu = True needs pa = True (Pa+cpu offloads the partitioned checkpoints)")
+    if pa and recompute != "full":
+        raise ValueError("pa = True needs recompute = 'full' (Pa partitions recomputation checkpoints)")
+    if bucket_elements is not None and bucket_elements <= 0:
+        raise ValueError(f"bucket_elements = {bucket_elements} is invalid; must be > 0 (or None: no CB)")
+    if prefetch_units < 0:
+        raise ValueError(f"prefetch_units = {prefetch_units} is invalid; must be >= 0")
+
+
+def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, gpus: int,
+                        tp: int = 1, stage: int = 0, micro_batch: int = 1, recompute: str = "none",
+                        pa: bool = False, pa_cpu: bool = False, bucket_elements: Optional[int] = None,
+                        precision: str = "fp16", tied: bool = False, prefetch_units: int = 1,
+                        ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+                        gpu_memory_bytes: float = V100_MEMORY_BYTES,
+                        margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> MemoryBreakdown:
+    """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md)."""
+    validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
+                   pa_cpu, precision, bucket_elements, prefetch_units)
+    if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
+        raise ValueError(f"gpu_memory_bytes = {gpu_memory_bytes} must be > 0 and margin_fraction = "
+                         f"{margin_fraction} in [0, 1)")
+    if ffn_hidden is not None and (ffn_hidden <= 0 or ffn_hidden % tp):
+        raise ValueError(f"ffn_hidden = {ffn_hidden} is invalid; must be > 0 and divisible by tp = {tp}")
+    prec = PRECISIONS[precision]
+    dp = gpus // tp
+    vocab_pad = padded_vocab(vocab, tp, vocab_divisible_by)
+    psi = gpt_param_count(layers, hidden, vocab, seq, tp, tied, ffn_hidden, vocab_divisible_by)
+    param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp, precision))
+
+    e = prec.activation_bytes
+    layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden)
+    # the loss is computed on fp32 logits of this rank's vocabulary slice
+    logits = micro_batch * seq * vocab_pad // tp * 4
+    host = 0.0
+    if recompute == "none":
+        checkpoints, working = 0.0, float(layers * layer_bytes)
+    else:
+        # one checkpoint per layer (its input), sliced over the TP group under Pa
+        checkpoints = layers * micro_batch * seq * hidden * e / (tp if pa else 1)
+        if pa_cpu:
+            checkpoints, host = 0.0, checkpoints
+        working = float(layer_bytes)  # the one layer being recomputed and back-propagated
+
+    # The fused fp32 gradient buffer is 4Ψ (paper §III-B); CB caps it at one bucket.
+    fused = psi if bucket_elements is None else min(bucket_elements, psi)
+    buffers = fused * 4.0
+    if stage == 3:
+        # the unit being computed plus `prefetch_units` ahead, gathered whole (this rank's TP slice)
+        largest_unit = max(layer_param_count(hidden, tp, ffn_hidden),
+                           embedding_param_count(hidden, vocab, seq, tp, vocab_divisible_by))
+        buffers += (1 + prefetch_units) * largest_unit * prec.param_bytes
+    return MemoryBreakdown(
+        params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer,
+        checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
+        buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
+        gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host))
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _format_breakdown(m: MemoryBreakdown, header: str) -> str:
+    rows = [("parameters", m.param_bytes), ("gradients", m.grad_bytes),
+            ("optimizer states (incl. master)", m.optimizer_bytes), ("  = model states", m.model_state_bytes),
+            ("activation checkpoints", m.checkpoint_bytes), ("layer working set", m.working_set_bytes),
+            ("logits (fp32, loss)", m.logits_bytes), ("  = activations", m.activation_bytes),
+            ("temporary buffers", m.buffer_bytes),
+            (f"margin ({m.margin_fraction:.0%} of GPU)", m.margin_bytes), ("total", m.total_bytes)]
+    if m.host_bytes:
+        rows.append(("host memory (Pa+cpu checkpoints)", m.host_bytes))
+    verdict = "fits" if m.fits else "does NOT fit"
+    lines = [header, f"Ψ (parameters per TP rank, embeddings included) = {m.params_per_rank:,}", "",
+             f"{'category':<34}{'GB':>10}"] + [f"{name:<34}{value / GB:10.3f}" for name, value in rows]
+    lines.append(f"GPU memory {m.gpu_memory_bytes / GB:.2f} GB: {verdict} (headroom "
+                 f"{(m.gpu_memory_bytes - m.total_bytes) / GB:.2f} GB; largest: {m.dominant})")
+    return "\n".join(lines)
+
+
+def _format_states(params: float, dp: int, precision: str) -> str:
+    rows = [f"model states per GPU for Ψ = {params:g} parameters, N_d = {dp}, {precision}",
+            f"{'stage':<8}{'params GB':>12}{'grads GB':>12}{'optimizer GB':>14}{'total GB':>12}"]
+    for stage in range(4):
+        p, g, o = (float(x) / GB for x in model_state_bytes(int(params), stage, dp, precision))
+        rows.append(f"{stage:<8}{p:12.4f}{g:12.4f}{o:14.4f}{p + g + o:12.4f}")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for the estimator, the paper tables and the planner."""
+    ap = argparse.ArgumentParser(prog="python -m zero3d.estimate", description=__doc__)
+    mode = ap.add_argument_group("modes")
+    mode.add_argument("--table1", action="store_true", help="print the paper's Table I")
+    mode.add_argument("--table2", action="store_true", help="print Table II's theoretical columns")
+    mode.add_argument("--plan", choices=["paper", "csv", "rank"],
+                      help="paper: findings + CSV verdicts; csv: verdicts only; rank: layouts for a shape")
+    mode.add_argument("--global-batch", type=int, help="--plan rank: samples per step")
+    mode.add_argument("--batch-per-gpu", type=int, help="--plan rank: samples per DP rank instead")
+    mode.add_argument("--top", type=int, default=10, help="--plan rank: how many layouts to print")
+    mode.add_argument("--csv", help="reproduction-configs.csv for --plan (default: repo or shared copy)")
+    mode.add_argument("--params", type=float, help="bare parameter count: model states per stage only")
+    for name in ("layers", "hidden", "heads", "vocab", "seq", "gpus", "dp"):
+        ap.add_argument(f"--{name}", type=int)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--recompute", choices=["none", "full"], default="none")
+    ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")
+    ap.add_argument("--pa-cpu", action="store_true", help="Pa + offload the slices to host (implies --pa)")
+    ap.add_argument("--bucket-elements", type=int,
+                    help="CB: constant buffer size in elements (default: no CB, a 4Ψ fused fp32 buffer)")
+    ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
+    ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
+    ap.add_argument("--prefetch-units", type=int, default=1, help="stage 3 units gathered ahead")
+    ap.add_argument("--gpu-memory-gb", type=float, default=V100_MEMORY_BYTES / GB,
+                    help="GPU memory in GB (1e9 bytes); default V100-32GB = 32 GiB")
+    ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap
+
+
+def _rank(ap: argparse.ArgumentParser, args) -> int:
+    """--plan rank: feasible layouts for a shape on the paper cluster, best modelled throughput first."""
+    from zero3d.planner import GPT2_VOCAB, PAPER_CLUSTER, PAPER_SEQ, format_candidates, plan
+    if None in (args.layers, args.hidden, args.heads):
+        ap.error("--plan rank needs --layers, --hidden, --heads and one of --global-batch, --batch-per-gpu")
+    cluster = dataclasses.replace(PAPER_CLUSTER, gpu_memory_bytes=args.gpu_memory_gb * GB)
+    gpus = args.gpus or cluster.gpus
+    try:
+        found = plan(cluster, layers=args.layers, hidden=args.hidden, heads=args.heads, gpus=gpus,
+                     vocab=args.vocab or GPT2_VOCAB, seq=args.seq or PAPER_SEQ,
+                     global_batch=args.global_batch, batch_per_gpu=args.batch_per_gpu,
+                     recompute=args.recompute, precision=args.precision,
+                     bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction)
+    except ValueError as err:
+        ap.error(str(err))
+    print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs); best first:")
+    print(format_candidates(found, args.top))
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    """CLI entry point; see build_parser() and docs/estimator.md."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.table1 or args.table2:
+        from zero3d.paper_tables import table_one, table_two
+        print("\n\n".join(t() for t, on in ((table_one, args.table1), (table_two, args.table2)) if on))
+        return 0
+    if not 0 <= args.margin_fraction < 1:
+        ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
+    if args.gpu_memory_gb <= 0:
+        ap.error(f"--gpu-memory-gb {args.gpu_memory_gb} is invalid; must be > 0")
+    if args.plan == "rank":
+        return _rank(ap, args)
+    if args.plan:
+        from zero3d.paper_configs import paper_report
+        if args.csv and not os.path.isfile(args.csv):
+            ap.error(f"--csv {args.csv!r} is not a file")
+        print(paper_report(csv_path=args.csv, csv_only=args.plan == "csv"))
+        return 0
+    if args.params is not None:
+        if args.params <= 0 or args.dp is None or args.dp <= 0:
+            ap.error(f"--params {args.params:g} needs a value > 0 and --dp a positive integer "
+                     f"(got --dp {args.dp})")
+        states = {s: [float(x) for x in model_state_bytes(int(args.params), s, args.dp, args.precision)]
+                  for s in range(4)}
+        print(json.dumps(states) if args.json else _format_states(args.params, args.dp, args.precision))
+        return 0
+    missing = [f"--{n}" for n in ("layers", "hidden", "heads", "vocab", "seq", "gpus")
+               if getattr(args, n) is None]
+    if missing:
+        ap.error(f"missing {', '.join(missing)} (or use --params, --table1, --table2, --plan)")
+    pa = args.pa or args.pa_cpu
+    try:
+        m = estimate_from_shape(
+            layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq,
+            gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
+            recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
+            precision=args.precision, tied=args.tied, prefetch_units=args.prefetch_units,
+            gpu_memory_bytes=args.gpu_memory_gb * GB, margin_fraction=args.margin_fraction)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.json:
+        print(json.dumps(m.to_dict(), indent=2))
+        return 0
+    cb = f"CB {args.bucket_elements} elements" if args.bucket_elements else "no CB"
+    zr = " + Pa+cpu" if args.pa_cpu else " + Pa" if pa else ""
+    header = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
+              f"(padded {padded_vocab(args.vocab, args.tp)}), seq {args.seq}\n"
+              f"{args.gpus} GPUs = tp {args.tp} × dp {args.gpus // args.tp}; ZeRO stage {args.stage}"
+              f"{zr}, {cb}, recompute {args.recompute}, micro-batch {args.micro_batch}, {args.precision}")
+    print(_format_breakdown(m, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""Planner: feasible (tp, ZeRO stage, Pa, Pa+cpu, micro-batch) layouts ranked by modelled throughput."""
+from dataclasses import dataclass
+from typing import Optional
+
+from zero3d.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
+                             V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count)
+
+GPT2_VOCAB = 50257
+PAPER_SEQ = 1024  # the only sequence length the paper uses
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A homogeneous GPU cluster; bandwidths are per GPU unless named per node."""
+
+    name: str
+    gpus_per_node: int
+    nodes: int
+    gpu_memory_bytes: float
+    intra_node_bandwidth: float  # bytes/s per GPU inside a node
+    inter_node_bandwidth: float  # bytes/s per NODE, shared by its GPUs
+    peak_flops: float  # per GPU, training precision
+    pcie_bandwidth: float  # bytes/s per GPU between host and device
+    efficiency: float  # share of peak the compute sustains when no communication is exposed
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def inter_node_bandwidth_per_gpu(self) -> float:
+        return self.inter_node_bandwidth / self.gpus_per_node
+
+
+PAPER_CLUSTER = Cluster(
+    name="paper: 25 DGX-2 × 16 V100-SXM3-32GB",
+    gpus_per_node=16, nodes=25, gpu_memory_bytes=V100_MEMORY_BYTES,
+    intra_node_bandwidth=300e9,  # NVSwitch, 300 GB/s per link (paper §4.1)
+    inter_node_bandwidth=8 * 100e9 / 8,  # 8 × 100 Gb/s InfiniBand EDR per node
+    peak_flops=125e12,  # 15 PF is "over 30% of peak" on 400 GPUs → 125 TFLOP/s fp16
+    pcie_bandwidth=15.75e9,  # PCIe 3.0 x16, one direction, nominal
+    # Megatron-LM's single-V100 baseline sustains 39 TFLOP/s = 31% of peak (Shoeybi et al. 2019)
+    efficiency=39e12 / 125e12,
+)
+
+
+@dataclass(frozen=True)
+class ZeroChoice:
+    """One ZeRO configuration: DP stage plus the ZeRO-R activation options."""
+
+    stage: int
+    pa: bool = False
+    pa_cpu: bool = False
+
+    @property
+    def label(self) -> str:
+        names = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+        extra = " + P_a+cpu" if self.pa_cpu else " + P_a" if self.pa else ""
+        return names[self.stage] + extra
+
+
+# Table III: every configuration also runs C_B and M_D
+PAPER_CONFIGS = {"C1": ZeroChoice(1), "C2": ZeroChoice(1, pa=True), "C3": ZeroChoice(2),
+                 "C4": ZeroChoice(2, pa=True), "C5": ZeroChoice(2, pa=True, pa_cpu=True)}
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                   recompute: bool = True) -> float:
+    """Training FLOPs per step (Narayanan et al. 2021): 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) with
+    full recomputation (one extra forward), 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) without."""
+    core = batch * seq * layers * hidden**2
+    if recompute:
+        return 96 * core * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return 72 * core * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One feasible layout with its memory and the parts of its modelled step time (seconds)."""
+
+    tp: int
+    dp: int
+    zero: ZeroChoice
+    micro_batch: int
+    global_batch: int
+    accumulation: int
+    memory: MemoryBreakdown
+    compute_s: float
+    mp_s: float  # tensor-parallel all-reduces, on the critical path
+    pa_s: float  # Pa all-gathers
+    offload_s: float  # Pa+cpu host traffic
+    dp_s: float  # exposed (not overlapped) data-parallel communication
+    tflops_per_gpu: float
+    samples_per_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s
+
+
+def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: ZeroChoice, micro_batch,
+              global_batch, params_per_rank, recompute="full", precision="fp16") -> dict:
+    """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner."""
+    dp = gpus // tp
+    if global_batch % (micro_batch * dp):
+        raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = "
+                         f"{micro_batch} × {dp}")
+    accumulation = global_batch // (micro_batch * dp)
+    act_bytes = PRECISIONS[precision].activation_bytes
+    flops = megatron_flops(global_batch, seq, layers, hidden, vocab, recompute == "full")
+    compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
+    micro_compute = compute / accumulation
+    # MP link: NVSwitch while the TP group stays inside a node, else the node's share of IB
+    inside_node = tp <= cluster.gpus_per_node
+    mp_bw = cluster.intra_node_bandwidth if inside_node else cluster.inter_node_bandwidth_per_gpu
+    per_layer = micro_batch * seq * hidden * act_bytes  # one b·s·h message, in bytes
+    allreduces = 12 if recompute == "full" else 8  # volume 2× message: 6 all-reduces, or 4 unrecomputed
+    mp = accumulation * allreduces * per_layer * layers / mp_bw if tp > 1 else 0.0
+    pa = accumulation * per_layer * layers / mp_bw if zero.pa and tp > 1 else 0.0
+    offload = accumulation * 2 * per_layer * layers / cluster.pcie_bandwidth if zero.pa_cpu else 0.0
+    # DP link: the DP group (stride tp) spans every node once there is more than one
+    one_node = gpus <= cluster.gpus_per_node
+    dp_bw = cluster.intra_node_bandwidth if one_node else cluster.inter_node_bandwidth_per_gpu
+    ring = (dp - 1) / dp  # each DP collective moves Ψ·(N_d − 1)/N_d elements per rank
+    one_pass = params_per_rank * PRECISIONS[precision].grad_bytes * ring / dp_bw
+    backward = micro_compute * (3 / 4 if recompute == "full" else 2 / 3)
+    if zero.stage == 3:
+        # every micro-batch gathers parameters twice and reduce-scatters once, prefetched under compute
+        dp_exposed = accumulation * max(0.0, 3 * one_pass - micro_compute)
+    elif zero.stage == 0:
+        # bucketed all-reduce (reduce-scatter + all-gather) overlaps the last backward
+        dp_exposed = max(0.0, 2 * one_pass - backward)
+    else:
+        # gradient reduce-scatter overlaps the last backward; the post-step parameter all-gather does not
+        dp_exposed = max(0.0, one_pass - backward) + one_pass
+    step = compute + mp + pa + offload + dp_exposed
+    return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,
+                pa_s=pa, offload_s=offload, dp_s=dp_exposed, tflops_per_gpu=flops / step / gpus / 1e12,
+                samples_per_s=global_batch / step)
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: int, vocab: int = GPT2_VOCAB,
+         seq: int = PAPER_SEQ, global_batch: Optional[int] = None, batch_per_gpu: Optional[int] = None,
+         gpus: Optional[int] = None, recompute: str = "full",
+         bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
+         margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+         tp_choices: Optional[list] = None, stages=(0, 1, 2, 3)) -> list:
+    """Every layout that fits, best modelled throughput first.
+
+    Give `global_batch` (fixed samples per step) or `batch_per_gpu` (samples per DP rank, the paper's
+    per-GPU batch: the global batch then grows with the DP degree).
+    """
+    if (global_batch is None) == (batch_per_gpu is None):
+        raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
+                         "(--batch-per-gpu)")
+    batch = global_batch if batch_per_gpu is None else batch_per_gpu
+    if batch <= 0:
+        raise ValueError(f"batch = {batch} is invalid; must be a positive integer")
+    gpus = gpus or cluster.gpus
+    tps = tp_choices or [t for t in _divisors(gpus) if heads % t == 0 and hidden % t == 0]
+    found = []
+    for tp in tps:
+        dp = gpus // tp
+        step_batch = global_batch if batch_per_gpu is None else batch_per_gpu * dp
+        if step_batch % dp:
+            continue  # the global batch must split evenly over the DP ranks
+        activation_options = [ZeroChoice(0)]
+        if tp > 1 and recompute == "full":
+            activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
+        for stage in stages:
+            for option in activation_options:
+                zero = ZeroChoice(stage, option.pa, option.pa_cpu)
+                for micro_batch in _divisors(step_batch // dp):
+                    memory = estimate_from_shape(
+                        layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus, tp=tp,
+                        stage=stage, micro_batch=micro_batch, recompute=recompute, pa=zero.pa,
+                        pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements, precision=precision,
+                        gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction)
+                    if not memory.fits:
+                        break  # a larger micro-batch only needs more memory
+                    timing = step_time(cluster, layers=layers, hidden=hidden, vocab=vocab, seq=seq,
+                                       gpus=gpus, tp=tp, zero=zero, micro_batch=micro_batch,
+                                       global_batch=step_batch, params_per_rank=memory.params_per_rank,
+                                       recompute=recompute, precision=precision)
+                    found.append(Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory,
+                                           **timing))
+    # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
+    return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
+
+
+def format_candidates(candidates: list, top: int = 10) -> str:
+    """One line per layout: memory, modelled TFLOP/s per GPU and where the step time goes."""
+    lines = []
+    for c in candidates[:top]:
+        lines.append(f"  tp {c.tp:<3} dp {c.dp:<4} {c.zero.label:<20} micro-batch {c.micro_batch:<3} "
+                     f"x{c.accumulation:<3} B {c.global_batch:<5} {c.memory.total_bytes / 1e9:5.1f} GB  "
+                     f"{c.tflops_per_gpu:5.1f} TFLOP/s/GPU  step {c.step_s:7.2f} s "
+                     f"(compute {c.compute_s:.2f}, "
+                     f"MP {c.mp_s:.2f}, Pa {c.pa_s:.2f}, cpu {c.offload_s:.2f}, DP {c.dp_s:.2f})")
+    return "\n".join(lines) if lines else "  no layout fits (or the global batch splits over no DP degree)"
+
+
+@dataclass(frozen=True)
+class MaxModel:
+    """The deepest model that fits at a fixed hidden size, and its total parameter count."""
+
+    hidden: int
+    layers: int
+    params: int  # whole model (tp = 1 count), embeddings included
+    memory: Optional[MemoryBreakdown]
+
+
+def max_model_size(*, hidden: int, heads: int, gpus: int, tp: int, stage: int, micro_batch: int,
+                   vocab: int = GPT2_VOCAB, seq: int = PAPER_SEQ, pa: bool = False, pa_cpu: bool = False,
+                   recompute: str = "full", bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS,
+                   precision: str = "fp16", gpu_memory_bytes: float = V100_MEMORY_BYTES,
+                   margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> MaxModel:
+    """Largest layer count whose per-GPU memory fits (memory grows with layers, so bisect)."""
+
+    def memory(layers: int) -> MemoryBreakdown:
+        return estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus,
+                                   tp=tp, stage=stage, micro_batch=micro_batch, recompute=recompute, pa=pa,
+                                   pa_cpu=pa_cpu, bucket_elements=bucket_elements, precision=precision,
+                                   gpu_memory_bytes=gpu_memory_bytes, margin_fraction=margin_fraction)
+
+    if not memory(1).fits:
+        return MaxModel(hidden, 0, 0, None)
+    fits, fails = 1, 2
+    while memory(fails).fits:
+        fits, fails = fails, fails * 2
+    while fails - fits > 1:
+        middle = (fits + fails) // 2
+        fits, fails = (middle, fails) if memory(middle).fits else (fits, middle)
+    return MaxModel(hidden, fits, gpt_param_count(fits, hidden, vocab, seq), memory(fits))
+
+
+# Figure 7 / Table IV shapes for the data-parallel-only study: (hidden, heads)
+DP_ONLY_SHAPES = ((1536, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32))
+DP_ONLY_GPUS = 128
+MP_STUDY = dict(hidden=8192, heads=64, gpus=400, tp=16, micro_batch=16)  # Figure 5 (appendix Figure 4)
+
+
+def dp_only_limit(stage: int, cluster: Cluster = PAPER_CLUSTER, micro_batch: int = 1) -> MaxModel:
+    """Largest model without MP over the Figure 7 hidden sizes; stage 0 carries the 4Ψ fused buffer
+    (no CB: PyTorch DDP / apex fp32 master gradients), ZeRO stages use CB."""
+    bucket = None if stage == 0 else DEFAULT_BUCKET_ELEMENTS
+    best = [max_model_size(hidden=h, heads=a, gpus=DP_ONLY_GPUS, tp=1, stage=stage, micro_batch=micro_batch,
+                           bucket_elements=bucket, gpu_memory_bytes=cluster.gpu_memory_bytes)
+            for h, a in DP_ONLY_SHAPES]
+    return max(best, key=lambda m: m.params)
+
+
+def config_limits(cluster: Cluster = PAPER_CLUSTER) -> dict:
+    """C1–C5 maxima at MP 16 on 400 GPUs, batch 16 per GPU, hidden 8192, recompute full, CB + MD."""
+    return {name: max_model_size(stage=z.stage, pa=z.pa, pa_cpu=z.pa_cpu,
+                                 gpu_memory_bytes=cluster.gpu_memory_bytes, **MP_STUDY)
+            for name, z in PAPER_CONFIGS.items()}
