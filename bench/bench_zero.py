@@ -1,0 +1,246 @@
+"""ZeRO-DP stages 0-3 against their peers on one GPT model: step time, model-state bytes, communication.
+
+    python bench/bench_zero.py [--ranks 2] [--layers 4] [--hidden 256] [--seq 128] [--steps 8]
+
+Every system trains the same megatron-core GPTModel (TP 1: the peers do not speak Megatron TP) from
+the same initial weights on the same batches, on gloo CPU ranks, in one run. Columns:
+- step s: median wall time of the steps after the first two;
+- state B: bytes per rank kept between steps (zero3d: its own accounting; peers: a census of the
+  distinct tensor storages held by the model, its grads and the optimizer);
+- comm el: elements per rank per step moved by torch.distributed collectives, counted by one shim
+  around torch.distributed for every system, at bandwidth-optimal volume (all-reduce 2n(N-1)/N,
+  reduce / reduce-scatter / all-gather / broadcast n(N-1)/N);
+- ratios against zero3d stage 0 measured in the same run.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import megatron.core.models.gpt  # noqa: E402,F401 - imported before forking the ranks
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from zero3d.local_ranks import run_ranks  # noqa: E402
+
+# ------------------------------------------------------------------ counting shim
+
+
+@contextmanager
+def count_collectives(counter: dict):
+    """Wrap torch.distributed's collectives so every call adds its per-rank volume to counter.
+
+    Both `torch.distributed.X` and `torch.distributed.distributed_c10d.X` are wrapped (libraries
+    call either). Collectives issued below the Python API (c10d ops, ProcessGroup methods) are not
+    seen: such a system's column reads n/a rather than a wrong number.
+    """
+    import torch.distributed.distributed_c10d as c10d
+    rules = {  # name -> (position, keyword) of the full-size tensor(s), volume factor
+        "all_reduce": (0, "tensor", 2), "reduce": (0, "tensor", 1), "broadcast": (0, "tensor", 1),
+        "reduce_scatter_tensor": (1, "input", 1), "all_gather_into_tensor": (0, "output_tensor", 1),
+        "all_gather": (0, "tensor_list", 1), "reduce_scatter": (1, "input_list", 1),
+        "_reduce_scatter_base": (1, "input", 1), "_all_gather_base": (0, "output_tensor", 1),
+    }
+    saved = []
+    for name, (index, keyword, factor) in rules.items():
+        original = getattr(c10d, name)
+
+        def wrapped(*args, _original=original, _index=index, _keyword=keyword, _factor=factor, **kwargs):
+            full = args[_index] if len(args) > _index else kwargs[_keyword]
+            n = dist.get_world_size(kwargs.get("group"))
+            count = sum(t.numel() for t in full) if isinstance(full, (list, tuple)) else full.numel()
+            counter["elements"] = counter.get("elements", 0) + _factor * count * (n - 1) / n
+            return _original(*args, **kwargs)
+        for namespace in (dist, c10d):
+            saved.append((namespace, name, getattr(namespace, name)))
+            setattr(namespace, name, wrapped)
+    try:
+        yield counter
+    finally:
+        for namespace, name, original in saved:
+            setattr(namespace, name, original)
+
+
+def storage_census(*objects) -> int:
+    """Bytes of the distinct tensor storages reachable from objects (3 levels of attributes/containers)."""
+    seen, total = set(), 0
+
+    def visit(obj, depth):
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            local = getattr(obj, "_local_tensor", obj)  # DTensor shards (FSDP2)
+            for t in (local, local.grad if local.grad is not None else None, obj.grad):
+                try:
+                    storage = t.untyped_storage() if t is not None else None
+                    key = storage.data_ptr() if storage is not None and storage.nbytes() else None
+                except RuntimeError:  # a storage FSDP has freed (resized to 0)
+                    key = None
+                if key is not None and key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+            return
+        if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            return
+        if isinstance(obj, dict):
+            items = obj.values()
+        elif isinstance(obj, (list, tuple, set)):
+            items = obj
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            items = vars(obj).values()
+        else:
+            return
+        for item in list(items):
+            visit(item, depth - 1)
+
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                visit(p, 1)
+        else:
+            visit(obj, 4)
+    return total
+
+
+# ------------------------------------------------------------------ one system on N ranks
+
+
+def batches(args, rank, world):
+    """Rank's micro-batch of the step's global batch: the same tokens for every system."""
+    def get(step):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, args.vocab, (args.micro * world, args.seq + 1), generator=g)
+        return tokens[rank * args.micro:(rank + 1) * args.micro]
+    return get
+
+
+def build(args, system):
+    from pretrain.config import load_config
+    from pretrain.model import build_model
+    from pretrain.topology import init_topology
+    overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
+                 f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
+                 f"model.vocab_size={args.vocab}", f"train.micro_batch_size={args.micro}",
+                 f"train.global_batch_size={args.micro * args.ranks}", f"precision.dtype={args.dtype}",
+                 f"zero.bucket_elements={args.bucket}", "logging.wandb=false"]
+    if system.startswith("zero3d-"):
+        overrides.append(f"zero.stage={system[-1]}")
+    cfg = load_config(None, overrides)
+    topo = init_topology(cfg)
+    return cfg, topo, build_model(cfg, topo.device)
+
+
+def run_system(rank, world, system, args):
+    from pretrain.model import gpt_loss
+    cfg, topo, model = build(args, system)
+    lr, steps = 1e-3, args.steps
+    if system.startswith("zero3d-"):
+        import zero3d
+        from pretrain.train import engine_settings
+        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
+                                   zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
+        forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
+        state = lambda: sum(engine.state_bytes().values())  # noqa: E731
+    elif system == "torch-ZeroRedundancyOptimizer":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket * 4 / 2**20)
+        # DDP's reducer is C++; its stock Python all-reduce hook makes the same calls visible to the shim.
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+        forward, backward = ddp, lambda loss: loss.backward()
+        step = lambda: (opt.step(), opt.zero_grad(set_to_none=False))  # noqa: E731
+        state = lambda: storage_census(model, opt.optim.state)  # noqa: E731
+    elif system == "torch-FSDP2":
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.decoder.layers:
+            fully_shard(layer, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        forward, backward = model, lambda loss: loss.backward()
+        step = lambda: (opt.step(), opt.zero_grad(set_to_none=False))  # noqa: E731
+        state = lambda: storage_census(model, opt.state)  # noqa: E731
+    else:  # deepspeed-N
+        import deepspeed
+        ds_config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+                     "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
+                     "zero_optimization": {"stage": int(system[-1]), "reduce_bucket_size": args.bucket,
+                                           "allgather_bucket_size": args.bucket},
+                     "bf16": {"enabled": args.dtype == "bf16"}, "steps_per_print": 10**9}
+        ds, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        forward, backward, step = ds, ds.backward, ds.step
+        state = lambda: storage_census(model, opt)  # noqa: E731
+    get = batches(args, topo.dp_rank, world)
+    times, losses, counter = [], [], {}
+    for i in range(steps):
+        counter.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        with count_collectives(counter):
+            loss = gpt_loss(forward, get(i))
+            backward(loss)
+            step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return {"step_s": statistics.median(times[2:]), "state_bytes": state(),
+            "comm_elements": counter.get("elements", 0.0), "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def available_systems() -> list[str]:
+    import zero3d
+    systems = [f"zero3d-{s}" for s in sorted(zero3d.STAGES)] + ["torch-ZeroRedundancyOptimizer", "torch-FSDP2"]
+    try:
+        import deepspeed  # noqa: F401
+        systems += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+    except ImportError:
+        print("(deepspeed not installed: pip install -e .[bench] adds the DeepSpeed rows)")
+    return systems
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--bucket", type=int, default=500_000)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--systems", nargs="*", help="subset of rows to run")
+    args = p.parse_args(argv)
+    rows = {}
+    for system in args.systems or available_systems():
+        try:
+            rows[system] = run_ranks(run_system, args.ranks, system, args, timeout=600)[0]
+        except Exception as err:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            rows[system] = {"error": str(err).strip().splitlines()[-1][:90]}
+    base = rows.get("zero3d-0", {})
+    print(f"GPT L={args.layers} h={args.hidden} s={args.seq} micro={args.micro} vocab={args.vocab} "
+          f"{args.dtype}, {args.ranks} gloo ranks (DP={args.ranks}, TP=1); per rank; ratios vs zero3d-0")
+    print(f"{'system':32} {'step s':>8} {'x':>6} {'state B':>12} {'x':>6} {'comm el':>12} {'x':>6} "
+          f"{'loss 1st':>9} {'loss last':>9}")
+    for system, r in rows.items():
+        if "error" in r:
+            print(f"{system:32} failed: {r['error']}")
+            continue
+        ratio = lambda k: r[k] / base[k] if base.get(k) else float("nan")  # noqa: E731
+        # Fewer than 1% of stage 0's elements: the system's traffic runs below the Python API.
+        visible = r["comm_elements"] >= 0.01 * base.get("comm_elements", 0)
+        comm = f"{r['comm_elements']:12,.0f} {ratio('comm_elements'):6.2f}" if visible else f"{'n/a':>12} {'':6}"
+        print(f"{system:32} {r['step_s']:8.3f} {ratio('step_s'):6.2f} {r['state_bytes']:12,d} "
+              f"{ratio('state_bytes'):6.2f} {comm} "
+              f"{r['first_loss']:9.4f} {r['last_loss']:9.4f}")
+
+
+if __name__ == "__main__":
+    main()
