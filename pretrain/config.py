@@ -102,6 +102,7 @@ class TrainConfig:
     save_dir: Optional[str] = None  # None: <run_dir>/checkpoints
     resume: bool = True  # continue from the latest checkpoint in save_dir when there is one
     timeout_minutes: float = 10.0  # collective timeout: a stuck rank fails instead of hanging
+    ignore_memory_estimate: bool = False  # run even when the start-up estimate exceeds GPU memory
 
 
 @dataclass

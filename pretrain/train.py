@@ -10,6 +10,7 @@ import zero3d
 from megatron_patches import disable_zero3d_recompute, route_recompute_to_zero3d
 from pretrain import checkpoint, metrics
 from pretrain.config import Config
+from pretrain.memory_check import check_memory
 from pretrain.model import DTYPES, build_model, gpt_loss
 from pretrain.topology import Topology, init_topology
 
@@ -105,6 +106,7 @@ def train(cfg: Config) -> dict:
     from pretrain.data import open_datasets, prepare_files
 
     topo = init_topology(cfg)
+    check_memory(cfg, topo.world_size, topo.device, topo.is_main)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
     d, m = cfg.data, cfg.model

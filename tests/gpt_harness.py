@@ -33,6 +33,11 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
     cfg = load_config(None, BASE + list(overrides))
     topo = init_topology(cfg)
     model = build_model(cfg, topo.device)
+    # Counted before wrapping: stage 3 frees the parameters' own storage.
+    psi = sum(p.numel() for p in model.parameters())
+    # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
+    group_numels = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
+                    "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
                                zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
     activations = route_activation_checkpoints(cfg, topo, engine)
@@ -59,10 +64,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
     out["params"] = {n: p.detach().float().clone() for n, p in full_params(engine).items()}
     out["state_bytes"] = engine.state_bytes()
     out["tp_rank"], out["dp_rank"] = topo.tp_rank, topo.dp_rank
-    out["psi"] = sum(p.numel() for p in model.parameters())
-    # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
-    out["group_numels"] = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
-                           "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
+    out["psi"], out["group_numels"] = psi, group_numels
     out["activations"] = activations.report() if activations else {}
     disable_zero3d_recompute()
     dist.barrier()

@@ -228,7 +228,7 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
 # ---------------------------------------------------------------- CLI
 
 
-def _format_breakdown(m: MemoryBreakdown, header: str) -> str:
+def format_breakdown(m: MemoryBreakdown, header: str) -> str:
     rows = [("parameters", m.param_bytes), ("gradients", m.grad_bytes),
             ("optimizer states (incl. master)", m.optimizer_bytes), ("  = model states", m.model_state_bytes),
             ("activation checkpoints", m.checkpoint_bytes), ("layer working set", m.working_set_bytes),
@@ -358,7 +358,7 @@ def main(argv: Optional[list] = None) -> int:
               f"(padded {padded_vocab(args.vocab, args.tp)}), seq {args.seq}\n"
               f"{args.gpus} GPUs = tp {args.tp} × dp {args.gpus // args.tp}; ZeRO stage {args.stage}"
               f"{zr}, {cb}, recompute {args.recompute}, micro-batch {args.micro_batch}, {args.precision}")
-    print(_format_breakdown(m, header))
+    print(format_breakdown(m, header))
     return 0
 
 

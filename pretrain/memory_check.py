@@ -1,0 +1,49 @@
+"""Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts."""
+import torch
+import torch.distributed as dist
+
+from pretrain.config import Config, ConfigError
+from zero3d.estimate import GB, MemoryBreakdown, estimate_from_shape, format_breakdown
+
+
+def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
+    """zero3d's estimator for this config's model, layout and ZeRO settings."""
+    m, z = cfg.model, cfg.zero
+    return estimate_from_shape(
+        layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, vocab=m.vocab_size,
+        seq=m.seq_length, gpus=world_size, tp=cfg.parallel.tensor, stage=z.stage,
+        micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, pa=z.partition_activations,
+        pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
+        tied=m.tie_embeddings, prefetch_units=z.prefetch_units, ffn_hidden=m.ffn_hidden_size,
+        vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes)
+
+
+def describe(cfg: Config, world_size: int) -> str:
+    return (f"{cfg.model.num_layers} layers × hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}; "
+            f"{world_size} ranks = TP {cfg.parallel.tensor} × DP {world_size // cfg.parallel.tensor}; "
+            f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}")
+
+
+def check_memory(cfg: Config, world_size: int, device: torch.device, is_main: bool) -> MemoryBreakdown:
+    """Print the estimate on rank 0; on CUDA refuse (every rank alike) a config that does not fit.
+
+    The smallest device memory over all ranks is the budget, so every rank takes the same decision.
+    On CPU ranks there is no device budget: the estimate is printed for information only.
+    """
+    if device.type == "cuda":
+        budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+        gpu_memory = budget.item()
+    else:
+        gpu_memory = cfg.cluster.gpu_memory_gb * GB
+    estimate = estimate_config(cfg, world_size, gpu_memory)
+    table = format_breakdown(estimate, describe(cfg, world_size))
+    if is_main:
+        print(table, flush=True)
+    if device.type == "cuda" and not estimate.fits and not cfg.train.ignore_memory_estimate:
+        raise ConfigError(f"the memory estimate exceeds the device memory "
+                          f"({estimate.total_bytes / GB:.2f} GB > {gpu_memory / GB:.2f} GB); lower "
+                          "train.micro_batch_size, raise zero.stage or parallel.tensor, enable "
+                          "zero.partition_activations / model.recompute, or set "
+                          f"train.ignore_memory_estimate = true to run anyway.\n{table}")
+    return estimate
