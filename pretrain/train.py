@@ -1,5 +1,6 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -67,6 +68,46 @@ class Batches:
         return tokens.to(self.topo.device)
 
 
+def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology):
+    """One optimizer step over grad_accum micro-batches; returns (mean loss over DP, StepResult)."""
+    losses = []
+    for micro in range(topo.grad_accum):
+        loss = gpt_loss(engine, batches.get(step, micro))
+        engine.backward(loss / topo.grad_accum)
+        losses.append(loss.detach())
+    result = engine.step(lr_at(step, cfg))
+    loss_value = mean_over_dp(losses, topo)
+    if topo.device.type == "cuda":
+        torch.cuda.synchronize()
+    return loss_value, result
+
+
+class StopRequest:
+    """SIGUSR1 (Slurm's warning before the time limit or preemption) or SIGTERM asks for a stop.
+
+    A signal may reach some ranks only, or reach them at different steps; `agreed()` all-reduces the
+    flag after every step so all ranks save the same checkpoint and leave together.
+    """
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+
+    def _on_signal(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, topo: Topology) -> bool:
+        flag = torch.tensor([float(self.requested)], device=topo.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def mean_over_dp(values: list[torch.Tensor], topo: Topology) -> float:
     total = torch.stack(values).double().sum().reshape(1)
     dist.all_reduce(total, group=topo.dp_group)
@@ -132,44 +173,44 @@ def train(cfg: Config) -> dict:
                                  wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
                                  start_step=start)
     flops_per_step = metrics.gpt_flops_per_step(m.num_layers, m.hidden_size, m.seq_length,
-                                                m.padded_vocab_size(1), cfg.train.global_batch_size,
+                                                m.padded_vocab_size(topo.tp), cfg.train.global_batch_size,
                                                 recompute=m.recompute == "full")
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
     batches = Batches(train_ds, cfg, topo)
     tokens_per_step = cfg.train.global_batch_size * m.seq_length
+    stop = StopRequest()
     record: dict = {}
+    step = start
     engine.train()
-    for step in range(start, cfg.train.steps):
+    while step < cfg.train.steps:
         engine.comm_stats.reset()
         if activations:
             activations.reset_step()
         t0 = time.perf_counter()
-        losses = []
-        for micro in range(topo.grad_accum):
-            loss = gpt_loss(engine, batches.get(step, micro))
-            engine.backward(loss / topo.grad_accum)
-            losses.append(loss.detach())
-        lr = lr_at(step, cfg)
-        result = engine.step(lr)
-        loss_value = mean_over_dp(losses, topo)
-        if topo.device.type == "cuda":
-            torch.cuda.synchronize()
+        loss_value, result = train_step(engine, batches, step, cfg, topo)
         step_time = time.perf_counter() - t0
-        done = step + 1
-        if done % cfg.logging.log_interval == 0 or done == cfg.train.steps:
-            record = {"train/loss": loss_value, "train/lr": lr, "train/grad_norm": result.grad_norm,
-                      "train/loss_scale": result.loss_scale, "train/skipped": int(result.skipped),
-                      "train/grad_accum": topo.grad_accum, "train/tokens": done * tokens_per_step,
+        step += 1
+        last = step == cfg.train.steps
+        evaluate_now = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last)
+        if step % cfg.logging.log_interval == 0 or last or evaluate_now:
+            record = {"train/loss": loss_value, "train/lr": lr_at(step - 1, cfg),
+                      "train/grad_norm": result.grad_norm, "train/loss_scale": result.loss_scale,
+                      "train/skipped": int(result.skipped), "train/grad_accum": topo.grad_accum,
+                      "train/tokens": step * tokens_per_step,
                       **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size,
                                                    flops_per_step, peak),
                       **metrics.memory_report(topo.device.type, engine.state_bytes()),
                       **engine.comm_stats.report(), **(activations.report() if activations else {})}
-            if cfg.train.eval_interval and (done % cfg.train.eval_interval == 0 or done == cfg.train.steps):
+            if evaluate_now:
                 val = evaluate(engine, valid_ds, cfg, topo)
                 record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
-            logger.log(done, record)
-        if (cfg.train.save_interval and done % cfg.train.save_interval == 0) or done == cfg.train.steps:
-            checkpoint.save(save_dir, done, layout, model, engine, {"config": cfg.to_dict()})
+            logger.log(step, record)
+        stopping = stop.agreed(topo)
+        if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or last or stopping:
+            checkpoint.save(save_dir, step, layout, model, engine, {"config": cfg.to_dict()})
+        if stopping:
+            break
+    stop.restore()
     logger.close()
     disable_zero3d_recompute()
-    return {"record": record, "start_step": start, "topology": topo}
+    return {"record": record, "start_step": start, "end_step": step, "stopped_early": step < cfg.train.steps}

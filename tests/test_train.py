@@ -102,3 +102,31 @@ def test_data_error_reaches_every_rank(tmp_path):
                               f"data.cache_dir={json.dumps(str(tmp_path))}",
                               f"logging.run_dir={json.dumps(str(tmp_path / 'run'))}"])
     assert str(err.value).count("corpus '/nonexistent/corpus.jsonl' does not exist") == 2
+
+
+def _train_with_signal(rank, world_size, overrides, signal_rank, signal_step):
+    """As _train, but `signal_rank` gets SIGUSR1 (Slurm's pre-emption warning) during step `signal_step`."""
+    import os
+    import signal
+
+    import pretrain.train as loop
+    lr_at = loop.lr_at
+
+    def lr_at_with_signal(step, cfg):
+        if rank == signal_rank and step == signal_step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return lr_at(step, cfg)
+    loop.lr_at = lr_at_with_signal
+    _train(rank, world_size, overrides)
+
+
+def test_signal_on_one_rank_stops_all_ranks_at_one_checkpoint(tmp_path, data_cache):
+    base = SMALL + data_cache + ["parallel.tensor=2", "zero.stage=2", "train.steps=6"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    run_train(4, base + [f"logging.run_dir={json.dumps(str(whole))}"])
+    run_ranks(_train_with_signal, 4, base + [f"logging.run_dir={json.dumps(str(stopped))}"], 3, 2, timeout=300)
+    assert [r["step"] for r in records(stopped)] == [1, 2, 3]  # stopped after the step it was signalled in
+    assert (stopped / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    run_train(4, base + [f"logging.run_dir={json.dumps(str(stopped))}"])  # the requeued job
+    expected = {r["step"]: r["train/loss"] for r in records(whole)}
+    assert {r["step"]: r["train/loss"] for r in records(stopped)} == expected
