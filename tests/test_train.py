@@ -73,9 +73,10 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000005"
 
 
-def test_resume_continues_exactly(tmp_path, data_cache):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_continues_exactly(tmp_path, data_cache, stage):
     """Stop after 3 steps and resume to 6: steps 4-6 equal an uninterrupted 6-step run."""
-    base = SMALL + data_cache + ["parallel.tensor=2", "zero.stage=2", "train.save_interval=3"]
+    base = SMALL + data_cache + ["parallel.tensor=2", f"zero.stage={stage}", "train.save_interval=3"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     run_train(4, base + ["train.steps=6", f"logging.run_dir={json.dumps(str(whole))}"])
     run_train(4, base + ["train.steps=3", "optimizer.decay_steps=6", f"logging.run_dir={json.dumps(str(split))}"])

@@ -5,8 +5,10 @@ from zero3d.precision import LossScaler
 from zero3d.stage0 import ReplicatedEngine
 from zero3d.stage1 import OptimizerShardedEngine
 from zero3d.stage2 import GradientShardedEngine
+from zero3d.stage3 import ParameterShardedEngine
 
-STAGES = {0: ReplicatedEngine, 1: OptimizerShardedEngine, 2: GradientShardedEngine}
+STAGES = {0: ReplicatedEngine, 1: OptimizerShardedEngine, 2: GradientShardedEngine,
+          3: ParameterShardedEngine}
 
 
 def wrap_model(model, stage: int, settings: EngineSettings, groups: ParallelGroups) -> DataParallelEngine:

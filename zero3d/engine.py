@@ -78,10 +78,9 @@ class DataParallelEngine:
         self.tp_rank = groups.tp_rank
         self.device = next(model.parameters()).device
         self.scaler = settings.loss_scaler or NoScaler()
-        self.groups = {name: self._build_group(name, named)
-                       for name, named in param_groups(model).items()}
+        self.groups = self._build_groups(param_groups(model))
         self.optimizer = make_optimizer(
-            [(g.master, settings.weight_decay if name == "decay" else 0.0)
+            [(g.master, settings.weight_decay if is_decay_group(name) else 0.0)
              for name, g in self.groups.items()],
             lr=settings.lr, betas=settings.betas, eps=settings.eps)
 
@@ -193,6 +192,10 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ stage hooks
 
+    def _build_groups(self, named_groups: dict) -> dict:
+        """{name: GroupState}; stages 0-2 keep one group per decay class ("decay", "no_decay")."""
+        return {name: self._build_group(name, named) for name, named in named_groups.items()}
+
     def _build_group(self, name: str, named_params: list) -> GroupState:
         raise NotImplementedError
 
@@ -207,6 +210,11 @@ class DataParallelEngine:
 
     def zero_grad(self) -> None:
         raise NotImplementedError
+
+
+def is_decay_group(name: str) -> bool:
+    """Weight decay applies to groups named "decay" or "<anything>/decay" (stage 3: "<unit>/decay")."""
+    return name.rsplit("/", 1)[-1] == "decay"
 
 
 def wait_all(handles: list) -> None:

@@ -1,0 +1,108 @@
+"""Stage 3 gather units: which modules' parameters are materialised together, and in what order.
+
+A unit is one module whose parameters are all-gathered over DP just before it runs and freed
+after. Megatron's GPTModel (anything with `decoder.layers`): `embedding`, each transformer layer
+of `decoder.layers`, `output_layer`; every other parameter (the decoder's final layer norm…)
+joins a unit of the module that directly holds it. Any other nn.Module: its top-level children,
+then the leftovers the same way. A parameter belongs to the first unit that holds it; a unit
+that uses a parameter of another unit (tied weights) *borrows* that unit and gathers it too.
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(eq=False)
+class Unit:
+    """One gather unit: its module, its sharded groups (one per decay class) and its gather state."""
+
+    index: int
+    name: str
+    module: nn.Module
+    params: list  # owned trainable parameters, persistent ones included
+    groups: list = field(default_factory=list)  # GroupState of the sharded ones (set by the engine)
+    borrows: list = field(default_factory=list)  # Units whose parameters this module also uses
+    full: Optional[list] = None  # gathered buffers (one per group) while materialised
+    handles: list = field(default_factory=list)  # pending all-gathers into `full`
+    pending: set = field(default_factory=set)  # owned sharded params still awaiting their gradient
+    entered: bool = False  # its own backward has begun (this backward pass)
+
+    @property
+    def numel(self) -> int:
+        """Elements materialised when this unit is gathered (padded group buffers)."""
+        return sum(g.layout.padded_numel for g in self.groups)
+
+    @property
+    def entry(self) -> list:
+        """What running this module needs gathered: itself and the units it borrows from."""
+        return [self] + self.borrows
+
+    @property
+    def entry_numel(self) -> int:
+        return sum(u.numel for u in self.entry)
+
+
+def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    decoder = getattr(model, "decoder", None)
+    if isinstance(getattr(decoder, "layers", None), nn.ModuleList):  # megatron GPTModel
+        named = [("embedding", getattr(model, "embedding", None))]
+        named += [(f"decoder.layers.{i}", layer) for i, layer in enumerate(decoder.layers)]
+        named += [("output_layer", getattr(model, "output_layer", None))]
+        return [(n, m) for n, m in named if m is not None]
+    return list(model.named_children())
+
+
+def build_units(model: nn.Module) -> list[Unit]:
+    """Units in module-definition order (the prefetch order until a forward has been recorded)."""
+    owner: dict = {}  # param -> unit name
+    found: dict[str, tuple[nn.Module, list]] = {}
+    for name, module in unit_modules(model):
+        params = [p for p in module.parameters() if p.requires_grad and p not in owner]
+        for p in params:
+            owner[p] = name
+        found[name] = (module, params)
+    declared = set(found)
+    for pname, p in model.named_parameters():  # leftovers: a unit per module holding them
+        if p.requires_grad and p not in owner:
+            mname = pname.rpartition(".")[0] or "<root>"
+            module = model.get_submodule(pname.rpartition(".")[0])
+            owner[p] = mname
+            found.setdefault(mname, (module, []))[1].append(p)
+    position = {m: i for i, (_, m) in enumerate(model.named_modules())}
+    ordered = sorted(found.items(), key=lambda item: position[item[1][0]])
+    units = [Unit(i, name, module, params) for i, (name, (module, params)) in enumerate(ordered)]
+    by_name = {u.name: u for u in units}
+    by_param = {p: by_name[owner[p]] for p in owner}
+    for u in units:  # a declared module using a parameter owned elsewhere (shared submodule/weight)
+        if u.name not in declared:
+            continue  # a leftover holder's own direct parameters are all its own
+        for p in u.module.parameters():
+            if p in by_param and by_param[p] is not u and by_param[p] not in u.borrows:
+                u.borrows.append(by_param[p])
+    # megatron's tied output layer (PP = 1) has no weight: it is handed embedding's at call time.
+    if getattr(model, "share_embeddings_and_output_weights", False) and "output_layer" in by_name:
+        shared = model.shared_embedding_or_output_weight()
+        out = by_name["output_layer"]
+        if shared in by_param and by_param[shared] is not out and by_param[shared] not in out.borrows:
+            out.borrows.append(by_param[shared])
+    return units
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """Tensors in a module's inputs or outputs (tensor, tuple/list, dict values), one level deep."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if torch.is_tensor(v)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if torch.is_tensor(v)]
+    return []
+
+
+def hook_grads(value, fn: Callable) -> None:
+    """Call fn() when the gradient of any grad-requiring tensor in `value` is computed (once each)."""
+    for t in tensors_in(value):
+        if t.requires_grad:
+            t.register_hook(lambda grad: fn())
