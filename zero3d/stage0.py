@@ -11,17 +11,7 @@ class ReplicatedEngine(DataParallelEngine):
     stage = 0
 
     def _build_group(self, name, named_params):
-        layout = FlatLayout(named_params, self.dp.size)
-        params = [p for _, p in named_params]
-        dtype = self.settings.dtype
-        g = GroupState(name, layout, params, buckets=tuple(layout.buckets(self.settings.bucket_elements)))
-        g.param_flat = flatten_params(layout, params, dtype, self.device)
-        g.grads = flatten_grads(layout, params, dtype, self.device)
-        # fp32 models train their own storage; fp16/bf16 ones get a full fp32 master copy.
-        g.master = g.param_flat if dtype == torch.float32 else g.param_flat.float()
-        # Each DP rank counts its own shard's range, so the norm sums every element once.
-        g.norm_ranges = self._norm_ranges(layout, offset=layout.shard_range(self.dp.rank)[0])
-        return g
+        return replicated_group(self, name, named_params)
 
     def _reduce_grads(self):
         handles = [self.dp.all_reduce(g.grads[b.start:b.end], tag="grads", async_op=True)
@@ -44,6 +34,21 @@ class ReplicatedEngine(DataParallelEngine):
 
     def state_bytes(self):
         return model_state_bytes(self)
+
+
+def replicated_group(engine: DataParallelEngine, name: str, named_params: list) -> GroupState:
+    """Full parameters, gradients, master and optimizer states on every rank (also stage 3's small ones)."""
+    layout = FlatLayout(named_params, engine.dp.size)
+    params = [p for _, p in named_params]
+    dtype = engine.settings.dtype
+    g = GroupState(name, layout, params, buckets=tuple(layout.buckets(engine.settings.bucket_elements)))
+    g.param_flat = flatten_params(layout, params, dtype, engine.device)
+    g.grads = flatten_grads(layout, params, dtype, engine.device)
+    # fp32 models train their own storage; fp16/bf16 ones get a full fp32 master copy.
+    g.master = g.param_flat if dtype == torch.float32 else g.param_flat.float()
+    # Each DP rank counts its own shard's range, so the norm sums every element once.
+    g.norm_ranges = engine._norm_ranges(layout, offset=layout.shard_range(engine.dp.rank)[0])
+    return g
 
 
 def model_state_bytes(engine: DataParallelEngine) -> dict:

@@ -37,11 +37,11 @@ from functools import partial
 
 import torch
 
+from zero3d.buckets import GradientBuckets
 from zero3d.engine import DataParallelEngine, GroupState, wait_all
-from zero3d.flat import FlatLayout, flatten_grads, flatten_params
+from zero3d.flat import FlatLayout, flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
-from zero3d.stage1 import reduce_to_owners
-from zero3d.stage2 import MAX_BUCKETS_IN_FLIGHT, BucketRun
+from zero3d.stage0 import replicated_group
 
 PERSISTENT = "persistent"
 
@@ -60,20 +60,18 @@ class ParameterShardedEngine(DataParallelEngine):
         self._live = 0
         self.peak_gathered_elements = 0
         super().__init__(model, settings, groups)
-        self._owner_of = {}  # param -> (unit, group name, slot index, bucket index)
+        self.buckets = GradientBuckets(self, [g for u in self.units for g in u.groups],
+                                       overlap=settings.overlap_comm)
+        self._unit_of = {p: u for u in self.units for g in u.groups for p in g.params}
+        for p in self._unit_of:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
         for u in self.units:
-            for g in u.groups:
-                for b in g.buckets:
-                    for i in b.slot_indices:
-                        self._owner_of[g.params[i]] = (u, g.name, i, b.index)
-                        g.params[i].register_post_accumulate_grad_hook(self._on_grad_ready)
             if u.entry_numel:
                 u.module.register_forward_pre_hook(partial(self._pre_forward, u))
                 u.module.register_forward_hook(partial(self._post_forward, u))
         biggest = max((u.entry_numel for u in self.units), default=0)
         # The unit running plus `prefetch_units` ahead (the largest, borrowed units included).
         self.live_budget_elements = (1 + settings.prefetch_units) * biggest
-        self._new_runs()
 
     # ------------------------------------------------------------ layout
 
@@ -92,7 +90,7 @@ class ParameterShardedEngine(DataParallelEngine):
                     u.groups.append(g)
         for decay, kept in persistent.items():
             if kept:
-                out[f"{PERSISTENT}/{decay}"] = self._persistent_group(f"{PERSISTENT}/{decay}", kept)
+                out[f"{PERSISTENT}/{decay}"] = replicated_group(self, f"{PERSISTENT}/{decay}", kept)
         return out
 
     def _sharded_group(self, name, named):
@@ -107,16 +105,6 @@ class ParameterShardedEngine(DataParallelEngine):
         g.norm_ranges = self._norm_ranges(layout, offset=0)
         for p in params:
             p.data = self._empty()
-        return g
-
-    def _persistent_group(self, name, named):
-        layout = FlatLayout(named, self.dp.size)
-        params = [p for _, p in named]
-        g = GroupState(name, layout, params, buckets=tuple(layout.buckets(self.settings.bucket_elements)))
-        g.param_flat = flatten_params(layout, params, self.settings.dtype, self.device)
-        g.grads = flatten_grads(layout, params, self.settings.dtype, self.device)
-        g.master = g.param_flat if g.param_flat.dtype == torch.float32 else g.param_flat.float()
-        g.norm_ranges = self._norm_ranges(layout, offset=layout.shard_range(self.dp.rank)[0])
         return g
 
     def _persistent_groups(self):
@@ -235,15 +223,8 @@ class ParameterShardedEngine(DataParallelEngine):
             super().backward(loss)
         finally:
             self._in_backward = False
-        # Buckets whose parameters got no gradient still reduce, in a fixed order, on every rank.
-        for runs in self._runs.values():
-            for run in runs:
-                if not run.launched:
-                    self._launch(run)
-        while self._in_flight:
-            self._finish(self._in_flight.pop(0))
+        self.buckets.flush()
         self._release_all()
-        self._new_runs()
 
     def gathered_parameters(self) -> dict:
         """Collective: {name: full TP-local tensor} (a copy), for checks and export."""
@@ -261,48 +242,15 @@ class ParameterShardedEngine(DataParallelEngine):
 
     # ------------------------------------------------------------ backward-time reduction
 
-    def _new_runs(self):
-        self._runs = {g.name: [BucketRun(g, b, set(b.slot_indices)) for b in g.buckets]
-                      for u in self.units for g in u.groups}
-        self._in_flight = []
-
     def _on_grad_ready(self, param):
-        unit, name, slot_index, bucket_index = self._owner_of[param]
-        run = self._runs[name][bucket_index]
-        slot = run.group.layout.slots[slot_index]
-        if run.launched or unit.full is None:
-            raise RuntimeError(f"gradient of {slot.name} arrived outside its unit's backward "
+        unit = self._unit_of[param]
+        if unit.full is None:
+            raise RuntimeError("a gradient arrived outside its unit's backward "
                                "(a parameter used in two separate backward passes?)")
-        if run.staging is None:
-            run.staging = torch.zeros(run.bucket.numel, dtype=self.settings.dtype, device=self.device)
-        run.staging[slot.start - run.bucket.start:slot.end - run.bucket.start] += param.grad.view(-1)
-        param.grad = None
-        run.missing.discard(slot_index)
-        if not run.missing:
-            self._launch(run)
+        self.buckets.add(param)
         unit.pending.discard(param)
         if not unit.pending:
             self._release(unit)
-
-    def _launch(self, run):
-        run.launched = True
-        b = run.bucket
-        if run.staging is None:
-            run.staging = torch.zeros(b.numel, dtype=self.settings.dtype, device=self.device)
-        run.handles = reduce_to_owners(self, run.group, run.staging, b.start, b.end,
-                                       async_op=self.settings.overlap_comm)
-        self._in_flight.append(run)
-        while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
-            self._finish(self._in_flight.pop(0))
-
-    def _finish(self, run):
-        wait_all(run.handles)
-        g, b = run.group, run.bucket
-        s0, s1 = g.layout.shard_range(self.dp.rank)
-        lo, hi = max(b.start, s0), min(b.end, s1)
-        if lo < hi:
-            g.grads[lo - s0:hi - s0].add_(run.staging[lo - b.start:hi - b.start], alpha=1.0 / self.dp.size)
-        run.staging = None
 
     # ------------------------------------------------------------ step
 
