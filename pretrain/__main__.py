@@ -5,6 +5,8 @@ import sys
 
 from pretrain.config import ConfigError, load_config, validate_layout
 
+EXIT_REQUEUE = 75
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__)
@@ -42,13 +44,14 @@ def main(argv=None) -> int:
     from pretrain.train import train
     from pretrain.topology import destroy_topology
     try:
-        train(cfg)
+        result = train(cfg)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     finally:
         destroy_topology()
-    return 0
+    # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint; slurm/launch.sbatch requeues.
+    return EXIT_REQUEUE if result["stopped_early"] else 0
 
 
 if __name__ == "__main__":

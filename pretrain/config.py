@@ -98,7 +98,8 @@ class TrainConfig:
     seed: int = 1234
     eval_interval: int = 20  # 0 disables validation
     eval_iters: int = 2
-    save_interval: int = 0  # 0: save only at the end
+    save_interval: int = 0  # 0: save only at the end (and on a stop signal)
+    save_final: bool = True  # false for throughput runs: no multi-TB checkpoint at the last step
     save_dir: Optional[str] = None  # None: <run_dir>/checkpoints
     resume: bool = True  # continue from the latest checkpoint in save_dir when there is one
     timeout_minutes: float = 10.0  # collective timeout: a stuck rank fails instead of hanging
@@ -114,6 +115,7 @@ class LoggingConfig:
     wandb: bool = True
     wandb_project: str = "zero3d"
     wandb_group: Optional[str] = None
+    summary_warmup_steps: int = 10  # steps left out of the run summary's medians (warm-up)
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
+import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ from megatron_patches import disable_zero3d_recompute, route_recompute_to_zero3d
 from pretrain import checkpoint, metrics
 from pretrain.config import Config
 from pretrain.memory_check import check_memory
+from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, build_model, gpt_loss
 from pretrain.topology import Topology, init_topology
 
@@ -142,11 +145,35 @@ def layout_signature(cfg: Config, topo: Topology) -> dict:
                       cfg.model.padded_vocab_size(topo.tp), cfg.model.seq_length, cfg.model.tie_embeddings]}
 
 
+def write_status(run_dir: Path, status: str, reason: str, topo: Topology, steps: int) -> None:
+    """<run_dir>/status.json, read by the collector: ok | interrupted | failed, and why."""
+    if topo.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps({"status": status, "reason": reason, "world_size": topo.world_size,
+                                   "steps": steps}, indent=2))
+        os.replace(tmp, run_dir / "status.json")
+
+
 def train(cfg: Config) -> dict:
-    """Run the configured job; returns the last logged record (rank 0's view) plus a summary."""
+    """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}."""
+    topo = init_topology(cfg)
+    progress = {"step": 0}
+    try:
+        result = run_training(cfg, topo, progress)
+    except BaseException as err:
+        write_status(cfg.run_dir, "failed", f"{type(err).__name__}: {err}".splitlines()[0], topo,
+                     progress["step"])
+        raise
+    stopped = result["stopped_early"]
+    write_status(cfg.run_dir, "interrupted" if stopped else "ok",
+                 "stop signal: checkpoint saved, resume to continue" if stopped else "", topo, result["end_step"])
+    return result
+
+
+def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     from pretrain.data import open_datasets, prepare_files
 
-    topo = init_topology(cfg)
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
@@ -190,6 +217,7 @@ def train(cfg: Config) -> dict:
         loss_value, result = train_step(engine, batches, step, cfg, topo)
         step_time = time.perf_counter() - t0
         step += 1
+        progress["step"] = step
         last = step == cfg.train.steps
         evaluate_now = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last)
         if step % cfg.logging.log_interval == 0 or last or evaluate_now:
@@ -206,11 +234,15 @@ def train(cfg: Config) -> dict:
                 record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
             logger.log(step, record)
         stopping = stop.agreed(topo)
-        if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or last or stopping:
+        if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or stopping \
+                or (last and cfg.train.save_final):
             checkpoint.save(save_dir, step, layout, model, engine, {"config": cfg.to_dict()})
         if stopping:
             break
     stop.restore()
+    if topo.is_main:
+        logger.set_summary(summary_from_records(read_records(run_dir / "metrics.jsonl"),
+                                                cfg.logging.summary_warmup_steps, topo.world_size))
     logger.close()
     disable_zero3d_recompute()
     return {"record": record, "start_step": start, "end_step": step, "stopped_early": step < cfg.train.steps}

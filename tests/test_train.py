@@ -1,5 +1,6 @@
 """The whole training path on the shipped corpus: layouts agree, metrics are complete, resume is exact."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,8 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
         assert required <= row.keys(), required - row.keys()
     assert {"val/loss", "val/ppl"} <= rows[-1].keys()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+    assert json.loads((run_dir / "status.json").read_text()) == {"status": "ok", "reason": "", "world_size": 4,
+                                                                  "steps": 5}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -88,6 +91,23 @@ def test_resume_continues_exactly(tmp_path, data_cache, stage):
         assert resumed[step] == expected[step], step
 
 
+def test_final_checkpoint_can_be_skipped_and_wandb_summary_holds_the_table(tmp_path, data_cache, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run_dir = tmp_path / "run"
+    run_train(2, SMALL + data_cache + ["train.steps=4", "train.save_final=false", "logging.wandb=true",
+                                       "logging.summary_warmup_steps=1", f"logging.run_dir={json.dumps(str(run_dir))}"])
+    assert not (run_dir / "checkpoints").exists()
+    (store,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    store = store.read_bytes()  # protobuf: each summary item's key and JSON value appear verbatim
+    rows = records(run_dir)
+    median = sorted(r["perf/tflops_per_gpu"] for r in rows[1:])[1]  # steps 2-4 (warm-up 1)
+    for key, value in {"summary/tflops_per_gpu": median, "summary/pflops": median * 2 / 1000,
+                       "summary/final_loss": rows[-1]["train/loss"], "summary/world_size": 2}.items():
+        stored = re.search(re.escape(key.encode()) + rb"\x82\x01.([-0-9.eE+]+)", store, re.S)
+        assert stored and float(stored.group(1)) == pytest.approx(value, rel=1e-12), key
+
+
 def test_resume_refuses_another_layout(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     base = SMALL + data_cache + [f"logging.run_dir={json.dumps(str(run_dir))}", "train.steps=2"]
@@ -103,6 +123,9 @@ def test_data_error_reaches_every_rank(tmp_path):
                               f"data.cache_dir={json.dumps(str(tmp_path))}",
                               f"logging.run_dir={json.dumps(str(tmp_path / 'run'))}"])
     assert str(err.value).count("corpus '/nonexistent/corpus.jsonl' does not exist") == 2
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "failed"
+    assert status["reason"] == "DataError: corpus '/nonexistent/corpus.jsonl' does not exist"
 
 
 def _train_with_signal(rank, world_size, overrides, signal_rank, signal_step):
@@ -128,6 +151,7 @@ def test_signal_on_one_rank_stops_all_ranks_at_one_checkpoint(tmp_path, data_cac
     run_ranks(_train_with_signal, 4, base + [f"logging.run_dir={json.dumps(str(stopped))}"], 3, 2, timeout=300)
     assert [r["step"] for r in records(stopped)] == [1, 2, 3]  # stopped after the step it was signalled in
     assert (stopped / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    assert json.loads((stopped / "status.json").read_text())["status"] == "interrupted"
     run_train(4, base + [f"logging.run_dir={json.dumps(str(stopped))}"])  # the requeued job
     expected = {r["step"]: r["train/loss"] for r in records(whole)}
     assert {r["step"]: r["train/loss"] for r in records(stopped)} == expected

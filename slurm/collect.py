@@ -1,0 +1,219 @@
+"""Collects run directories into the paper's scaling table (CSV, markdown, PNG) and the run summaries."""
+import argparse
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from pretrain.summary import read_records, summary_from_records  # noqa: E402
+
+DEFAULT_WARMUP = 10  # steps left out of the medians: allocator growth, NCCL set-up, first-step compiles
+# Only figures the facts sheet states (§4.6, §4.11); all approximate ("over", "about", "under").
+# (figure, system, lowest B, highest B, metric, value, label): a point when lowest == highest, else a span.
+PAPER_FIGURES = [
+    (2, "zero", 100, 100, "tflops_per_gpu", 38.0, ">38 TFLOP/s/GPU at 100B"),
+    (2, "zero", 100, 100, "pflops", 15.0, ">15 PFLOP/s at 100B"),
+    (2, "zero", 8, 100, "pflops", 15.0, "15 PFLOP/s average, 8B-100B"),
+    (2, "baseline", 40, 40, "tflops_per_gpu", 5.0, "Megatron 40B across 2 nodes ~5"),
+    (2, "baseline", 0, 20, "tflops_per_gpu", 30.0, "Megatron within a node ~30"),
+    (7, "zero", 13, 13, "tflops_per_gpu", 40.0, "13B DP-only >40"),
+    (7, "baseline", 1.1, 1.45, "tflops_per_gpu", 20.0, "1.4B DDP <20"),
+]
+OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory|oom[-_]kill", re.IGNORECASE)
+SLURM_END = re.compile(r"CANCELLED AT \S+ DUE TO (TIME LIMIT|PREEMPTION|NODE FAILURE)")
+EXCEPTION = re.compile(r"\b[\w.]*(Error|Exception): ")  # a Python exception line: the cause
+ERROR = re.compile(r"\berror:", re.IGNORECASE)  # srun/slurmstepd errors: the symptom
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes each rank's traceback
+COLUMNS = ["run", "figure", "model", "system", "config", "gpus", "mp", "batch_per_gpu", "global_batch",
+           "params_B", "tflops_per_gpu", "pflops", "peak_mem_GB", "comm_elements_per_step", "steps",
+           "status", "reason"]
+
+
+def param_count(layers: int, hidden: int, vocab: int, seq: int) -> int:
+    """Ψ ≈ 12·L·h² + embeddings (token + position), the paper's size convention (facts §4.5)."""
+    return 12 * layers * hidden * hidden + (vocab + seq) * hidden
+
+
+def system_of(cfg: dict) -> tuple:
+    """("zero" | "baseline", configuration label: C1..C5, DDP or Megatron)."""
+    z, tp = cfg["zero"], cfg["parallel"]["tensor"]
+    if z["stage"] == 0:
+        return "baseline", "DDP" if tp == 1 else "Megatron"
+    if z["stage"] == 1:
+        return "zero", "C2" if z["partition_activations"] else "C1"
+    if z["stage"] == 2:
+        return "zero", "C5" if z["cpu_checkpointing"] else "C4" if z["partition_activations"] else "C3"
+    return "zero", f"stage {z['stage']}"
+
+
+def run_status(run_dir: Path, records: list, total_steps: int) -> tuple:
+    """(status, reason) from status.json (written by the loop), the Slurm log, then the metrics."""
+    logs = sorted(run_dir.glob("slurm-*.out"), key=lambda p: p.stat().st_mtime)
+    log = logs[-1].read_text(errors="replace") if logs else ""
+    oom = next((line.strip() for line in log.splitlines() if OOM.search(line)), None)
+    status_file = run_dir / "status.json"
+    if status_file.is_file():
+        data = json.loads(status_file.read_text())
+        status, reason = data.get("status", "unknown"), data.get("reason", "")
+        if status != "ok" and oom:
+            return "oom", oom[:200]
+        return status, reason
+    if records and records[-1].get("step", 0) >= total_steps:
+        return "ok", "no status.json; every step logged"
+    if oom:
+        return "oom", oom[:200]
+    if end := SLURM_END.search(log):
+        return end.group(1).lower().replace(" ", "_"), end.group(0)
+    if not records and not log:
+        return "missing", "no metrics.jsonl and no Slurm log"
+    lines = log.splitlines()
+    errors = [ln for ln in lines if EXCEPTION.search(ln)] or [ln for ln in lines if ERROR.search(ln)]
+    last = "; " + RANK_PREFIX.sub("", errors[-1].strip())[:200] if errors else ""
+    return "failed", f"no status.json; {len(records)}/{total_steps} steps logged{last}"
+
+
+def load_run_config(run_dir: Path, config_path=None) -> dict:
+    """The resolved config: <run_dir>/config.json (written by launch.sbatch), else the given TOML."""
+    if (run_dir / "config.json").is_file():
+        return json.loads((run_dir / "config.json").read_text())
+    if config_path is None:
+        raise FileNotFoundError(f"{run_dir}: no config.json and no config given")
+    from pretrain.config import load_config
+    return load_config(config_path).to_dict()
+
+
+def collect_run(run_dir, config_path=None, warmup: int = DEFAULT_WARMUP) -> dict:
+    """One table row for a run directory."""
+    run_dir = Path(run_dir)
+    cfg = load_run_config(run_dir, config_path)
+    m, c, t = cfg["model"], cfg["cluster"], cfg["train"]
+    job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").is_file() else {}
+    world = job.get("world_size") or c["nodes"] * c["gpus_per_node"]
+    records = read_records(run_dir / "metrics.jsonl")
+    summary = summary_from_records(records, warmup, world)
+    status, reason = run_status(run_dir, records, t["steps"])
+    system, config = system_of(cfg)
+    name = cfg["logging"]["name"]
+    match = re.fullmatch(r"fig(\d+)_([0-9p]+B)_.*", name)
+    params = param_count(m["num_layers"], m["hidden_size"], m["vocab_size"], m["seq_length"])
+    peak = summary.get("summary/peak_mem_bytes")
+    row = {"run": name, "figure": int(match.group(1)) if match else "",
+           "model": match.group(2).replace("p", ".") if match else _size(params),
+           "system": system, "config": config, "gpus": world, "mp": cfg["parallel"]["tensor"],
+           "batch_per_gpu": t["micro_batch_size"], "global_batch": t["global_batch_size"],
+           "params_B": round(params / 1e9, 3), "tflops_per_gpu": summary.get("summary/tflops_per_gpu"),
+           "pflops": summary.get("summary/pflops"), "peak_mem_GB": peak / 1e9 if peak is not None else None,
+           "comm_elements_per_step": summary.get("summary/comm_elements_per_step"),
+           "steps": summary["summary/steps"], "status": status, "reason": reason}
+    return row
+
+
+def _size(params: int) -> str:
+    return f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
+
+
+def figure_runs(figure, configs_dir: Path = REPO_ROOT / "configs/paper") -> list:
+    """(run_dir, config) for every generated config of a figure (None: all), as runs/<name>."""
+    pattern = "fig*_*.toml" if figure is None else f"fig{figure}_*.toml"
+    return [(REPO_ROOT / "runs" / p.stem, p) for p in sorted(configs_dir.glob(pattern))]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def write_tables(rows: list, out: Path) -> list:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "table.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r[c]).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
+    refs = [f"- figure {f}, {s}: {label} (paper, approx)" for f, s, _, _, _, _, label in PAPER_FIGURES
+            if any(r["figure"] == f for r in rows)]
+    text = "\n".join(lines) + ("\n\nReported in the paper:\n" + "\n".join(refs) if refs else "") + "\n"
+    (out / "table.md").write_text(text)
+    return [out / "table.csv", out / "table.md"]
+
+
+def plot(rows: list, path: Path) -> Path:
+    """Bars of TFLOP/s per GPU and aggregate PFLOP/s per run, ZeRO vs baseline, with the paper's figures."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows, key=lambda r: (r["params_B"], r["gpus"], r["config"], r["system"]))
+    keys = []  # one x position per (model, variant); ZeRO and baseline side by side
+    for r in rows:
+        variant = f"{r['gpus']} GPUs" if r["figure"] == 3 else r["config"] if r["figure"] in (4, 5, 6) else ""
+        r["_x"] = (r["model"], variant)
+        if r["_x"] not in keys:
+            keys.append(r["_x"])
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(keys) + 2), 8), sharex=True)
+    colors = {"zero": "tab:blue", "baseline": "tab:orange"}
+    for ax, metric, label in zip(axes, ("tflops_per_gpu", "pflops"), ("TFLOP/s per GPU", "aggregate PFLOP/s")):
+        for r in rows:
+            x = keys.index(r["_x"]) + (-0.2 if r["system"] == "zero" else 0.2)
+            if r[metric] is not None and r["status"] == "ok":
+                ax.bar(x, r[metric], width=0.4, color=colors[r["system"]])
+            else:
+                ax.text(x, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=8)
+        for figure, system, lo, hi, key, value, text in PAPER_FIGURES:
+            # a point belongs to the run of that size label; a span to the runs inside it (±10%)
+            xs = [keys.index(r["_x"]) for r in rows if key == metric and r["system"] == system
+                  and r["figure"] in (figure, "")
+                  and (r["model"] == f"{lo:g}B" if lo == hi else 0.9 * lo <= r["params_B"] <= 1.1 * hi)]
+            if xs:  # over this system's half of the bars
+                left, right = (-0.4, 0.0) if system == "zero" else (0.0, 0.4)
+                ax.hlines(value, min(xs) + left, max(xs) + right, colors="black", linestyles="--")
+                ax.annotate(text, (min(xs) + left, value), fontsize=7, xytext=(0, 3), textcoords="offset points")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+               + [plt.Line2D([0], [0], color="black", linestyle="--")],
+               labels=["ZeRO (measured)", "baseline (measured)", "paper, approx"], loc="upper center", ncol=3)
+    axes[1].set_xticks(range(len(keys)), [f"{m}\n{v}" if v else m for m, v in keys])
+    axes[1].set_xlabel("model size")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    for r in rows:
+        r.pop("_x", None)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="slurm/collect.py", description=__doc__)
+    parser.add_argument("run_dirs", nargs="*", help="run directories (runs/<name>)")
+    parser.add_argument("--figure", type=int, help="every generated config of this figure, as runs/<name>")
+    parser.add_argument("--all", action="store_true", help="every generated config")
+    parser.add_argument("--out", default="results", help="directory for table.csv, table.md, scaling.png")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="steps left out of the medians")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    runs = [(Path(d), None) for d in args.run_dirs]
+    if args.figure is not None or args.all:
+        runs += figure_runs(args.figure)
+    if not runs:
+        parser.error("give run directories, --figure N or --all")
+    rows = [collect_run(d, cfg, args.warmup) for d, cfg in runs]
+    rows.sort(key=lambda r: (str(r["figure"]), r["params_B"], r["gpus"], r["config"], r["system"]))
+    out = Path(args.out)
+    written = write_tables(rows, out)
+    if not args.no_plot:
+        written.append(plot(rows, out / "scaling.png"))
+    print((out / "table.md").read_text())
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Validates a config and submits it to Slurm through slurm/launch.sbatch (or prints what it would submit)."""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# The repo's own code, not an installed copy (the container's image has one under /workspace).
+sys.path.insert(0, str(REPO_ROOT))
+from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
+
+LAUNCHER = "slurm/launch.sbatch"
+
+
+@dataclass
+class Job:
+    """One sbatch submission: its command line, the environment it adds, and the config it runs."""
+
+    config_path: str
+    overrides: list
+    cfg: Config
+    world_size: int
+    sbatch: list
+    env: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.logging.name
+
+    def command_line(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.sbatch)
+
+
+def build_job(config_path: str, overrides=(), cpu: bool = False, container=None, requeue: bool = False,
+              extra_sbatch=()) -> Job:
+    """Load + validate (world = nodes × gpus_per_node) and build the sbatch command; raises ConfigError."""
+    overrides = list(overrides)
+    cfg = load_config(config_path, overrides)
+    # The job runs in the repo root: name the config relative to it (or absolutely, if outside).
+    path = Path(config_path).resolve()
+    config_path = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+    c = cfg.cluster
+    world = c.nodes * c.gpus_per_node
+    validate_layout(cfg, world)
+    run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
+    sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={c.nodes}",
+              f"--ntasks-per-node={c.gpus_per_node}", f"--time={c.time_limit}",
+              f"--output={run_dir}/slurm-%j.out", f"--chdir={REPO_ROOT}"]
+    if not cpu:
+        # Whole nodes: throughput numbers from shared nodes are not comparable; --mem=0 gives the job
+        # all host memory (Pa+cpu keeps activation checkpoints there).
+        sbatch += [f"--gpus-per-node={c.gpus_per_node}", "--exclusive", "--mem=0"]
+    if c.partition:
+        sbatch.append(f"--partition={c.partition}")
+    sbatch.append("--requeue" if requeue else "--no-requeue")
+    sbatch += list(extra_sbatch)
+    sbatch += [LAUNCHER, str(config_path), *overrides]
+    env = {}
+    if container:
+        env["ZERO3D_CONTAINER"] = container
+    if requeue:
+        env["ZERO3D_REQUEUE"] = "1"
+    notes = []
+    if cfg.parallel.tensor > c.gpus_per_node and cfg.zero.stage > 0:  # baselines cross nodes on purpose
+        # Megatron ranks are consecutive, so TP groups fill nodes; bigger ones cross the network.
+        notes.append(f"parallel.tensor = {cfg.parallel.tensor} > cluster.gpus_per_node = {c.gpus_per_node}: "
+                     "tensor-parallel groups span nodes (the paper keeps ZeRO's inside one node)")
+    return Job(str(config_path), overrides, cfg, world, sbatch, env, notes)
+
+
+def launch_preview(job: Job) -> str:
+    """What launch.sbatch will run for this job, from the script itself in its dry-run mode."""
+    env = dict(os.environ, **job.env, ZERO3D_DRY_RUN="1", SLURM_JOB_ID="0", SLURM_SUBMIT_DIR=str(REPO_ROOT))
+    proc = subprocess.run(["bash", str(REPO_ROOT / LAUNCHER), job.config_path, *job.overrides],
+                          env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{LAUNCHER} dry run failed: {proc.stderr}")
+    return proc.stdout.replace("MASTER_PORT=20000", "MASTER_PORT=<20000 + job id % 20000>")
+
+
+def submit(job: Job) -> str:
+    """Create the run dir (sbatch writes slurm-%j.out there) and submit; returns the job id."""
+    out = next(a for a in job.sbatch if a.startswith("--output=")).split("=", 1)[1]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(job.sbatch, env=dict(os.environ, **job.env), capture_output=True, text=True,
+                          cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
+
+
+def preflight(config_path: str, overrides: list) -> Path:
+    """Inside the job: validate for this allocation, record config.json and job.json, return run_dir."""
+    cfg = load_config(config_path, overrides)
+    world = int(os.environ.get("SLURM_NTASKS", cfg.cluster.nodes * cfg.cluster.gpus_per_node))
+    validate_layout(cfg, world)
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    env = os.environ
+    job = {"job_id": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT", 0)),
+           "nodes": int(env.get("SLURM_JOB_NUM_NODES", cfg.cluster.nodes)), "world_size": world,
+           "nodelist": env.get("SLURM_JOB_NODELIST"), "config": config_path, "overrides": overrides,
+           "container": env.get("ZERO3D_CONTAINER"), "start_time": time.time()}
+    (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
+    return run_dir
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="slurm/submit.py", description=__doc__)
+    parser.add_argument("--config", required=True, help="TOML config; its [cluster] sizes the job")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands and config; submit nothing")
+    parser.add_argument("--cpu", action="store_true",
+                        help="CPU ranks (local test cluster): no --gpus, nodes × gpus_per_node tasks")
+    parser.add_argument("--container", metavar="IMAGE", help="run the ranks in this pyxis/enroot image")
+    parser.add_argument("--requeue", action="store_true",
+                        help="requeue on preemption, or when the ranks exit 75 after a SIGUSR1 checkpoint")
+    parser.add_argument("--sbatch", action="append", default=[], metavar="ARG",
+                        help="extra sbatch argument, e.g. --sbatch=--account=abc (repeatable)")
+    parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # launch.sbatch's own step
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.preflight:
+            print(preflight(args.config, args.overrides))
+            return 0
+        job = build_job(args.config, args.overrides, cpu=args.cpu, container=args.container,
+                        requeue=args.requeue, extra_sbatch=args.sbatch)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    for note in job.notes:
+        print(f"note: {job.name}: {note}", file=sys.stderr)
+    if args.dry_run:
+        print(f"# job {job.name}: {job.cfg.cluster.nodes} node(s) × {job.cfg.cluster.gpus_per_node} "
+              f"{'CPU rank(s)' if args.cpu else 'GPU(s)'} = {job.world_size} ranks")
+        print(f"sbatch:    {job.command_line()}")
+        print(launch_preview(job), end="")
+        print(json.dumps(job.cfg.to_dict(), indent=2))
+        return 0
+    try:
+        job_id = submit(job)
+    except (RuntimeError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(job_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

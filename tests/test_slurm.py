@@ -1,0 +1,199 @@
+"""Slurm launch path on a real single-node Slurm (slurm-wlm), plus the collector and run summaries."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from slurm import collect, submit
+from slurm.local_cluster import LocalCluster, SlurmUnavailable, ensure_installed
+
+REPO = Path(__file__).resolve().parent.parent
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def records(steps, tflops=lambda s: 10.0, **extra):
+    return [{"step": s, "perf/tflops_per_gpu": tflops(s), "perf/tokens_per_s": 100.0 * s,
+             "comm/total/elements": 5.0, "mem/max_allocated_bytes": 1000 * s, "train/loss": 10.0 - s, **extra}
+            for s in range(1, steps + 1)]
+
+
+def test_summary_medians_after_warmup_and_peaks_over_all_steps():
+    recs = records(20, tflops=lambda s: 1.0 if s <= 5 else 30.0 + s % 3)
+    summary = collect.summary_from_records(recs, warmup=5, world_size=400)
+    assert summary["summary/tflops_per_gpu"] == 31.0
+    assert summary["summary/pflops"] == pytest.approx(31.0 * 400 / 1000)
+    assert summary["summary/measured_steps"] == 15 and summary["summary/steps"] == 20
+    assert summary["summary/peak_mem_bytes"] == 20000 and summary["summary/final_loss"] == -10.0
+    assert summary["summary/comm_elements_per_step"] == 5.0 and summary["summary/world_size"] == 400
+    assert "summary/mfu" not in summary  # not logged on CPU: left out, not None
+    short = collect.summary_from_records(records(3), warmup=10, world_size=4)
+    assert short["summary/measured_steps"] == 3  # everything past no warm-up: use all steps
+    assert collect.summary_from_records([], warmup=10, world_size=4)["summary/steps"] == 0
+
+
+def test_resumed_steps_count_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = records(3) + [dict(records(3)[1], **{"perf/tflops_per_gpu": 99.0})]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = collect.read_records(path)
+    assert [r["step"] for r in got] == [1, 2, 3] and got[1]["perf/tflops_per_gpu"] == 99.0
+
+
+def fake_run(root: Path, name: str, config: str, steps=0, log=None, status=None) -> Path:
+    from pretrain.config import load_config
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(load_config(REPO / config).to_dict()))
+    if steps:
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(steps)))
+    if log is not None:
+        (run / "slurm-7.out").write_text(log)
+    if status is not None:
+        (run / "status.json").write_text(json.dumps(status))
+    return run
+
+
+def test_collector_rows_for_ok_oom_failed_and_missing_runs(tmp_path):
+    z, b = "configs/paper/fig2_100B_zero.toml", "configs/paper/fig2_100B_baseline.toml"
+    ok = fake_run(tmp_path, "ok", z, steps=100, status={"status": "ok", "reason": ""})
+    oom = fake_run(tmp_path, "oom", b, steps=1, log="step 1\ntorch.OutOfMemoryError: CUDA out of memory. "
+                   "Tried to allocate 2.00 GiB\n", status={"status": "failed", "reason": "exception"})
+    crash = fake_run(tmp_path, "crash", z, steps=2, log="Traceback\nRuntimeError: NCCL timeout\n")
+    limit = fake_run(tmp_path, "limit", z, steps=50,
+                     log="slurmstepd: error: *** JOB 7 ON n1 CANCELLED AT 2026-01-01T00:00:00 DUE TO TIME LIMIT ***\n")
+    never = fake_run(tmp_path, "never", z)
+    rows = {r.name: collect.collect_run(r, warmup=10) for r in (ok, oom, crash, limit, never)}
+    assert rows["ok"]["status"] == "ok" and rows["ok"]["tflops_per_gpu"] == 10.0
+    assert rows["ok"]["pflops"] == pytest.approx(4.0) and rows["ok"]["gpus"] == 400
+    assert (rows["ok"]["model"], rows["ok"]["system"], rows["ok"]["config"], rows["ok"]["mp"]) == \
+        ("100B", "zero", "C4", 16)
+    assert rows["ok"]["params_B"] == pytest.approx(12 * 125 * 8192**2 / 1e9 + (50257 + 1024) * 8192 / 1e9, abs=1e-3)
+    assert rows["oom"]["status"] == "oom" and "CUDA out of memory" in rows["oom"]["reason"]
+    assert (rows["oom"]["system"], rows["oom"]["config"], rows["oom"]["gpus"]) == ("baseline", "Megatron", 384)
+    assert rows["crash"]["status"] == "failed" and "2/100 steps" in rows["crash"]["reason"]
+    assert "NCCL timeout" in rows["crash"]["reason"]
+    assert rows["limit"]["status"] == "time_limit"
+    assert rows["never"]["status"] == "missing"
+    out = tmp_path / "results"
+    assert collect.main([str(r) for r in (ok, oom, crash, limit, never)] + ["--out", str(out)]) == 0
+    table = (out / "table.md").read_text()
+    assert "| oom | torch.OutOfMemoryError" in table and ">38 TFLOP/s/GPU at 100B" in table
+    assert (out / "scaling.png").stat().st_size > 10_000 and len((out / "table.csv").read_text().splitlines()) == 6
+
+
+def test_launcher_dry_run_with_container(monkeypatch):
+    job = submit.build_job("configs/tiny.toml", ["train.steps=2"], container="/img/zero3d.sqsh", requeue=True)
+    monkeypatch.setenv("ZERO3D_CONTAINER_MOUNTS", "/data:/data")
+    preview = submit.launch_preview(job)
+    assert f"--container-mounts={REPO}:{REPO},/data:/data" in preview
+    assert "--container-image=/img/zero3d.sqsh" in preview and f"--container-workdir={REPO}" in preview
+    assert job.env == {"ZERO3D_CONTAINER": "/img/zero3d.sqsh", "ZERO3D_REQUEUE": "1"} and "--requeue" in job.sbatch
+
+
+# ---------------------------------------------------------------- a real Slurm
+
+
+class SlurmSkipped(RuntimeWarning):
+    """Shown in pytest's warnings summary, so a skipped Slurm test is never a silent pass."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        if os.geteuid() != 0:  # slurmd starts job steps as their owner: it runs as root
+            raise SlurmUnavailable("the local slurmd needs root (run the tests as root, as CI does)")
+        ensure_installed()
+    except SlurmUnavailable as err:
+        warnings.warn(SlurmSkipped(f"Slurm tests skipped: {err}"))
+        pytest.skip(f"no Slurm on this machine: {err}")
+    local = LocalCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        local.start()
+        yield local
+    finally:
+        local.stop()
+
+
+def wait_for(cluster: LocalCluster, job_id: str, log_glob: Path, timeout: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(),
+                             capture_output=True, text=True).stdout
+        fields = dict(re.findall(r"(\w+)=(\S*)", out))
+        if fields.get("JobState") in TERMINAL:
+            return fields
+        if time.monotonic() > deadline:
+            logs = "\n".join(p.read_text(errors="replace")[-4000:] for p in log_glob.parent.glob(log_glob.name))
+            subprocess.run(["scancel", job_id], env=cluster.env())
+            pytest.fail(f"job {job_id} not finished after {timeout:.0f}s ({fields.get('JobState')})\n{logs}\n"
+                        f"{cluster.logs()}")
+        time.sleep(1)
+
+
+@pytest.mark.timeout(420)
+def test_tiny_config_trains_through_sbatch_and_srun(cluster, tmp_path):
+    env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
+    jobs = {}
+    for name, extra in (("ok", []), ("broken", ["data.corpus=/nonexistent/corpus.jsonl"])):
+        run_dir = tmp_path / name
+        cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
+               "logging.wandb=false", f"logging.run_dir={run_dir}", *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        jobs[name] = (proc.stdout.strip(), run_dir)
+    states = {name: wait_for(cluster, job_id, run_dir / "slurm-*.out") for name, (job_id, run_dir) in jobs.items()}
+
+    job_id, run_dir = jobs["ok"]
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert states["ok"]["JobState"] == "COMPLETED" and states["ok"]["ExitCode"] == "0:0", log
+    assert states["ok"]["NumTasks"] == "4"
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4], log
+    job = json.loads((run_dir / "job.json").read_text())
+    assert (job["job_id"], job["world_size"], job["nodes"]) == (job_id, 4, 1)
+    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 4
+    row = collect.collect_run(run_dir, warmup=1)
+    assert (row["status"], row["gpus"], row["mp"], row["steps"], row["config"]) == ("ok", 4, 2, 4, "C3")
+    assert row["tflops_per_gpu"] > 0 and row["peak_mem_GB"] > 0 and row["comm_elements_per_step"] > 0
+
+    job_id, run_dir = jobs["broken"]
+    assert states["broken"]["JobState"] == "FAILED"
+    row = collect.collect_run(run_dir, warmup=1)
+    assert (row["status"], row["reason"]) == ("failed", "DataError: corpus '/nonexistent/corpus.jsonl' does not exist")
+
+
+@pytest.mark.timeout(300)
+def test_exit_75_requeues_the_job_and_it_continues(cluster, tmp_path):
+    # A stand-in interpreter: the "training" exits 75 (checkpoint saved on SIGUSR1) in the first
+    # allocation and 0 after the requeue; the preflight goes to the real Python.
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+if [[ $1 == -m ]]; then echo "rank $SLURM_PROCID restart ${{SLURM_RESTART_COUNT:-0}}"
+    [[ ${{SLURM_RESTART_COUNT:-0}} == 0 ]] && exit 75; exit 0; fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    run_dir = tmp_path / "run"
+    env = cluster.env(dict(os.environ, ZERO3D_PYTHON=str(fake)))
+    proc = subprocess.run([sys.executable, "slurm/submit.py", "--cpu", "--requeue", "--config", "configs/tiny.toml",
+                           f"logging.run_dir={run_dir}"], env=env, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    deadline = time.monotonic() + 120
+    while "Restarts=1" not in (show := subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(),
+                                                      capture_output=True, text=True).stdout):
+        assert time.monotonic() < deadline and "JobState=COMPLETED" not in show, show
+        time.sleep(0.5)
+    # Slurm holds a requeued job back for a while (BeginTime); release it now.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env(), check=True)
+    state = wait_for(cluster, job_id, run_dir / "slurm-*.out", timeout=120)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log
+    assert "requeueing job" in log and "rank 0 restart 0" in log and "rank 0 restart 1" in log  # one log, appended
+    assert json.loads((run_dir / "job.json").read_text())["restart"] == 1
