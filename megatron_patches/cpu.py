@@ -53,6 +53,17 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+class _TorchWithCpuFactories:
+    """The `torch` module as pipeline schedules see it: factories asking for "cuda" get the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
@@ -63,6 +74,7 @@ def apply_cpu_patches() -> None:
     if _applied:
         return
     import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
 
     # ~175 megatron call sites allocate on torch.cuda.current_device() (global memory buffer too).
@@ -77,6 +89,12 @@ def apply_cpu_patches() -> None:
     mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     # model_parallel_cuda_manual_seed seeds the CUDA generator; on CPU that is the CPU one.
     torch.cuda.manual_seed = torch.manual_seed
+    # Pipeline p2p synchronises the CUDA device after each exchange: nothing to wait for on CPU.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    # Tied embeddings across pipeline stages move the weight with .cuda() before all-reducing it.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # The schedules count tokens in torch.zeros(..., device="cuda").
+    schedules.torch = _TorchWithCpuFactories()
     _applied = True
 
 

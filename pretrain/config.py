@@ -263,9 +263,13 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     for key in ("hidden_dropout", "attention_dropout"):
         _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} = {getattr(m, key)} must be in [0, 1)")
     _require(p.tensor >= 1, f"parallel.tensor = {p.tensor} is invalid; must be >= 1")
-    _require(p.pipeline == 1,
-             f"parallel.pipeline = {p.pipeline} is not supported: zero3d's training loop runs "
-             "pipeline-parallel size 1 (tensor × data parallelism); set parallel.pipeline = 1")
+    _require(p.pipeline >= 1, f"parallel.pipeline = {p.pipeline} is invalid; must be >= 1")
+    _require(m.num_layers % p.pipeline == 0,
+             f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}")
+    _require(z.stage != 3 or p.pipeline == 1,
+             f"zero.stage = 3 with parallel.pipeline = {p.pipeline} is not supported: stage 3 gathers "
+             "parameters around each module's forward and backward, which megatron's pipeline schedule "
+             "interleaves across micro-batches; use zero.stage <= 2 with pipeline parallelism")
     _require(m.num_attention_heads % p.tensor == 0,
              f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
              f"parallel.tensor = {p.tensor}")

@@ -9,9 +9,11 @@ from zero3d.estimate import GB, MemoryBreakdown, estimate_from_shape, format_bre
 def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
     """zero3d's estimator for this config's model, layout and ZeRO settings."""
     m, z = cfg.model, cfg.zero
+    # Pipeline stages: one stage's layers, with both the embeddings and the output layer counted
+    # (the first and last stages hold one each: an upper bound for either).
     return estimate_from_shape(
-        layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, vocab=m.vocab_size,
-        seq=m.seq_length, gpus=world_size, tp=cfg.parallel.tensor, stage=z.stage,
+        layers=m.num_layers // cfg.parallel.pipeline, hidden=m.hidden_size, heads=m.num_attention_heads, vocab=m.vocab_size,
+        seq=m.seq_length, gpus=world_size // cfg.parallel.pipeline, tp=cfg.parallel.tensor, stage=z.stage,
         micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, pa=z.partition_activations,
         pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
         tied=m.tie_embeddings, prefetch_units=z.prefetch_units, ffn_hidden=m.ffn_hidden_size,
@@ -19,8 +21,9 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
 
 
 def describe(cfg: Config, world_size: int) -> str:
+    p = cfg.parallel
     return (f"{cfg.model.num_layers} layers × hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}; "
-            f"{world_size} ranks = TP {cfg.parallel.tensor} × DP {world_size // cfg.parallel.tensor}; "
+            f"{world_size} ranks = TP {p.tensor} × PP {p.pipeline} × DP {world_size // (p.tensor * p.pipeline)}; "
             f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}")
 
 

@@ -27,6 +27,7 @@ def transformer_config(cfg: Config, on_cuda: bool):
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_size, tensor_model_parallel_size=cfg.parallel.tensor,
+        pipeline_model_parallel_size=cfg.parallel.pipeline, pipeline_dtype=DTYPES[dtype],
         sequence_parallel=cfg.parallel.sequence_parallel,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, params_dtype=DTYPES[dtype],
@@ -41,20 +42,41 @@ def transformer_config(cfg: Config, on_cuda: bool):
 
 
 def build_model(cfg: Config, device: torch.device):
-    """The TP-local GPTModel on `device`, in the training dtype."""
+    """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     on_cuda = device.type == "cuda"
     model = GPTModel(config=transformer_config(cfg, on_cuda), transformer_layer_spec=layer_spec(on_cuda),
                      vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                      max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
-                     share_embeddings_and_output_weights=cfg.model.tie_embeddings)
+                     share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     # As Megatron's Float16Module does: every parameter in the training dtype (layer norms too).
     return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
 
 
-def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of a [batch, seq+1] token block (megatron's vocab-parallel cross entropy)."""
+def parallel_groups(model, topo):
+    """The engine's view of the layout; with pipeline stages, the word embeddings tied to the last
+    stage's output layer are summed over megatron's embedding group, and counted once in the norm."""
+    import zero3d
+    from megatron.core import parallel_state
+    tied, excluded = {}, frozenset()
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    if topo.pp > 1 and weight is not None:  # middle stages hold no copy
+        tied = {weight: parallel_state.get_embedding_group()}
+        excluded = frozenset([weight]) if getattr(weight, "shared", False) else frozenset()  # last stage's copy
+    return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded)
+
+
+def gpt_inputs(tokens: torch.Tensor):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
+    return inputs, positions, labels
+
+
+def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of a [batch, seq+1] token block (megatron's vocab-parallel cross entropy)."""
+    inputs, positions, labels = gpt_inputs(tokens)
     per_token = model(inputs, positions, None, labels=labels)
     return per_token.float().mean()

@@ -1,4 +1,4 @@
-"""Process layout: torch.distributed from torchrun or Slurm, then megatron's TP × DP groups."""
+"""Process layout: torch.distributed from torchrun or Slurm, then megatron's TP × PP × DP groups."""
 import os
 import re
 import socket
@@ -18,17 +18,25 @@ class Topology:
     world_size: int
     local_rank: int
     tp: int
+    pp: int
     dp: int
     tp_rank: int
+    pp_rank: int
     dp_rank: int
     grad_accum: int
     device: torch.device
     dp_group: object
     tp_group: object
+    pp_group: object
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """The pipeline stage that computes the loss (every rank when pp = 1)."""
+        return self.pp_rank == self.pp - 1
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -90,12 +98,14 @@ def init_topology(cfg: Config) -> Topology:
     # megatron seeds only the CUDA generators: the CPU one is seeded here, identically on every rank.
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)
+    ps = parallel_state
     return Topology(rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
-                    tp=cfg.parallel.tensor, dp=parallel_state.get_data_parallel_world_size(),
-                    tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                    dp_rank=parallel_state.get_data_parallel_rank(), grad_accum=grad_accum,
-                    device=device, dp_group=parallel_state.get_data_parallel_group(),
-                    tp_group=parallel_state.get_tensor_model_parallel_group())
+                    tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
+                    tp_rank=ps.get_tensor_model_parallel_rank(),
+                    pp_rank=ps.get_pipeline_model_parallel_rank(),
+                    dp_rank=ps.get_data_parallel_rank(), grad_accum=grad_accum, device=device,
+                    dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+                    pp_group=ps.get_pipeline_model_parallel_group())
 
 
 def destroy_topology() -> None:

@@ -15,7 +15,8 @@ from pretrain import checkpoint, metrics
 from pretrain.config import Config
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model import DTYPES, build_model, gpt_loss
+from pretrain.model import DTYPES, build_model, gpt_loss, parallel_groups
+from pretrain.pipeline import pipeline_micro_batches
 from pretrain.topology import Topology, init_topology
 
 
@@ -71,15 +72,29 @@ class Batches:
         return tokens.to(self.topo.device)
 
 
-def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss over DP, StepResult)."""
+def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, forward_only=False) -> list:
+    """Forward (and backward, loss ÷ accumulation) of each micro-batch; returns this rank's losses
+    (none on pipeline stages that do not compute the loss)."""
+    if topo.pp > 1:
+        return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only)
     losses = []
-    for micro in range(topo.grad_accum):
-        loss = gpt_loss(engine, batches.get(step, micro))
-        engine.backward(loss / topo.grad_accum)
+    for tokens in micro_batches:
+        loss = gpt_loss(engine, tokens)
+        if not forward_only:
+            engine.backward(loss / len(micro_batches))
         losses.append(loss.detach())
+    return losses
+
+
+def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Topology) -> list:
+    return run_micro_batches(engine, [batches.get(step, i) for i in range(topo.grad_accum)], cfg, topo)
+
+
+def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology):
+    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult)."""
+    losses = forward_backward(engine, batches, step, cfg, topo)
     result = engine.step(lr_at(step, cfg))
-    loss_value = mean_over_dp(losses, topo)
+    loss_value = mean_loss(losses, topo)
     if topo.device.type == "cuda":
         torch.cuda.synchronize()
     return loss_value, result
@@ -111,23 +126,28 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def mean_over_dp(values: list[torch.Tensor], topo: Topology) -> float:
-    total = torch.stack(values).double().sum().reshape(1)
-    dist.all_reduce(total, group=topo.dp_group)
-    return total.item() / (len(values) * topo.dp)
+def mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
+    """The mean over micro-batches and DP ranks, computed on the last pipeline stage, known to all."""
+    value = torch.zeros(1, dtype=torch.float64, device=topo.device)
+    if topo.is_last_stage:
+        value += torch.stack(losses).double().sum()
+        dist.all_reduce(value, group=topo.dp_group)
+        value /= len(losses) * topo.dp
+    if topo.pp > 1:
+        from megatron.core import parallel_state
+        dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=topo.pp_group)
+    return value.item()
 
 
 @torch.no_grad()
 def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     engine.eval()
     n = cfg.train.micro_batch_size
-    losses = []
-    for i in range(cfg.train.eval_iters):
-        first = (i * topo.dp + topo.dp_rank) * n
-        tokens = torch.stack([valid.sample(first + j) for j in range(n)]).to(topo.device)
-        losses.append(gpt_loss(engine, tokens))
+    micro_batches = [torch.stack([valid.sample((i * topo.dp + topo.dp_rank) * n + j) for j in range(n)])
+                     .to(topo.device) for i in range(cfg.train.eval_iters)]
+    losses = run_micro_batches(engine, micro_batches, cfg, topo, forward_only=True)
     engine.train()
-    return mean_over_dp(losses, topo)
+    return mean_loss(losses, topo)
 
 
 def route_activation_checkpoints(cfg: Config, topo: Topology, engine):
@@ -139,7 +159,7 @@ def route_activation_checkpoints(cfg: Config, topo: Topology, engine):
 
 def layout_signature(cfg: Config, topo: Topology) -> dict:
     """What a checkpoint's shards depend on; resume refuses a mismatch."""
-    return {"world_size": topo.world_size, "tensor": topo.tp, "data": topo.dp,
+    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp,
             "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
             "model": [cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads,
                       cfg.model.padded_vocab_size(topo.tp), cfg.model.seq_length, cfg.model.tie_embeddings]}
@@ -186,8 +206,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                           seed=cfg.train.seed, model_vocab_size=m.vocab_size)
 
     model = build_model(cfg, topo.device)
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
-                               zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
     activations = route_activation_checkpoints(cfg, topo, engine)
     layout = layout_signature(cfg, topo)
     start = 0

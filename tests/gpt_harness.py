@@ -1,13 +1,16 @@
 """Shared test body: a few training steps of a tiny megatron GPTModel under zero3d, on synthetic tokens."""
+import re
+import zlib
+
 import torch
 import torch.distributed as dist
 
 import zero3d
 from pretrain.config import load_config
-from pretrain.model import build_model, gpt_loss
+from pretrain.model import build_model, parallel_groups
 from pretrain.topology import init_topology
 from megatron_patches import disable_zero3d_recompute
-from pretrain.train import Batches, engine_settings, mean_over_dp, route_activation_checkpoints
+from pretrain.train import Batches, engine_settings, forward_backward, mean_loss, route_activation_checkpoints
 
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -28,33 +31,48 @@ class SyntheticTokens:
         return (start + (stride % 7 + 1) * torch.arange(self.seq_length + 1)) % self.vocab
 
 
-def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
+def init_by_global_name(model) -> None:
+    """Draw every weight from a generator seeded by its global name (layer number, not the stage's
+    local index; a tied output layer is the word embedding), so any pipeline split of the model
+    starts from the same weights. Whole tensors: TP = 1 only."""
+    for name, p in model.named_parameters():
+        key = name
+        if (m := re.match(r"decoder\.layers\.(\d+)\.(.*)", name)):
+            key = f"layer{model.decoder.layers[int(m[1])].layer_number}.{m[2]}"
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            key = "embedding.word_embeddings.weight"
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        with torch.no_grad():
+            if p.dim() > 1:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            else:
+                p.fill_(1.0 if "layernorm.weight" in name else 0.0)
+
+
+def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout_free_init=False):
     """Train `steps` steps; returns losses, grad norms, skips, final TP-local params, bytes, comm."""
     cfg = load_config(None, BASE + list(overrides))
     topo = init_topology(cfg)
     model = build_model(cfg, topo.device)
+    if layout_free_init:
+        init_by_global_name(model)
     # Counted before wrapping: stage 3 frees the parameters' own storage.
     psi = sum(p.numel() for p in model.parameters())
     # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
     group_numels = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
                     "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
-                               zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
     activations = route_activation_checkpoints(cfg, topo, engine)
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
     out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
            "param_checksum": []}
     for step in range(steps):
         engine.comm_stats.reset()
-        losses = []
-        for micro in range(topo.grad_accum):
-            loss = gpt_loss(engine, batches.get(step, micro))
-            engine.backward(loss / topo.grad_accum)
-            losses.append(loss.detach())
+        losses = forward_backward(engine, batches, step, cfg, topo)
         if inject_inf_at is not None and step == inject_inf_at[0] and topo.rank == inject_inf_at[1]:
             poison_gradients(engine)
         result = engine.step(cfg.optimizer.lr)
-        out["loss"].append(mean_over_dp(losses, topo))
+        out["loss"].append(mean_loss(losses, topo))
         out["grad_norm"].append(result.grad_norm)
         out["skipped"].append(result.skipped)
         out["loss_scale"].append(result.loss_scale)
@@ -63,7 +81,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None):
         out["param_checksum"].append(sum(p.double().sum().item() for p in full_params(engine).values()))
     out["params"] = {n: p.detach().float().clone() for n, p in full_params(engine).items()}
     out["state_bytes"] = engine.state_bytes()
-    out["tp_rank"], out["dp_rank"] = topo.tp_rank, topo.dp_rank
+    out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
     out["psi"], out["group_numels"] = psi, group_numels
     out["activations"] = activations.report() if activations else {}
     disable_zero3d_recompute()

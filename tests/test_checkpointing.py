@@ -14,7 +14,7 @@ from megatron_patches.recompute import routed_acts, zero3d_recompute
 from pretrain.config import load_config
 from pretrain.model import build_model, gpt_loss
 from pretrain.topology import init_topology
-from pretrain.train import Batches, engine_settings, mean_over_dp
+from pretrain.train import Batches, engine_settings, mean_loss
 from zero3d.checkpointing import ActivationCheckpointing, checkpoint
 
 SEED = 1234
@@ -144,7 +144,7 @@ def engine_rank(rank, world_size, tp, steps):
                     engine.backward(loss / topo.grad_accum)
                     losses.append(loss.detach())
                 result = engine.step(cfg.optimizer.lr)
-                run["loss"].append(mean_over_dp(losses, topo))
+                run["loss"].append(mean_loss(losses, topo))
                 run["grad_norm"].append(result.grad_norm)
                 run["act_comm"].append(engine.comm_stats.report().get("comm/all_gather/activations/elements", 0))
                 run["dp_comm"].append(engine.comm_stats.total(("grads", "params")))

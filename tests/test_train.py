@@ -108,6 +108,18 @@ def test_final_checkpoint_can_be_skipped_and_wandb_summary_holds_the_table(tmp_p
         assert stored and float(stored.group(1)) == pytest.approx(value, rel=1e-12), key
 
 
+def test_pipeline_run_logs_and_resumes(tmp_path, data_cache):
+    """TP 2 × PP 2 through the real loop: loss on every rank's log, eval, exact resume."""
+    base = SMALL + data_cache + ["parallel.tensor=2", "parallel.pipeline=2", "zero.stage=1", "train.save_interval=2"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run_train(4, base + ["train.steps=4", f"logging.run_dir={json.dumps(str(whole))}"])
+    run_train(4, base + ["train.steps=2", "optimizer.decay_steps=4", f"logging.run_dir={json.dumps(str(split))}"])
+    run_train(4, base + ["train.steps=4", f"logging.run_dir={json.dumps(str(split))}"])
+    rows = records(whole)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "val/loss" in rows[-1]
+    assert {r["step"]: r["train/loss"] for r in records(split)} == {r["step"]: r["train/loss"] for r in rows}
+
+
 def test_resume_refuses_another_layout(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     base = SMALL + data_cache + [f"logging.run_dir={json.dumps(str(run_dir))}", "train.steps=2"]

@@ -20,13 +20,15 @@ class BucketRun:
     missing: set
     staging: Optional[torch.Tensor] = None
     handles: list = field(default_factory=list)
-    launched: bool = False
 
 
 class GradientBuckets:
     """Each arriving gradient is added into its bucket's staging buffer and freed; a complete bucket
     is reduced to the ranks owning its elements (asynchronously when `overlap`), and on completion
-    each rank adds its piece, ÷N_d, into the group's gradient shard (so micro-batches accumulate)."""
+    each rank adds its piece, ÷N_d, into the group's gradient shard (so micro-batches accumulate).
+
+    A launched bucket is replaced by a fresh one at once, so a bucket may complete once per
+    micro-batch inside a pipeline schedule that calls flush() only at the end of the step."""
 
     def __init__(self, engine, groups: list[GroupState], overlap: bool):
         self.engine, self.groups, self.overlap = engine, groups, overlap
@@ -47,21 +49,19 @@ class GradientBuckets:
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
         slot = run.group.layout.slots[slot_index]
-        if run.launched:
-            raise RuntimeError(f"gradient of {slot.name} arrived after its bucket was reduced "
-                               "(a parameter used in two separate backward passes?)")
         self._staging(run)[slot.start - run.bucket.start:slot.end - run.bucket.start] += param.grad.view(-1)
         param.grad = None
         run.missing.discard(slot_index)
         if not run.missing:
+            self.runs[name][bucket_index] = BucketRun(run.group, run.bucket, set(run.bucket.slot_indices))
             self._launch(run)
 
     def flush(self) -> None:
-        """End of backward: buckets whose parameters got no gradient still reduce, in a fixed order,
-        so every rank issues the same collectives; then wait for all of them."""
+        """End of backward: buckets holding gradients of a partly used bucket reduce now, in a fixed
+        order (the DP ranks run the same graph, so they agree on which); then wait for all."""
         for runs in self.runs.values():
             for run in runs:
-                if not run.launched:
+                if run.staging is not None:
                     self._launch(run)
         while self.in_flight:
             self._finish(self.in_flight.pop(0))
@@ -76,7 +76,6 @@ class GradientBuckets:
         return run.staging
 
     def _launch(self, run: BucketRun) -> None:
-        run.launched = True
         b = run.bucket
         run.handles = reduce_to_owners(self.engine, run.group, self._staging(run), b.start, b.end, self.overlap)
         self.in_flight.append(run)

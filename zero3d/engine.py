@@ -1,6 +1,6 @@
 """The data-parallel interface the training loop uses; each ZeRO stage is one small subclass."""
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -37,6 +37,10 @@ class ParallelGroups:
     dp_group: object
     tp_rank: int = 0
     world_group: object = None  # every rank that holds a piece of the gradient norm (DP × TP × PP)
+    # Weights with a copy on other ranks (tied embeddings across pipeline stages): param -> the
+    # group holding the copies; their gradients are summed over it before the DP reduction.
+    tied: dict = field(default_factory=dict)
+    norm_excluded: frozenset = frozenset()  # copies whose twin already counts in the norm
 
 
 @dataclass
@@ -76,6 +80,8 @@ class DataParallelEngine:
         self.dp = Comm(groups.dp_group, self.comm_stats)
         self.world = Comm(groups.world_group, self.comm_stats)
         self.tp_rank = groups.tp_rank
+        self.tied = {p: Comm(group, self.comm_stats) for p, group in groups.tied.items()}
+        self._norm_excluded = {n for n, p in model.named_parameters() if p in groups.norm_excluded}
         self.device = next(model.parameters()).device
         self.scaler = settings.loss_scaler or NoScaler()
         self.groups = self._build_groups(param_groups(model))
@@ -93,7 +99,18 @@ class DataParallelEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; `loss` is already divided by the accumulation steps."""
-        (loss * self.scaler.scale).backward()
+        self.scale_loss(loss).backward()
+        self.finish_backward()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """fp16: the loss times the dynamic scale (a pipeline schedule calls this itself)."""
+        return loss * self.scaler.scale
+
+    def finish_backward(self) -> None:
+        """After backward: sum tied weights' gradients over their copies (once per step under a
+        pipeline schedule, where it runs as megatron's finalize_model_grads_func)."""
+        for p, comm in self.tied.items():
+            comm.all_reduce(p.grad, tag="tied_grads")
 
     def step(self, lr: float) -> StepResult:
         """Reduce, unscale, norm, clip, update, publish; every rank takes the same decision."""
@@ -134,7 +151,7 @@ class DataParallelEngine:
     def _norm_ranges(self, layout: FlatLayout, offset: int) -> tuple:
         """Ranges of this rank's shard to count: TP-duplicated parameters count on TP rank 0 only."""
         return tuple((offset + lo, offset + hi) for slot, lo, hi in layout.slots_in_shard(self.dp.rank)
-                     if slot.tp_partitioned or self.tp_rank == 0)
+                     if (slot.tp_partitioned or self.tp_rank == 0) and slot.name not in self._norm_excluded)
 
     def _global_grad_norm(self, master_grads: dict) -> float:
         local = torch.zeros(1, dtype=torch.float64, device=self.device)

@@ -16,8 +16,9 @@ class GradientShardedEngine(DataParallelEngine):
     def __init__(self, model, settings, groups):
         super().__init__(model, settings, groups)
         self.buckets = GradientBuckets(self, list(self.groups.values()), overlap=settings.overlap_comm)
+        self._tied_grads = {}  # tied weight -> its gradient of this step, summed over copies at the end
         for p in self.buckets.location:
-            p.register_post_accumulate_grad_hook(self.buckets.add)
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def _build_group(self, name, named_params):
         layout = FlatLayout(named_params, self.dp.size)
@@ -33,8 +34,20 @@ class GradientShardedEngine(DataParallelEngine):
     def staging_bytes_peak(self) -> int:
         return self.buckets.staging_bytes_peak
 
-    def backward(self, loss):
-        super().backward(loss)
+    def _on_grad_ready(self, param):
+        if param in self.tied:  # held whole until its copies on other stages are added (finish_backward)
+            held = self._tied_grads.get(param)
+            self._tied_grads[param] = param.grad if held is None else held.add_(param.grad)
+            param.grad = None
+            return
+        self.buckets.add(param)
+
+    def finish_backward(self):
+        for p, comm in self.tied.items():
+            grad = self._tied_grads.pop(p, None)
+            p.grad = torch.zeros_like(p) if grad is None else grad
+            comm.all_reduce(p.grad, tag="tied_grads")
+            self.buckets.add(p)
         self.buckets.flush()
 
     def _reduce_grads(self):

@@ -52,6 +52,9 @@ class ParameterShardedEngine(DataParallelEngine):
     stage = 3
 
     def __init__(self, model, settings, groups):
+        if groups.tied:
+            raise ValueError("ZeRO stage 3 does not support weights tied across pipeline stages "
+                             "(pipeline parallelism); use zero.stage <= 2 or parallel.pipeline = 1")
         self.units = build_units(model)
         self._order = None  # unit indices in the first forward's execution order
         self._recording = None

@@ -1,0 +1,35 @@
+"""Micro-batches through megatron-core's pipeline schedule (1F1B), with zero3d's engine doing the rest."""
+import torch
+
+from pretrain.model import gpt_inputs
+
+
+def pipeline_micro_batches(engine, micro_batches: list[torch.Tensor], seq_length: int,
+                           forward_only: bool) -> list[torch.Tensor]:
+    """Forward (and backward) of all micro-batches across the pipeline stages.
+
+    megatron's schedule runs backward itself: the engine scales the loss (grad_scale_func) and
+    finishes the step's backward once all micro-batches are done (finalize_model_grads_func:
+    tied-embedding sums and, for stage 2, the last buckets). Returns the per-micro-batch losses
+    on the last stage, nothing elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = engine.model.config
+    config.grad_scale_func = engine.scale_loss
+    config.finalize_model_grads_func = lambda *args, **kwargs: engine.finish_backward()
+
+    def forward_step(data_iterator, model):
+        inputs, positions, labels = gpt_inputs(next(data_iterator))  # middle stages ignore them
+        output = engine(inputs, positions, None, labels=labels)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach().clone()}  # megatron then divides `loss` in place
+        return output, loss_func
+
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=engine.model,
+        num_microbatches=len(micro_batches), seq_length=seq_length,
+        micro_batch_size=micro_batches[0].shape[0], forward_only=forward_only)
+    return [r["loss"] for r in results]
