@@ -1,5 +1,6 @@
 """CPU mode: lets megatron-core's GPTModel build, run and recompute on CPU ranks under gloo."""
 import contextlib
+import copy
 
 import torch
 
@@ -64,6 +65,20 @@ class _TorchWithCpuFactories:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def _norm_allowing_sequence_parallel(original_new):
+    """megatron's torch-norm fallback, tagging its weights `sequence_parallel` like apex's FusedLayerNorm."""
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True  # each TP rank saw a sequence slice: grads summed over TP
+        return norm
+    return __new__
+
+
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
@@ -76,6 +91,7 @@ def apply_cpu_patches() -> None:
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     # ~175 megatron call sites allocate on torch.cuda.current_device() (global memory buffer too).
     torch.cuda.current_device = lambda: "cpu"
@@ -95,6 +111,9 @@ def apply_cpu_patches() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     # The schedules count tokens in torch.zeros(..., device="cuda").
     schedules.torch = _TorchWithCpuFactories()
+    # Sequence parallelism: the torch LayerNorm fallback (no apex on CPU) refuses it only for want
+    # of the `sequence_parallel` tag on its weights, which the fused norms set.
+    WrappedTorchNorm.__new__ = staticmethod(_norm_allowing_sequence_parallel(WrappedTorchNorm.__new__))
     _applied = True
 
 

@@ -279,9 +279,13 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}")
     _require(not (p.sequence_parallel and p.tensor == 1),
              "parallel.sequence_parallel = true needs parallel.tensor > 1")
-    _require(not p.sequence_parallel,
-             "parallel.sequence_parallel = true is not supported yet: zero3d does not all-reduce "
-             "the sequence-parallel layer-norm gradients over the TP group; set it to false")
+    _require(not (p.sequence_parallel and z.stage == 3),
+             "parallel.sequence_parallel = true with zero.stage = 3 is not supported: the sequence-parallel "
+             "layer-norm gradients must be summed over the TP group before stage 3 buckets them")
+    _require(not (p.sequence_parallel and z.partition_activations),
+             "parallel.sequence_parallel = true with zero.partition_activations = true is refused: with "
+             "sequence parallelism each TP rank already stores only its 1/TP of every checkpoint, so Pa "
+             "would partition it twice")
     _require(z.bucket_elements > 0, f"zero.bucket_elements = {z.bucket_elements} must be > 0")
     _require(z.prefetch_units >= 0, f"zero.prefetch_units = {z.prefetch_units} must be >= 0")
     _require(z.param_persistence_threshold >= 0,

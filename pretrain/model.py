@@ -57,8 +57,9 @@ def build_model(cfg: Config, device: torch.device):
 
 
 def parallel_groups(model, topo):
-    """The engine's view of the layout; with pipeline stages, the word embeddings tied to the last
-    stage's output layer are summed over megatron's embedding group, and counted once in the norm."""
+    """The engine's view of the layout. Gradients summed over another group before the DP reduction:
+    word embeddings tied to the last pipeline stage's output layer (megatron's embedding group;
+    counted once in the norm) and sequence-parallel layer norms / biases (the TP group)."""
     import zero3d
     from megatron.core import parallel_state
     tied, excluded = {}, frozenset()
@@ -66,6 +67,9 @@ def parallel_groups(model, topo):
     if topo.pp > 1 and weight is not None:  # middle stages hold no copy
         tied = {weight: parallel_state.get_embedding_group()}
         excluded = frozenset([weight]) if getattr(weight, "shared", False) else frozenset()  # last stage's copy
+    if model.config.sequence_parallel:  # each TP rank saw a sequence slice: its grad is a partial sum
+        tied.update({p: parallel_state.get_tensor_model_parallel_group()
+                     for p in model.parameters() if getattr(p, "sequence_parallel", False)})
     return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded)
 
 

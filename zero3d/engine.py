@@ -37,8 +37,9 @@ class ParallelGroups:
     dp_group: object
     tp_rank: int = 0
     world_group: object = None  # every rank that holds a piece of the gradient norm (DP × TP × PP)
-    # Weights with a copy on other ranks (tied embeddings across pipeline stages): param -> the
-    # group holding the copies; their gradients are summed over it before the DP reduction.
+    # Weights whose gradient is split over other ranks — tied embeddings across pipeline stages,
+    # megatron's sequence-parallel layer norms across the TP group: param -> that group; the
+    # gradient is summed over it (once per step) before the DP reduction.
     tied: dict = field(default_factory=dict)
     norm_excluded: frozenset = frozenset()  # copies whose twin already counts in the norm
 
@@ -107,13 +108,11 @@ class DataParallelEngine:
         return loss * self.scaler.scale
 
     def finish_backward(self) -> None:
-        """After backward: sum tied weights' gradients over their copies (once per step under a
-        pipeline schedule, where it runs as megatron's finalize_model_grads_func)."""
-        for p, comm in self.tied.items():
-            comm.all_reduce(p.grad, tag="tied_grads")
+        """After each micro-batch's backward (a pipeline schedule: after the step's last one)."""
 
     def step(self, lr: float) -> StepResult:
         """Reduce, unscale, norm, clip, update, publish; every rank takes the same decision."""
+        self._sum_tied_grads()
         self._reduce_grads()
         master_grads = {name: self._master_grad(g) for name, g in self.groups.items()}
         if self.scaler.scale != 1.0:
@@ -147,6 +146,12 @@ class DataParallelEngine:
         self.model.eval()
 
     # ------------------------------------------------------------ shared pieces
+
+    def _sum_tied_grads(self) -> None:
+        """Stages keeping whole gradients (0, 1) sum tied ones over their group once per step;
+        stage 2 sums each micro-batch's before it is bucketed (finish_backward)."""
+        for p, comm in self.tied.items():
+            comm.all_reduce(p.grad, tag="tied_grads")
 
     def _norm_ranges(self, layout: FlatLayout, offset: int) -> tuple:
         """Ranges of this rank's shard to count: TP-duplicated parameters count on TP rank 0 only."""

@@ -35,7 +35,7 @@ class GradientShardedEngine(DataParallelEngine):
         return self.buckets.staging_bytes_peak
 
     def _on_grad_ready(self, param):
-        if param in self.tied:  # held whole until its copies on other stages are added (finish_backward)
+        if param in self.tied:  # held whole until summed over its group (finish_backward)
             held = self._tied_grads.get(param)
             self._tied_grads[param] = param.grad if held is None else held.add_(param.grad)
             param.grad = None
@@ -49,6 +49,9 @@ class GradientShardedEngine(DataParallelEngine):
             comm.all_reduce(p.grad, tag="tied_grads")
             self.buckets.add(p)
         self.buckets.flush()
+
+    def _sum_tied_grads(self):
+        pass  # done per micro-batch in finish_backward, before bucketing
 
     def _reduce_grads(self):
         pass  # done during backward

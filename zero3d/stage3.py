@@ -53,8 +53,8 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def __init__(self, model, settings, groups):
         if groups.tied:
-            raise ValueError("ZeRO stage 3 does not support weights tied across pipeline stages "
-                             "(pipeline parallelism); use zero.stage <= 2 or parallel.pipeline = 1")
+            raise ValueError("ZeRO stage 3 does not support gradients summed over another group (weights "
+                             "tied across pipeline stages, sequence-parallel layer norms); use zero.stage <= 2")
         self.units = build_units(model)
         self._order = None  # unit indices in the first forward's execution order
         self._recording = None
