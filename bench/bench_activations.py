@@ -13,9 +13,7 @@ Runs on `tp` forked CPU ranks over gloo (DP = 1), or on CUDA ranks when launched
 every layer's full input: L·b·s·h elements), computed, not counted.
 """
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -108,20 +106,8 @@ def print_table(rows, args):
         print(f"{r['name']:4} {r['stage']:>5} {r['label']:<19} {r['time']:7.3f} {r['time'] / b['time']:6.2f} "
               f"{r['device']:11,d} {r['device'] / b['device']:6.3f} {r['host']:11,d} {int(r['gather']):17,d} "
               f"{r['md']:9,d} {r['allocs']:6d}")
-
-
-def _forked(rank, world_size, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, bench_rank(rank, world_size, args)))
-    except BaseException as err:  # noqa: BLE001
-        queue.put((rank, err))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    print("base row: megatron keeps each layer's full input (L·b·s·h elements); its ckpt bytes are that "
+          "formula, not a measurement. Other rows: zero3d's own accounting.")
 
 
 def main():
@@ -135,25 +121,8 @@ def main():
             print_table(rows, args)
         return
     import megatron.core.models.gpt  # noqa: F401 - imported once, inherited by the forked ranks
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_forked, args=(r, args.tp, port, args, queue)) for r in range(args.tp)]
-    for p in procs:
-        p.start()
-    results = {}
-    while len(results) < len(procs):
-        rank, res = queue.get(timeout=600)
-        if isinstance(res, BaseException):  # the other ranks would wait in a collective: stop them
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"rank {rank} failed: {res!r}")
-        results[rank] = res
-    for p in procs:
-        p.join(timeout=30)
-    print_table(results[0], args)
+    from zero3d.local_ranks import run_ranks
+    print_table(run_ranks(bench_rank, args.tp, args, timeout=600)[0], args)
 
 
 if __name__ == "__main__":
