@@ -99,3 +99,14 @@ def poison_gradients(engine):
     """Put an inf in this rank's local gradient storage (whatever the stage keeps)."""
     g = next(iter(engine.groups.values()))
     g.grads.view(-1)[0] = float("inf")
+
+
+def assert_close_runs(ref: list, out: list, rtol: float) -> None:
+    """Two runs' per-rank results agree: losses and gradient norms (relative), parameters (rtol = atol)."""
+    for r_ref, r_out in zip(ref, out):
+        torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]), rtol=rtol, atol=0)
+        torch.testing.assert_close(torch.tensor(r_out["grad_norm"]), torch.tensor(r_ref["grad_norm"]),
+                                   rtol=rtol, atol=0)
+        assert r_out["params"].keys() == r_ref["params"].keys()
+        for name, p in r_ref["params"].items():
+            torch.testing.assert_close(r_out["params"][name], p, rtol=rtol, atol=rtol, msg=name)

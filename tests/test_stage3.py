@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from gpt_harness import run_gpt_steps
+from gpt_harness import assert_close_runs, run_gpt_steps
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 
@@ -16,16 +16,6 @@ def run(tp, dp, stage, extra=(), steps=8):
     """Cached: stage-0 references are shared between tests."""
     overrides = [f"parallel.tensor={tp}", f"zero.stage={stage}", *extra]
     return run_ranks(run_gpt_steps, tp * dp, overrides, steps, None, timeout=300)
-
-
-def assert_close_runs(ref, out, rtol):
-    for r_ref, r_out in zip(ref, out):
-        torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]), rtol=rtol, atol=0)
-        torch.testing.assert_close(torch.tensor(r_out["grad_norm"]), torch.tensor(r_ref["grad_norm"]),
-                                   rtol=rtol, atol=0)
-        assert r_out["params"].keys() == r_ref["params"].keys()
-        for name, p in r_ref["params"].items():
-            torch.testing.assert_close(r_out["params"][name], p, rtol=rtol, atol=rtol, msg=name)
 
 
 @pytest.mark.parametrize("tp,dp", LAYOUTS)

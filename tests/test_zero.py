@@ -2,10 +2,9 @@
 from fractions import Fraction
 
 import pytest
-import torch
 
 from dist import run_ranks
-from gpt_harness import run_gpt_steps
+from gpt_harness import assert_close_runs, run_gpt_steps
 
 STEPS = 20
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
@@ -14,15 +13,6 @@ LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 def run(tp, dp, stage, extra=(), steps=STEPS, inject_inf_at=None):
     overrides = [f"parallel.tensor={tp}", f"zero.stage={stage}", *extra]
     return run_ranks(run_gpt_steps, tp * dp, overrides, steps, inject_inf_at, timeout=300)
-
-
-def assert_close_runs(ref, out, rtol):
-    for r_ref, r_out in zip(ref, out):
-        torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]), rtol=rtol, atol=0)
-        torch.testing.assert_close(torch.tensor(r_out["grad_norm"]), torch.tensor(r_ref["grad_norm"]),
-                                   rtol=rtol, atol=0)
-        for name, p in r_ref["params"].items():
-            torch.testing.assert_close(r_out["params"][name], p, rtol=rtol, atol=rtol, msg=name)
 
 
 @pytest.mark.parametrize("tp,dp", LAYOUTS)
