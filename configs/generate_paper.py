@@ -11,9 +11,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
 
 # The vendored copy when the repo has one, else the shared one beside the checkout; both are identical.
-CSV_LOCATIONS = (REPO_ROOT / "configs/paper/reproduction-configs.csv",
-                 REPO_ROOT.parent / "shared/paper/reproduction-configs.csv")
-DEFAULT_CSV = next((p for p in CSV_LOCATIONS if p.is_file()), CSV_LOCATIONS[-1])
+DEFAULT_CSV = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
 DEFAULT_OUT = REPO_ROOT / "configs/paper"
 GPT2_VOCAB = 50257
 SEQ_LENGTH = 1024  # facts §4.3: the only sequence length in the paper

@@ -9,8 +9,7 @@ from zero3d.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, P
                             Cluster, ZeroChoice, config_limits, dp_only_limit, format_candidates, plan)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CSV_LOCATIONS = (REPO_ROOT / "configs/paper/reproduction-configs.csv",
-                 Path("/work/shared/paper/reproduction-configs.csv"))  # shared copy until vendored
+CSV_PATH = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
 PAPER_TARGETS_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}  # Figure 5, for side-by-side print
 
 
@@ -31,7 +30,7 @@ class PaperRun:
 
 def load_paper_runs(path=None) -> list:
     """Parse the CSV (skipping "#" lines); ";"-separated GPU counts or batches yield one run each."""
-    path = Path(path) if path else next((p for p in CSV_LOCATIONS if p.is_file()), CSV_LOCATIONS[0])
+    path = Path(path) if path else CSV_PATH
     lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
     runs = []
     for row in csv.DictReader(lines):
