@@ -16,7 +16,10 @@ demo: install  ## tiny GPT on 4 CPU ranks, TP=2 x DP=2, ZeRO stage 2
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		-m pretrain --config configs/tiny.toml $(ARGS)
 
-test: install  ## the whole suite, CPU ranks over gloo
+test: install  ## the whole suite: unit, dist (gloo ranks) and slurm tiers
 	$(VENV)/bin/pytest -q --timeout 900 tests $(PYTEST_ARGS)
 
-.PHONY: install demo test
+test-fast: install  ## the unit tier only: single-process, under a minute
+	$(VENV)/bin/pytest -q --timeout 300 tests/unit $(PYTEST_ARGS)
+
+.PHONY: install demo test test-fast

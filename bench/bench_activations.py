@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # local_ranks
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -121,7 +122,7 @@ def main():
             print_table(rows, args)
         return
     import megatron.core.models.gpt  # noqa: F401 - imported once, inherited by the forked ranks
-    from zero3d.local_ranks import run_ranks
+    from local_ranks import run_ranks
     print_table(run_ranks(bench_rank, args.tp, args, timeout=600)[0], args)
 
 

@@ -23,12 +23,13 @@ from pathlib import Path
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # local_ranks: the forked-rank runner
 
 import megatron.core.models.gpt  # noqa: E402,F401 - imported before forking the ranks
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from zero3d.local_ranks import run_ranks  # noqa: E402
+from local_ranks import run_ranks  # noqa: E402
 
 # ------------------------------------------------------------------ counting shim
 

@@ -19,7 +19,7 @@ STEPS = 100  # a throughput run: enough steps for a median after warm-up
 # CB: the paper gives no size. 50M elements is 100 MB per bucket in 16-bit (200 MB in fp32): messages
 # that large already run NCCL at full bus bandwidth, while DeepSpeed's later 5e8 default would pin
 # 1-2 GB per buffer on a 32 GB V100, the residual memory CB exists to bound. It is also the value
-# zero3d.estimate (DEFAULT_BUCKET_ELEMENTS) assumes, so the estimator's verdicts hold for these files.
+# zero3d.analysis.estimate (DEFAULT_BUCKET_ELEMENTS) assumes, so the estimator's verdicts hold for these files.
 BUCKET_ELEMENTS = 50_000_000
 # Table III (facts §4.4): (stage, Pa, Pa+cpu); CB + MD are on in all five.
 ZERO_CONFIGS = {"C1": (1, False, False), "C2": (1, True, False), "C3": (2, False, False),

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         return 0
     if args.estimate:
         from pretrain.memory_check import describe, estimate_config
-        from zero3d.estimate import GB, format_breakdown
+        from zero3d.analysis.estimate import GB, format_breakdown
         world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
         try:
             validate_layout(cfg, world)

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import Config, ConfigError
-from zero3d.estimate import GB, MemoryBreakdown, estimate_from_shape, format_breakdown
+from zero3d.analysis.estimate import GB, MemoryBreakdown, estimate_from_shape, format_breakdown
 
 
 def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:

@@ -14,7 +14,7 @@ from pretrain.data import (DataError, build_gpt_datasets, check_indexed_dataset,
                            prepare_data, prepare_files, preprocess, read_documents)
 from pretrain.tokenizer import Tokenizer, TokenizerError, train_tokenizer
 
-CORPUS = Path(__file__).resolve().parent.parent / "data" / "corpus.jsonl"
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 VOCAB = 400  # byte fallback (256) + 3 specials + this corpus's characters need 350; the rest are merges
 SEQ = 32
 

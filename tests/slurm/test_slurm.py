@@ -13,7 +13,7 @@ import pytest
 from slurm import collect, submit
 from slurm.local_cluster import LocalCluster, SlurmUnavailable, ensure_installed
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import zero3d
-from dist import run_ranks
+from ranks import run_ranks
 from gpt_harness import BASE, SyntheticTokens
 from megatron_patches.recompute import routed_acts, zero3d_recompute
 from pretrain.config import load_config

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from dist import run_ranks
+from ranks import run_ranks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
          "model.vocab_size=512", "train.micro_batch_size=2", "train.global_batch_size=8",
          "train.eval_interval=5", "train.eval_iters=1", "logging.wandb=false", "logging.console=plain",

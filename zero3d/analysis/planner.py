@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
+from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                              V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count)
 
 GPT2_VOCAB = 50257

@@ -3,12 +3,12 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero3d.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MemoryBreakdown,
+from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MemoryBreakdown,
                              estimate_from_shape)
-from zero3d.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, PAPER_CONFIGS, PAPER_SEQ,
+from zero3d.analysis.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, PAPER_CONFIGS, PAPER_SEQ,
                             Cluster, ZeroChoice, config_limits, dp_only_limit, format_candidates, plan)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CSV_PATH = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
 PAPER_TARGETS_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}  # Figure 5, for side-by-side print
 

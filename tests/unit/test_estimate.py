@@ -4,10 +4,11 @@ from fractions import Fraction
 
 import pytest
 
-from zero3d import estimate as est
-from zero3d import paper_tables as tables
-from zero3d import planner
-from zero3d.estimate import GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab
+from zero3d.analysis import estimate as est
+from zero3d.analysis import __main__ as cli
+from zero3d.analysis import paper_tables as tables
+from zero3d.analysis import planner
+from zero3d.analysis.estimate import GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab
 
 # Table I as printed (facts §1.4); * marks bold. Columns: 7.5B, 128B, 1T × P_os, P_os+g, P_os+g+p.
 TABLE_ONE_PRINTED = """
@@ -158,7 +159,7 @@ def test_c1_to_c5_maxima():
 
 
 def test_paper_config_verdicts():
-    from zero3d import paper_configs
+    from zero3d.analysis import paper_configs
     verdicts = paper_configs.judge_all()
     assert len(verdicts) == 48  # 41 rows; Figure 3 lists 4 GPU counts, Figure 6's first row 5 batches
     failing = {(v.run.figure, v.run.model, v.run.system) for v in verdicts if not v.fits}
@@ -193,7 +194,7 @@ def test_planner_super_linear_scaling_of_figure_3():
 def test_cli_json_matches_function(capsys):
     argv = ("--layers 48 --hidden 1600 --heads 16 --vocab 50257 --seq 1024 --gpus 400 --stage 2 "
             "--micro-batch 24 --recompute full --bucket-elements 50000000 --json").split()
-    assert est.main(argv) == 0
+    assert cli.main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     expected = estimate_from_shape(layers=48, hidden=1600, heads=16, vocab=50257, seq=1024, gpus=400, stage=2,
                                    micro_batch=24, recompute="full", bucket_elements=50_000_000)
@@ -201,9 +202,9 @@ def test_cli_json_matches_function(capsys):
 
 
 def test_cli_tables_and_params(capsys):
-    est.main(["--table1"])
+    cli.main(["--table1"])
     assert capsys.readouterr().out.strip() == tables.table_one()
-    est.main(["--params", "7.5e9", "--dp", "64", "--json"])
+    cli.main(["--params", "7.5e9", "--dp", "64", "--json"])
     states = json.loads(capsys.readouterr().out)
     assert [sum(states[str(s)]) / GB for s in range(4)] == [120, 31.40625, 16.640625, 1.875]
 
@@ -222,5 +223,5 @@ SHAPE_ARGS = "--hidden 64 --vocab 100 --seq 8"
 ])
 def test_cli_bad_input(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        est.main(f"{argv} {SHAPE_ARGS}".split())
+        cli.main(f"{argv} {SHAPE_ARGS}".split())
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

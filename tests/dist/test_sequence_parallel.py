@@ -1,7 +1,7 @@
 """Megatron's sequence parallelism under zero3d: layer-norm gradients summed over TP before the DP step."""
 import pytest
 
-from dist import run_ranks
+from ranks import run_ranks
 from gpt_harness import assert_close_runs, run_gpt_steps
 
 

@@ -3,7 +3,7 @@ from fractions import Fraction
 
 import pytest
 
-from dist import run_ranks
+from ranks import run_ranks
 from gpt_harness import assert_close_runs, run_gpt_steps
 
 STEPS = 20

@@ -6,7 +6,7 @@ import pytest
 from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.topology import expand_nodelist, launcher_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_preset_loads_and_overrides_apply():

@@ -2,7 +2,7 @@
 import pytest
 
 import zero3d
-from dist import run_ranks
+from ranks import run_ranks
 from gpt_harness import BASE, run_gpt_steps
 from pretrain.config import load_config
 from pretrain.memory_check import estimate_config

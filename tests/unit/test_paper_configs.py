@@ -10,7 +10,7 @@ from configs import generate_paper
 from pretrain.config import load_config, validate_layout
 from slurm import submit, sweep
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAPER = REPO / "configs/paper"
 JOBS = sorted(PAPER.glob("fig*_*.toml"))
 TABLE_III = generate_paper.ZERO_CONFIGS
@@ -110,7 +110,7 @@ def test_zero_settings_per_figure():
 
 
 def test_bucket_matches_the_estimator_default():
-    from zero3d.estimate import DEFAULT_BUCKET_ELEMENTS
+    from zero3d.analysis.estimate import DEFAULT_BUCKET_ELEMENTS
     assert generate_paper.BUCKET_ELEMENTS == DEFAULT_BUCKET_ELEMENTS
 
 

@@ -5,7 +5,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 from gpt_harness import assert_close_runs, run_gpt_steps
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)

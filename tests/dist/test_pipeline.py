@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 from gpt_harness import run_gpt_steps
 
 STEPS = 6

@@ -1,0 +1,131 @@
+"""`python -m zero3d.analysis`: the memory estimator, the paper's tables and the planner from the command line."""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Optional
+
+from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, PRECISIONS, V100_MEMORY_BYTES,
+                                     estimate_from_shape, format_breakdown, model_state_bytes, padded_vocab)
+
+
+def _format_states(params: float, dp: int, precision: str) -> str:
+    rows = [f"model states per GPU for Ψ = {params:g} parameters, N_d = {dp}, {precision}",
+            f"{'stage':<8}{'params GB':>12}{'grads GB':>12}{'optimizer GB':>14}{'total GB':>12}"]
+    for stage in range(4):
+        p, g, o = (float(x) / GB for x in model_state_bytes(int(params), stage, dp, precision))
+        rows.append(f"{stage:<8}{p:12.4f}{g:12.4f}{o:14.4f}{p + g + o:12.4f}")
+    return "\n".join(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for the estimator, the paper tables and the planner."""
+    ap = argparse.ArgumentParser(prog="python -m zero3d.analysis", description=__doc__)
+    mode = ap.add_argument_group("modes")
+    mode.add_argument("--table1", action="store_true", help="print the paper's Table I")
+    mode.add_argument("--table2", action="store_true", help="print Table II's theoretical columns")
+    mode.add_argument("--plan", choices=["paper", "csv", "rank"],
+                      help="paper: findings + CSV verdicts; csv: verdicts only; rank: layouts for a shape")
+    mode.add_argument("--global-batch", type=int, help="--plan rank: samples per step")
+    mode.add_argument("--batch-per-gpu", type=int, help="--plan rank: samples per DP rank instead")
+    mode.add_argument("--top", type=int, default=10, help="--plan rank: how many layouts to print")
+    mode.add_argument("--csv", help="reproduction-configs.csv for --plan (default: repo or shared copy)")
+    mode.add_argument("--params", type=float, help="bare parameter count: model states per stage only")
+    for name in ("layers", "hidden", "heads", "vocab", "seq", "gpus", "dp"):
+        ap.add_argument(f"--{name}", type=int)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--recompute", choices=["none", "full"], default="none")
+    ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")
+    ap.add_argument("--pa-cpu", action="store_true", help="Pa + offload the slices to host (implies --pa)")
+    ap.add_argument("--bucket-elements", type=int,
+                    help="CB: constant buffer size in elements (default: no CB, a 4Ψ fused fp32 buffer)")
+    ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
+    ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
+    ap.add_argument("--prefetch-units", type=int, default=1, help="stage 3 units gathered ahead")
+    ap.add_argument("--gpu-memory-gb", type=float, default=V100_MEMORY_BYTES / GB,
+                    help="GPU memory in GB (1e9 bytes); default V100-32GB = 32 GiB")
+    ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return ap
+
+
+def _rank(ap: argparse.ArgumentParser, args) -> int:
+    """--plan rank: feasible layouts for a shape on the paper cluster, best modelled throughput first."""
+    from zero3d.analysis.planner import GPT2_VOCAB, PAPER_CLUSTER, PAPER_SEQ, format_candidates, plan
+    if None in (args.layers, args.hidden, args.heads):
+        ap.error("--plan rank needs --layers, --hidden, --heads and one of --global-batch, --batch-per-gpu")
+    cluster = dataclasses.replace(PAPER_CLUSTER, gpu_memory_bytes=args.gpu_memory_gb * GB)
+    gpus = args.gpus or cluster.gpus
+    try:
+        found = plan(cluster, layers=args.layers, hidden=args.hidden, heads=args.heads, gpus=gpus,
+                     vocab=args.vocab or GPT2_VOCAB, seq=args.seq or PAPER_SEQ,
+                     global_batch=args.global_batch, batch_per_gpu=args.batch_per_gpu,
+                     recompute=args.recompute, precision=args.precision,
+                     bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction)
+    except ValueError as err:
+        ap.error(str(err))
+    print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs); best first:")
+    print(format_candidates(found, args.top))
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    """CLI entry point; see build_parser() and docs/estimator.md."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.table1 or args.table2:
+        from zero3d.analysis.paper_tables import table_one, table_two
+        print("\n\n".join(t() for t, on in ((table_one, args.table1), (table_two, args.table2)) if on))
+        return 0
+    if not 0 <= args.margin_fraction < 1:
+        ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
+    if args.gpu_memory_gb <= 0:
+        ap.error(f"--gpu-memory-gb {args.gpu_memory_gb} is invalid; must be > 0")
+    if args.plan == "rank":
+        return _rank(ap, args)
+    if args.plan:
+        from zero3d.analysis.paper_configs import paper_report
+        if args.csv and not os.path.isfile(args.csv):
+            ap.error(f"--csv {args.csv!r} is not a file")
+        print(paper_report(csv_path=args.csv, csv_only=args.plan == "csv"))
+        return 0
+    if args.params is not None:
+        if args.params <= 0 or args.dp is None or args.dp <= 0:
+            ap.error(f"--params {args.params:g} needs a value > 0 and --dp a positive integer "
+                     f"(got --dp {args.dp})")
+        states = {s: [float(x) for x in model_state_bytes(int(args.params), s, args.dp, args.precision)]
+                  for s in range(4)}
+        print(json.dumps(states) if args.json else _format_states(args.params, args.dp, args.precision))
+        return 0
+    missing = [f"--{n}" for n in ("layers", "hidden", "heads", "vocab", "seq", "gpus")
+               if getattr(args, n) is None]
+    if missing:
+        ap.error(f"missing {', '.join(missing)} (or use --params, --table1, --table2, --plan)")
+    pa = args.pa or args.pa_cpu
+    try:
+        m = estimate_from_shape(
+            layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq,
+            gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
+            recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
+            precision=args.precision, tied=args.tied, prefetch_units=args.prefetch_units,
+            gpu_memory_bytes=args.gpu_memory_gb * GB, margin_fraction=args.margin_fraction)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.json:
+        print(json.dumps(m.to_dict(), indent=2))
+        return 0
+    cb = f"CB {args.bucket_elements} elements" if args.bucket_elements else "no CB"
+    zr = " + Pa+cpu" if args.pa_cpu else " + Pa" if pa else ""
+    header = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
+              f"(padded {padded_vocab(args.vocab, args.tp)}), seq {args.seq}\n"
+              f"{args.gpus} GPUs = tp {args.tp} × dp {args.gpus // args.tp}; ZeRO stage {args.stage}"
+              f"{zr}, {cb}, recompute {args.recompute}, micro-batch {args.micro_batch}, {args.precision}")
+    print(format_breakdown(m, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
