@@ -41,9 +41,8 @@ class RandomTokens:
 def bench_rank(rank, world_size, args):
     import zero3d
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron_patches.recompute import disable_zero3d_recompute, route_recompute_to_zero3d
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_loss
+    from pretrain.model import activation_checkpointing, build_model, gpt_loss
     from pretrain.topology import init_topology
     from pretrain.train import Batches, engine_settings
 
@@ -62,12 +61,12 @@ def bench_rank(rank, world_size, args):
         cfg = load_config(None, base + extra)
         torch.manual_seed(1)
         model_parallel_cuda_manual_seed(1)
-        model = build_model(cfg, topo.device)
+        acts = activation_checkpointing(cfg, topo.tp_group)
+        model = build_model(cfg, topo.device, acts)
         engine = zero3d.wrap_model(model, stage, engine_settings(cfg),
                                    zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
-        z = cfg.zero
-        acts = route_recompute_to_zero3d(z.partition_activations, z.cpu_checkpointing, z.contiguous_checkpointing,
-                                         topo.tp_group, engine.comm_stats)
+        if acts:
+            acts.record_into(engine.comm_stats)
         batches = Batches(RandomTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
         times, report = [], {}
         for step in range(args.steps + 1):  # step 0 warms up (and sizes the MD buffer)
@@ -84,7 +83,6 @@ def bench_rank(rank, world_size, args):
             if step:
                 times.append(time.perf_counter() - t0)
             report = acts.report() if acts else {}
-        disable_zero3d_recompute()
         bsh = args.mbs * args.seq * args.hidden
         esize = torch.tensor([], dtype=next(model.parameters()).dtype).element_size()
         rows.append(dict(name=name, stage=stage, label=label, time=statistics.median(times),

@@ -1,18 +1,20 @@
-"""CPU mode: lets megatron-core's GPTModel build, run and recompute on CPU ranks under gloo."""
+"""CPU mode: the four patches megatron-core 0.16 needs to build, run and pipeline GPTModel on gloo ranks.
+
+Applied only by `megatron_patches.apply("cpu")`, never on a CUDA run, and undone by `undo_cpu_patches()`.
+Everything else CPU mode once patched goes through megatron's public seams instead (pretrain/model.py):
+an explicit causal mask passed to `GPTModel.forward`, the layer norm chosen in the layer spec,
+`batch_p2p_sync=False` in the config, ZeRO-R recompute as a layer class in the spec.
+"""
 import contextlib
-import copy
 
 import torch
 
-_applied = False
+_originals: dict = {}  # (owner, attribute name) -> the value before patching
 
 
 class CpuRNGStatesTracker:
-    """megatron's RNG-state tracker, kept on the CPU generator instead of the CUDA one.
-
-    Same contract as tensor_parallel.random.CudaRNGStatesTracker: named states, `fork(name)`
-    swaps a named state in for the duration of a block (tensor-parallel dropout regions).
-    """
+    """megatron's RNG-state tracker kept on the CPU generator (same contract as CudaRNGStatesTracker:
+    named states; `fork(name)` swaps one in for the duration of a tensor-parallel dropout region)."""
 
     def __init__(self):
         self.reset()
@@ -55,7 +57,7 @@ class CpuRNGStatesTracker:
 
 
 class _TorchWithCpuFactories:
-    """The `torch` module as pipeline schedules see it: factories asking for "cuda" get the CPU."""
+    """The `torch` module as the pipeline schedules see it: `zeros(device="cuda")` lands on the CPU."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -65,57 +67,49 @@ class _TorchWithCpuFactories:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
-def _norm_allowing_sequence_parallel(original_new):
-    """megatron's torch-norm fallback, tagging its weights `sequence_parallel` like apex's FusedLayerNorm."""
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = original_new(cls, plain, hidden_size, eps, **kwargs)
-        for p in norm.parameters():
-            p.sequence_parallel = True  # each TP rank saw a sequence slice: grads summed over TP
-        return norm
-    return __new__
-
-
-def _cpu_causal_mask(sq: int) -> torch.Tensor:
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+def _patch(owner, name, value) -> None:
+    _originals.setdefault((owner, name), getattr(owner, name))
+    setattr(owner, name, value)
 
 
 def apply_cpu_patches() -> None:
-    """Idempotent. Only ever called in CPU mode (megatron_patches.apply("cpu"))."""
-    global _applied
-    if _applied:
+    """Idempotent. Each patch names the public API that would let it go (none exists in megatron-core 0.16)."""
+    if _originals:
         return
-    import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    # ~175 megatron call sites allocate on torch.cuda.current_device() (global memory buffer too).
-    torch.cuda.current_device = lambda: "cpu"
-    # The default causal mask is built with device="cuda"; build it on the CPU instead.
-    fused_softmax.get_default_causal_mask = _cpu_causal_mask
-    # Tensor-parallel dropout RNG states live on the CPU generator (no CUDA generator exists).
-    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    # Checkpointing saves/restores the CUDA RNG state besides the CPU one: nothing to do on CPU.
-    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
-    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
-    # model_parallel_cuda_manual_seed seeds the CUDA generator; on CPU that is the CPU one.
-    torch.cuda.manual_seed = torch.manual_seed
-    # Pipeline p2p synchronises the CUDA device after each exchange: nothing to wait for on CPU.
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    # Tied embeddings across pipeline stages move the weight with .cuda() before all-reducing it.
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    # The schedules count tokens in torch.zeros(..., device="cuda").
-    schedules.torch = _TorchWithCpuFactories()
-    # Sequence parallelism: the torch LayerNorm fallback (no apex on CPU) refuses it only for want
-    # of the `sequence_parallel` tag on its weights, which the fused norms set.
-    WrappedTorchNorm.__new__ = staticmethod(_norm_allowing_sequence_parallel(WrappedTorchNorm.__new__))
-    _applied = True
+    # 1. ~175 megatron call sites allocate on torch.cuda.current_device(); no device argument exists.
+    _patch(torch.cuda, "current_device", lambda: "cpu")
+    # 2. The tensor-parallel dropout RNG tracker is CUDA-only (initialize_rng_tracker has no CPU kind).
+    _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
+    _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    # 3. megatron's own CheckpointFunction (model.recompute = "full" without ZeRO-R) saves and restores
+    #    the CUDA RNG state beside the CPU one; there is none on CPU.
+    _patch(mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8))
+    _patch(mrandom, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+    # 4. The pipeline schedules count tokens in torch.zeros(..., device="cuda").
+    _patch(schedules, "torch", _TorchWithCpuFactories())
+
+
+def undo_cpu_patches() -> None:
+    """Give megatron and torch back exactly what they had (tests; a process switching to CUDA)."""
+    for (owner, name), value in _originals.items():
+        setattr(owner, name, value)
+    _originals.clear()
 
 
 def cpu_patches_applied() -> bool:
-    return _applied
+    return bool(_originals)
+
+
+@contextlib.contextmanager
+def tied_embeddings_stay_on_cpu():
+    """Model construction only: with pipeline stages sharing the word embedding, megatron moves it with
+    `Tensor.cuda()` before all-reducing it (LanguageModule.setup_embeddings_and_output_layer)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original

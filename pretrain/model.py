@@ -1,29 +1,98 @@
-"""megatron-core GPTModel from the config: local spec, or Transformer Engine's on GPU when importable."""
+"""megatron-core GPTModel from the config, through megatron's public seams: layer specs, config flags, forward args.
+
+CPU runs need no patched attention mask or norm: the causal mask is passed to `GPTModel.forward`
+(`attention_mask`), the layer norm is chosen in the spec (`TorchLayerNorm`, which also serves
+sequence parallelism), and ZeRO-R's recompute is a layer class in the spec (`ZeroRecomputeLayer`).
+"""
+import dataclasses
+from typing import Optional
+
 import torch
 
 from pretrain.config import Config
+from zero3d.checkpointing import ActivationCheckpointing, checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def layer_spec(on_cuda: bool):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    if on_cuda:
+class TorchLayerNorm(torch.nn.LayerNorm):
+    """megatron's WrappedTorchNorm (the norm without apex) for sequence parallelism and fused configs:
+    under SP each TP rank normalises a slice of the sequence, so its weights carry megatron's
+    `sequence_parallel` tag (as apex's FusedLayerNorm sets it) and their gradients are summed over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused_fused_options):
+        if config.normalization != "LayerNorm":
+            raise ValueError(f"TorchLayerNorm implements LayerNorm, not {config.normalization!r}")
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+
+
+def _zero_recompute_layer_class():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    class ZeroRecomputeLayer(TransformerLayer):
+        """A transformer layer recomputed in backward from a ZeRO-R checkpoint of its input (Pa, Pa+cpu,
+        MD): stands in for megatron's `recompute_granularity="full"`, which is off in this model."""
+
+        def __init__(self, *args, activations: ActivationCheckpointing, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.activations = activations
+
+        def forward(self, *args, **kwargs):
+            hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+            args = args[1:] if "hidden_states" not in kwargs and args else args
+            tensor_names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+            others = {k: v for k, v in kwargs.items() if k not in tensor_names}
+
+            def run(hidden, *tensors):
+                return super(ZeroRecomputeLayer, self).forward(hidden, *args, **others,
+                                                               **dict(zip(tensor_names, tensors)))
+            return checkpoint(run, self.activations, hidden_states, *(kwargs[k] for k in tensor_names))
+
+    return ZeroRecomputeLayer
+
+
+def activation_checkpointing(cfg: Config, tp_group) -> Optional[ActivationCheckpointing]:
+    """ZeRO-R (zero.partition_activations / cpu_checkpointing / contiguous_checkpointing) for
+    `build_model`, or None (megatron's own recomputation, when model.recompute = "full")."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    z = cfg.zero
+    if not (z.partition_activations or z.cpu_checkpointing or z.contiguous_checkpointing):
+        return None
+    return ActivationCheckpointing(partition=z.partition_activations, cpu=z.cpu_checkpointing,
+                                   contiguous=z.contiguous_checkpointing, tp_group=tp_group,
+                                   rng_tracker=get_cuda_rng_tracker)
+
+
+def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None):
+    """The decoder's spec: Transformer Engine's layers on GPU when importable, else megatron's local
+    layers with `TorchLayerNorm` where apex is missing; ZeRO-R layers when `activations` is given."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    if on_cuda and activations is None:
         try:
             import transformer_engine  # noqa: F401
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec)
-            return get_gpt_layer_with_transformer_engine_spec()
+            return specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
-    return get_gpt_layer_local_spec()
+    layer = specs.get_gpt_layer_local_spec()
+    norm = specs.LNImpl if specs.HAVE_APEX else TorchLayerNorm
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+    if activations is not None:
+        layer = dataclasses.replace(layer, module=_zero_recompute_layer_class(),
+                                    params={**(layer.params or {}), "activations": activations})
+    config = transformer_config(cfg, on_cuda, zero_recompute=activations is not None)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
 
 
-def transformer_config(cfg: Config, on_cuda: bool):
+def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False):
+    """megatron's TransformerConfig; with `zero_recompute` its own recomputation is off (ZeroRecomputeLayer)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     m, dtype = cfg.model, cfg.precision.dtype
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if m.recompute == "full" else {}
+        if m.recompute == "full" and not zero_recompute else {}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_size, tensor_model_parallel_size=cfg.parallel.tensor,
@@ -38,20 +107,31 @@ def transformer_config(cfg: Config, on_cuda: bool):
         # Fusions are CUDA kernels; on CPU they are off.
         bias_activation_fusion=on_cuda, masked_softmax_fusion=on_cuda, persist_layer_norm=on_cuda,
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        **recompute)
+        # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
+        batch_p2p_sync=on_cuda, **recompute)
 
 
-def build_model(cfg: Config, device: torch.device):
-    """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`."""
+def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
+    """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
+    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it."""
+    import contextlib
+
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+    from megatron_patches import tied_embeddings_stay_on_cpu
     on_cuda = device.type == "cuda"
-    model = GPTModel(config=transformer_config(cfg, on_cuda), transformer_layer_spec=layer_spec(on_cuda),
-                     vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
-                     max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
-                     share_embeddings_and_output_weights=cfg.model.tie_embeddings,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+    with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
+        model = GPTModel(config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
+                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations),
+                         vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
+                         max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
+                         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+                         pre_process=parallel_state.is_pipeline_first_stage(),
+                         post_process=parallel_state.is_pipeline_last_stage())
+    if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
+        model.decoder.register_forward_pre_hook(
+            lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),
+            with_kwargs=True)
     # As Megatron's Float16Module does: every parameter in the training dtype (layer norms too).
     return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
 
@@ -74,13 +154,18 @@ def parallel_groups(model, topo):
 
 
 def gpt_inputs(tokens: torch.Tensor):
+    """(inputs, positions, attention_mask, labels) of a [batch, seq+1] token block. The causal mask
+    (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda"; on
+    GPU it is None and megatron's fused causal kernels apply it."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
-    return inputs, positions, labels
+    seq = inputs.shape[1]
+    positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
+    mask = None if inputs.is_cuda else torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
+    return inputs, positions, mask, labels
 
 
 def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of a [batch, seq+1] token block (megatron's vocab-parallel cross entropy)."""
-    inputs, positions, labels = gpt_inputs(tokens)
-    per_token = model(inputs, positions, None, labels=labels)
+    inputs, positions, mask, labels = gpt_inputs(tokens)
+    per_token = model(inputs, positions, mask, labels=labels)
     return per_token.float().mean()

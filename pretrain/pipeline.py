@@ -20,8 +20,8 @@ def pipeline_micro_batches(engine, micro_batches: list[torch.Tensor], seq_length
     config.finalize_model_grads_func = lambda *args, **kwargs: engine.finish_backward()
 
     def forward_step(data_iterator, model):
-        inputs, positions, labels = gpt_inputs(next(data_iterator))  # middle stages ignore them
-        output = engine(inputs, positions, None, labels=labels)
+        inputs, positions, mask, labels = gpt_inputs(next(data_iterator))  # middle stages ignore them
+        output = engine(inputs, positions, mask, labels=labels)
 
         def loss_func(per_token):
             loss = per_token.float().mean()

@@ -10,12 +10,11 @@ import torch
 import torch.distributed as dist
 
 import zero3d
-from megatron_patches import disable_zero3d_recompute, route_recompute_to_zero3d
 from pretrain import checkpoint, metrics
 from pretrain.config import Config
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model import DTYPES, build_model, gpt_loss, parallel_groups
+from pretrain.model import DTYPES, activation_checkpointing, build_model, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.topology import Topology, init_topology
 
@@ -150,11 +149,14 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     return mean_loss(losses, topo)
 
 
-def route_activation_checkpoints(cfg: Config, topo: Topology, engine):
-    """ZeRO-R (Pa, Pa+cpu, MD): megatron's per-layer recomputation runs zero3d's checkpoint; None if off."""
-    z = cfg.zero
-    return route_recompute_to_zero3d(z.partition_activations, z.cpu_checkpointing, z.contiguous_checkpointing,
-                                     topo.tp_group, engine.comm_stats)
+def build_and_wrap(cfg: Config, topo: Topology):
+    """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats."""
+    activations = activation_checkpointing(cfg, topo.tp_group)
+    model = build_model(cfg, topo.device, activations)
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+    if activations is not None:
+        activations.record_into(engine.comm_stats)
+    return model, engine, activations
 
 
 def layout_signature(cfg: Config, topo: Topology) -> dict:
@@ -205,9 +207,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     train_ds, valid_ds, _ = open_datasets(*files, seq_length=m.seq_length, valid_fraction=d.valid_fraction,
                                           seed=cfg.train.seed, model_vocab_size=m.vocab_size)
 
-    model = build_model(cfg, topo.device)
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
-    activations = route_activation_checkpoints(cfg, topo, engine)
+    model, engine, activations = build_and_wrap(cfg, topo)
     layout = layout_signature(cfg, topo)
     start = 0
     if cfg.train.resume and (step_dir := checkpoint.latest(save_dir)) is not None:
@@ -263,5 +263,4 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
         logger.set_summary(summary_from_records(read_records(run_dir / "metrics.jsonl"),
                                                 cfg.logging.summary_warmup_steps, topo.world_size))
     logger.close()
-    disable_zero3d_recompute()
     return {"record": record, "start_step": start, "end_step": step, "stopped_early": step < cfg.train.steps}

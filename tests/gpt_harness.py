@@ -7,10 +7,9 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain.config import load_config
-from pretrain.model import build_model, parallel_groups
+from pretrain.model import activation_checkpointing, build_model, parallel_groups
 from pretrain.topology import init_topology
-from megatron_patches import disable_zero3d_recompute
-from pretrain.train import Batches, engine_settings, forward_backward, mean_loss, route_activation_checkpoints
+from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
 
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -53,7 +52,8 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     """Train `steps` steps; returns losses, grad norms, skips, final TP-local params, bytes, comm."""
     cfg = load_config(None, BASE + list(overrides))
     topo = init_topology(cfg)
-    model = build_model(cfg, topo.device)
+    activations = activation_checkpointing(cfg, topo.tp_group)
+    model = build_model(cfg, topo.device, activations)
     if layout_free_init:
         init_by_global_name(model)
     # Counted before wrapping: stage 3 frees the parameters' own storage.
@@ -62,7 +62,8 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     group_numels = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
                     "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
-    activations = route_activation_checkpoints(cfg, topo, engine)
+    if activations is not None:
+        activations.record_into(engine.comm_stats)
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
     out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
            "param_checksum": []}
@@ -84,7 +85,6 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
     out["psi"], out["group_numels"] = psi, group_numels
     out["activations"] = activations.report() if activations else {}
-    disable_zero3d_recompute()
     dist.barrier()
     return out
 

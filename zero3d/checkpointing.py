@@ -15,8 +15,9 @@ the input, recomputes the layer with grad and back-propagates through it.
 Pa and megatron's sequence parallelism must not be combined: with SP the layer input is already
 sequence-sharded across the TP ranks (each holds s/TP of the sequence), so slicing it again would
 partition an already partitioned tensor (1/TP² per rank, gathering only 1/TP of the input back) —
-SP already removes the TP replication Pa targets. The config rejects SP; `megatron_patches.recompute`
-refuses it too. Nothing here is ZeRO-stage specific: parameters are used as the model holds them.
+SP already removes the TP replication Pa targets; the config rejects the combination. Nothing here is
+ZeRO-stage specific: parameters are used as the model holds them. The model applies it per layer
+(pretrain/model.py's ZeroRecomputeLayer, a layer class in megatron's layer spec).
 """
 from fractions import Fraction
 from typing import Callable, Optional
@@ -138,6 +139,12 @@ class ActivationCheckpointing:
         self.device_bytes = self.host_bytes = 0
         self.checkpoints = 0
         self.reset_step()
+
+    def record_into(self, stats: CommStats) -> None:
+        """Count the all-gathers in `stats` (the engine's, built after the model), so comm/* holds them all."""
+        self.comm_stats = stats
+        if self.tp is not None:
+            self.tp = Comm(self.tp.group, stats)
 
     # ------------------------------------------------------------------ accounting
     def reset_step(self) -> None:

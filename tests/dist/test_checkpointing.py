@@ -1,5 +1,4 @@
 """ZeRO-R activation checkpoints (Pa, Pa+cpu, MD) against no recompute and megatron's own recompute."""
-import contextlib
 import math
 from fractions import Fraction
 
@@ -10,9 +9,8 @@ import torch.distributed as dist
 import zero3d
 from ranks import run_ranks
 from gpt_harness import BASE, SyntheticTokens
-from megatron_patches.recompute import routed_acts, zero3d_recompute
 from pretrain.config import load_config
-from pretrain.model import build_model, gpt_loss
+from pretrain.model import activation_checkpointing, build_model, gpt_loss
 from pretrain.topology import init_topology
 from pretrain.train import Batches, engine_settings, mean_loss
 from zero3d.checkpointing import ActivationCheckpointing, checkpoint
@@ -37,21 +35,13 @@ def mode_overrides(mode):
 
 
 def build(overrides, topo):
-    """Same weights and the same RNG stream for every mode."""
+    """Same weights and the same RNG stream for every mode; (cfg, model, ZeRO-R checkpoints or None)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     cfg = load_config(None, BASE + list(overrides))
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    return cfg, build_model(cfg, topo.device)
-
-
-def routed(cfg, topo, comm_stats=None):
-    z = cfg.zero
-    if not (z.partition_activations or z.contiguous_checkpointing):
-        return contextlib.nullcontext(None)
-    return zero3d_recompute(ActivationCheckpointing(
-        partition=z.partition_activations, cpu=z.cpu_checkpointing, contiguous=z.contiguous_checkpointing,
-        tp_group=topo.tp_group, comm_stats=comm_stats))
+    acts = activation_checkpointing(cfg, topo.tp_group)
+    return cfg, build_model(cfg, topo.device, acts), acts
 
 
 def grads_rank(rank, world_size, tp, extra, micro_batches):
@@ -60,24 +50,22 @@ def grads_rank(rank, world_size, tp, extra, micro_batches):
     topo = init_topology(load_config(None, BASE + overrides))
     out = {}
     for mode in MODES:
-        cfg, model = build(overrides + mode_overrides(mode), topo)
+        cfg, model, acts = build(overrides + mode_overrides(mode), topo)
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
-        with routed(cfg, topo) as acts:
+        if acts is not None:
+            acts.reset_step()
+        losses, after_forward = [], []
+        for micro in range(micro_batches):
+            loss = gpt_loss(model, batches.get(0, micro))
             if acts is not None:
-                acts.reset_step()
-            losses, after_forward = [], []
-            for micro in range(micro_batches):
-                loss = gpt_loss(model, batches.get(0, micro))
-                if acts is not None:
-                    after_forward.append((acts.device_bytes, acts.host_bytes, acts.checkpoints))
-                loss.backward()
-                losses.append(loss.detach())
-            out[mode] = {"loss": torch.stack(losses), "after_forward": after_forward,
-                         "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-                         "report": acts.report() if acts else None,
-                         "comm": acts.comm_stats.report() if acts else None,
-                         "live": (acts.device_bytes, acts.host_bytes, acts.checkpoints) if acts else None}
-        assert routed_acts() is None
+                after_forward.append((acts.device_bytes, acts.host_bytes, acts.checkpoints))
+            loss.backward()
+            losses.append(loss.detach())
+        out[mode] = {"loss": torch.stack(losses), "after_forward": after_forward,
+                     "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                     "report": acts.report() if acts else None,
+                     "comm": acts.comm_stats.report() if acts else None,
+                     "live": (acts.device_bytes, acts.host_bytes, acts.checkpoints) if acts else None}
     b, s, h = cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
     out["shape"] = (cfg.model.num_layers, b * s * h)
     dist.barrier()
@@ -128,29 +116,30 @@ def engine_rank(rank, world_size, tp, steps):
     runs = {}
     for stage, mode in [(0, "pa"), (1, "pa_cpu"), (2, "pa_cpu_md"), (2, "megatron"), (1, "megatron"),
                         (0, "megatron")]:
-        cfg, model = build(overrides + mode_overrides(mode) + [f"zero.stage={stage}"], topo)
+        cfg, model, acts = build(overrides + mode_overrides(mode) + [f"zero.stage={stage}"], topo)
         engine = zero3d.wrap_model(model, stage, engine_settings(cfg),
                                    zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+        if acts is not None:
+            acts.record_into(engine.comm_stats)
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
         run = {"loss": [], "grad_norm": [], "act_comm": [], "dp_comm": [], "reports": [], "md_ptr": []}
-        with routed(cfg, topo, engine.comm_stats) as acts:
-            for step in range(steps):
-                engine.comm_stats.reset()
-                if acts is not None:
-                    acts.reset_step()
-                losses = []
-                for micro in range(topo.grad_accum):
-                    loss = gpt_loss(engine, batches.get(step, micro))
-                    engine.backward(loss / topo.grad_accum)
-                    losses.append(loss.detach())
-                result = engine.step(cfg.optimizer.lr)
-                run["loss"].append(mean_loss(losses, topo))
-                run["grad_norm"].append(result.grad_norm)
-                run["act_comm"].append(engine.comm_stats.report().get("comm/all_gather/activations/elements", 0))
-                run["dp_comm"].append(engine.comm_stats.total(("grads", "params")))
-                if acts is not None:
-                    run["reports"].append(acts.report())
-                    run["md_ptr"].append(acts.buffer.buffer.data_ptr() if acts.buffer else None)
+        for step in range(steps):
+            engine.comm_stats.reset()
+            if acts is not None:
+                acts.reset_step()
+            losses = []
+            for micro in range(topo.grad_accum):
+                loss = gpt_loss(engine, batches.get(step, micro))
+                engine.backward(loss / topo.grad_accum)
+                losses.append(loss.detach())
+            result = engine.step(cfg.optimizer.lr)
+            run["loss"].append(mean_loss(losses, topo))
+            run["grad_norm"].append(result.grad_norm)
+            run["act_comm"].append(engine.comm_stats.report().get("comm/all_gather/activations/elements", 0))
+            run["dp_comm"].append(engine.comm_stats.total(("grads", "params")))
+            if acts is not None:
+                run["reports"].append(acts.report())
+                run["md_ptr"].append(acts.buffer.buffer.data_ptr() if acts.buffer else None)
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         runs[(stage, mode)] = run
     layers, b, s, h = cfg.model.num_layers, cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size
@@ -230,16 +219,28 @@ def test_checkpoint_function_padding_and_release():
         assert out["md"]["report"]["act/allgather_elements"] == 0
 
 
-def test_routing_switches_on_and_off():
-    import megatron.core.tensor_parallel as real_tp
-    import megatron.core.transformer.transformer_block as tb
-    original = tb.TransformerBlock._checkpointed_forward
-    acts = ActivationCheckpointing(partition=False, contiguous=True)
-    with zero3d_recompute(acts):
-        assert routed_acts() is acts and tb.tensor_parallel is not real_tp
-        assert tb.tensor_parallel.get_cuda_rng_tracker is real_tp.get_cuda_rng_tracker
-        assert acts.rng_tracker is real_tp.get_cuda_rng_tracker
-    assert routed_acts() is None and tb.tensor_parallel is real_tp
-    assert tb.TransformerBlock._checkpointed_forward is original
+def test_zero_r_is_a_layer_class_in_the_spec_and_megatron_recompute_is_off():
+    """ZeRO-R reaches megatron through its layer spec (no patch): every decoder layer is a
+    ZeroRecomputeLayer holding the run's checkpoints, and megatron's own recomputation is off."""
+    from pretrain.model import transformer_config
+    cfg = load_config(None, BASE + mode_overrides("pa_cpu_md"))
+    assert transformer_config(cfg, on_cuda=False).recompute_granularity == "full"
+    assert transformer_config(cfg, on_cuda=False, zero_recompute=True).recompute_granularity is None
+    for mode in ("md", "megatron"):
+        out = run_ranks(spec_rank, 1, mode_overrides(mode), timeout=60)[0]
+        if mode == "md":
+            assert out == (["ZeroRecomputeLayer"] * 2, None, True)
+        else:
+            assert out == (["TransformerLayer"] * 2, "full", False)
     with pytest.raises(ValueError, match="partition"):
         ActivationCheckpointing(partition=False, cpu=True)
+
+
+def spec_rank(rank, world_size, overrides):
+    cfg = load_config(None, BASE + list(overrides))
+    topo = init_topology(cfg)
+    acts = activation_checkpointing(cfg, topo.tp_group)
+    model = build_model(cfg, topo.device, acts)
+    classes = [type(layer).__name__ for layer in model.decoder.layers]
+    held = acts is not None and all(layer.activations is acts for layer in model.decoder.layers)
+    return classes, model.config.recompute_granularity, held
