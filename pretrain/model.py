@@ -15,6 +15,11 @@ from zero3d.checkpointing import ActivationCheckpointing, checkpoint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
 class TorchLayerNorm(torch.nn.LayerNorm):
     """megatron's WrappedTorchNorm (the norm without apex) for sequence parallelism and fused configs:
     under SP each TP rank normalises a slice of the sequence, so its weights carry megatron's
@@ -104,8 +109,10 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         # CPU init draws the full weights from one generator and then slices them, so every TP
         # layout starts from identical weights (what the cross-layout tests compare).
         use_cpu_initialization=not on_cuda,
-        # Fusions are CUDA kernels; on CPU they are off.
-        bias_activation_fusion=on_cuda, masked_softmax_fusion=on_cuda, persist_layer_norm=on_cuda,
+        # Fusions are CUDA kernels, off on CPU; the softmax and persistent-norm ones are compiled
+        # extensions (apex / megatron's fused kernels) used only where importable.
+        bias_activation_fusion=on_cuda, masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
+        persist_layer_norm=on_cuda and _importable("apex"),
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
         batch_p2p_sync=on_cuda, **recompute)
