@@ -260,6 +260,11 @@ class Checkpointer:
             problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
         except (KeyError, TypeError) as err:
             problems = [f"{step_dir / MANIFEST} is malformed: {err!r}"]
+        if dist.get_rank() == 0 and not problems:
+            try:  # DCP's pickled metadata, through the restricted unpickler: nothing else gets built
+                read_dcp_metadata(step_dir)
+            except CheckpointError as err:
+                problems.append(str(err))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, problems)
         problems = [p for ps in everyone for p in ps]
