@@ -22,7 +22,7 @@ from pretrain.checkpoint_files import (DCP_METADATA, MANIFEST, CheckpointError, 
                                        file_record, fsync_path, read_dcp_metadata, read_json,
                                        verify_file, write_json_durably, write_text_durably)
 from pretrain.checkpoint_tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
-                                         sharded_state)
+                                         parameter_names, sharded_state)
 from zero3d import state as engine_state
 
 LATEST = "latest"
@@ -100,6 +100,7 @@ class Checkpointer:
         self._timeout = timedelta(minutes=timeout_minutes)
         self._group = None  # a gloo group of its own: the writer thread's collectives
         self._templates = None
+        self._names = None
         self._pending = None
         self._report: dict = {}
 
@@ -136,12 +137,16 @@ class Checkpointer:
         if error is not None:
             raise error
         templates = self._model_templates(model, engine)
+        if self._names is None:  # every stage's parameter names, for the export
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, parameter_names(templates))
+            self._names = {k: v for names in everyone for k, v in names.items()}
         staged = [engine_state.StatePiece(p.name, p.shape, p.lo, p.hi,
                                           {k: v.detach().to("cpu", copy=True) for k, v in p.tensors.items()})
                   for p in engine_state.pieces_to_write(engine)]  # the device-to-host copy
         state = sharded_state(staged, templates, tuple(PREFIXES), writing=True)
         meta = {**meta, "format": FORMAT, "step": step, "adam_step": engine_state.adam_step_count(engine),
-                "scaler": engine.scaler.state_dict()}
+                "scaler": engine.scaler.state_dict(), "parameter_names": self._names}
         rng = rng_state()
         group = self._writer_group()
         result: dict = {}

@@ -65,6 +65,21 @@ def model_templates(model) -> dict:
     return {name: sh for name, sh in model.sharded_state_dict().items() if isinstance(sh, ShardedTensor)}
 
 
+def parameter_names(templates: dict) -> dict:
+    """{checkpoint key: parameter name}, a stacked decoder layer's index left as "{layer}" (the
+    global layer is the key's first offset): how the export names the tensors it unstacks."""
+    out = {}
+    for name, sh in templates.items():
+        if not is_main_replica(sh.replica_id):
+            continue
+        if sh.prepend_axis_num:
+            parts = name.split(".")
+            index = next(i for i, part in enumerate(parts) if part.isdigit())
+            name = ".".join(parts[:index] + ["{layer}"] + parts[index + 1:])
+        out[sh.key] = name
+    return out
+
+
 def _piece_shards(key: str, sh: ShardedTensor, piece, tensor: torch.Tensor) -> list[ShardedTensor]:
     prepend = sh.prepend_axis_num
     out = []

@@ -56,6 +56,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         if save_at:
             out["reports"].append(ckpt.report())
         out["params"] = {n: p.detach().clone() for n, p in full_params(engine).items()}
+        out["tp_dims"], out["global_names"] = tp_dims_and_global_names(model)
         out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
         disable_zero3d_recompute()
         dist.barrier()
@@ -67,3 +68,18 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
 def full_params(engine):
     gather = getattr(engine, "gathered_parameters", None)
     return gather() if gather else dict(engine.model.named_parameters())
+
+
+def tp_dims_and_global_names(model) -> tuple[dict, dict]:
+    """{name: dim it is split over TP ranks, or None}, {name: name in a PP 1 model (global layer)}."""
+    import re
+    dims = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for n, p in model.named_parameters()}
+    names = {}
+    for n in dims:
+        if (m := re.match(r"decoder\.layers\.(\d+)\.(.*)", n)):
+            n_global = f"decoder.layers.{model.decoder.layers[int(m[1])].layer_number - 1}.{m[2]}"
+        else:
+            n_global = n
+        names[n] = n_global
+    return dims, names
