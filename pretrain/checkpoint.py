@@ -6,6 +6,7 @@ file). A save writes into step_<N>.tmp; once every rank's part is written and fs
 checkpoint.json, renames the directory and then moves `latest`. See the README's checkpoint section.
 """
 import base64
+import hashlib
 import logging
 import shutil
 import threading
@@ -34,7 +35,6 @@ __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
 
 def run_identity(cfg, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
     """What a checkpoint must agree with to be resumed: the model's shape, the tokenizer and the data."""
-    import hashlib
     m = cfg.model
     return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
