@@ -1,89 +1,354 @@
-"""Checkpoints: every rank saves its own shard; a step directory appears only once complete."""
-import json
-import os
+"""Checkpoints: each element written once (PyTorch DCP), resharded on load, written in the background.
+
+<save_dir>/step_<N>/ holds DCP's files (`__<rank>_0.distcp`, `.metadata`), one `rng/rank_<r>.json` per
+rank and `checkpoint.json` (step, data position, scaler, identity, and the size and SHA-256 of every
+file). A save writes into step_<N>.tmp; once every rank's part is written and fsynced, rank 0 writes
+checkpoint.json, renames the directory and then moves `latest`. See the README's checkpoint section.
+"""
+import base64
+import hashlib
+import logging
 import shutil
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pretrain.checkpoint_files import (DCP_METADATA, MANIFEST, CheckpointError, SafeFileSystemReader,
+                                       file_record, fsync_path, read_dcp_metadata, read_json,
+                                       verify_file, write_json_durably, write_text_durably)
+from pretrain.checkpoint_tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
+                                         parameter_names, sharded_state)
+from zero3d import state as engine_state
 
 LATEST = "latest"
+FORMAT = "zero3d-dcp-1"
+log = logging.getLogger("pretrain.checkpoint")
+
+__all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def run_identity(cfg, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
+    """What a checkpoint must agree with to be resumed: the model's shape, the tokenizer and the data."""
+    m = cfg.model
+    return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                      "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
+                      "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings,
+                      "padded_vocab_size": m.padded_vocab_size(tensor_parallel)},
+            "vocab_size": m.vocab_size, "data_prefix": str(data_prefix),
+            "tokenizer_sha256": hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest()}
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _tensor_b64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
 
 
 def rng_state() -> dict:
+    """This rank's generators (CPU, megatron's tracker, CUDA) as base64 JSON."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    state = {"cpu": _b64(torch.get_rng_state()),
+             "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()}}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
     return state
 
 
 def set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    torch.set_rng_state(_tensor_b64(state["cpu"]))
+    get_cuda_rng_tracker().set_states({k: _tensor_b64(v) for k, v in state["tracker"].items()})
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(_tensor_b64(state["cuda"]))
 
 
-def save(save_dir: Path, step: int, layout: dict, model, engine, extra: dict) -> Path:
-    """Collective: all ranks call it. Writes <save_dir>/step_<N>/rank_<r>.pt, then `latest`.
-
-    Files go into step_<N>.tmp first; rank 0 renames the directory only after every rank has
-    written, so an interrupted save leaves the previous checkpoint and `latest` untouched.
-    """
-    rank = dist.get_rank()
-    final = save_dir / f"step_{step:08d}"
-    tmp = save_dir / f"step_{step:08d}.tmp"
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    payload = {"step": step, "layout": layout, "model": model.state_dict(),
-               "engine": engine.state_dict(), "rng": rng_state(), **extra}
-    part = tmp / f"rank_{rank:05d}.pt"
-    torch.save(payload, part.with_suffix(".pt.tmp"))
-    os.replace(part.with_suffix(".pt.tmp"), part)
-    dist.barrier()
-    if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "layout": layout}, indent=2))
-        if final.exists():  # re-saving the same step (after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write_text(save_dir / LATEST, final.name + "\n")
-    dist.barrier()
-    return final
+def rederive_rng(seed: int, step: int) -> None:
+    """Generators for a layout the saved ones do not fit: seeded from (seed, step), as at start-up."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    torch.manual_seed(seed + step)
+    model_parallel_cuda_manual_seed(seed + step)
 
 
-def latest(save_dir: Path) -> Optional[Path]:
-    pointer = save_dir / LATEST
-    if not pointer.is_file():
+def _agree(value):
+    """Rank 0's value (or exception) on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _step_dirs(save_dir: Path) -> list[Path]:
+    """Complete step directories, newest first."""
+    return sorted((p for p in save_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                  key=lambda p: p.name, reverse=True)
+
+
+class Checkpointer:
+    """Collective save/load of the model states of one run (every rank makes the same calls)."""
+
+    def __init__(self, save_dir: Path, keep: int = 0, async_save: bool = True, timeout_minutes: float = 10.0):
+        if keep < 0:
+            raise ValueError(f"keep = {keep}: the number of checkpoints to keep must be >= 0 (0 keeps all)")
+        self.save_dir, self.keep, self.async_save = Path(save_dir), keep, async_save
+        self._timeout = timedelta(minutes=timeout_minutes)
+        self._group = None  # a gloo group of its own: the writer thread's collectives
+        self._templates = None
+        self._names = None
+        self._pending = None
+        self._report: dict = {}
+
+    # ------------------------------------------------------------ save
+
+    def _writer_group(self):
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._group
+
+    def _model_templates(self, model, engine) -> dict:
+        if self._templates is None:
+            with engine_state.parameter_shapes(engine):
+                self._templates = model_templates(model)
+        return self._templates
+
+    def save(self, step: int, model, engine, meta: dict) -> None:
+        """Collective. Blocks for the previous save's completion and this one's copy of the states;
+        the write goes on in a background thread (`async_save`), or finishes here."""
+        t0 = time.perf_counter()
+        self.wait()
+        rank = dist.get_rank()
+        final, tmp = self.save_dir / f"step_{step:08d}", self.save_dir / f"step_{step:08d}.tmp"
+        error = None
+        if rank == 0:
+            try:
+                self.save_dir.mkdir(parents=True, exist_ok=True)
+                for leftover in self.save_dir.glob("*.tmp"):  # crash leftovers of an earlier save
+                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+                (tmp / "rng").mkdir(parents=True)
+            except OSError as err:
+                error = CheckpointError(f"cannot prepare {tmp}: {err}")
+        error = _agree(error)
+        if error is not None:
+            raise error
+        templates = self._model_templates(model, engine)
+        if self._names is None:  # every stage's parameter names, for the export
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, parameter_names(templates))
+            self._names = {k: v for names in everyone for k, v in names.items()}
+        staged = [engine_state.StatePiece(p.name, p.shape, p.lo, p.hi,
+                                          {k: v.detach().to("cpu", copy=True) for k, v in p.tensors.items()})
+                  for p in engine_state.pieces_to_write(engine)]  # the device-to-host copy
+        state = sharded_state(staged, templates, tuple(PREFIXES), writing=True)
+        meta = {**meta, "format": FORMAT, "step": step, "adam_step": engine_state.adam_step_count(engine),
+                "scaler": engine.scaler.state_dict(), "parameter_names": self._names}
+        rng = rng_state()
+        group = self._writer_group()
+        result: dict = {}
+        thread = threading.Thread(target=self._write, args=(state, tmp, rank, rng, group, result), daemon=True)
+        thread.start()
+        self._pending = (thread, result, tmp, final, meta)
+        self._report["ckpt/stall_s"] = time.perf_counter() - t0
+        if not self.async_save:
+            self.wait()
+            self._report["ckpt/stall_s"] = time.perf_counter() - t0
+
+    @staticmethod
+    def _write(state, tmp: Path, rank: int, rng: dict, group, result: dict) -> None:
+        """Writer thread: DCP save over the writer group, then fsync and hash this rank's files."""
+        t0 = time.perf_counter()
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1),
+                     process_group=group)
+            write_json_durably(tmp / "rng" / f"rank_{rank:05d}.json", rng)
+            group_rank = dist.get_rank(group)
+            names = [p.name for p in tmp.glob(f"__{group_rank}_*.distcp")] + [f"rng/rank_{rank:05d}.json"]
+            if group_rank == 0:
+                names.append(DCP_METADATA)
+            result["files"] = {name: file_record(tmp / name) for name in names}
+        except Exception as err:  # noqa: BLE001 - reported by wait() on every rank
+            result["error"] = f"rank {rank}: {type(err).__name__}: {err}"
+        result["write_s"] = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Collective: finish the pending save — every rank's part durable, then checkpoint.json, the
+        rename and `latest` (rank 0), then retention. Raises on every rank if any rank's write failed."""
+        if self._pending is None:
+            return
+        thread, result, tmp, final, meta = self._pending
+        self._pending = None
+        thread.join()
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, result)
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise CheckpointError(f"checkpoint {tmp} was not completed ({'; '.join(errors)}); "
+                                  f"`latest` still names the previous one")
+        files = {name: record for r in results for name, record in r["files"].items()}
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                self._publish(tmp, final, {**meta, "files": files})
+            except OSError as err:
+                error = CheckpointError(f"cannot complete checkpoint {final}: {err}")
+        error = _agree(error)
+        if error is not None:
+            raise error
+        self._report["ckpt/write_s"] = max(r["write_s"] for r in results)
+        self._report["ckpt/bytes"] = sum(rec["bytes"] for rec in files.values()) + (final / MANIFEST).stat().st_size
+
+    def _publish(self, tmp: Path, final: Path, manifest: dict) -> None:
+        """Rank 0: checkpoint.json, the directory renamed into place, `latest`, old checkpoints pruned."""
+        write_json_durably(tmp / MANIFEST, manifest)
+        fsync_path(tmp / "rng")
+        fsync_path(tmp)
+        aside = None
+        if final.exists():  # the same step saved again (after a resume): replace it whole
+            aside = final.with_name(final.name + ".old.tmp")
+            final.rename(aside)
+        tmp.rename(final)
+        fsync_path(self.save_dir)
+        write_text_durably(self.save_dir / LATEST, final.name + "\n")
+        if aside is not None:
+            shutil.rmtree(aside)
+        self._prune(final)
+
+    def _prune(self, newest: Path) -> None:
+        if self.keep <= 0:
+            return
+        for old in _step_dirs(self.save_dir)[self.keep:]:
+            if old != newest:  # `latest` names the newest; never removed
+                shutil.rmtree(old)
+
+    def close(self) -> None:
+        """Collective: wait for the last save (at the end of a run)."""
+        self.wait()
+
+    def report(self) -> dict:
+        """ckpt/stall_s, ckpt/write_s, ckpt/bytes of the latest saves (empty before the first)."""
+        return dict(self._report)
+
+    # ------------------------------------------------------------ load
+
+    def candidates(self) -> list[Path]:
+        """The directory `latest` names, then every other complete step directory, newest first."""
+        if not self.save_dir.is_dir():
+            return []
+        out = []
+        pointer = self.save_dir / LATEST
+        if pointer.is_file():
+            out.append(self.save_dir / pointer.read_text().strip())
+        return out + [p for p in _step_dirs(self.save_dir) if p not in out]
+
+    def verify(self, step_dir: Path) -> tuple[Optional[dict], str]:
+        """Collective: (manifest, '') when every file is present, whole and unchanged; else (None, why).
+        Rank r checks files r, r + world, ... so each byte is read once."""
+        def read_manifest():
+            try:
+                manifest = read_json(step_dir / MANIFEST)
+                if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+                    raise CheckpointError(f"{step_dir / MANIFEST} is malformed: not a {FORMAT} manifest")
+                return manifest, ""
+            except CheckpointError as err:
+                return None, str(err)
+        manifest, why = _agree(read_manifest() if dist.get_rank() == 0 else None)
+        if manifest is None:
+            return None, why
+        names = sorted(manifest["files"])
+        mine = names[dist.get_rank()::dist.get_world_size()]
+        try:
+            problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
+        except (KeyError, TypeError) as err:
+            problems = [f"{step_dir / MANIFEST} is malformed: {err!r}"]
+        if dist.get_rank() == 0 and not problems:
+            try:  # DCP's pickled metadata, through the restricted unpickler: nothing else gets built
+                read_dcp_metadata(step_dir)
+            except CheckpointError as err:
+                problems.append(str(err))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problems)
+        problems = [p for ps in everyone for p in ps]
+        return (None, "; ".join(problems)) if problems else (manifest, "")
+
+    def load_latest(self, model, engine, identity: dict, layout: dict, seed: int) -> Optional[dict]:
+        """Collective: restore the newest usable checkpoint into this (any) layout; None when there is none.
+
+        A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
+        before it; one written for another model, tokenizer or data is refused.
+        Returns {"step", "consumed_samples", "path", "notes"}.
+        """
+        candidates = _agree(self.candidates() if dist.get_rank() == 0 else None)
+        notes, reasons = [], []
+        for step_dir in candidates:
+            manifest, why = self.verify(step_dir)
+            if manifest is None:
+                reasons.append(why)
+                notes.append(f"checkpoint {step_dir} is unusable, trying the previous one: {why}")
+                if dist.get_rank() == 0:
+                    log.warning(notes[-1])
+                continue
+            check_identity(step_dir, manifest["identity"], identity)
+            self._load_states(step_dir, model, engine)
+            notes += self._restore_scalars(manifest, engine, layout, seed, step_dir)
+            return {"step": manifest["step"], "consumed_samples": manifest.get("consumed_samples"),
+                    "path": step_dir, "notes": notes}
+        if reasons:
+            raise CheckpointError(f"no usable checkpoint in {self.save_dir}: " + "; ".join(reasons)
+                                  + ". Repair or remove them, or set train.resume = false.")
         return None
-    step_dir = save_dir / pointer.read_text().strip()
-    if not (step_dir / "meta.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {step_dir}, which is missing or incomplete")
-    return step_dir
+
+    def _load_states(self, step_dir: Path, model, engine) -> None:
+        templates = self._model_templates(model, engine)
+        state = sharded_state(engine_state.pieces_to_load(engine), templates, TRAINING_STATES, writing=False)
+        saved = read_dcp_metadata(step_dir).state_dict_metadata  # verified above; read without pickle
+        for key, shape in global_shapes(templates, TRAINING_STATES).items():
+            if key in state and key not in saved:
+                raise CheckpointError(f"{step_dir}: tensor {key!r} is not in the checkpoint (another model?)")
+            if key in state and tuple(saved[key].size) != shape:
+                raise CheckpointError(f"{step_dir}: tensor {key!r} has global shape {tuple(saved[key].size)} "
+                                      f"in the checkpoint, this model needs {shape}")
+        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), process_group=self._writer_group())
+        engine_state.publish_loaded_state(engine)
+
+    def _restore_scalars(self, manifest: dict, engine, layout: dict, seed: int, step_dir: Path) -> list[str]:
+        engine_state.set_adam_step_count(engine, manifest["adam_step"])
+        if manifest["scaler"]:
+            engine.scaler.load_state_dict(manifest["scaler"])
+        saved = manifest["layout"]
+        if {k: saved.get(k) for k in RNG_LAYOUT} == {k: layout.get(k) for k in RNG_LAYOUT}:
+            set_rng_state(read_json(step_dir / "rng" / f"rank_{dist.get_rank():05d}.json"))
+            return []
+        rederive_rng(seed, manifest["step"])
+        note = (f"RNG states re-derived from seed {seed} + step {manifest['step']}: the checkpoint's per-rank "
+                f"generators fit its layout ({_layout_text(saved)}), not this one ({_layout_text(layout)})")
+        if dist.get_rank() == 0:
+            log.warning(note)
+        return [note]
 
 
-def load(step_dir: Path, layout: dict, model, engine) -> dict:
-    """Restore this rank's shard; refuses a checkpoint written with another layout, naming both."""
-    meta = json.loads((step_dir / "meta.json").read_text())
-    if meta["layout"] != layout:
-        diffs = {k: (meta["layout"].get(k), layout.get(k)) for k in set(meta["layout"]) | set(layout)
-                 if meta["layout"].get(k) != layout.get(k)}
-        raise ValueError(f"checkpoint {step_dir} was saved with a different layout; "
-                         + ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diffs.items()))
-                         + ". Resume with the saved layout, or set train.resume = false.")
-    payload = torch.load(step_dir / f"rank_{dist.get_rank():05d}.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
-    engine.load_state_dict(payload["engine"])
-    set_rng_state(payload["rng"])
-    return payload
+RNG_LAYOUT = ("world_size", "tensor", "pipeline", "data")
+
+
+def _layout_text(layout: dict) -> str:
+    return " × ".join(f"{k} {layout.get(k)}" for k in RNG_LAYOUT[1:]) + f", stage {layout.get('stage')}"
+
+
+def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
+    """Refuse a checkpoint of another model, tokenizer or data set, naming what differs."""
+    diffs = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{key}: saved {a!r}, now {b!r}")
+    if diffs:
+        raise CheckpointError(f"checkpoint {step_dir} was written for another model, tokenizer or data: "
+                              + "; ".join(diffs) + ". Resume with the same ones, or set train.resume = false "
+                              "(or another train.save_dir).")

@@ -102,6 +102,8 @@ class TrainConfig:
     save_final: bool = True  # false for throughput runs: no multi-TB checkpoint at the last step
     save_dir: Optional[str] = None  # None: <run_dir>/checkpoints
     resume: bool = True  # continue from the latest checkpoint in save_dir when there is one
+    keep_checkpoints: int = 0  # keep the last K checkpoints (never the one `latest` names); 0 keeps all
+    async_save: bool = True  # write checkpoints in the background; the step waits only for the copy
     timeout_minutes: float = 10.0  # collective timeout: a stuck rank fails instead of hanging
     ignore_memory_estimate: bool = False  # run even when the start-up estimate exceeds GPU memory
 
@@ -313,6 +315,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         _require(getattr(t, key) > 0, f"train.{key} = {getattr(t, key)} must be > 0")
     _require(t.eval_interval >= 0 and t.save_interval >= 0,
              "train.eval_interval and train.save_interval must be >= 0")
+    _require(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints} must be >= 0 (0 keeps all)")
     _require(t.timeout_minutes > 0, f"train.timeout_minutes = {t.timeout_minutes} must be > 0")
     _require(cfg.logging.log_interval >= 1, "logging.log_interval must be >= 1")
     _require(cfg.cluster.nodes >= 1 and cfg.cluster.gpus_per_node >= 1,

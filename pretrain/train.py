@@ -160,11 +160,9 @@ def build_and_wrap(cfg: Config, topo: Topology):
 
 
 def layout_signature(cfg: Config, topo: Topology) -> dict:
-    """What a checkpoint's shards depend on; resume refuses a mismatch."""
+    """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
     return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp,
-            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
-            "model": [cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads,
-                      cfg.model.padded_vocab_size(topo.tp), cfg.model.seq_length, cfg.model.tie_embeddings]}
+            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype}
 
 
 def write_status(run_dir: Path, status: str, reason: str, topo: Topology, steps: int) -> None:
@@ -209,9 +207,14 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
 
     model, engine, activations = build_and_wrap(cfg, topo)
     layout = layout_signature(cfg, topo)
+    identity = checkpoint.run_identity(cfg, topo.tp, *files)
+    checkpoints = checkpoint.Checkpointer(save_dir, keep=cfg.train.keep_checkpoints,
+                                          async_save=cfg.train.async_save,
+                                          timeout_minutes=cfg.train.timeout_minutes)
     start = 0
-    if cfg.train.resume and (step_dir := checkpoint.latest(save_dir)) is not None:
-        start = checkpoint.load(step_dir, layout, model, engine)["step"]
+    if cfg.train.resume and (resumed := checkpoints.load_latest(model, engine, identity, layout,
+                                                                cfg.train.seed)) is not None:
+        start = resumed["step"]
 
     logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,
@@ -247,7 +250,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                       **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size,
                                                    flops_per_step, peak),
                       **metrics.memory_report(topo.device.type, engine.state_bytes()),
-                      **engine.comm_stats.report(), **(activations.report() if activations else {})}
+                      **engine.comm_stats.report(), **(activations.report() if activations else {}),
+                      **checkpoints.report()}
             if evaluate_now:
                 val = evaluate(engine, valid_ds, cfg, topo)
                 record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
@@ -255,9 +259,11 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
         stopping = stop.agreed(topo)
         if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or stopping \
                 or (last and cfg.train.save_final):
-            checkpoint.save(save_dir, step, layout, model, engine, {"config": cfg.to_dict()})
+            checkpoints.save(step, model, engine, {"config": cfg.to_dict(), "layout": layout, "identity": identity,
+                                                   "consumed_samples": step * cfg.train.global_batch_size})
         if stopping:
             break
+    checkpoints.close()
     stop.restore()
     if topo.is_main:
         logger.set_summary(summary_from_records(read_records(run_dir / "metrics.jsonl"),

@@ -1,0 +1,85 @@
+"""Shared body of the checkpoint tests: train a segment of steps, optionally resuming and saving."""
+import torch.distributed as dist
+
+import zero3d
+from gpt_harness import BASE, SyntheticTokens
+from megatron_patches import disable_zero3d_recompute
+from pretrain.checkpoint import Checkpointer
+from pretrain.config import load_config
+from pretrain.model import build_model, parallel_groups
+from pretrain.topology import destroy_topology, init_topology
+from pretrain.train import Batches, engine_settings, forward_backward, layout_signature, mean_loss
+
+# 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.
+CKPT_BASE = BASE + ["train.global_batch_size=12", "model.make_vocab_size_divisible_by=64"]
+
+
+def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
+    m = cfg.model
+    return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                      "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
+                      "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings,
+                      "padded_vocab_size": m.padded_vocab_size(cfg.parallel.tensor)},
+            "vocab_size": m.vocab_size, "data_prefix": "synthetic", "tokenizer_sha256": tokenizer_sha256}
+
+
+def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=(), resume=False,
+                  keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None):
+    """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at."""
+    import os
+    import signal
+    cfg = load_config(None, CKPT_BASE + list(overrides))
+    topo = init_topology(cfg)
+    try:
+        model = build_model(cfg, topo.device)
+        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
+        layout = layout_signature(cfg, topo)
+        ckpt = Checkpointer(save_dir, keep=keep, async_save=async_save)
+        out = {"loss": [], "notes": [], "reports": []}
+        if resume:
+            resumed = ckpt.load_latest(model, engine, identity, layout, cfg.train.seed)
+            out["resumed"] = None if resumed is None else {k: v for k, v in resumed.items() if k != "path"}
+            out["notes"] = resumed["notes"] if resumed else []
+        for step in range(first, last):
+            losses = forward_backward(engine, batches, step, cfg, topo)
+            engine.step(cfg.optimizer.lr)
+            out["loss"].append(mean_loss(losses, topo))
+            if step + 1 in save_at:
+                ckpt.save(step + 1, model, engine, {"layout": layout, "identity": identity, "config": cfg.to_dict(),
+                                                    "consumed_samples": (step + 1) * cfg.train.global_batch_size})
+                if kill_rank_after_save == (step + 1, rank):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out["reports"].append(ckpt.report())
+        ckpt.close()
+        if save_at:
+            out["reports"].append(ckpt.report())
+        out["params"] = {n: p.detach().clone() for n, p in full_params(engine).items()}
+        out["tp_dims"], out["global_names"] = tp_dims_and_global_names(model)
+        out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
+        disable_zero3d_recompute()
+        dist.barrier()
+        return out
+    finally:
+        destroy_topology()
+
+
+def full_params(engine):
+    gather = getattr(engine, "gathered_parameters", None)
+    return gather() if gather else dict(engine.model.named_parameters())
+
+
+def tp_dims_and_global_names(model) -> tuple[dict, dict]:
+    """{name: dim it is split over TP ranks, or None}, {name: name in a PP 1 model (global layer)}."""
+    import re
+    dims = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for n, p in model.named_parameters()}
+    names = {}
+    for n in dims:
+        if (m := re.match(r"decoder\.layers\.(\d+)\.(.*)", n)):
+            n_global = f"decoder.layers.{model.decoder.layers[int(m[1])].layer_number - 1}.{m[2]}"
+        else:
+            n_global = n
+        names[n] = n_global
+    return dims, names

@@ -1,0 +1,129 @@
+"""Loading is safe: no code runs from a checkpoint, damage is named and skipped, identity is checked,
+a killed save never moves `latest`, leftovers are cleaned and retention keeps the last K."""
+import hashlib
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+
+from checkpoint_harness import train_segment
+from ranks import run_ranks
+
+LAYOUT = ["zero.stage=1"]  # DP 2 on 2 ranks
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """step_00000001 and step_00000002 of a 2-rank run; `latest` names step 2."""
+    save_dir = tmp_path_factory.mktemp("ckpt")
+    run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 2, (1, 2), timeout=300)
+    assert (save_dir / "latest").read_text() == "step_00000002\n"
+    return save_dir
+
+
+def _resume(save_dir):
+    return run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 0, (), True, timeout=300)[0]
+
+
+def _rehash(step_dir, name):
+    """Record a replaced file's size and SHA-256 in checkpoint.json, as a forger would."""
+    manifest = json.loads((step_dir / "checkpoint.json").read_text())
+    data = (step_dir / name).read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+class RunsShell:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_crafted_metadata_pickle_runs_nothing(two_checkpoints, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    marker = tmp_path / "pwned"
+    step2 = save_dir / "step_00000002"
+    (step2 / ".metadata").write_bytes(pickle.dumps(RunsShell(f"touch {marker}")))
+    _rehash(step2, ".metadata")  # the manifest agrees: only the restricted unpickler stands in the way
+    out = _resume(save_dir)
+    assert not marker.exists()
+    assert out["resumed"]["step"] == 1
+    assert out["notes"][0] == (f"checkpoint {step2} is unusable, trying the previous one: {step2}/.metadata "
+                               "asks to load posix.system, which is not part of DCP's checkpoint metadata; "
+                               "refusing to unpickle it")
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,name,why", [
+    (_truncate, "__1_0.distcp", "has 100 bytes, the manifest records {size} (truncated or replaced)"),
+    (_flip_byte, "__0_0.distcp", "does not match its SHA-256 in checkpoint.json (corrupted or tampered)"),
+    (lambda p: p.unlink(), "rng/rank_00001.json", "is missing"),
+    (lambda p: p.write_text('{"step": 2,'), "checkpoint.json",
+     "is malformed JSON: Expecting property name enclosed in double quotes: line 1 column 12 (char 11)"),
+], ids=["truncated", "tampered", "missing", "malformed_json"])
+def test_damaged_checkpoint_is_named_and_the_previous_one_resumes(two_checkpoints, tmp_path, damage, name, why):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    path = save_dir / "step_00000002" / name
+    size = path.stat().st_size
+    damage(path)
+    out = _resume(save_dir)
+    assert out["resumed"]["step"] == 1
+    assert out["notes"][0] == (f"checkpoint {save_dir / 'step_00000002'} is unusable, trying the previous one: "
+                               f"{path} " + why.format(size=size))
+
+
+def test_no_usable_checkpoint_is_an_error_naming_each(two_checkpoints, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    for step in (1, 2):
+        (save_dir / f"step_0000000{step}" / "__0_0.distcp").unlink()
+    with pytest.raises(RuntimeError, match=r"no usable checkpoint in .*step_00000002/__0_0.distcp is missing; "
+                                           r".*step_00000001/__0_0.distcp is missing\. Repair or remove"):
+        _resume(save_dir)
+
+
+@pytest.mark.parametrize("overrides,identity,diff", [
+    (["model.vocab_size=120"], None, "vocab_size: saved 128, now 120"),
+    ([], {"tokenizer_sha256": "another"}, "tokenizer_sha256: saved 'synthetic', now 'another'"),
+], ids=["vocabulary", "tokenizer"])
+def test_resume_refuses_another_vocabulary_or_tokenizer(two_checkpoints, overrides, identity, diff):
+    with pytest.raises(RuntimeError, match="written for another model, tokenizer or data: " + diff):
+        run_ranks(train_segment, 2, LAYOUT + overrides, two_checkpoints, 0, 0, (), True, 0, True, identity,
+                  timeout=300)
+
+
+def test_kill_9_during_an_async_save_leaves_latest_on_the_previous_one(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    with pytest.raises((RuntimeError, TimeoutError)):
+        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 2, (1, 2), False, 0, True, None, (2, 1), timeout=120)
+    assert (save_dir / "latest").read_text() == "step_00000001\n"
+    assert not (save_dir / "step_00000002").exists()
+    out = run_ranks(train_segment, 2, LAYOUT, save_dir, 1, 2, (2,), True, timeout=300)[0]  # the requeued job
+    assert out["resumed"]["step"] == 1
+    assert (save_dir / "latest").read_text() == "step_00000002\n"
+    assert not list(save_dir.glob("*.tmp"))
+
+
+def test_retention_keeps_the_last_k_and_cleans_leftovers(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    (save_dir / "step_00000009.tmp").mkdir(parents=True)  # a crashed save's leftover
+    (save_dir / "step_00000009.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    out = run_ranks(train_segment, 1, [], save_dir, 0, 4, (1, 2, 3, 4), False, 2, False, timeout=300)[0]
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000003", "step_00000004"]
+    assert (save_dir / "latest").read_text() == "step_00000004\n"
+    assert {"ckpt/stall_s", "ckpt/write_s", "ckpt/bytes"} <= set(out["reports"][-1])
