@@ -3,7 +3,6 @@ import torch.distributed as dist
 
 import zero3d
 from gpt_harness import BASE, SyntheticTokens
-from megatron_patches import disable_zero3d_recompute
 from pretrain.checkpoint import Checkpointer
 from pretrain.config import load_config
 from pretrain.model import build_model, parallel_groups
@@ -58,7 +57,6 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         out["params"] = {n: p.detach().clone() for n, p in full_params(engine).items()}
         out["tp_dims"], out["global_names"] = tp_dims_and_global_names(model)
         out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
-        disable_zero3d_recompute()
         dist.barrier()
         return out
     finally:
