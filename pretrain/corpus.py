@@ -39,6 +39,42 @@ def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
     return files
 
 
+class ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a zstd file of one or more frames; a file cut inside a frame raises EOFError
+    (zstandard's stream_reader would end quietly there)."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.pending, self.offset = raw, b"", 0
+        self.frame, self.in_frame = zstandard.ZstdDecompressor().decompressobj(), False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.offset == len(self.pending):
+            data = self.raw.read(CHUNK_BYTES)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("the file ends inside a zstd frame (truncated?)")
+                return 0
+            self.pending, self.offset = self._decompress(data), 0
+        count = min(len(buffer), len(self.pending) - self.offset)
+        buffer[:count] = self.pending[self.offset:self.offset + count]
+        self.offset += count
+        return count
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            self.in_frame = True
+            out.append(self.frame.decompress(data))
+            data = b""
+            if self.frame.eof:  # a frame ended: the rest of the input starts the next one
+                data, self.in_frame = self.frame.unused_data, False
+                self.frame = zstandard.ZstdDecompressor().decompressobj()
+        return b"".join(out)
+
+
 @contextmanager
 def open_lines(path: Path) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
     """The decompressed byte lines of a corpus file, and a function giving the on-disk bytes read so far."""
@@ -46,7 +82,7 @@ def open_lines(path: Path) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
         if path.name.endswith(".gz"):
             stream: BinaryIO = gzip.GzipFile(fileobj=raw)
         elif path.name.endswith((".zst", ".zstd")):
-            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=False))
+            stream = io.BufferedReader(ZstdReader(raw), CHUNK_BYTES)
         else:
             stream = raw
         try:

@@ -16,13 +16,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
-from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy
 from tqdm import tqdm
 
-from pretrain.corpus import Chunk, DataError, chunk_documents, expand_inputs, read_chunks
+from pretrain.corpus import CHUNK_BYTES, Chunk, DataError, chunk_documents, expand_inputs, read_chunks
 from pretrain.indexed import IndexedWriter, check_indexed_dataset, token_dtype
 from pretrain.tokenizer import MAX_SENTENCES, Tokenizer, TokenizerError, train_tokenizer
 
@@ -124,7 +123,8 @@ class Progress:
 
 def tokenize_corpus(inputs: Sequence[str | os.PathLike], tokenizer_model: str | os.PathLike,
                     output_prefix: str | os.PathLike, workers: int = 1, key: str = "text",
-                    progress: str = "off", log_interval_s: float = LOG_INTERVAL_S) -> PreprocessStats:
+                    progress: str = "off", log_interval_s: float = LOG_INTERVAL_S,
+                    chunk_bytes: int = CHUNK_BYTES) -> PreprocessStats:
     """Tokenize every document of the inputs (files or globs) into <output_prefix>.bin/.idx.
 
     progress: "auto" (bar on a terminal, else log lines), "bar", "log" or "off".
@@ -138,7 +138,7 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike], tokenizer_model: str | 
     meter = Progress(sum(f.stat().st_size for f in files), progress, log_interval_s)
     try:
         with IndexedWriter(output_prefix, tokenizer.vocab_size) as writer:
-            for result in tokenized_chunks(read_chunks(files), str(tokenizer_model), key, workers):
+            for result in tokenized_chunks(read_chunks(files, chunk_bytes), str(tokenizer_model), key, workers):
                 ends = numpy.cumsum(result.lengths)
                 for begin, end in zip(ends - result.lengths, ends):
                     writer.add_document(result.tokens[begin:end])
