@@ -17,11 +17,10 @@ from typing import Optional
 import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from pretrain.blend import parse_blend, parse_split
+from pretrain.blend import parse_blend
 from pretrain.config import DataConfig
 from pretrain.corpus import DataError, expand_inputs
 from pretrain.indexed import check_indexed_dataset, check_token_ids

@@ -1,7 +1,5 @@
 """Tests the corpus-to-tokens path: tokenizer, parallel preprocessing, .bin/.idx interop, every error message."""
 import gzip
-import io
-import json
 import os
 import shutil
 from pathlib import Path
