@@ -99,7 +99,8 @@ def build_corpus_files(corpus: str, tokenizer_model: Optional[str], cache_dir: s
         tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(corpus_key, vocab_size)}.model"
         if not tokenizer_path.is_file():
             train_tokenizer(corpus, tokenizer_path.with_suffix(""), vocab_size)
-    prefix = str(Path(cache_dir) / f"tokens-{_digest(corpus_key, hashlib.sha256(tokenizer_path.read_bytes()).hexdigest())}")
+    tokenizer_hash = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
+    prefix = str(Path(cache_dir) / f"tokens-{_digest(corpus_key, tokenizer_hash)}")
     try:
         check_indexed_dataset(prefix)
     except DataError:  # absent, or left inconsistent by an interrupted build: build it (again)
@@ -112,14 +113,14 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
     check every blend prefix's .bin/.idx (and its token ids against the tokenizer) or build the corpus's
     tokenizer and tokens into data.cache_dir (reused once built).
     """
-    if data.tokenizer_model is not None:
-        tokenizer = Tokenizer(data.tokenizer_model)
+    tokenizer = None if data.tokenizer_model is None else Tokenizer(data.tokenizer_model)
+    if tokenizer is not None:
         _check_vocab(tokenizer, vocab_size)  # before any expensive work
     blend, blend_per_split = _blends(data)
     if blend is None and blend_per_split is None:
         tokenizer_path, prefix = build_corpus_files(data.corpus, data.tokenizer_model, data.cache_dir, vocab_size)
         return DataFiles(tokenizer_path, ([prefix], None), None)
-    if data.tokenizer_model is None:
+    if tokenizer is None:
         raise DataError("data.blend needs data.tokenizer_model: the tokenizer that made its token ids must be "
                         "named, not trained anew")
     files = DataFiles(str(data.tokenizer_model), blend, blend_per_split)
@@ -172,7 +173,8 @@ def _check_split_sizes(config: GPTDatasetConfig, seq_length: int) -> None:
     (megatron would loop forever over an empty split, or stop rank 0 while the others wait)."""
     for index, name in enumerate(("training", "validation", "test")):
         if config.blend is not None:
-            prefixes, bounds = (config.blend[0], config.split_matrix[index]) if config.split_matrix[index] else ([], None)
+            bounds = config.split_matrix[index]
+            prefixes = config.blend[0] if bounds else []
         else:
             blend = config.blend_per_split[index]
             prefixes, bounds = (blend[0], (0.0, 1.0)) if blend else ([], None)

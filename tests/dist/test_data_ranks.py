@@ -21,7 +21,8 @@ def blend_files(tmp_path_factory):
     for name, (low, high) in {"low": (3, 100), "high": (100, 200)}.items():
         with IndexedWriter(root / name, 400) as writer:
             for _ in range(200):
-                writer.add_document(numpy.append(rng.integers(low, high, rng.integers(20, 200)), 2).astype(numpy.uint16))
+                text = rng.integers(low, high, rng.integers(20, 200))
+                writer.add_document(numpy.append(text, 2).astype(numpy.uint16))
             writer.finish()
     return root, str(model)
 
@@ -41,7 +42,8 @@ def _open(rank, world_size, root, model, cache, split):
         return save(path, *args, **kwargs)
     numpy.save = counting_save
     train, valid, _ = open_datasets(files, config, SEQ, 1234, 400, train_samples=500, valid_samples=20)
-    return {"saved": saved, "train": [train.sample(i) for i in range(100)], "valid": [valid.sample(i) for i in range(20)]}
+    return {"saved": saved, "train": [train.sample(i) for i in range(100)],
+            "valid": [valid.sample(i) for i in range(20)]}
 
 
 def test_rank_zero_builds_the_indices_and_the_others_load_them(tmp_path, blend_files):

@@ -47,7 +47,8 @@ def data(tmp_path_factory, world):
     for name, (low, high) in {"low": (3, 100), "high": (100, 200)}.items():
         with IndexedWriter(root / name, VOCAB) as writer:
             for _ in range(300):
-                writer.add_document(numpy.append(rng.integers(low, high, rng.integers(20, 300)), 2).astype(numpy.uint16))
+                text = rng.integers(low, high, rng.integers(20, 300))
+                writer.add_document(numpy.append(text, 2).astype(numpy.uint16))
             writer.finish()
     return SimpleNamespace(root=root, tokenizer=tokenizer, megatron=str(root / "megatron"),
                            low=str(root / "low"), high=str(root / "high"))
@@ -70,7 +71,8 @@ def test_megatron_written_files_give_megatrons_samples_token_for_token(tmp_path,
     train, valid, _ = open_run(data, tmp_path / "ours", 3000, 40, blend=data.megatron)
     reference = GPTDatasetConfig(
         random_seed=1234, sequence_length=SEQ, blend=get_blend_from_list([data.megatron]), split="95,5,0",
-        path_to_cache=str(tmp_path / "megatron"), tokenizer=SimpleNamespace(vocab_size=VOCAB, eod=2, pad=-1, unique_identifiers={"reference": 1}),
+        path_to_cache=str(tmp_path / "megatron"),
+        tokenizer=SimpleNamespace(vocab_size=VOCAB, eod=2, pad=-1, unique_identifiers={"reference": 1}),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     megatron_train, megatron_valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [3000, 40, 0], lambda: True, reference).build()
