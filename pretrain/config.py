@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+from pretrain.blend import parse_blend, parse_split
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -83,11 +85,17 @@ class PrecisionConfig:
 
 @dataclass
 class DataConfig:
-    corpus: str = "data/corpus.jsonl"  # text (.txt: blank-line separated documents) or JSONL {"text": ...}
-    tokenizer_model: Optional[str] = None  # None: trained from the corpus into cache_dir
-    prefix: Optional[str] = None  # Megatron .bin/.idx prefix; None: built from the corpus into cache_dir
-    cache_dir: str = "runs/data"
-    valid_fraction: float = 0.05
+    """Either a corpus (tokenized into cache_dir) or Megatron .bin/.idx prefixes in blend / per-split blends."""
+
+    corpus: str = "data/corpus.jsonl"  # JSONL file or glob ({"text": ...} a line; .gz/.zst too), used without a blend
+    tokenizer_model: Optional[str] = None  # sentencepiece .model; None: trained from the corpus into cache_dir
+    blend: Optional[str] = None  # Megatron's --data-path: "0.3 prefixA 0.7 prefixB", or "prefixA prefixB" (by size)
+    train_blend: Optional[str] = None  # per-split blends (Megatron's --train-data-path / --valid-data-path):
+    valid_blend: Optional[str] = None  # used instead of blend + split
+    split: str = "95,5,0"  # train,valid,test shares of each prefix's documents (Megatron's --split)
+    cache_dir: str = "runs/data"  # the corpus's tokenizer and tokens, and megatron-core's sample indices
+    num_workers: Optional[int] = None  # DataLoader worker processes per rank; None: 2 on CUDA, 0 on CPU
+    pin_memory: bool = True  # on CUDA: batches staged in pinned memory and copied asynchronously
 
 
 @dataclass
@@ -309,8 +317,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(0 < pr.backoff_factor < 1, f"precision.backoff_factor = {pr.backoff_factor} must be in (0, 1)")
     _require(pr.growth_interval >= 1 and pr.hysteresis >= 1,
              "precision.growth_interval and precision.hysteresis must be >= 1")
-    _require(0 < cfg.data.valid_fraction < 1,
-             f"data.valid_fraction = {cfg.data.valid_fraction} must be in (0, 1)")
+    validate_data(cfg)
     for key in ("steps", "micro_batch_size", "global_batch_size", "eval_iters"):
         _require(getattr(t, key) > 0, f"train.{key} = {getattr(t, key)} must be > 0")
     _require(t.eval_interval >= 0 and t.save_interval >= 0,
@@ -322,6 +329,34 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              "cluster.nodes and cluster.gpus_per_node must be >= 1")
     if world_size is not None:
         validate_layout(cfg, world_size)
+
+
+def validate_data(cfg: Config) -> None:
+    """[data]: blends and split parse, one source of samples, a validation source when eval is on."""
+    d = cfg.data
+    try:
+        for key in ("blend", "train_blend", "valid_blend"):
+            if getattr(d, key) is not None:
+                parse_blend(getattr(d, key), f"data.{key}")
+        shares = parse_split(d.split)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    per_split = d.train_blend is not None or d.valid_blend is not None
+    _require(not (per_split and d.blend is not None),
+             "data.blend and data.train_blend / data.valid_blend are exclusive: a blend is split by data.split, "
+             "per-split blends replace it")
+    _require(not per_split or d.train_blend is not None, "data.valid_blend needs data.train_blend")
+    _require(not (per_split or d.blend) or d.tokenizer_model is not None,
+             "data.blend / data.train_blend need data.tokenizer_model: the tokenizer that made their token ids")
+    evaluating = cfg.train.eval_interval > 0
+    _require(not (evaluating and per_split and d.valid_blend is None),
+             f"train.eval_interval = {cfg.train.eval_interval} needs data.valid_blend with data.train_blend "
+             "(or train.eval_interval = 0)")
+    _require(not (evaluating and not per_split and shares[1] == 0),
+             f"data.split = {d.split!r} leaves no validation documents but train.eval_interval = "
+             f"{cfg.train.eval_interval}; give the second share a value > 0 (or train.eval_interval = 0)")
+    _require(d.num_workers is None or d.num_workers >= 0,
+             f"data.num_workers = {d.num_workers} must be >= 0 (or unset: 2 on CUDA, 0 on CPU)")
 
 
 def validate_layout(cfg: Config, world_size: int) -> int:

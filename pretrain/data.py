@@ -1,249 +1,58 @@
-"""Turns a text corpus into Megatron .bin/.idx files and GPT train/validation samples, with clear errors.
+"""GPT train/validation samples through megatron-core: blends, splits, cached indices, seq+1 token blocks.
 
-Storage is megatron-core's own IndexedDatasetBuilder/IndexedDataset (MMIDIDX format), so files made
-here are readable by Megatron and files made by Megatron's preprocess_data are readable here.
-
-GPT samples are cut here rather than by megatron-core's GPTDataset. Its C++ helpers ship compiled in
-the wheel and it runs on CPU, but it does not fit this contract: it needs the total number of samples
-up front (or builds exactly one epoch), shuffles documents as well as samples, returns dicts of
-tokens/labels/masks, and caches its indices either beside the data or under a path_to_cache that it
-guards with its own rank-0/barrier protocol. Here a split is a contiguous run of documents, so its
-token stream is one contiguous slice of the .bin: sample k is tokens [k*S, k*S + S + 1) of that slice
-(S = seq_length; one token overlaps the next sample, as with Megatron's add_extra_token_to_sequence).
+megatron-core's BlendedMegatronDatasetBuilder builds GPTDatasets (one per prefix and split) and, for
+weighted blends, a BlendedDataset over them, with Megatron's rules: documents split by data.split,
+shuffled per epoch, samples cut across document boundaries, the sample order shuffled, and as many
+epochs as the requested number of samples needs. Its document/sample/shuffle indices are cached in
+data.cache_dir (keyed by prefix, seed, seq_length, split and sample count); rank 0 builds them first
+and the other ranks load them after a barrier. So a .bin/.idx written by Megatron-LM's preprocess_data
+gives here the samples Megatron-LM would train on, for the same seed, sequence length and split.
 """
 import hashlib
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Optional
 
 import numpy
 import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from pretrain.blend import parse_blend
+from pretrain.config import DataConfig
+from pretrain.corpus import DataError, expand_inputs
+from pretrain.indexed import check_indexed_dataset, check_token_ids
+from pretrain.preprocess import tokenize_corpus
 from pretrain.tokenizer import Tokenizer, train_tokenizer
 
-# The .idx layout of megatron-core's _IndexWriter: magic, <Q version (1), <B dtype code, <Q sequence
-# count, <Q document count, then int32 lengths and int64 pointers per sequence, int64 document indices.
-_MAGIC = b"MMIDIDX\x00\x00"
-_HEADER = struct.Struct("<9sQBQQ")
-
-
-class DataError(ValueError):
-    """A corpus, token file or split is unusable; the message names the file and what is wrong."""
-
-
-def read_documents(path: str | os.PathLike) -> Iterator[str]:
-    """Yield the non-empty documents of a .jsonl ({"text": ...} a line) or .txt (blank-line separated)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"corpus {str(path)!r} does not exist")
-    if path.suffix not in (".jsonl", ".txt"):
-        raise DataError(f"corpus {str(path)!r} must be .jsonl ({{\"text\": ...}} per line) or .txt")
-    found = False
-    with path.open(encoding="utf-8") as lines:
-        try:
-            for document in (_jsonl_documents if path.suffix == ".jsonl" else _txt_documents)(path, lines):
-                if document.strip():
-                    found = True
-                    yield document
-        except UnicodeDecodeError as err:
-            raise DataError(f"corpus {str(path)!r} is not UTF-8 text: {err}") from None
-    if not found:
-        raise DataError(f"corpus {str(path)!r} has no non-empty document")
-
-
-def _jsonl_documents(path: Path, lines: Iterable[str]) -> Iterator[str]:
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'{path}:{number}: expected an object with a string "text" field')
-        yield record["text"]
-
-
-def _txt_documents(path: Path, lines: Iterable[str]) -> Iterator[str]:
-    document: list[str] = []
-    for line in lines:
-        if line.strip():
-            document.append(line)
-        elif document:
-            yield "".join(document).rstrip("\n")
-            document = []
-    if document:
-        yield "".join(document).rstrip("\n")
-
-
-def write_indexed_dataset(documents_token_ids: Iterable[Sequence[int]], output_prefix: str | os.PathLike,
-                          vocab_size: int, eod_id: int) -> str:
-    """Write <prefix>.bin/.idx with megatron-core's builder, one sequence per document ending in eod_id."""
-    prefix = str(output_prefix)
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    dtype = DType.optimal_dtype(vocab_size)  # uint16 below 65500 tokens, else int32, as preprocess_data
-    tmp = f"{prefix}.tmp{os.getpid()}"
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
-    try:
-        for number, ids in enumerate(documents_token_ids):
-            tokens = numpy.append(numpy.asarray(ids, dtype=numpy.int64), eod_id)
-            if tokens.min() < 0 or tokens.max() >= vocab_size:
-                raise DataError(f"document {number} has a token id outside 0..{vocab_size - 1}: "
-                                f"{int(tokens.min())}..{int(tokens.max())}")
-            builder.add_document(torch.from_numpy(tokens), [tokens.size])
-        builder.finalize(f"{tmp}.idx")
-        # Both files are complete before either takes the real name; a crash between the two renames
-        # leaves a mismatched pair, which check_indexed_dataset rejects and prepare_files rebuilds.
-        os.replace(f"{tmp}.bin", f"{prefix}.bin")
-        os.replace(f"{tmp}.idx", f"{prefix}.idx")
-    finally:
-        builder.data_file.close()
-        for leftover in (f"{tmp}.bin", f"{tmp}.idx"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-    return prefix
-
-
-def preprocess(corpus_path: str | os.PathLike, tokenizer: Tokenizer, output_prefix: str | os.PathLike) -> str:
-    """Tokenize every document of the corpus into <output_prefix>.bin/.idx; returns the prefix."""
-    token_ids = (tokenizer.encode(text) for text in read_documents(corpus_path))
-    return write_indexed_dataset(token_ids, output_prefix, tokenizer.vocab_size, tokenizer.eod_id)
+Blend = tuple[list[str], Optional[list[float]]]  # megatron-core's (prefixes, weights or None)
 
 
 @dataclass(frozen=True)
-class IndexSummary:
-    """What a checked .idx says about its .bin."""
-    bin_path: str
-    dtype: type
-    sequence_lengths: numpy.ndarray  # tokens per sequence (here, per document)
-    document_indices: numpy.ndarray  # sequence index where each document starts, then the count
+class DataFiles:
+    """What rank 0 prepared and checked, shared with every rank: the tokenizer and the blends to open."""
+    tokenizer_path: str
+    blend: Optional[Blend]  # split by data.split ...
+    blend_per_split: Optional[list[Optional[Blend]]]  # ... or one blend per split (train, valid, test)
+
+    def prefixes(self) -> list[str]:
+        blends = [self.blend] if self.blend else [b for b in self.blend_per_split or [] if b]
+        return list(dict.fromkeys(prefix for prefixes, _ in blends for prefix in prefixes))
 
 
-def check_indexed_dataset(prefix: str | os.PathLike) -> IndexSummary:
-    """Validate <prefix>.idx/.bin against Megatron's MMIDIDX layout before megatron-core maps them."""
-    idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise DataError(f"indexed dataset {str(prefix)!r} is incomplete: {path} does not exist")
-    idx_size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as stream:
-        header = stream.read(_HEADER.size)
-        if len(header) < _HEADER.size:
-            raise DataError(f"{idx_path} is truncated: {idx_size} bytes, "
-                            f"shorter than the {_HEADER.size}-byte header")
-        magic, version, code, sequence_count, document_count = _HEADER.unpack(header)
-        if magic != _MAGIC:
-            raise DataError(f"{idx_path} is not a Megatron index: header {magic!r} is not {_MAGIC!r}")
-        if version != 1:
-            raise DataError(f"{idx_path} has index version {version}; only version 1 is readable")
-        known_codes = sorted(d.value for d in DType)
-        if code not in known_codes:
-            raise DataError(f"{idx_path} has unknown dtype code {code}; known codes: {known_codes}")
-        expected = _HEADER.size + (4 + 8) * sequence_count + 8 * document_count
-        if idx_size != expected:
-            raise DataError(f"{idx_path} is truncated or corrupt: its header describes {sequence_count} "
-                            f"sequences and {document_count} document indices, which take {expected} bytes, "
-                            f"but the file has {idx_size} bytes")
-        lengths = numpy.fromfile(stream, dtype=numpy.int32, count=sequence_count)
-        pointers = numpy.fromfile(stream, dtype=numpy.int64, count=sequence_count)
-        documents = numpy.fromfile(stream, dtype=numpy.int64, count=document_count)
-    dtype = DType.dtype_from_code(code)
-    itemsize = DType.size(dtype)
-    starts = numpy.concatenate(([0], numpy.cumsum(lengths, dtype=numpy.int64)))
-    if (lengths < 0).any() or not numpy.array_equal(pointers, starts[:-1] * itemsize):
-        raise DataError(f"{idx_path} is corrupt: its sequence pointers do not follow its sequence lengths")
-    if (document_count == 0 or documents[0] != 0 or documents[-1] != sequence_count
-            or (numpy.diff(documents) < 0).any()):
-        raise DataError(f"{idx_path} is corrupt: its document indices do not run from 0 to {sequence_count}")
-    expected_bin = int(starts[-1]) * itemsize
-    bin_size = os.path.getsize(bin_path)
-    if bin_size != expected_bin:
-        raise DataError(f"{bin_path} is truncated or corrupt: {idx_path} describes {int(starts[-1])} "
-                        f"tokens of {dtype.__name__}, expected {expected_bin} bytes, but the file has "
-                        f"{bin_size} bytes")
-    return IndexSummary(bin_path, dtype, lengths, documents)
+@dataclass(frozen=True)
+class DatasetTokenizer:
+    """What megatron-core's GPTDataset asks of a tokenizer: sizes and special ids, and a cache identity."""
+    vocab_size: int
+    eod: int
+    pad: int
+    unique_identifiers: dict
 
-
-def load_indexed_dataset(prefix: str | os.PathLike) -> IndexedDataset:
-    """megatron-core's IndexedDataset over <prefix>.bin/.idx, after check_indexed_dataset."""
-    check_indexed_dataset(prefix)
-    return IndexedDataset(str(prefix))
-
-
-class GPTSamples(torch.utils.data.Dataset):
-    """Samples of seq_length+1 tokens cut from one split's token stream; shuffled per epoch when seeded."""
-
-    def __init__(self, bin_path: str, dtype: type, token_start: int, token_count: int, seq_length: int,
-                 seed: Optional[int], model_vocab_size: int):
-        self.bin_path, self.dtype, self.seq_length, self.seed = bin_path, dtype, seq_length, seed
-        self.token_start, self.token_count, self.model_vocab_size = token_start, token_count, model_vocab_size
-        self.num_samples = (token_count - 1) // seq_length
-        self._tokens: Optional[numpy.ndarray] = None
-        self._order: tuple[int, Optional[numpy.ndarray]] = (-1, None)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} is out of range for {self.num_samples} samples; "
-                             "sample() wraps around epochs")
-        return self.sample(index)
-
-    def sample(self, index: int) -> torch.Tensor:
-        """Sample `index` of an endless run of epochs; epoch e is shuffled with RandomState(seed + e)."""
-        epoch, position = divmod(index, self.num_samples)
-        if self.seed is None:
-            return self.window(position)
-        if self._order[0] != epoch:
-            self._order = (epoch, numpy.random.RandomState(self.seed + epoch).permutation(self.num_samples))
-        return self.window(int(self._order[1][position]))
-
-    def window(self, k: int) -> torch.Tensor:
-        """The k-th sample in token-stream order: tokens [k*S, k*S + S + 1) of the split."""
-        if self._tokens is None:  # mapped on first use, so a pickled copy (DataLoader worker) maps its own
-            self._tokens = numpy.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.token_count,),
-                                        offset=self.token_start * numpy.dtype(self.dtype).itemsize)
-        start = k * self.seq_length
-        tokens = torch.from_numpy(self._tokens[start:start + self.seq_length + 1].astype(numpy.int64))
-        if int(tokens.max()) >= self.model_vocab_size:
-            raise DataError(f"token id {int(tokens.max())} in {self.bin_path} is outside model.vocab_size "
-                            f"{self.model_vocab_size}; the .bin/.idx was made with a larger tokenizer")
-        return tokens
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None, "_order": (-1, None)}
-
-
-def build_gpt_datasets(prefix: str | os.PathLike, seq_length: int, valid_fraction: float, seed: int,
-                       model_vocab_size: int) -> tuple[GPTSamples, GPTSamples]:
-    """Split <prefix> by documents (first 1 - valid_fraction train, the rest valid) into GPT sample sets."""
-    if not 0 < valid_fraction < 1:
-        raise DataError(f"valid_fraction {valid_fraction} must be in (0, 1)")
-    if seq_length < 1:
-        raise DataError(f"seq_length {seq_length} must be at least 1")
-    index = check_indexed_dataset(prefix)
-    starts = numpy.concatenate(([0], numpy.cumsum(index.sequence_lengths, dtype=numpy.int64)))
-    document_starts = starts[index.document_indices]  # token offset of each document, then the total
-    num_documents = len(document_starts) - 1
-    num_train = int(round((1 - valid_fraction) * num_documents))
-    splits = {}
-    bounds = {"training": (0, num_train, seed), "validation": (num_train, num_documents, None)}
-    for name, (first, last, split_seed) in bounds.items():
-        token_start = int(document_starts[first])
-        token_count = int(document_starts[last]) - token_start
-        if token_count - 1 < seq_length:
-            raise DataError(f"{name} split is empty: {last - first} of {num_documents} documents "
-                            f"({token_count} tokens) at valid_fraction {valid_fraction} give no sample of "
-                            f"seq_length + 1 = {seq_length + 1} tokens; use a larger corpus, another "
-                            "valid_fraction or a smaller seq_length")
-        splits[name] = GPTSamples(index.bin_path, index.dtype, token_start, token_count, seq_length,
-                                  split_seed, model_vocab_size)
-    return splits["training"], splits["validation"]
+    @property
+    def eos(self) -> int:
+        return self.eod
 
 
 def _check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
@@ -257,55 +66,167 @@ def _digest(*parts: object) -> str:
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
-def prepare_files(corpus: str | os.PathLike, tokenizer_model: Optional[str], data_prefix: Optional[str],
-                  cache_dir: str | os.PathLike, vocab_size: int) -> tuple[Path, str]:
-    """Train the tokenizer and build .bin/.idx into cache_dir where not given; idempotent and atomic.
+def _single(blend: Blend) -> Blend:
+    """One prefix needs no weight: megatron then builds a plain GPTDataset, not a blend of one."""
+    prefixes, weights = blend
+    return (prefixes, None) if len(prefixes) == 1 else (prefixes, weights)
 
-    Cache names hash the corpus's path, mtime and size (with the vocab size for the tokenizer, the
-    tokenizer's bytes for the tokens), so an edited corpus or another tokenizer builds anew.
-    cache_dir is relative to the current directory unless absolute.
+
+def _blends(data: DataConfig) -> tuple[Optional[Blend], Optional[list[Optional[Blend]]]]:
+    try:
+        if data.blend is not None:
+            return _single(parse_blend(data.blend, "data.blend")), None
+        if data.train_blend is not None:
+            valid = _single(parse_blend(data.valid_blend, "data.valid_blend")) if data.valid_blend else None
+            return None, [_single(parse_blend(data.train_blend, "data.train_blend")), valid, None]
+    except ValueError as err:
+        raise DataError(str(err)) from None
+    return None, None
+
+
+def build_corpus_files(corpus: str, tokenizer_model: Optional[str], cache_dir: str | os.PathLike,
+                       vocab_size: int) -> tuple[str, str]:
+    """Train the tokenizer (unless given) and tokenize the corpus into cache_dir; idempotent and atomic.
+
+    Cache names hash the input files' paths, mtimes and sizes (with the vocab size for the tokenizer,
+    the tokenizer's bytes for the tokens), so an edited corpus or another tokenizer builds anew.
     """
-    if tokenizer_model is not None:
-        _check_vocab(Tokenizer(tokenizer_model), vocab_size)  # before any expensive work
-    if data_prefix is not None:
-        if tokenizer_model is None:
-            raise DataError(f"data.prefix {data_prefix!r} needs data.tokenizer_model: the tokenizer that "
-                            "made its token ids must be named, not trained anew")
-        check_indexed_dataset(data_prefix)
-        return Path(tokenizer_model), str(data_prefix)
-    corpus = Path(corpus)
-    if not corpus.is_file():
-        raise DataError(f"corpus {str(corpus)!r} does not exist")
-    stat = corpus.stat()
-    corpus_key = (corpus.resolve(), stat.st_mtime_ns, stat.st_size)
+    files = expand_inputs([corpus])
+    corpus_key = [(f.resolve(), f.stat().st_mtime_ns, f.stat().st_size) for f in files]
     if tokenizer_model is not None:
         tokenizer_path = Path(tokenizer_model)
     else:
-        tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(*corpus_key, vocab_size)}.model"
+        tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(corpus_key, vocab_size)}.model"
         if not tokenizer_path.is_file():
             train_tokenizer(corpus, tokenizer_path.with_suffix(""), vocab_size)
     tokenizer_hash = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
-    prefix = str(Path(cache_dir) / f"tokens-{_digest(*corpus_key, tokenizer_hash)}")
+    prefix = str(Path(cache_dir) / f"tokens-{_digest(corpus_key, tokenizer_hash)}")
     try:
         check_indexed_dataset(prefix)
     except DataError:  # absent, or left inconsistent by an interrupted build: build it (again)
-        preprocess(corpus, Tokenizer(tokenizer_path), prefix)
-    return tokenizer_path, prefix
+        tokenize_corpus([corpus], tokenizer_path, prefix)
+    return str(tokenizer_path), prefix
 
 
-def open_datasets(tokenizer_path: str | os.PathLike, prefix: str | os.PathLike, seq_length: int,
-                  valid_fraction: float, seed: int,
-                  model_vocab_size: int) -> tuple[GPTSamples, GPTSamples, Tokenizer]:
-    """Load the tokenizer, check it fits the model, and open the train/valid sample sets of <prefix>."""
-    tokenizer = Tokenizer(tokenizer_path)
+def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
+    """Rank 0's part, before any dataset is opened: check the tokenizer against the model, then either
+    check every blend prefix's .bin/.idx (and its token ids against the tokenizer) or build the corpus's
+    tokenizer and tokens into data.cache_dir (reused once built).
+    """
+    tokenizer = None if data.tokenizer_model is None else Tokenizer(data.tokenizer_model)
+    if tokenizer is not None:
+        _check_vocab(tokenizer, vocab_size)  # before any expensive work
+    blend, blend_per_split = _blends(data)
+    if blend is None and blend_per_split is None:
+        tokenizer_path, prefix = build_corpus_files(data.corpus, data.tokenizer_model, data.cache_dir, vocab_size)
+        return DataFiles(tokenizer_path, ([prefix], None), None)
+    if tokenizer is None:
+        raise DataError("data.blend needs data.tokenizer_model: the tokenizer that made its token ids must be "
+                        "named, not trained anew")
+    files = DataFiles(str(data.tokenizer_model), blend, blend_per_split)
+    for prefix in files.prefixes():
+        check_token_ids(prefix, tokenizer.vocab_size)
+    return files
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """The seq_length+1 tokens each megatron sample is cut from (its tokens, then its last label).
+
+    sample(i) is what the training loop reads: inputs are block[:-1], labels block[1:]."""
+
+    def __init__(self, dataset, prefixes: list[str], vocab_size: int, split: str):
+        self.dataset, self.prefixes, self.vocab_size, self.split = dataset, prefixes, vocab_size, split
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.sample(index)
+
+    def sample(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self.dataset):
+            raise IndexError(f"{self.split} sample {index} is beyond the {len(self.dataset)} samples built for "
+                             f"this run (train.steps × train.global_batch_size for training)")
+        item = self.dataset[index]
+        block = torch.cat([item["tokens"], item["labels"][-1:]])
+        if int(block.max()) >= self.vocab_size:
+            prefix = self.prefixes[int(item.get("dataset_id", 0))]
+            raise DataError(f"token id {int(block.max())} in {prefix}.bin ({self.split} sample {index}) is outside "
+                            f"the tokenizer's {self.vocab_size} ids: the .bin/.idx was made with a larger "
+                            "tokenizer")
+        return block
+
+    def source(self, index: int) -> str:
+        """The prefix sample `index` comes from."""
+        return self.prefixes[int(self.dataset[index].get("dataset_id", 0))]
+
+
+def _split_prefixes(files: DataFiles, index: int) -> list[str]:
+    if files.blend is not None:
+        return files.blend[0]
+    blend = files.blend_per_split[index]
+    return blend[0] if blend else []
+
+
+def _check_split_sizes(config: GPTDatasetConfig, seq_length: int) -> None:
+    """Refuse a split with less than one sample of tokens, on every rank before megatron's collectives
+    (megatron would loop forever over an empty split, or stop rank 0 while the others wait)."""
+    for index, name in enumerate(("training", "validation", "test")):
+        if config.blend is not None:
+            bounds = config.split_matrix[index]
+            prefixes = config.blend[0] if bounds else []
+        else:
+            blend = config.blend_per_split[index]
+            prefixes, bounds = (blend[0], (0.0, 1.0)) if blend else ([], None)
+        for prefix in prefixes:
+            indexed = IndexedDataset(prefix)  # kept while its memory-mapped lengths are read
+            lengths = indexed.sequence_lengths
+            # megatron's rule (BlendedMegatronDatasetBuilder._build_megatron_dataset_splits)
+            first, last = int(round(bounds[0] * float(len(lengths)))), int(round(bounds[1] * float(len(lengths))))
+            tokens = int(lengths[first:last].sum(dtype=numpy.int64))
+            if tokens < seq_length + 1:
+                split = f"data.split = {config.split!r}" if config.blend is not None else "its per-split blend"
+                raise DataError(f"{name} split of {prefix} is too small: documents {first}..{last} of "
+                                f"{len(lengths)} ({tokens} tokens) at {split} give no sample of seq_length + 1 = "
+                                f"{seq_length + 1} tokens; use more data, another data.split or a smaller "
+                                "seq_length")
+
+
+def dataset_config(files: DataFiles, data: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
+                   sizes: list[int]) -> GPTDatasetConfig:
+    """megatron-core's GPTDatasetConfig as Megatron-LM's pretrain_gpt sets it (no EOD loss masking, no
+    position/attention reset); splits that the run reads no sample from (sizes[i] == 0) are not built."""
+    identity = {"class": "SentencePieceTokenizer", "vocab_size": tokenizer.vocab_size,
+                "data_files": {p: [os.path.getsize(f"{p}.idx"), os.path.getsize(f"{p}.bin")]
+                               for p in files.prefixes()}}
+    blend_per_split = None if files.blend_per_split is None else \
+        [blend if size else None for blend, size in zip(files.blend_per_split, sizes)]
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=files.blend, blend_per_split=blend_per_split,
+        split=data.split if files.blend is not None else None, path_to_cache=str(data.cache_dir),
+        tokenizer=DatasetTokenizer(tokenizer.vocab_size, tokenizer.eod_id, -1, identity),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+    if config.split_matrix is not None:  # the split's book-ends stay; unread splits are not built
+        config.split_matrix = [bounds if size else None for bounds, size in zip(config.split_matrix, sizes)]
+    return config
+
+
+def open_datasets(files: DataFiles, data: DataConfig, seq_length: int, seed: int, model_vocab_size: int,
+                  train_samples: int, valid_samples: int) -> tuple[TokenBlocks, Optional[TokenBlocks], Tokenizer]:
+    """Every rank: megatron-core's train/valid datasets for `files`, as TokenBlocks, and the tokenizer.
+
+    train_samples / valid_samples: how many samples the run reads (megatron builds enough epochs; the
+    sample order depends on them only through the number of epochs). Collective when torch.distributed
+    is initialised: rank 0 builds the cached indices, the others wait at a barrier, then load them.
+    valid is None when valid_samples is 0 or the split gives validation no documents.
+    """
+    tokenizer = Tokenizer(files.tokenizer_path)
     _check_vocab(tokenizer, model_vocab_size)
-    train, valid = build_gpt_datasets(prefix, seq_length, valid_fraction, seed, model_vocab_size)
-    return train, valid, tokenizer
-
-
-def prepare_data(corpus: str | os.PathLike, tokenizer_model: Optional[str], data_prefix: Optional[str],
-                 cache_dir: str | os.PathLike, vocab_size: int, seq_length: int, valid_fraction: float,
-                 seed: int) -> tuple[GPTSamples, GPTSamples, Tokenizer]:
-    """The training loop's one call: prepare_files (a no-op once rank 0 has run it), then open_datasets."""
-    tokenizer_path, prefix = prepare_files(corpus, tokenizer_model, data_prefix, cache_dir, vocab_size)
-    return open_datasets(tokenizer_path, prefix, seq_length, valid_fraction, seed, vocab_size)
+    config = dataset_config(files, data, tokenizer, seq_length, seed, [train_samples, valid_samples, 0])
+    _check_split_sizes(config, seq_length)
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
+    return (TokenBlocks(train, _split_prefixes(files, 0), tokenizer.vocab_size, "training"),
+            None if valid is None else TokenBlocks(valid, _split_prefixes(files, 1), tokenizer.vocab_size,
+                                                   "validation"),
+            tokenizer)

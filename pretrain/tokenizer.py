@@ -1,11 +1,17 @@
 """Trains and wraps a sentencepiece BPE tokenizer whose end-of-document id separates documents."""
 import io
 import os
+import random
 import re
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
+
+from pretrain.corpus import read_documents
+
+MAX_SENTENCES = 2_000_000  # sentences a tokenizer trains on, sampled from a bigger corpus
+SAMPLE_SEED = 1234
 
 # Fixed special ids so every model trained here agrees on them; pad stays off (-1) because
 # GPT samples are cut from one unbroken token stream and never padded.
@@ -25,39 +31,54 @@ def _lines(documents: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
-def _clear_training_error(err: RuntimeError, vocab_size: int, corpus_path: Path) -> TokenizerError:
+def _clear_training_error(err: RuntimeError, vocab_size: int, corpus_name: str) -> TokenizerError:
     """Turn sentencepiece's internal assertion text into a message naming the requested size."""
     text = str(err)
     too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", text)
     if too_high:
         return TokenizerError(
-            f"vocab_size {vocab_size} is too large for corpus {str(corpus_path)!r}: sentencepiece can "
+            f"vocab_size {vocab_size} is too large for corpus {corpus_name!r}: sentencepiece can "
             f"learn at most {too_high.group(1)} pieces from it; lower model.vocab_size or use a larger "
             "corpus")
     too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", text)
     if too_low:
         return TokenizerError(
-            f"vocab_size {vocab_size} is too small for corpus {str(corpus_path)!r}: the 256 byte-fallback "
+            f"vocab_size {vocab_size} is too small for corpus {corpus_name!r}: the 256 byte-fallback "
             f"pieces, the special tokens and the corpus's characters need at least {too_low.group(1)}")
-    return TokenizerError(f"training a tokenizer of vocab_size {vocab_size} on {str(corpus_path)!r} failed: "
+    return TokenizerError(f"training a tokenizer of vocab_size {vocab_size} on {corpus_name!r} failed: "
                           f"{text}")
 
 
-def train_tokenizer(corpus_path: str | os.PathLike, model_prefix: str | os.PathLike, vocab_size: int) -> Path:
-    """Train a BPE model on the corpus and write it atomically to <model_prefix>.model; returns that path.
+def sample_sentences(sentences: Iterable[str], limit: int, seed: int = SAMPLE_SEED) -> list[str]:
+    """At most `limit` sentences, a uniform sample (reservoir sampling, seeded) kept in corpus order.
 
-    Deterministic: every sentence is used in file order (no sampling, no shuffle) on one thread.
+    Memory stays bounded by `limit` however big the corpus; a corpus with fewer sentences is used whole.
+    """
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str]] = []
+    for number, sentence in enumerate(sentences):
+        if number < limit:
+            reservoir.append((number, sentence))
+        elif (slot := rng.randrange(number + 1)) < limit:
+            reservoir[slot] = (number, sentence)
+    return [sentence for _, sentence in sorted(reservoir)]
+
+
+def train_tokenizer(corpus: str | os.PathLike | Sequence[str | os.PathLike], model_prefix: str | os.PathLike,
+                    vocab_size: int, max_sentences: int = MAX_SENTENCES, key: str = "text") -> Path:
+    """Train a BPE model on the corpus (JSONL files or globs) and write it atomically to <model_prefix>.model.
+
+    Deterministic: at most max_sentences lines, sampled with a fixed seed, in corpus order, one thread.
     byte_fallback makes any text encodable; identity normalisation and kept whitespace make
     decode(encode(text)) == text for all text without U+2581, the symbol sentencepiece uses for a space.
     """
-    # Imported here because pretrain.data imports this module to build datasets.
-    from pretrain.data import read_documents
-
-    corpus_path = Path(corpus_path)
+    if max_sentences < 1:
+        raise TokenizerError(f"max_sentences {max_sentences} must be at least 1")
+    corpus_name = str(corpus) if isinstance(corpus, (str, os.PathLike)) else ", ".join(map(str, corpus))
     model_path = Path(f"{model_prefix}.model")
-    # Read everything first: sentencepiece keeps all sentences in memory anyway, and it would turn
-    # a DataError raised inside its iterator into an opaque RuntimeError.
-    sentences = list(_lines(read_documents(corpus_path)))
+    # Sampled before training: sentencepiece would turn a DataError raised inside its iterator into
+    # an opaque RuntimeError, and it keeps every sentence it is given in memory.
+    sentences = sample_sentences(_lines(read_documents(corpus, key)), max_sentences)
     model_bytes = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -77,7 +98,7 @@ def train_tokenizer(corpus_path: str | os.PathLike, model_prefix: str | os.PathL
             minloglevel=2,
         )
     except RuntimeError as err:
-        raise _clear_training_error(err, vocab_size, corpus_path) from None
+        raise _clear_training_error(err, vocab_size, corpus_name) from None
     model_path.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target, then rename: a crash never leaves a half-written model under the real name.
     tmp_path = model_path.with_name(f".{model_path.name}.tmp{os.getpid()}")
@@ -115,6 +136,10 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, in one call into sentencepiece."""
+        return self._sp.encode(texts)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])

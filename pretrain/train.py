@@ -12,6 +12,7 @@ import torch.distributed as dist
 import zero3d
 from pretrain import checkpoint, metrics
 from pretrain.config import Config
+from pretrain.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gpt_loss, parallel_groups
@@ -55,20 +56,6 @@ def engine_settings(cfg: Config) -> zero3d.EngineSettings:
         dtype=DTYPES[pr.dtype], loss_scaler=scaler,
         param_persistence_threshold=cfg.zero.param_persistence_threshold,
         prefetch_units=cfg.zero.prefetch_units)
-
-
-class Batches:
-    """Which samples each rank reads: step s uses samples [s·G, (s+1)·G) of the shuffled stream,
-    split by (DP rank, micro-batch), so any (TP, DP, accumulation) layout sees the same global batch."""
-
-    def __init__(self, dataset, cfg: Config, topo: Topology):
-        self.dataset, self.topo = dataset, topo
-        self.global_batch, self.micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-
-    def get(self, step: int, micro_index: int) -> torch.Tensor:
-        first = step * self.global_batch + (self.topo.dp_rank * self.topo.grad_accum + micro_index) * self.micro
-        tokens = torch.stack([self.dataset.sample(first + i) for i in range(self.micro)])
-        return tokens.to(self.topo.device)
 
 
 def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, forward_only=False) -> list:
@@ -198,12 +185,14 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
     d, m = cfg.data, cfg.model
-    # Rank 0 trains the tokenizer and writes .bin/.idx (cached); a data error stops every rank.
-    files = on_main_then_share(topo, lambda: prepare_files(
-        corpus=d.corpus, tokenizer_model=d.tokenizer_model, data_prefix=d.prefix, cache_dir=d.cache_dir,
-        vocab_size=m.vocab_size))
-    train_ds, valid_ds, _ = open_datasets(*files, seq_length=m.seq_length, valid_fraction=d.valid_fraction,
-                                          seed=cfg.train.seed, model_vocab_size=m.vocab_size)
+    # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
+    # stops every rank. Then every rank opens megatron's datasets (rank 0 builds the indices first).
+    files = on_main_then_share(topo, lambda: prepare_files(d, m.vocab_size))
+    t = cfg.train
+    train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
+                                          train_samples=t.steps * t.global_batch_size,
+                                          valid_samples=t.eval_iters * t.micro_batch_size * topo.dp
+                                          if t.eval_interval else 0)
 
     model, engine, activations = build_and_wrap(cfg, topo)
     layout = layout_signature(cfg, topo)
@@ -225,7 +214,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                                 m.padded_vocab_size(topo.tp), cfg.train.global_batch_size,
                                                 recompute=m.recompute == "full")
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
-    batches = Batches(train_ds, cfg, topo)
+    batches = Batches(train_ds, cfg, topo, consumed_samples=start * cfg.train.global_batch_size,
+                      start_step=start)
     tokens_per_step = cfg.train.global_batch_size * m.seq_length
     stop = StopRequest()
     record: dict = {}

@@ -17,10 +17,10 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
     """Tokenizer and .bin/.idx built once for the module (what rank 0 does at the start of a run)."""
+    from pretrain.config import DataConfig
     from pretrain.data import prepare_files
     cache = tmp_path_factory.mktemp("data")
-    tokenizer, prefix = prepare_files(corpus=REPO / "data/corpus.jsonl", tokenizer_model=None, data_prefix=None,
-                                      cache_dir=cache, vocab_size=512)
+    prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(cache)), vocab_size=512)
     return [f"data.corpus={json.dumps(str(REPO / 'data/corpus.jsonl'))}",
             f"data.cache_dir={json.dumps(str(cache))}"]
 

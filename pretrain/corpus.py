@@ -1,0 +1,166 @@
+"""Reads JSONL text corpora (files and globs, gzip or zstd compressed), with errors naming the file and line."""
+import glob
+import gzip
+import io
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator, Optional, Sequence
+
+import zstandard
+
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd")
+CHUNK_BYTES = 1 << 20  # lines handed to a tokenizing worker at a time
+
+
+class DataError(ValueError):
+    """A corpus, token file or blend is unusable; the message names the file (and line) and what is wrong."""
+
+
+def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
+    """Each pattern is a file or a glob; returns the files in pattern order, each glob's matches sorted."""
+    files: list[Path] = []
+    for pattern in patterns:
+        pattern = str(pattern)
+        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise DataError(f"corpus pattern {pattern!r} matches no file")
+        for match in matches:
+            path = Path(match)
+            if not path.is_file():
+                raise DataError(f"corpus {match!r} does not exist")
+            if not path.name.endswith(SUFFIXES):
+                raise DataError(f"corpus {match!r} is not JSONL: expected one of {', '.join(SUFFIXES)} "
+                                '({"text": ...} a line; .gz and .zst compressed)')
+            if path not in files:
+                files.append(path)
+    return files
+
+
+class ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a zstd file of one or more frames; a file cut inside a frame raises EOFError
+    (zstandard's stream_reader would end quietly there)."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.pending, self.offset = raw, b"", 0
+        self.frame, self.in_frame = zstandard.ZstdDecompressor().decompressobj(), False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.offset == len(self.pending):
+            data = self.raw.read(CHUNK_BYTES)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("the file ends inside a zstd frame (truncated?)")
+                return 0
+            self.pending, self.offset = self._decompress(data), 0
+        count = min(len(buffer), len(self.pending) - self.offset)
+        buffer[:count] = self.pending[self.offset:self.offset + count]
+        self.offset += count
+        return count
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            self.in_frame = True
+            out.append(self.frame.decompress(data))
+            data = b""
+            if self.frame.eof:  # a frame ended: the rest of the input starts the next one
+                data, self.in_frame = self.frame.unused_data, False
+                self.frame = zstandard.ZstdDecompressor().decompressobj()
+        return b"".join(out)
+
+
+@contextmanager
+def open_lines(path: Path) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
+    """The decompressed byte lines of a corpus file, and a function giving the on-disk bytes read so far."""
+    with open(path, "rb") as raw:
+        if path.name.endswith(".gz"):
+            stream: BinaryIO = gzip.GzipFile(fileobj=raw)
+        elif path.name.endswith((".zst", ".zstd")):
+            stream = io.BufferedReader(ZstdReader(raw), CHUNK_BYTES)
+        else:
+            stream = raw
+        try:
+            yield stream, raw.tell
+        except (OSError, EOFError, zstandard.ZstdError) as err:  # gzip.BadGzipFile is an OSError
+            raise DataError(f"corpus {str(path)!r} cannot be decompressed: {err}") from None
+
+
+def document_text(path: str, number: int, line: bytes, key: str) -> Optional[str]:
+    """The `key` text of one JSONL line; None for a blank line. Raises DataError naming path:number."""
+    if not line.strip():
+        return None
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}:{number}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{number}: expected a JSON object with a string {key!r} field, "
+                        f"got a JSON {type(record).__name__}")
+    if not isinstance(record.get(key), str):
+        found = "keys: " + ", ".join(map(repr, list(record)[:8])) if key not in record else \
+            f"{key!r} is a {type(record[key]).__name__}"
+        raise DataError(f"{path}:{number}: no string {key!r} field ({found}); choose the field with "
+                        "--json-key")
+    return record[key]
+
+
+@dataclass
+class Chunk:
+    """Consecutive lines of one file, for one worker: their numbers start at first_line."""
+    path: str
+    first_line: int
+    lines: list[bytes]
+    bytes_done: int  # on-disk bytes of all inputs read once this chunk is done (for progress)
+
+
+def read_chunks(files: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """The lines of every file in order, grouped into chunks of about chunk_bytes."""
+    done_before = 0
+    for path in files:
+        with open_lines(path) as (lines, position):
+            chunk, size, first = [], 0, 1
+            for number, line in enumerate(lines, start=1):
+                chunk.append(line)
+                size += len(line)
+                if size >= chunk_bytes:
+                    yield Chunk(str(path), first, chunk, done_before + position())
+                    chunk, size, first = [], 0, number + 1
+            if chunk:
+                yield Chunk(str(path), first, chunk, done_before + position())
+        done_before += path.stat().st_size
+
+
+def chunk_documents(chunk: Chunk, key: str) -> tuple[list[str], int]:
+    """The non-empty documents of a chunk, and how many empty ones (whitespace-only text) it skipped."""
+    documents, empty = [], 0
+    for number, line in enumerate(chunk.lines, start=chunk.first_line):
+        text = document_text(chunk.path, number, line, key)
+        if text is None:
+            continue
+        if text.strip():
+            documents.append(text)
+        else:
+            empty += 1
+    return documents, empty
+
+
+def read_documents(patterns: str | os.PathLike | Sequence[str | os.PathLike], key: str = "text") -> Iterator[str]:
+    """The non-empty documents of JSONL files or globs, in order; raises if there is none."""
+    files = expand_inputs([patterns] if isinstance(patterns, (str, os.PathLike)) else patterns)
+    found = False
+    for chunk in read_chunks(files):
+        documents, _ = chunk_documents(chunk, key)
+        found = found or bool(documents)
+        yield from documents
+    if not found:
+        raise DataError(f"corpus {', '.join(map(str, files))} has no non-empty document")

@@ -1,0 +1,145 @@
+"""Megatron .bin/.idx files: written atomically with megatron-core's builder, checked before they are mapped.
+
+Storage is megatron-core's own IndexedDatasetBuilder/IndexedDataset (MMIDIDX format), so files made
+here are readable by Megatron and files made by Megatron-LM's preprocess_data are readable here.
+"""
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy
+import torch
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+from pretrain.corpus import DataError
+
+# The .idx layout of megatron-core's _IndexWriter: magic, <Q version (1), <B dtype code, <Q sequence
+# count, <Q document count, then int32 lengths and int64 pointers per sequence, int64 document indices.
+_MAGIC = b"MMIDIDX\x00\x00"
+_HEADER = struct.Struct("<9sQBQQ")
+TOKEN_CHECK_LIMIT = 1 << 24  # tokens of each .bin scanned for ids outside the vocabulary before training
+
+
+def token_dtype(vocab_size: int) -> type:
+    """uint16 below 65500 tokens, else int32: megatron's choice, as in Megatron-LM's preprocess_data."""
+    return DType.optimal_dtype(vocab_size)
+
+
+class IndexedWriter:
+    """megatron-core's IndexedDatasetBuilder writing under temporary names; finish() renames them into place.
+
+    An interrupted run leaves no <prefix>.bin/.idx pair: the index is written last and both files take
+    their real names only once complete (`<prefix>.tmp<pid>.*` is removed on any error).
+    """
+
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int):
+        self.prefix = str(prefix)
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        self.dtype = token_dtype(vocab_size)
+        self._tmp = f"{self.prefix}.tmp{os.getpid()}"
+        self._builder = IndexedDatasetBuilder(f"{self._tmp}.bin", dtype=self.dtype)
+        self.documents = 0
+
+    def add_document(self, tokens: numpy.ndarray) -> None:
+        """One document (its end-of-document id included) as one sequence, as preprocess_data does."""
+        self._builder.add_document(torch.from_numpy(tokens), [tokens.size])
+        self.documents += 1
+
+    def finish(self) -> str:
+        self._builder.finalize(f"{self._tmp}.idx")
+        os.replace(f"{self._tmp}.bin", f"{self.prefix}.bin")
+        os.replace(f"{self._tmp}.idx", f"{self.prefix}.idx")
+        return self.prefix
+
+    def __enter__(self) -> "IndexedWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._builder.data_file.close()
+        for leftover in (f"{self._tmp}.bin", f"{self._tmp}.idx"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+@dataclass(frozen=True)
+class IndexSummary:
+    """What a checked .idx says about its .bin."""
+    bin_path: str
+    dtype: type
+    sequence_lengths: numpy.ndarray  # tokens per sequence (one sequence per document here)
+    document_indices: numpy.ndarray  # sequence index where each document starts, then the count
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum(dtype=numpy.int64))
+
+
+def check_indexed_dataset(prefix: str | os.PathLike) -> IndexSummary:
+    """Validate <prefix>.idx/.bin against Megatron's MMIDIDX layout before megatron-core maps them."""
+    idx_path, bin_path = f"{prefix}.idx", f"{prefix}.bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise DataError(f"indexed dataset {str(prefix)!r} is incomplete: {path} does not exist")
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as stream:
+        header = stream.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            raise DataError(f"{idx_path} is truncated: {idx_size} bytes, "
+                            f"shorter than the {_HEADER.size}-byte header")
+        magic, version, code, sequence_count, document_count = _HEADER.unpack(header)
+        if magic != _MAGIC:
+            raise DataError(f"{idx_path} is not a Megatron index: header {magic!r} is not {_MAGIC!r}")
+        if version != 1:
+            raise DataError(f"{idx_path} has index version {version}; only version 1 is readable")
+        known_codes = sorted(d.value for d in DType)
+        if code not in known_codes:
+            raise DataError(f"{idx_path} has unknown dtype code {code}; known codes: {known_codes}")
+        expected = _HEADER.size + (4 + 8) * sequence_count + 8 * document_count
+        if idx_size != expected:
+            raise DataError(f"{idx_path} is truncated or corrupt: its header describes {sequence_count} "
+                            f"sequences and {document_count} document indices, which take {expected} bytes, "
+                            f"but the file has {idx_size} bytes")
+        lengths = numpy.fromfile(stream, dtype=numpy.int32, count=sequence_count)
+        pointers = numpy.fromfile(stream, dtype=numpy.int64, count=sequence_count)
+        documents = numpy.fromfile(stream, dtype=numpy.int64, count=document_count)
+    dtype = DType.dtype_from_code(code)
+    itemsize = DType.size(dtype)
+    starts = numpy.concatenate(([0], numpy.cumsum(lengths, dtype=numpy.int64)))
+    if (lengths < 0).any() or not numpy.array_equal(pointers, starts[:-1] * itemsize):
+        raise DataError(f"{idx_path} is corrupt: its sequence pointers do not follow its sequence lengths")
+    if (document_count == 0 or documents[0] != 0 or documents[-1] != sequence_count
+            or (numpy.diff(documents) < 0).any()):
+        raise DataError(f"{idx_path} is corrupt: its document indices do not run from 0 to {sequence_count}")
+    expected_bin = int(starts[-1]) * itemsize
+    bin_size = os.path.getsize(bin_path)
+    if bin_size < expected_bin:
+        raise DataError(f"{bin_path} is shorter than its index says: {idx_path} describes {int(starts[-1])} "
+                        f"tokens of {dtype.__name__} ({expected_bin} bytes), but the file has {bin_size} "
+                        "bytes (truncated copy or interrupted write?)")
+    if bin_size > expected_bin:
+        raise DataError(f"{bin_path} is longer than its index says: {idx_path} describes {int(starts[-1])} "
+                        f"tokens of {dtype.__name__} ({expected_bin} bytes), but the file has {bin_size} "
+                        "bytes (the .idx belongs to another .bin?)")
+    return IndexSummary(bin_path, dtype, lengths, documents)
+
+
+def check_token_ids(prefix: str | os.PathLike, vocab_size: int, limit: Optional[int] = TOKEN_CHECK_LIMIT) -> None:
+    """Refuse a .bin holding a token id >= vocab_size, scanning its first `limit` tokens (None: all).
+
+    A .bin made with a larger tokenizer is caught here, before training; a bad id past the limit is
+    caught when its sample is read (pretrain.data.TokenBlocks).
+    """
+    index = check_indexed_dataset(prefix)
+    count = index.num_tokens if limit is None else min(limit, index.num_tokens)
+    if count == 0:
+        return
+    tokens = numpy.memmap(index.bin_path, dtype=index.dtype, mode="r", shape=(count,))
+    largest = int(tokens.max())
+    if largest >= vocab_size:
+        position = int(numpy.argmax(tokens >= vocab_size))
+        raise DataError(f"{index.bin_path} holds token id {int(tokens[position])} (token {position}) but the "
+                        f"tokenizer has {vocab_size} ids (0..{vocab_size - 1}): the .bin/.idx was made with "
+                        "another, larger tokenizer; use that tokenizer (data.tokenizer_model) or re-run "
+                        "python -m pretrain.preprocess")
