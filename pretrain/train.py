@@ -200,10 +200,13 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     checkpoints = checkpoint.Checkpointer(save_dir, keep=cfg.train.keep_checkpoints,
                                           async_save=cfg.train.async_save,
                                           timeout_minutes=cfg.train.timeout_minutes)
-    start = 0
+    start, consumed = 0, 0
     if cfg.train.resume and (resumed := checkpoints.load_latest(model, engine, identity, layout,
                                                                 cfg.train.seed)) is not None:
         start = resumed["step"]
+        # The data position saved with the checkpoint: the next sample, whatever the batch size was.
+        consumed = resumed["consumed_samples"] if resumed["consumed_samples"] is not None \
+            else start * cfg.train.global_batch_size
 
     logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,
@@ -214,8 +217,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                                 m.padded_vocab_size(topo.tp), cfg.train.global_batch_size,
                                                 recompute=m.recompute == "full")
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
-    batches = Batches(train_ds, cfg, topo, consumed_samples=start * cfg.train.global_batch_size,
-                      start_step=start)
+    batches = Batches(train_ds, cfg, topo, consumed_samples=consumed, start_step=start)
     tokens_per_step = cfg.train.global_batch_size * m.seq_length
     stop = StopRequest()
     record: dict = {}
@@ -250,7 +252,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
         if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or stopping \
                 or (last and cfg.train.save_final):
             checkpoints.save(step, model, engine, {"config": cfg.to_dict(), "layout": layout, "identity": identity,
-                                                   "consumed_samples": step * cfg.train.global_batch_size})
+                                                   "consumed_samples": batches.position(step)})
         if stopping:
             break
     checkpoints.close()
