@@ -28,6 +28,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
         "tqdm==4.70.1" \
         "matplotlib==3.11.2" \
         "safetensors==0.8.0" \
+        "zstandard==0.25.0" \
  && pip install --no-cache-dir --no-deps -e . \
  && python -c "import torch, megatron.core, zero3d, pretrain; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 
