@@ -11,7 +11,8 @@ import os
 import sys
 
 from pretrain.config import ConfigError, check_paths, load_config, validate_layout
-from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_REQUEUE
+from pretrain.launch import launcher_env
+from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE
 from pretrain.status import record_failure, report, write_status
 
 EXIT_ESTIMATE_TOO_BIG = 1  # --estimate: the layout does not fit the GPU memory
@@ -77,10 +78,13 @@ def main(argv=None) -> int:
             return EXIT_OK
         if args.estimate:
             return estimate(cfg)
-        check_paths(cfg)  # before torch and megatron are imported: a bad path fails in a second
+        # Paths, launch environment and layout before torch and megatron are imported: a second.
+        check_paths(cfg)
+        launch = launcher_env()
+        validate_layout(cfg, launch["world_size"])
         from pretrain.train import train
         training = True
-        result = train(cfg)  # writes status.json, failures included
+        result = train(cfg, launch)  # writes status.json, failures included
     except BaseException as err:  # noqa: BLE001 - every failure becomes one line and an exit code
         if isinstance(err, KeyboardInterrupt):
             raise
@@ -88,7 +92,11 @@ def main(argv=None) -> int:
             record_config_error(args, err)
         elif cfg is not None and not training:
             record_failure(err, cfg.run_dir, rank, launch_world_size(), 0, timeout_s)
-        return report(err, rank, timeout_s, debug, sys.stderr)
+        code = report(err, rank, timeout_s, debug, sys.stderr)
+        if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
+            sys.stdout.flush()
+            os._exit(code)
+        return code
     finally:
         if training:
             from pretrain.topology import destroy_topology

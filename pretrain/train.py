@@ -207,7 +207,7 @@ def layout_signature(cfg: Config, topo: Topology) -> dict:
                       cfg.model.padded_vocab_size(topo.tp), cfg.model.seq_length, cfg.model.tie_embeddings]}
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, launch: Optional[dict] = None) -> dict:
     """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}.
 
     status.json: rank 0 clears a previous run's at the start; a failure is recorded by the rank it
@@ -216,10 +216,10 @@ def train(cfg: Config) -> dict:
     the first rank exits still finds it complete.
     """
     progress = {"step": 0}
-    launch, topo = None, None
+    topo = None
     timeout_s = cfg.train.timeout_minutes * 60
     try:
-        launch = launcher_env()
+        launch = launch or launcher_env()
         check_paths(cfg)
         if launch["rank"] == 0:
             clear_status(cfg.run_dir)
