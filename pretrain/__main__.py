@@ -11,7 +11,7 @@ import os
 import sys
 
 from pretrain.config import ConfigError, check_paths, load_config, validate_layout
-from pretrain.launch import launcher_env
+from pretrain.launch import check_master_resolves, launcher_env
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE
 from pretrain.status import record_failure, report, write_status
 
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         # Paths, launch environment and layout before torch and megatron are imported: a second.
         check_paths(cfg)
         launch = launcher_env()
+        check_master_resolves(launch)
         validate_layout(cfg, launch["world_size"])
         from pretrain.train import train
         training = True

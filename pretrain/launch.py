@@ -44,13 +44,17 @@ def check_launch(launch: dict) -> dict:
     if not (port.isdigit() and 1 <= int(port) <= 65535):
         raise InputError(f"MASTER_PORT={port!r} is not a port number", "environment",
                          "set MASTER_PORT to an integer in 1..65535 (or leave it to the launcher)")
+    return launch
+
+
+def check_master_resolves(launch: dict) -> None:
+    """A master host name that does not resolve would leave every rank waiting at the rendezvous."""
     if launch["world_size"] > 1:
         try:
-            socket.getaddrinfo(launch["master_addr"], int(port))
+            socket.getaddrinfo(launch["master_addr"], int(launch["master_port"]))
         except (socket.gaierror, UnicodeError) as err:
             raise InputError(f"MASTER_ADDR={launch['master_addr']!r} does not resolve ({err})", "environment",
                              "set MASTER_ADDR to the first node's host name or address") from None
-    return launch
 
 
 def launcher_env() -> dict:
