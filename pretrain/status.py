@@ -57,10 +57,10 @@ def as_project_error(err: BaseException, rank: Optional[int], timeout_s: float) 
         return err
     from pretrain.data import DataError
     from pretrain.tokenizer import TokenizerError
-    if isinstance(err, DataError):
-        return InputError(str(err), "data", "fix the file, or point data.corpus / data.prefix at another")
-    if isinstance(err, TokenizerError):
-        return InputError(str(err), "tokenizer", "fix data.tokenizer_model or model.vocab_size")
+    for kind, where, fix in ((DataError, "data", "fix the file, or point data.corpus / data.prefix at another"),
+                             (TokenizerError, "tokenizer", "fix data.tokenizer_model or model.vocab_size")):
+        if isinstance(err, kind):  # a message "<what>; <how to fix>" brings its own fix
+            return InputError(str(err), where, "" if "; " in str(err) else fix)
     return peer_error(err, -1 if rank is None else rank, timeout_s)
 
 
