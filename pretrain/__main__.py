@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-from pretrain.config import ConfigError, check_paths, load_config, validate_layout
+from pretrain.config import ConfigError, load_config, validate_layout
+from pretrain.preflight import check_paths
 from pretrain.launch import check_master_resolves, launcher_env
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE
 from pretrain.status import record_failure, report, write_status

@@ -2,14 +2,13 @@
 import dataclasses
 import difflib
 import math
-import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from pretrain.errors import ConfigError, InputError
+from pretrain.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -385,52 +384,3 @@ def validate_layout(cfg: Config, world_size: int) -> int:
              f"valid global batch sizes are multiples of {per_step}")
     return t.global_batch_size // per_step
 
-
-# ---------------------------------------------------------------- paths (no process group needed)
-
-
-def _directory_setting(key: str, value: Optional[str | Path]) -> None:
-    """A directory the run will create or write into: not a file, under no file, writable."""
-    if value is None:
-        return
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{key} = {str(path)!r} is an existing file, not a directory",
-                          fix=f"set {key} to a directory path (or remove the file)")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{key} = {str(path)!r} lies under {str(existing)!r}, which is a file",
-                          fix=f"set {key} to a path under a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} = {str(path)!r} cannot be created: {str(existing)!r} is not writable",
-                          fix=f"set {key} to a writable location")
-
-
-def _input_file(key: str, path: str | Path, fix: str) -> None:
-    if not Path(path).is_file():
-        what = "is a directory" if Path(path).is_dir() else "does not exist"
-        raise InputError(f"{key} = {str(path)!r} {what}", "input files", fix)
-
-
-def check_paths(cfg: Config) -> None:
-    """Directories the run writes and input files it reads, checked before any process group starts."""
-    _directory_setting("logging.run_dir", cfg.run_dir)
-    _directory_setting("train.save_dir", cfg.train.save_dir)
-    _directory_setting("data.cache_dir", cfg.data.cache_dir)
-    d = cfg.data
-    if d.tokenizer_model is not None:
-        _input_file("data.tokenizer_model", d.tokenizer_model,
-                    "point it at a sentencepiece .model file, or unset it to train one from data.corpus")
-    if d.prefix is not None:
-        _require(d.tokenizer_model is not None,
-                 f"data.prefix = {d.prefix!r} needs data.tokenizer_model; name the tokenizer that made its "
-                 "token ids")
-        for suffix in (".bin", ".idx"):
-            _input_file("data.prefix", f"{d.prefix}{suffix}",
-                        f"{d.prefix}{suffix} is missing; run python -m pretrain.preprocess, or unset "
-                        "data.prefix to build the files from data.corpus")
-    else:
-        _input_file("data.corpus", d.corpus,
-                    "point data.corpus at a .jsonl ({\"text\": ...} a line) or .txt corpus")

@@ -73,9 +73,11 @@ _PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|recvValu
 
 def peer_error(err: BaseException, rank: int, timeout_s: float) -> "PeerTimeoutError | None":
     """The torch.distributed failure `err` as a PeerTimeoutError naming this rank, or None if it is not one."""
-    if isinstance(err, PeerTimeoutError) or not isinstance(err, RuntimeError):
-        return err if isinstance(err, PeerTimeoutError) else None
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, PeerTimeoutError):
+        return err
+    if not isinstance(err, RuntimeError):  # torch.distributed raises RuntimeError (DistBackendError, gloo)
+        return None
+    text = (str(err).strip().splitlines() or [""])[0]
     if _PEER_TIMEOUT.search(text):
         return PeerTimeoutError(f"a collective waited longer than train.timeout_minutes ({timeout_s:g} s) "
                                 "for a peer rank", f"rank {rank}",
@@ -86,6 +88,3 @@ def peer_error(err: BaseException, rank: int, timeout_s: float) -> "PeerTimeoutE
                                 f"rank {rank}", "see the failing peer's own error line or its exit status")
     return None
 
-
-def exit_code_for(err: BaseException) -> int:
-    return err.exit_code if isinstance(err, ProjectError) else EXIT_UNEXPECTED

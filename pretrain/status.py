@@ -38,7 +38,8 @@ def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps
         finally:
             tmp.unlink(missing_ok=True)
     except OSError:
-        tmp.unlink(missing_ok=True) if tmp.parent.is_dir() else None
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
         return False
 
 

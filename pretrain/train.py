@@ -14,7 +14,8 @@ import torch.distributed as dist
 import zero3d
 from megatron_patches import disable_zero3d_recompute, route_recompute_to_zero3d
 from pretrain import checkpoint, metrics
-from pretrain.config import Config, check_paths
+from pretrain.config import Config
+from pretrain.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records

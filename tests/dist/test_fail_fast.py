@@ -199,13 +199,13 @@ def test_real_command_and_forked_entry_point_print_the_same_line(tmp_path, data)
 
 # ---------------------------------------------------------------- torchrun, 4 CPU ranks, TP 2 × DP 2
 
-TIMEOUT_S = 10.0  # train.timeout_minutes, in seconds
+TIMEOUT_S = 15.0  # train.timeout_minutes, in seconds (margin for rank start-up skew on a loaded machine)
 
 
-def torchrun(args: list[str], run_dir: Path, log_dir: Path, env: dict = None, script: str = None):
-    """torchrun --nproc-per-node 4 with per-rank stdout/stderr files under log_dir."""
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "4", "--log-dir", str(log_dir), "--redirects", "3",
-           *([script] if script else ["-m", "pretrain"]), *args, "parallel.tensor=2", "train.global_batch_size=4",
+def torchrun(args: list[str], run_dir: Path, log_dir: Path, env: dict = None, script: str = None, nproc: int = 4):
+    """torchrun --nproc-per-node N (TP 2) with per-rank stdout/stderr files under log_dir."""
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), "--log-dir", str(log_dir), "--redirects", "3",
+           *([script] if script else ["-m", "pretrain"]), *args, "parallel.tensor=2", f"train.global_batch_size={nproc}",
            f"train.timeout_minutes={TIMEOUT_S / 60}", f"logging.run_dir={q(run_dir)}"]
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     return subprocess.Popen(cmd, cwd=REPO, env={**clean, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -269,7 +269,8 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
           f"(timeout {TIMEOUT_S:.0f} s)")
     assert live_gone_after < 3 * TIMEOUT_S
     assert (status["status"], status["exit_code"]) == ("failed", EXIT_PEER)
-    assert status["error"].startswith("error: a collective waited longer than train.timeout_minutes (10 s) for a peer")
+    assert status["error"].startswith(f"error: a collective waited longer than train.timeout_minutes ({TIMEOUT_S:g} s) "
+                                      "for a peer rank (rank ")
     stderr = rank_logs(tmp_path / "logs", "stderr")
     for rank in procs:
         if rank != victim:
@@ -294,20 +295,21 @@ def test_rank_stuck_outside_collectives_is_ended_by_the_watchdog(tmp_path, data)
     print(f"stuck rank 1 gone {stuck_gone_after:.1f} s after its last step (watchdog {2 * TIMEOUT_S:.0f} s)")
     assert stuck_gone_after < 3 * TIMEOUT_S
     (line,) = error_lines(rank_logs(tmp_path / "logs", "stderr")[1])
-    assert line.startswith("error: no training progress for 2") and "(rank 1, watchdog)" in line
+    assert line.startswith("error: no training progress for ") and "(rank 1, watchdog)" in line
     assert json.loads((run_dir / "status.json").read_text())["exit_code"] == EXIT_PEER
 
 
 @pytest.mark.timeout(400)
-def test_input_error_on_four_ranks_is_one_line_from_rank_0(tmp_path, data):
+def test_input_error_on_two_ranks_is_one_line_from_rank_0(tmp_path, data):
     overrides, expected = make_input("tokenizer-not-sentencepiece", tmp_path, data)
     run_dir = tmp_path / "run"
-    launcher = torchrun(SMALL + data["overrides"] + overrides + ["train.steps=2"], run_dir, tmp_path / "logs")
+    launcher = torchrun(SMALL + data["overrides"] + overrides + ["train.steps=2"], run_dir, tmp_path / "logs",
+                        nproc=2)
     launcher.communicate(timeout=300)
     stderr = rank_logs(tmp_path / "logs", "stderr")
-    assert sorted(stderr) == [0, 1, 2, 3]
-    assert [len(error_lines(stderr[r])) for r in range(4)] == [1, 0, 0, 0]
+    assert sorted(stderr) == [0, 1]
+    assert [len(error_lines(stderr[r])) for r in range(2)] == [1, 0]
     assert error_lines(stderr[0])[0].startswith(expected)
     assert not any("Traceback" in text for text in stderr.values())
     status = json.loads((run_dir / "status.json").read_text())
-    assert (status["exit_code"], status["world_size"], status["error"]) == (EXIT_INPUT, 4, error_lines(stderr[0])[0])
+    assert (status["exit_code"], status["world_size"], status["error"]) == (EXIT_INPUT, 2, error_lines(stderr[0])[0])
