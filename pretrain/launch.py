@@ -23,6 +23,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
+# Set differently on every rank: an error in one is that rank's alone, and it reports it itself.
+PER_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
+
+
 def _env_int(name: str, default: Optional[str] = None, minimum: int = 0) -> int:
     raw = os.environ.get(name, default)
     try:
@@ -31,7 +35,8 @@ def _env_int(name: str, default: Optional[str] = None, minimum: int = 0) -> int:
         value = None
     if value is None or value < minimum:
         raise InputError(f"{name}={raw!r} is not an integer >= {minimum}", "environment",
-                         "launch with torchrun or srun, or set it to a valid number")
+                         "launch with torchrun or srun, or set it to a valid number",
+                         agreed=name not in PER_RANK_VARIABLES)
     return value
 
 
@@ -39,7 +44,7 @@ def check_launch(launch: dict) -> dict:
     """The launcher's rank / world / port / master make sense, before any rendezvous waits on them."""
     if not launch["rank"] < launch["world_size"]:
         raise InputError(f"rank {launch['rank']} is outside world size {launch['world_size']}", "environment",
-                         "RANK (SLURM_PROCID) must be below WORLD_SIZE (SLURM_NTASKS)")
+                         "RANK (SLURM_PROCID) must be below WORLD_SIZE (SLURM_NTASKS)", agreed=False)
     port = launch["master_port"]
     if not (port.isdigit() and 1 <= int(port) <= 65535):
         raise InputError(f"MASTER_PORT={port!r} is not a port number", "environment",
