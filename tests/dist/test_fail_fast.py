@@ -186,17 +186,6 @@ def test_nonfinite_steps_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp_
     assert (status["status"], status["exit_code"], status["steps"]) == ("failed", EXIT_NUMERICAL, len(losses))
 
 
-def test_real_command_and_forked_entry_point_print_the_same_line(tmp_path, data):
-    overrides, _ = make_input("tokenizer-not-sentencepiece", tmp_path, data)
-    args = ONE_RANK + data["overrides"] + overrides + [f"logging.run_dir={q(tmp_path / 'run')}"]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    real = subprocess.run([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
-    code, stdout, stderr = run_main_forked(args, tmp_path)
-    assert (real.returncode, error_lines(real.stderr)) == (code, error_lines(stderr))
-    assert "Traceback" not in real.stdout + real.stderr
-
-
 # ---------------------------------------------------------------- torchrun, 4 CPU ranks, TP 2 × DP 2
 
 TIMEOUT_S = 15.0  # train.timeout_minutes, in seconds (margin for rank start-up skew on a loaded machine)
