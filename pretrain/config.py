@@ -286,7 +286,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} is invalid; must be > 0")
     _require(m.hidden_size % m.num_attention_heads == 0,
              f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
-             f"{m.num_attention_heads}")
+             f"{m.num_attention_heads}; choose a head count that divides the hidden size")
     _require(m.ffn_hidden_size is None or m.ffn_hidden_size > 0,
              f"model.ffn_hidden_size = {m.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
     _require(m.init_method_std > 0, f"model.init_method_std = {m.init_method_std} is invalid; must be > 0")
@@ -295,18 +295,21 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(p.tensor >= 1, f"parallel.tensor = {p.tensor} is invalid; must be >= 1")
     _require(p.pipeline >= 1, f"parallel.pipeline = {p.pipeline} is invalid; must be >= 1")
     _require(m.num_layers % p.pipeline == 0,
-             f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}")
+             f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}; "
+             "every pipeline stage holds the same number of layers")
     _require(z.stage != 3 or p.pipeline == 1,
              f"zero.stage = 3 with parallel.pipeline = {p.pipeline} is not supported: stage 3 gathers "
              "parameters around each module's forward and backward, which megatron's pipeline schedule "
              "interleaves across micro-batches; use zero.stage <= 2 with pipeline parallelism")
     _require(m.num_attention_heads % p.tensor == 0,
              f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
-             f"parallel.tensor = {p.tensor}")
+             f"parallel.tensor = {p.tensor}; choose a parallel.tensor that divides the head count")
     _require(m.hidden_size % p.tensor == 0,
-             f"model.hidden_size = {m.hidden_size} is not divisible by parallel.tensor = {p.tensor}")
+             f"model.hidden_size = {m.hidden_size} is not divisible by parallel.tensor = {p.tensor}; "
+             "choose a parallel.tensor that divides it")
     _require(m.ffn_size % p.tensor == 0,
-             f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}")
+             f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}; "
+             "choose a parallel.tensor that divides it")
     _require(not (p.sequence_parallel and p.tensor == 1),
              "parallel.sequence_parallel = true needs parallel.tensor > 1")
     _require(not (p.sequence_parallel and z.stage == 3),

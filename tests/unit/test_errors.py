@@ -54,7 +54,8 @@ CASES = [
      "error: train.max_nonfinite_steps = 0 is invalid (config): must be >= 1"),
     ("eps-zero", ["optimizer.eps=0"], {}, EXIT_CONFIG, "error: optimizer.eps = 0.0 is invalid (config): must be > 0"),
     ("heads-not-dividing", ["model.num_attention_heads=3"], {}, EXIT_CONFIG,
-     "error: model.hidden_size = 128 is not divisible by model.num_attention_heads = 3 (config)"),
+     "error: model.hidden_size = 128 is not divisible by model.num_attention_heads = 3 (config): choose a head count "
+     "that divides the hidden size"),
     ("run-dir-is-a-file", ["logging.run_dir={tmp}/a_file"], {}, EXIT_CONFIG,
      "error: logging.run_dir = '{tmp}/a_file' is an existing file, not a directory (config): set logging.run_dir "
      "to a directory path (or remove the file)"),
