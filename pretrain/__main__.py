@@ -1,57 +1,110 @@
-"""Command line: `python -m pretrain --config configs/tiny.toml [section.key=value ...]`."""
+"""Command line: `python -m pretrain --config configs/tiny.toml [section.key=value ...]`.
+
+Exit codes (pretrain/errors.py, docs/exit-codes.md): 0 ok, 1 unexpected (traceback shown), 2 config,
+3 input (data, tokenizer, checkpoint, environment), 4 numerical, 5 peer/collective timeout,
+75 interrupted after a complete checkpoint. Every known error is one line on stderr,
+`error: <what> (<where>): <how to fix>`; ZERO3D_DEBUG=1 or --debug adds its traceback.
+"""
 import argparse
 import json
+import os
 import sys
 
 from pretrain.config import ConfigError, load_config, validate_layout
+from pretrain.preflight import check_paths
+from pretrain.launch import check_master_resolves, launcher_env
+from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE
+from pretrain.status import record_failure, report, write_status
 
-EXIT_REQUEUE = 75
+EXIT_ESTIMATE_TOO_BIG = 1  # --estimate: the layout does not fit the GPU memory
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="TOML config file (defaults apply where it is silent)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. zero.stage=2")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as JSON and exit")
     parser.add_argument("--estimate", action="store_true",
                         help="print the per-GPU memory estimate for the [cluster] layout and exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="print tracebacks with errors (also: ZERO3D_DEBUG=1)")
     return parser.parse_args(argv)
+
+
+def launch_rank() -> "int | None":
+    """This process's rank as the launcher set it (None when the variable is not a number)."""
+    raw = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(raw) if raw.isdigit() else None
+
+
+def record_config_error(args, err: ConfigError) -> None:
+    """A config that does not validate still ends with status.json "failed" (exit 2) in its run_dir,
+    when that directory already exists: a requeued job must not read a previous run's status."""
+    try:
+        cfg = load_config(args.config, args.overrides, check=False)
+    except ConfigError:
+        return
+    if cfg.run_dir.is_dir() and launch_rank() == 0:
+        write_status(cfg.run_dir, "failed", f"ConfigError: {err}", 0, 0, EXIT_CONFIG, err.line())
+
+
+def estimate(cfg) -> int:
+    from pretrain.memory_check import describe, estimate_config
+    from zero3d.analysis.estimate import GB, format_breakdown
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    try:
+        validate_layout(cfg, world)
+        result = estimate_config(cfg, world, cfg.cluster.gpu_memory_gb * GB)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    print(format_breakdown(result, describe(cfg, world)))
+    return EXIT_OK if result.fits else EXIT_ESTIMATE_TOO_BIG
+
+
+def launch_world_size() -> int:
+    raw = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return int(raw) if raw.isdigit() else 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    debug = args.debug or os.environ.get("ZERO3D_DEBUG", "") not in ("", "0")
+    rank, timeout_s, cfg, training = launch_rank(), 600.0, None, False
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(json.dumps(cfg.to_dict(), indent=2))
-        return 0
-    if args.estimate:
-        from pretrain.memory_check import describe, estimate_config
-        from zero3d.analysis.estimate import GB, format_breakdown
-        world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-        try:
-            validate_layout(cfg, world)
-            estimate = estimate_config(cfg, world, cfg.cluster.gpu_memory_gb * GB)
-        except (ConfigError, ValueError) as err:
-            print(f"config error: {err}", file=sys.stderr)
-            return 2
-        print(format_breakdown(estimate, describe(cfg, world)))
-        return 0 if estimate.fits else 1
-    from pretrain.train import train
-    from pretrain.topology import destroy_topology
-    try:
-        result = train(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        timeout_s = cfg.train.timeout_minutes * 60
+        if args.print_config:
+            print(json.dumps(cfg.to_dict(), indent=2))
+            return EXIT_OK
+        if args.estimate:
+            return estimate(cfg)
+        # Paths, launch environment and layout before torch and megatron are imported: a second.
+        check_paths(cfg)
+        launch = launcher_env()
+        check_master_resolves(launch)
+        validate_layout(cfg, launch["world_size"])
+        from pretrain.train import train
+        training = True
+        result = train(cfg, launch)  # writes status.json, failures included
+    except BaseException as err:  # noqa: BLE001 - every failure becomes one line and an exit code
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        if cfg is None and isinstance(err, ConfigError):
+            record_config_error(args, err)
+        elif cfg is not None and not training:
+            record_failure(err, cfg.run_dir, rank, launch_world_size(), 0, timeout_s)
+        code = report(err, rank, timeout_s, debug, sys.stderr)
+        if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
+            sys.stdout.flush()
+            os._exit(code)
+        return code
     finally:
-        destroy_topology()
+        if training:
+            from pretrain.topology import destroy_topology
+            destroy_topology()
     # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint; slurm/launch.sbatch requeues.
-    return EXIT_REQUEUE if result["stopped_early"] else 0
+    return EXIT_REQUEUE if result["stopped_early"] else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -277,10 +277,16 @@ class Checkpointer:
 
     def load_latest(self, model, engine, identity: dict, layout: dict, seed: int) -> Optional[dict]:
         """Collective: restore the newest usable checkpoint into this (any) layout; None when there is none.
+        Returns {"step", "consumed_samples", "path", "notes"} (see find_usable and load)."""
+        usable = self.find_usable(identity)
+        return None if usable is None else self.load(usable, model, engine, layout, seed)
+
+    def find_usable(self, identity: dict) -> Optional[dict]:
+        """Collective, before the model exists: the newest checkpoint whose files are all present, whole
+        and unchanged, and written for this model, tokenizer and data; None when there is none.
 
         A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
         before it; one written for another model, tokenizer or data is refused.
-        Returns {"step", "consumed_samples", "path", "notes"}.
         """
         candidates = _agree(self.candidates() if dist.get_rank() == 0 else None)
         notes, reasons = [], []
@@ -293,14 +299,19 @@ class Checkpointer:
                     log.warning(notes[-1])
                 continue
             check_identity(step_dir, manifest["identity"], identity)
-            self._load_states(step_dir, model, engine)
-            notes += self._restore_scalars(manifest, engine, layout, seed, step_dir)
-            return {"step": manifest["step"], "consumed_samples": manifest.get("consumed_samples"),
-                    "path": step_dir, "notes": notes}
+            return {"path": step_dir, "manifest": manifest, "notes": notes}
         if reasons:
-            raise CheckpointError(f"no usable checkpoint in {self.save_dir}: " + "; ".join(reasons)
-                                  + ". Repair or remove them, or set train.resume = false.")
+            raise CheckpointError(f"no usable checkpoint in {self.save_dir}: " + " | ".join(reasons),
+                                  fix="repair or remove them, or set train.resume = false")
         return None
+
+    def load(self, usable: dict, model, engine, layout: dict, seed: int) -> dict:
+        """Collective: restore the checkpoint `find_usable` chose. Returns {"step", "consumed_samples", "path", "notes"}."""
+        step_dir, manifest = usable["path"], usable["manifest"]
+        self._load_states(step_dir, model, engine)
+        notes = usable["notes"] + self._restore_scalars(manifest, engine, layout, seed, step_dir)
+        return {"step": manifest["step"], "consumed_samples": manifest.get("consumed_samples"),
+                "path": step_dir, "notes": notes}
 
     def _load_states(self, step_dir: Path, model, engine) -> None:
         templates = self._model_templates(model, engine)

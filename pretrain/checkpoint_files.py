@@ -8,12 +8,17 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
 
+from pretrain.errors import InputError
+
 MANIFEST = "checkpoint.json"
 DCP_METADATA = ".metadata"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with the file and the reason."""
+class CheckpointError(InputError):
+    """A checkpoint that cannot be used, with the file and the reason (exit code 3, one line)."""
+
+    def __init__(self, what: str, where: str = "checkpoint", fix: str = "", agreed=None):
+        super().__init__(what, where, fix, agreed)
 
 
 def fsync_path(path: Path) -> None:

@@ -1,6 +1,7 @@
 """One typed config tree, loaded from TOML with `section.key=value` overrides, validated with clear errors."""
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -8,12 +9,9 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from pretrain.blend import parse_blend, parse_split
+from pretrain.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names the key, the value and what is valid."""
 
 
 @dataclass
@@ -112,7 +110,8 @@ class TrainConfig:
     resume: bool = True  # continue from the latest checkpoint in save_dir when there is one
     keep_checkpoints: int = 0  # keep the last K checkpoints (never the one `latest` names); 0 keeps all
     async_save: bool = True  # write checkpoints in the background; the step waits only for the copy
-    timeout_minutes: float = 10.0  # collective timeout: a stuck rank fails instead of hanging
+    timeout_minutes: float = 10.0  # collective timeout (fractions allowed: 0.1 = 6 s); the watchdog waits 2×
+    max_nonfinite_steps: int = 3  # stop (exit 4) after this many consecutive non-finite steps
     ignore_memory_estimate: bool = False  # run even when the start-up estimate exceeds GPU memory
 
 
@@ -234,8 +233,9 @@ def _parse_override(text: str) -> tuple[str, str, object]:
     return parts[0], parts[1], value
 
 
-def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
-    """Defaults ← TOML file ← `section.key=value` overrides; then validate()."""
+def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),
+                check: bool = True) -> Config:
+    """Defaults ← TOML file ← `section.key=value` overrides; then validate() (unless check=False)."""
     cfg = Config()
     if path is not None:
         path = Path(path)
@@ -249,7 +249,8 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
     for text in overrides:
         section, key, value = _parse_override(text)
         _merge(cfg, {section: {key: value}}, f"override {text!r}")
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -261,32 +262,63 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+FP16_ONLY = ("initial_loss_scale", "min_loss_scale", "growth_interval", "backoff_factor", "hysteresis")
+
+
+def _check_finite(cfg: Config) -> None:
+    """No setting may be inf or nan (optimizer.lr = inf would train NaNs)."""
+    for section in dataclasses.fields(Config):
+        body = getattr(cfg, section.name)
+        for f in dataclasses.fields(body):
+            value = getattr(body, f.name)
+            _require(not isinstance(value, float) or math.isfinite(value),
+                     f"{section.name}.{f.name} = {value} is invalid; must be a finite number")
+
+
+def _check_fp16_only(pr: PrecisionConfig) -> None:
+    """Loss-scaling settings act only with fp16: changed with bf16/fp32 they would be silently ignored."""
+    if pr.dtype == "fp16":
+        return
+    defaults = PrecisionConfig()
+    for key in FP16_ONLY:
+        _require(getattr(pr, key) == getattr(defaults, key),
+                 f"precision.{key} = {getattr(pr, key)} has no effect with precision.dtype = {pr.dtype!r}; "
+                 f"remove it, or set precision.dtype = \"fp16\" (dynamic loss scaling is fp16-only)")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Checks that need no process group; with `world_size`, also the layout's divisibility."""
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
+    _check_finite(cfg)
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                 "make_vocab_size_divisible_by"):
         _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} is invalid; must be > 0")
     _require(m.hidden_size % m.num_attention_heads == 0,
              f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
-             f"{m.num_attention_heads}")
+             f"{m.num_attention_heads}; choose a head count that divides the hidden size")
+    _require(m.ffn_hidden_size is None or m.ffn_hidden_size > 0,
+             f"model.ffn_hidden_size = {m.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
+    _require(m.init_method_std > 0, f"model.init_method_std = {m.init_method_std} is invalid; must be > 0")
     for key in ("hidden_dropout", "attention_dropout"):
         _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} = {getattr(m, key)} must be in [0, 1)")
     _require(p.tensor >= 1, f"parallel.tensor = {p.tensor} is invalid; must be >= 1")
     _require(p.pipeline >= 1, f"parallel.pipeline = {p.pipeline} is invalid; must be >= 1")
     _require(m.num_layers % p.pipeline == 0,
-             f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}")
+             f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}; "
+             "every pipeline stage holds the same number of layers")
     _require(z.stage != 3 or p.pipeline == 1,
              f"zero.stage = 3 with parallel.pipeline = {p.pipeline} is not supported: stage 3 gathers "
              "parameters around each module's forward and backward, which megatron's pipeline schedule "
              "interleaves across micro-batches; use zero.stage <= 2 with pipeline parallelism")
     _require(m.num_attention_heads % p.tensor == 0,
              f"model.num_attention_heads = {m.num_attention_heads} is not divisible by "
-             f"parallel.tensor = {p.tensor}")
+             f"parallel.tensor = {p.tensor}; choose a parallel.tensor that divides the head count")
     _require(m.hidden_size % p.tensor == 0,
-             f"model.hidden_size = {m.hidden_size} is not divisible by parallel.tensor = {p.tensor}")
+             f"model.hidden_size = {m.hidden_size} is not divisible by parallel.tensor = {p.tensor}; "
+             "choose a parallel.tensor that divides it")
     _require(m.ffn_size % p.tensor == 0,
-             f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}")
+             f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}; "
+             "choose a parallel.tensor that divides it")
     _require(not (p.sequence_parallel and p.tensor == 1),
              "parallel.sequence_parallel = true needs parallel.tensor > 1")
     _require(not (p.sequence_parallel and z.stage == 3),
@@ -311,7 +343,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps = {o.warmup_steps} must be >= 0")
     _require(o.clip_grad >= 0, f"optimizer.clip_grad = {o.clip_grad} must be >= 0 (0 disables)")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)")
+    _require(o.eps > 0, f"optimizer.eps = {o.eps} is invalid; must be > 0")
+    _require(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} is invalid; must be >= 0")
+    _require(o.decay_steps is None or o.decay_steps >= 1,
+             f"optimizer.decay_steps = {o.decay_steps} is invalid; must be >= 1 (or unset: train.steps)")
     pr = cfg.precision
+    _check_fp16_only(pr)
     _require(pr.initial_loss_scale >= pr.min_loss_scale > 0,
              "precision.initial_loss_scale must be >= precision.min_loss_scale > 0")
     _require(0 < pr.backoff_factor < 1, f"precision.backoff_factor = {pr.backoff_factor} must be in (0, 1)")
@@ -323,10 +360,23 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(t.eval_interval >= 0 and t.save_interval >= 0,
              "train.eval_interval and train.save_interval must be >= 0")
     _require(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints} must be >= 0 (0 keeps all)")
-    _require(t.timeout_minutes > 0, f"train.timeout_minutes = {t.timeout_minutes} must be > 0")
-    _require(cfg.logging.log_interval >= 1, "logging.log_interval must be >= 1")
+    _require(t.timeout_minutes * 60 >= 1,
+             f"train.timeout_minutes = {t.timeout_minutes} is invalid; must be at least 1 second (1/60)")
+    _require(t.max_nonfinite_steps >= 1,
+             f"train.max_nonfinite_steps = {t.max_nonfinite_steps} is invalid; must be >= 1")
+    _require(0 <= t.seed < 2**32 - 2**20, f"train.seed = {t.seed} is invalid; must be in [0, 2**32 - 2**20)")
+    lg = cfg.logging
+    _require(lg.log_interval >= 1, f"logging.log_interval = {lg.log_interval} is invalid; must be >= 1")
+    _require(lg.summary_warmup_steps >= 0,
+             f"logging.summary_warmup_steps = {lg.summary_warmup_steps} is invalid; must be >= 0")
+    _require(bool(lg.name.strip()) and "/" not in lg.name,
+             f"logging.name = {lg.name!r} is invalid; must be a non-empty name without '/'")
+    for key in ("corpus", "cache_dir"):
+        _require(bool(getattr(cfg.data, key).strip()), f"data.{key} = '' is invalid; name a path")
     _require(cfg.cluster.nodes >= 1 and cfg.cluster.gpus_per_node >= 1,
              "cluster.nodes and cluster.gpus_per_node must be >= 1")
+    _require(cfg.cluster.gpu_memory_gb > 0,
+             f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb} is invalid; must be > 0")
     if world_size is not None:
         validate_layout(cfg, world_size)
 
@@ -373,3 +423,4 @@ def validate_layout(cfg: Config, world_size: int) -> int:
              f"train.micro_batch_size × data-parallel size = {t.micro_batch_size} × {dp} = {per_step}; "
              f"valid global batch sizes are multiples of {per_step}")
     return t.global_batch_size // per_step
+

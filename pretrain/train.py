@@ -1,10 +1,12 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
-import json
 import math
 import os
 import signal
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -13,11 +15,15 @@ import zero3d
 from pretrain import checkpoint, metrics
 from pretrain.config import Config
 from pretrain.loader import Batches  # noqa: F401 - also imported from here by the tests
+from pretrain.preflight import check_paths
+from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
-from pretrain.topology import Topology, init_topology
+from pretrain.status import clear_status, record_failure, write_status
+from pretrain.topology import Topology, init_topology, launcher_env
+from pretrain.watchdog import Watchdog
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -103,13 +109,49 @@ class StopRequest:
         self.requested = True
 
     def agreed(self, topo: Topology) -> bool:
-        flag = torch.tensor([float(self.requested)], device=topo.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return agree(topo, self.requested)[0]
 
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def agree(topo: Topology, *flags: bool) -> list[bool]:
+    """Each flag true on any rank is true on every rank (one all-reduce for all of them)."""
+    values = torch.tensor([float(f) for f in flags], device=topo.device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
+
+
+class NonfiniteGuard:
+    """Stops the run after `limit` consecutive steps whose loss or gradient norm is not finite.
+
+    An fp16 step skipped for overflow is the loss scaler's business and does not count, unless the
+    scale is already at precision.min_loss_scale and can back off no further.
+    """
+
+    def __init__(self, cfg: Config):
+        self.limit, self.fp16 = cfg.train.max_nonfinite_steps, cfg.precision.dtype == "fp16"
+        self.min_scale = cfg.precision.min_loss_scale
+        self.streak = 0
+
+    def is_nonfinite(self, loss: float, grad_norm: float, loss_scale: float) -> bool:
+        """This rank's verdict on one step (agree() makes it every rank's)."""
+        if not math.isfinite(loss):
+            return True
+        if math.isfinite(grad_norm):
+            return False
+        return not (self.fp16 and loss_scale > self.min_scale)
+
+    def update(self, nonfinite: bool, step: int, loss: float, grad_norm: float, last_good: str) -> None:
+        """Count an agreed verdict; raises NumericalError when the streak reaches the limit."""
+        self.streak = self.streak + 1 if nonfinite else 0
+        if self.streak >= self.limit:
+            raise NumericalError(
+                f"loss or gradient norm not finite for {self.streak} consecutive steps "
+                f"(steps {step - self.streak + 1}-{step}: loss {loss}, grad norm {grad_norm})", f"step {step}",
+                f"no checkpoint was saved over the last good one ({last_good}); lower optimizer.lr, "
+                "check the data, or raise train.max_nonfinite_steps to tolerate more")
 
 
 def mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
@@ -152,30 +194,55 @@ def layout_signature(cfg: Config, topo: Topology) -> dict:
             "stage": cfg.zero.stage, "dtype": cfg.precision.dtype}
 
 
-def write_status(run_dir: Path, status: str, reason: str, topo: Topology, steps: int) -> None:
-    """<run_dir>/status.json, read by the collector: ok | interrupted | failed, and why."""
-    if topo.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "status.json.tmp"
-        tmp.write_text(json.dumps({"status": status, "reason": reason, "world_size": topo.world_size,
-                                   "steps": steps}, indent=2))
-        os.replace(tmp, run_dir / "status.json")
+def train(cfg: Config, launch: Optional[dict] = None) -> dict:
+    """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}.
 
-
-def train(cfg: Config) -> dict:
-    """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}."""
-    topo = init_topology(cfg)
+    status.json: rank 0 clears a previous run's at the start; a failure is recorded by the rank it
+    happens on (see pretrain.status); the final status is written between two barriers, after every
+    rank has finished saving and before any rank leaves, so a launcher that kills the others when
+    the first rank exits still finds it complete.
+    """
     progress = {"step": 0}
+    topo = None
+    timeout_s = cfg.train.timeout_minutes * 60
     try:
+        launch = launch or launcher_env()
+        check_paths(cfg)
+        if launch["rank"] == 0:
+            clear_status(cfg.run_dir)
+        topo = init_topology(cfg, launch)
         result = run_training(cfg, topo, progress)
     except BaseException as err:
-        write_status(cfg.run_dir, "failed", f"{type(err).__name__}: {err}".splitlines()[0], topo,
-                     progress["step"])
+        record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
+                       progress["step"], timeout_s)
         raise
     stopped = result["stopped_early"]
-    write_status(cfg.run_dir, "interrupted" if stopped else "ok",
-                 "stop signal: checkpoint saved, resume to continue" if stopped else "", topo, result["end_step"])
+    dist.barrier()  # every rank has finished its last save
+    if topo.is_main:
+        write_status(cfg.run_dir, "interrupted" if stopped else "ok",
+                     "stop signal: checkpoint saved, resume to continue" if stopped else "", topo.world_size,
+                     result["end_step"], EXIT_REQUEUE if stopped else EXIT_OK)
+    dist.barrier()  # status.json is complete before any rank exits
     return result
+
+
+def start_watchdog(cfg: Config, topo: Topology, progress: dict) -> Watchdog:
+    """No step for 2 × train.timeout_minutes: status.json "failed" (peer timeout), exit 5 at once.
+
+    Twice the collective timeout, so a stuck peer is reported by the collective that waits on it
+    (with its group) first; the watchdog covers what no collective sees.
+    """
+    limit = 2 * cfg.train.timeout_minutes * 60
+
+    def expire(idle: float) -> None:
+        err = PeerTimeoutError(f"no training progress for {idle:.0f} s (limit 2 × train.timeout_minutes)",
+                               f"rank {topo.rank}, watchdog",
+                               "a data loader or this rank is stuck outside collectives; see py-spy dump")
+        record_failure(err, cfg.run_dir, topo.rank, topo.world_size, progress["step"], limit / 2)
+        print(err.line(), file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER)
+
+    return Watchdog(limit, expire)
 
 
 def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
@@ -184,29 +251,29 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
-    d, m = cfg.data, cfg.model
+    d, m, t = cfg.data, cfg.model, cfg.train
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
-    # stops every rank. Then every rank opens megatron's datasets (rank 0 builds the indices first).
+    # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
+    # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
     files = on_main_then_share(topo, lambda: prepare_files(d, m.vocab_size))
-    t = cfg.train
+    layout = layout_signature(cfg, topo)
+    identity = checkpoint.run_identity(cfg, topo.tp, *files)
+    checkpoints = checkpoint.Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
+                                          timeout_minutes=t.timeout_minutes)
+    usable = checkpoints.find_usable(identity) if t.resume else None
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
                                           valid_samples=t.eval_iters * t.micro_batch_size * topo.dp
                                           if t.eval_interval else 0)
 
     model, engine, activations = build_and_wrap(cfg, topo)
-    layout = layout_signature(cfg, topo)
-    identity = checkpoint.run_identity(cfg, topo.tp, *files)
-    checkpoints = checkpoint.Checkpointer(save_dir, keep=cfg.train.keep_checkpoints,
-                                          async_save=cfg.train.async_save,
-                                          timeout_minutes=cfg.train.timeout_minutes)
     start, consumed = 0, 0
-    if cfg.train.resume and (resumed := checkpoints.load_latest(model, engine, identity, layout,
-                                                                cfg.train.seed)) is not None:
+    if usable is not None:
+        resumed = checkpoints.load(usable, model, engine, layout, t.seed)
         start = resumed["step"]
         # The data position saved with the checkpoint: the next sample, whatever the batch size was.
         consumed = resumed["consumed_samples"] if resumed["consumed_samples"] is not None \
-            else start * cfg.train.global_batch_size
+            else start * t.global_batch_size
 
     logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,
@@ -218,47 +285,107 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                                 recompute=m.recompute == "full")
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
     batches = Batches(train_ds, cfg, topo, consumed_samples=consumed, start_step=start)
-    tokens_per_step = cfg.train.global_batch_size * m.seq_length
-    stop = StopRequest()
-    record: dict = {}
-    step = start
+    run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
+                    activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
+                    identity=identity, flops_per_step=flops_per_step, peak=peak)
     engine.train()
-    while step < cfg.train.steps:
-        engine.comm_stats.reset()
-        if activations:
-            activations.reset_step()
-        t0 = time.perf_counter()
-        loss_value, result = train_step(engine, batches, step, cfg, topo)
-        step_time = time.perf_counter() - t0
-        step += 1
-        progress["step"] = step
-        last = step == cfg.train.steps
-        evaluate_now = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last)
-        if step % cfg.logging.log_interval == 0 or last or evaluate_now:
-            record = {"train/loss": loss_value, "train/lr": lr_at(step - 1, cfg),
-                      "train/grad_norm": result.grad_norm, "train/loss_scale": result.loss_scale,
-                      "train/skipped": int(result.skipped), "train/grad_accum": topo.grad_accum,
-                      "train/tokens": step * tokens_per_step,
-                      **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size,
-                                                   flops_per_step, peak),
-                      **metrics.memory_report(topo.device.type, engine.state_bytes()),
-                      **engine.comm_stats.report(), **(activations.report() if activations else {}),
-                      **checkpoints.report()}
-            if evaluate_now:
-                val = evaluate(engine, valid_ds, cfg, topo)
-                record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
-            logger.log(step, record)
-        stopping = stop.agreed(topo)
-        if (cfg.train.save_interval and step % cfg.train.save_interval == 0) or stopping \
-                or (last and cfg.train.save_final):
-            checkpoints.save(step, model, engine, {"config": cfg.to_dict(), "layout": layout, "identity": identity,
-                                                   "consumed_samples": batches.position(step)})
-        if stopping:
-            break
+    try:
+        step, record = run_loop(run, start, usable["path"].name if usable is not None else "none saved", progress)
+    except NumericalError:  # agreed on every rank: let the last good save finish before leaving
+        checkpoints.close()
+        raise
     checkpoints.close()
-    stop.restore()
     if topo.is_main:
         logger.set_summary(summary_from_records(read_records(run_dir / "metrics.jsonl"),
                                                 cfg.logging.summary_warmup_steps, topo.world_size))
     logger.close()
     return {"record": record, "start_step": start, "end_step": step, "stopped_early": step < cfg.train.steps}
+
+
+@dataclass
+class LoopParts:
+    """What the step loop works with, built once by run_training."""
+    cfg: Config
+    topo: Topology
+    engine: object
+    model: object
+    batches: Batches
+    valid_ds: object
+    activations: object
+    logger: object
+    checkpoints: checkpoint.Checkpointer
+    layout: dict
+    identity: dict
+    flops_per_step: float
+    peak: Optional[float]
+
+
+def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple[int, dict]:
+    """Steps until train.steps or an agreed stop, under the watchdog; returns (last step, last record)."""
+    stop, guard, watchdog = StopRequest(), NonfiniteGuard(run.cfg), start_watchdog(run.cfg, run.topo, progress)
+    try:
+        record: dict = {}
+        while step < run.cfg.train.steps:
+            watchdog.beat()
+            step, loss, result, logged = one_step(run, step, watchdog)
+            record = logged or record
+            progress["step"] = step
+            stopping, nonfinite = agree(run.topo, stop.requested,
+                                        guard.is_nonfinite(loss, result.grad_norm, result.loss_scale))
+            guard.update(nonfinite, step, loss, result.grad_norm, last_good)
+            if wants_checkpoint(run.cfg, step, stopping):
+                if guard.streak:  # a non-finite step never replaces the last good checkpoint
+                    if run.topo.is_main:
+                        print(f"warning: step {step} was not finite; checkpoint not saved, {last_good} stays "
+                              "latest", file=sys.stderr, flush=True)
+                else:
+                    watchdog.beat()
+                    run.checkpoints.save(step, run.model, run.engine,
+                                         {"config": run.cfg.to_dict(), "layout": run.layout, "identity": run.identity,
+                                          "consumed_samples": run.batches.position(step)})
+                    last_good = f"step_{step:08d}"
+            if stopping:
+                break
+    finally:
+        watchdog.stop()
+        stop.restore()
+    return step, record
+
+
+def wants_checkpoint(cfg: Config, step: int, stopping: bool) -> bool:
+    t = cfg.train
+    return bool((t.save_interval and step % t.save_interval == 0) or stopping
+                or (step == t.steps and t.save_final))
+
+
+def one_step(run: LoopParts, step: int, watchdog: Watchdog):
+    """Train one step; log it (and evaluate) when due. Returns (step, loss, StepResult, logged record
+    or None)."""
+    cfg, topo, engine, m = run.cfg, run.topo, run.engine, run.cfg.model
+    engine.comm_stats.reset()
+    if run.activations:
+        run.activations.reset_step()
+    t0 = time.perf_counter()
+    loss_value, result = train_step(engine, run.batches, step, cfg, topo)
+    step_time = time.perf_counter() - t0
+    step += 1
+    last = step == cfg.train.steps
+    evaluate_now = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last)
+    if not (step % cfg.logging.log_interval == 0 or last or evaluate_now):
+        return step, loss_value, result, None
+    tokens_per_step = cfg.train.global_batch_size * m.seq_length
+    record = {"train/loss": loss_value, "train/lr": lr_at(step - 1, cfg),
+              "train/grad_norm": result.grad_norm, "train/loss_scale": result.loss_scale,
+              "train/skipped": int(result.skipped), "train/grad_accum": topo.grad_accum,
+              "train/tokens": step * tokens_per_step,
+              **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size, run.flops_per_step,
+                                           run.peak),
+              **metrics.memory_report(topo.device.type, engine.state_bytes()),
+              **engine.comm_stats.report(), **(run.activations.report() if run.activations else {}),
+              **run.checkpoints.report()}
+    if evaluate_now:
+        watchdog.beat()
+        val = evaluate(engine, run.valid_ds, cfg, topo)
+        record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
+    run.logger.log(step, record)
+    return step, loss_value, result, record

@@ -73,7 +73,7 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
     assert {"val/loss", "val/ppl"} <= rows[-1].keys()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000005"
     assert json.loads((run_dir / "status.json").read_text()) == {"status": "ok", "reason": "", "world_size": 4,
-                                                                  "steps": 5}
+                                                                  "steps": 5, "exit_code": 0, "error": ""}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -135,15 +135,15 @@ def test_resume_at_another_layout_through_the_loop(tmp_path, data_cache):
 
 
 def test_data_error_reaches_every_rank(tmp_path):
-    """A missing corpus is found on rank 0; every rank raises the same clear error (no hang)."""
+    """A missing corpus is found before the process group starts; every rank raises the same clear error (no hang)."""
     with pytest.raises(RuntimeError) as err:
         run_train(2, SMALL + ["data.corpus=\"/nonexistent/corpus.jsonl\"",
                               f"data.cache_dir={json.dumps(str(tmp_path))}",
                               f"logging.run_dir={json.dumps(str(tmp_path / 'run'))}"])
-    assert str(err.value).count("corpus '/nonexistent/corpus.jsonl' does not exist") == 2
+    assert str(err.value).count("data.corpus = '/nonexistent/corpus.jsonl' does not exist") == 2
     status = json.loads((tmp_path / "run" / "status.json").read_text())
-    assert status["status"] == "failed"
-    assert status["reason"] == "DataError: corpus '/nonexistent/corpus.jsonl' does not exist"
+    assert (status["status"], status["exit_code"]) == ("failed", 3)
+    assert status["reason"].startswith("InputError: data.corpus = '/nonexistent/corpus.jsonl' does not exist; ")
 
 
 def _train_with_signal(rank, world_size, overrides, signal_rank, signal_step):

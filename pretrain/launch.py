@@ -1,0 +1,84 @@
+"""Rank, world size and rendezvous address from torchrun, Slurm or a single process, checked (no torch here)."""
+import os
+import re
+import socket
+from typing import Optional
+
+from pretrain.errors import InputError
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list ("gpu[01-03,07],login1") → host names, in order."""
+    hosts = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", nodelist):
+        m = re.fullmatch(r"(.*)\[(.*)\]", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    return hosts
+
+
+# Set differently on every rank: an error in one is that rank's alone, and it reports it itself.
+PER_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def _env_int(name: str, default: Optional[str] = None, minimum: int = 0) -> int:
+    raw = os.environ.get(name, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value < minimum:
+        raise InputError(f"{name}={raw!r} is not an integer >= {minimum}", "environment",
+                         "launch with torchrun or srun, or set it to a valid number",
+                         agreed=name not in PER_RANK_VARIABLES)
+    return value
+
+
+def check_launch(launch: dict) -> dict:
+    """The launcher's rank / world / port / master make sense, before any rendezvous waits on them."""
+    if not launch["rank"] < launch["world_size"]:
+        raise InputError(f"rank {launch['rank']} is outside world size {launch['world_size']}", "environment",
+                         "RANK (SLURM_PROCID) must be below WORLD_SIZE (SLURM_NTASKS)", agreed=False)
+    port = launch["master_port"]
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise InputError(f"MASTER_PORT={port!r} is not a port number", "environment",
+                         "set MASTER_PORT to an integer in 1..65535 (or leave it to the launcher)")
+    return launch
+
+
+def check_master_resolves(launch: dict) -> None:
+    """A master host name that does not resolve would leave every rank waiting at the rendezvous."""
+    if launch["world_size"] > 1:
+        try:
+            socket.getaddrinfo(launch["master_addr"], int(launch["master_port"]))
+        except (socket.gaierror, UnicodeError) as err:
+            raise InputError(f"MASTER_ADDR={launch['master_addr']!r} does not resolve ({err})", "environment",
+                             "set MASTER_ADDR to the first node's host name or address") from None
+
+
+def launcher_env() -> dict:
+    """rank / world / local rank / master from torchrun, else Slurm's srun, else a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return check_launch(dict(
+            rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE", minimum=1),
+            local_rank=_env_int("LOCAL_RANK", "0"), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=env.get("MASTER_PORT", "29500")))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1"))
+        # A port derived from the job id, so concurrent jobs on one node do not collide.
+        port = env.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID", "0") % 20000)
+        return check_launch(dict(
+            rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NTASKS", minimum=1),
+            local_rank=_env_int("SLURM_LOCALID", "0"), master_addr=env.get("MASTER_ADDR", nodes[0]),
+            master_port=port))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(port))

@@ -1,0 +1,61 @@
+"""Paths a run writes and reads, checked before any process group starts (no torch here)."""
+import os
+from pathlib import Path
+from typing import Optional
+
+from pretrain.blend import parse_blend
+from pretrain.config import Config
+from pretrain.corpus import DataError, expand_inputs
+from pretrain.errors import ConfigError, InputError
+
+
+def _directory_setting(key: str, value: Optional[str | Path]) -> None:
+    """A directory the run will create or write into: not a file, under no file, writable."""
+    if value is None:
+        return
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key} = {str(path)!r} is an existing file, not a directory",
+                          fix=f"set {key} to a directory path (or remove the file)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key} = {str(path)!r} lies under {str(existing)!r}, which is a file",
+                          fix=f"set {key} to a path under a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} = {str(path)!r} cannot be created: {str(existing)!r} is not writable",
+                          fix=f"set {key} to a writable location")
+
+
+def _input_file(key: str, path: str | Path, fix: str) -> None:
+    if not Path(path).is_file():
+        what = "is a directory" if Path(path).is_dir() else "does not exist"
+        raise InputError(f"{key} = {str(path)!r} {what}", "input files", fix)
+
+
+def check_paths(cfg: Config) -> None:
+    """Directories the run writes and input files it reads, checked before any process group starts."""
+    _directory_setting("logging.run_dir", cfg.run_dir)
+    _directory_setting("train.save_dir", cfg.train.save_dir)
+    _directory_setting("data.cache_dir", cfg.data.cache_dir)
+    d = cfg.data
+    if d.tokenizer_model is not None:
+        _input_file("data.tokenizer_model", d.tokenizer_model,
+                    "point it at a sentencepiece .model file, or unset it to train one from data.corpus")
+    blends = [getattr(d, key) for key in ("blend", "train_blend", "valid_blend") if getattr(d, key)]
+    for key in ("blend", "train_blend", "valid_blend"):
+        if getattr(d, key) is None:
+            continue
+        for prefix in parse_blend(getattr(d, key), f"data.{key}")[0]:
+            for suffix in (".bin", ".idx"):
+                _input_file(f"data.{key}", f"{prefix}{suffix}",
+                            f"{prefix}{suffix} is missing; run python -m pretrain.preprocess to write it, or "
+                            f"fix the prefix in data.{key}")
+    if not blends:
+        try:
+            expand_inputs([d.corpus])
+        except DataError as err:
+            raise InputError(f"data.corpus = {d.corpus!r}: {err}", "input files",
+                             'point data.corpus at JSONL files ({"text": ...} a line; .gz/.zst too) or a glob') \
+                from None

@@ -1,0 +1,126 @@
+"""<run_dir>/status.json (the batch script's contract) and how a failure is classified and reported."""
+import json
+import os
+import signal
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from pretrain.errors import EXIT_UNEXPECTED, InputError, ProjectError, peer_error
+
+STATUS_FILE = "status.json"
+
+
+def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps: int, exit_code: int,
+                 error: str = "", first: bool = False) -> bool:
+    """Write status.json atomically (tmp + rename): ok | interrupted | failed, why, and the exit code.
+
+    first=True writes only when no status.json exists: the first failure of a run is its cause, and
+    the ranks that fail after it (a peer gone, a collective that lost it) must not overwrite it.
+    Returns whether it was written; a run_dir that cannot be written is skipped (the error says why).
+    """
+    body = json.dumps({"status": status, "reason": reason, "world_size": world_size, "steps": steps,
+                       "exit_code": exit_code, "error": error}, indent=2)
+    target = Path(run_dir) / STATUS_FILE
+    tmp = target.with_name(f"{STATUS_FILE}.tmp{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(body)
+        if not first:
+            os.replace(tmp, target)
+            return True
+        try:
+            os.link(tmp, target)  # atomic create-if-absent, with complete content
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        return False
+
+
+def clear_status(run_dir: Path) -> None:
+    """Rank 0 at start: a previous run's status must not be read as this run's."""
+    try:
+        (Path(run_dir) / STATUS_FILE).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def as_project_error(err: BaseException, rank: Optional[int], timeout_s: float) -> Optional[ProjectError]:
+    """The project's error for `err`: itself, a data/tokenizer error as an input error, a collective
+    failure as a peer timeout; None for an unexpected error."""
+    if isinstance(err, ProjectError):
+        return err
+    from pretrain.data import DataError
+    from pretrain.tokenizer import TokenizerError
+    for kind, where, fix in ((DataError, "data", "fix the file, or point data.corpus / data.blend at another"),
+                             (TokenizerError, "tokenizer", "fix data.tokenizer_model or model.vocab_size")):
+        if isinstance(err, kind):  # a message "<what>; <how to fix>" brings its own fix
+            return InputError(str(err), where, "" if "; " in str(err) else fix)
+    return peer_error(err, -1 if rank is None else rank, timeout_s)
+
+
+def error_line(err: BaseException, rank: Optional[int], timeout_s: float) -> str:
+    known = as_project_error(err, rank, timeout_s)
+    if known is not None:
+        return known.line()
+    text = (str(err).strip().splitlines() or [""])[0]
+    where = f"rank {rank}" if rank is not None else "start-up"
+    return (f"error: unexpected {type(err).__name__}: {text} ({where}): this is a bug or an unforeseen "
+            "failure; the traceback above shows where")
+
+
+def exit_code(err: BaseException, rank: Optional[int], timeout_s: float) -> int:
+    known = as_project_error(err, rank, timeout_s)
+    return known.exit_code if known is not None else EXIT_UNEXPECTED
+
+
+def is_agreed(err: BaseException, rank: Optional[int], timeout_s: float) -> bool:
+    """Raised identically on every rank (reported once, by rank 0)."""
+    known = as_project_error(err, rank, timeout_s)
+    return known is not None and known.agreed
+
+
+def should_report(err: BaseException, rank: Optional[int], timeout_s: float) -> bool:
+    """Rank 0 reports agreed errors; every rank reports its own (or a rank not yet known)."""
+    return rank is None or rank == 0 or not is_agreed(err, rank, timeout_s)
+
+
+def report(err: BaseException, rank: Optional[int], timeout_s: float, debug: bool, stream) -> int:
+    """Print the one line (traceback first when unexpected or debugging); return the exit code."""
+    code = exit_code(err, rank, timeout_s)
+    if should_report(err, rank, timeout_s):
+        if debug or code == EXIT_UNEXPECTED:
+            traceback.print_exception(err, file=stream)
+        print(error_line(err, rank, timeout_s), file=stream, flush=True)
+    return code
+
+
+def record_failure(err: BaseException, run_dir: Path, rank: Optional[int], world_size: int, steps: int,
+                   timeout_s: float) -> None:
+    """status.json "failed": rank 0 writes an agreed error outright; any other failure is written by
+    the first rank to fail (later ones are consequences)."""
+    reason = f"{type(err).__name__}: {err}".splitlines()[0]
+    authoritative = rank == 0 and is_agreed(err, rank, timeout_s)
+    with sigterm_ignored():
+        write_status(run_dir, "failed", reason, world_size, steps, exit_code(err, rank, timeout_s),
+                     error_line(err, rank, timeout_s), first=not authoritative)
+
+
+@contextmanager
+def sigterm_ignored():
+    """A launcher that saw another rank exit sends SIGTERM: the status is written before this rank goes."""
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread (the watchdog): nothing to defer
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
