@@ -397,7 +397,7 @@ def validate_data(cfg: Config) -> None:
              "per-split blends replace it")
     _require(not per_split or d.train_blend is not None, "data.valid_blend needs data.train_blend")
     _require(not (per_split or d.blend) or d.tokenizer_model is not None,
-             "data.blend / data.train_blend need data.tokenizer_model: the tokenizer that made their token ids")
+             "data.blend / data.train_blend need data.tokenizer_model; name the tokenizer that made their token ids")
     evaluating = cfg.train.eval_interval > 0
     _require(not (evaluating and per_split and d.valid_blend is None),
              f"train.eval_interval = {cfg.train.eval_interval} needs data.valid_blend with data.train_blend "

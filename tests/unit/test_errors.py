@@ -77,7 +77,7 @@ CASES = [
      "error: data.blend = '{tmp}/tokens.bin' does not exist (input files): {tmp}/tokens.bin is missing; run "
      "python -m pretrain.preprocess"),
     ("blend-without-tokenizer", ["data.blend={tmp}/tokens"], {}, EXIT_CONFIG,
-     "error: data.blend / data.train_blend need data.tokenizer_model (config): the tokenizer that made their "
+     "error: data.blend / data.train_blend need data.tokenizer_model (config): name the tokenizer that made their "
      "token ids"),
     ("blend-weights-do-not-parse", ["data.blend=0.3 {tmp}/a 0.7", "data.tokenizer_model={tmp}/a_file"], {},
      EXIT_CONFIG, "error: data.blend = "),
