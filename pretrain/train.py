@@ -15,7 +15,7 @@ from pretrain import checkpoint, metrics
 from pretrain.config import Config
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model import DTYPES, build_model, gpt_loss, parallel_groups
+from pretrain.model import DTYPES, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.topology import Topology, init_topology
 

@@ -139,7 +139,7 @@ class Comm:
             if piece.data_ptr() != full.data_ptr():
                 piece.copy_(full)
             return None
-        return self._issue(dist.reduce_scatter_tensor, async_op, output=piece, input=full)
+        return self._issue(dist.reduce_scatter_single, async_op, output=piece, input=full)
 
     def all_gather(self, full: torch.Tensor, piece: torch.Tensor, tag: str, async_op=False):
         self._record("all_gather", tag, full)
@@ -147,7 +147,7 @@ class Comm:
             if full.data_ptr() != piece.data_ptr():
                 full.copy_(piece)
             return None
-        return self._issue(dist.all_gather_into_tensor, async_op, output_tensor=full, input_tensor=piece)
+        return self._issue(dist.all_gather_single, async_op, output_tensor=full, input_tensor=piece)
 
 
 def wait_all(handles: list) -> None:
