@@ -89,9 +89,9 @@ class GradientBuckets:
                 param, slot = group.params[i], group.layout.slots[i]
                 if param.grad is None and param not in self.engine.tied:
                     param.grad = run.grads[slot.start - bucket.start:slot.end - bucket.start].view(slot.shape)
-            live = sum(r.grads.numel() * r.grads.element_size()
-                       for runs in self.runs.values() for r in runs if r.grads is not None)
-            live += sum(r.grads.numel() * r.grads.element_size() for r in self.in_flight)
+            live = sum(open_run.grads.numel() * open_run.grads.element_size()
+                       for runs in self.runs.values() for open_run in runs if open_run.grads is not None)
+            live += sum(launched.grads.numel() * launched.grads.element_size() for launched in self.in_flight)
             self.buffer_bytes_peak = max(self.buffer_bytes_peak, live)
         return run.grads
 

@@ -33,7 +33,7 @@ class Unit:
     @property
     def numel(self) -> int:
         """Elements materialised when this unit is gathered (padded group buffers)."""
-        return sum(g.layout.padded_numel for g in self.groups)
+        return sum(group.layout.padded_numel for group in self.groups)
 
     @property
     def entry(self) -> list:
@@ -42,7 +42,7 @@ class Unit:
 
     @property
     def entry_numel(self) -> int:
-        return sum(u.numel for u in self.entry)
+        return sum(unit.numel for unit in self.entry)
 
 
 def unit_modules(model: nn.Module, units: Optional[Callable] = None) -> list[tuple]:
@@ -73,7 +73,7 @@ def build_units(model: nn.Module, units: Optional[Callable] = None) -> list[Unit
     position = {module: i for i, (_, module) in enumerate(model.named_modules())}
     ordered = sorted(found.items(), key=lambda item: position[item[1][0]])
     units = [Unit(i, name, module, params) for i, (name, (module, params)) in enumerate(ordered)]
-    by_name = {u.name: u for u in units}
+    by_name = {unit.name: unit for unit in units}
     by_param = {p: by_name[owner[p]] for p in owner}
     for unit in units:  # a declared module using a parameter owned elsewhere (shared weight)
         if unit.name not in declared:

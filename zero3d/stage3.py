@@ -68,14 +68,14 @@ class ParameterShardedEngine(DataParallelEngine):
             if self.device.type == "cuda" and settings.zero.overlap_comm else None
         self.buckets = GradientBuckets(self, [group for unit in self.units for group in unit.groups],
                                        overlap=settings.zero.overlap_comm, stream=self.stream)
-        self._unit_of = {p: u for u in self.units for g in u.groups for p in g.params}
+        self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        for u in self.units:
-            if u.entry_numel:
-                u.module.register_forward_pre_hook(partial(self._pre_forward, u))
-                u.module.register_forward_hook(partial(self._post_forward, u))
-        biggest = max((u.entry_numel for u in self.units), default=0)
+        for unit in self.units:
+            if unit.entry_numel:
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+                unit.module.register_forward_hook(partial(self._post_forward, unit))
+        biggest = max((unit.entry_numel for unit in self.units), default=0)
         # The unit running plus `prefetch_units` ahead (the largest, borrowed units included).
         self.live_budget_elements = (1 + settings.zero.prefetch_units) * biggest
 
@@ -84,16 +84,16 @@ class ParameterShardedEngine(DataParallelEngine):
     def _build_groups(self, named_groups):
         threshold = self.settings.zero.param_persistence_threshold
         decay_of = {p: decay for decay, named in named_groups.items() for _, p in named}
-        name_of = {p: n for n, p in self.model.named_parameters()}
-        persistent = {decay: [(n, p) for n, p in named if p.numel() <= threshold]
+        name_of = {p: name for name, p in self.model.named_parameters()}
+        persistent = {decay: [(name, p) for name, p in named if p.numel() <= threshold]
                       for decay, named in named_groups.items()}
         out = {}
-        for u in self.units:
+        for unit in self.units:
             for decay in named_groups:
-                named = [(name_of[p], p) for p in u.params if decay_of.get(p) == decay and p.numel() > threshold]
+                named = [(name_of[p], p) for p in unit.params if decay_of.get(p) == decay and p.numel() > threshold]
                 if named:
-                    out[f"{u.name}/{decay}"] = g = self._sharded_group(f"{u.name}/{decay}", named)
-                    u.groups.append(g)
+                    out[f"{unit.name}/{decay}"] = group = self._sharded_group(f"{unit.name}/{decay}", named)
+                    unit.groups.append(group)
         for decay, kept in persistent.items():
             if kept:
                 out[f"{PERSISTENT}/{decay}"] = replicated_group(self, f"{PERSISTENT}/{decay}", kept)
@@ -157,8 +157,8 @@ class ParameterShardedEngine(DataParallelEngine):
         if unit.full is None:
             return
         wait_all(unit.handles)
-        for g in unit.groups:
-            for p in g.params:
+        for group in unit.groups:
+            for p in group.params:
                 p.data = self._empty()
         unit.full = None
         self._live -= unit.numel
@@ -170,14 +170,14 @@ class ParameterShardedEngine(DataParallelEngine):
         """Make `unit` (and what it borrows) usable; first queue the gathers of the next units."""
         tag = self._tag()
         unit.entered = unit.entered or self._in_backward
-        for u in unit.entry:
-            self._materialise(u, tag)
+        for needed in unit.entry:
+            self._materialise(needed, tag)
         self._prefetch(unit, tag)
-        for u in unit.entry:
-            wait_all(u.handles)
+        for needed in unit.entry:
+            wait_all(needed.handles)
 
     def _sequence(self):
-        order = self._order if self._order is not None else [u.index for u in self.units]
+        order = self._order if self._order is not None else [unit.index for unit in self.units]
         order = [i for i in order if self.units[i].entry_numel]
         return order[::-1] if self._in_backward else order
 
@@ -189,12 +189,12 @@ class ParameterShardedEngine(DataParallelEngine):
         pos = seq.index(unit.index, start)
         self._cursor = pos + 1
         for i in seq[pos + 1:pos + 1 + self.settings.zero.prefetch_units]:
-            for u in self.units[i].entry:
-                self._materialise(u, tag)
+            for needed in self.units[i].entry:
+                self._materialise(needed, tag)
 
     def _release_all(self):
-        for u in self.units:
-            self._release(u)
+        for unit in self.units:
+            self._release(unit)
 
     def _pre_forward(self, unit, module, args):
         self._enter(unit)
@@ -206,8 +206,8 @@ class ParameterShardedEngine(DataParallelEngine):
     def _post_forward(self, unit, module, args, output):
         if self._in_backward:
             return  # a recomputation inside backward: freed as the gradients arrive
-        for u in unit.entry:
-            self._release(u)
+        for needed in unit.entry:
+            self._release(needed)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
             hook_grads(output, partial(self._enter_backward, unit))
 
@@ -217,9 +217,9 @@ class ParameterShardedEngine(DataParallelEngine):
         self._enter(unit)
 
     def _release_borrowed(self, unit):
-        for u in unit.borrows:
-            if not u.entered:  # else its own backward is running: it frees itself once its grads are in
-                self._release(u)
+        for lender in unit.borrows:
+            if not lender.entered:  # else its own backward is running: it frees itself once its grads are in
+                self._release(lender)
 
     # ------------------------------------------------------------ loop-facing interface
 
@@ -238,12 +238,12 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def backward(self, loss):
         self._in_backward, self._cursor = True, 0
-        for u in self.units:
-            u.pending, u.entered = {p for g in u.groups for p in g.params}, False
+        for unit in self.units:
+            unit.pending, unit.entered = {p for group in unit.groups for p in group.params}, False
         seq = self._sequence()
         for i in seq[:self.settings.zero.prefetch_units]:
-            for u in self.units[i].entry:
-                self._materialise(u, "params_bwd")
+            for needed in self.units[i].entry:
+                self._materialise(needed, "params_bwd")
         try:
             super().backward(loss)
         finally:
