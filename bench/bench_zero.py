@@ -161,6 +161,7 @@ def run_system(rank, world, system, args):
     from pretrain.model import gpt_loss
     cfg, topo, model = build(args, system)
     lr, steps = 1e-3, args.steps
+    stats = None
     if system.startswith("zero3d-"):
         import zero3d
         from pretrain.train import engine_settings
@@ -168,6 +169,7 @@ def run_system(rank, world, system, args):
                                    zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state = lambda: sum(engine.state_bytes().values())  # noqa: E731
+        stats = engine.comm_stats  # zero3d's own count of the collectives it issued
     elif system == "torch-ZeroRedundancyOptimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -199,9 +201,11 @@ def run_system(rank, world, system, args):
         forward, backward, step = ds, ds.backward, ds.step
         state = lambda: storage_census(model, opt)  # noqa: E731
     get = batches(args, topo.dp_rank, world)
-    times, losses, counter, calls = [], [], {}, []
+    times, losses, counter, calls, own_calls = [], [], {}, [], []
     for i in range(steps):
         counter.clear()
+        if stats is not None:
+            stats.reset()
         dist.barrier()
         t0 = time.perf_counter()
         with count_collectives(counter):
@@ -211,8 +215,11 @@ def run_system(rank, world, system, args):
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         calls.append(counter.get("calls", 0))
-    return {"step_s": statistics.median(times[2:]), "state_bytes": state(),
+        if stats is not None:
+            own_calls.append(sum(stats.calls.values()))
+    return {"step_s": statistics.median(times[2:]), "step_min_s": min(times[2:]), "state_bytes": state(),
             "comm_elements": counter.get("elements", 0.0), "calls": statistics.median(calls[1:]),
+            "zero3d_calls": statistics.median(own_calls[1:]) if own_calls else None,
             "first_loss": losses[0], "last_loss": losses[-1]}
 
 
@@ -316,14 +323,18 @@ def print_table(rows: dict, args) -> None:
 
 
 def print_before_after(rows: dict, commit: str) -> None:
-    print(f"\nzero3d stages, this tree vs {commit} (same run): step time and collectives per step")
-    print(f"{'stage':10} {'step s before':>14} {'after':>8} {'after/before':>13} {'calls before':>13} {'after':>6}")
+    print(f"\nzero3d stages, this tree vs {commit} (interleaved in the same run). step: median / fastest "
+          "step; collectives: as zero3d counts them / torch.distributed calls seen by the shim")
+    print(f"{'stage':10} {'median before':>14} {'after':>7} {'x':>5} {'min before':>11} {'after':>7} {'x':>5} "
+          f"{'collectives before':>19} {'after':>6} {'torch calls before':>19} {'after':>6}")
     for system, after in rows.items():
         before = rows.get(f"{system}@before")
         if before is None or "error" in after or "error" in before:
             continue
-        print(f"{system:10} {before['step_s']:14.3f} {after['step_s']:8.3f} "
-              f"{after['step_s'] / before['step_s']:13.2f} {before['calls']:13.0f} {after['calls']:6.0f}")
+        print(f"{system:10} {before['step_s']:14.3f} {after['step_s']:7.3f} {after['step_s'] / before['step_s']:5.2f} "
+              f"{before['step_min_s']:11.3f} {after['step_min_s']:7.3f} "
+              f"{after['step_min_s'] / before['step_min_s']:5.2f} {before['zero3d_calls']:19.0f} "
+              f"{after['zero3d_calls']:6.0f} {before['calls']:19.0f} {after['calls']:6.0f}")
 
 
 if __name__ == "__main__":

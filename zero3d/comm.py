@@ -100,6 +100,24 @@ class PendingCollective:
         self.stats.in_flight = [p for p in self.stats.in_flight if p is not self]
 
 
+class WorkGroup:
+    """Several torch works acting as one collective (then, optionally, a copy of the result)."""
+
+    def __init__(self, works: list, copy_to=None, copy_from=None):
+        self.works, self.copy_to, self.copy_from = works, copy_to, copy_from
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.copy_to is not None:
+            self.copy_to.copy_(self.copy_from)
+            self.copy_to = None
+        return True
+
+
 class Comm:
     """Collectives over one process group; each call is recorded in a shared CommStats."""
 
@@ -108,6 +126,9 @@ class Comm:
         self.stats = stats
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)] \
+            if group is not None else list(range(self.size))
+        self._gloo = is_gloo(group)
 
     def _record(self, op: str, tag: str, tensor: torch.Tensor, factor: int = 1) -> None:
         if self.size > 1:
@@ -133,13 +154,30 @@ class Comm:
 
     def reduce_scatter(self, piece: torch.Tensor, full: torch.Tensor, tag: str, async_op=False):
         """Sum `full` over the group; this rank's piece (len(full) / size) lands in `piece`, which
-        may be a view of `full` (in place)."""
+        may be a view of `full` (in place). Others' pieces of `full` are left as scratch.
+
+        gloo: issued as one reduce of each piece to its owner — the same n(N−1)/N elements, and
+        faster there than gloo's reduce_scatter, which all-reduces and copies (on 2 CPU ranks,
+        4M fp32 elements: ~20 ms against ~44 ms). NCCL: one reduce_scatter."""
         self._record("reduce_scatter", tag, full)
         if self.size == 1:
             if piece.data_ptr() != full.data_ptr():
                 piece.copy_(full)
             return None
-        return self._issue(dist.reduce_scatter_single, async_op, output=piece, input=full)
+        if not self._gloo:
+            return self._issue(dist.reduce_scatter_single, async_op, output=piece, input=full)
+        size = piece.numel()
+        works = [dist.reduce(full[owner * size:(owner + 1) * size], dst=self._global_ranks[owner],
+                             group=self.group, async_op=True) for owner in range(self.size)]
+        mine = full[self.rank * size:(self.rank + 1) * size]
+        work = WorkGroup(works, copy_to=piece if piece.data_ptr() != mine.data_ptr() else None, copy_from=mine)
+        if async_op:
+            return PendingCollective(work, self.stats)
+        started = time.perf_counter()
+        work.wait()
+        self.stats.seconds += time.perf_counter() - started
+        self.stats.exposed_seconds += time.perf_counter() - started
+        return None
 
     def all_gather(self, full: torch.Tensor, piece: torch.Tensor, tag: str, async_op=False):
         self._record("all_gather", tag, full)
