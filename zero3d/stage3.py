@@ -168,6 +168,7 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _enter(self, unit):
         """Make `unit` (and what it borrows) usable; first queue the gathers of the next units."""
+        self.comm_stats.poll()  # a point on the compute timeline: note which collectives are done
         tag = self._tag()
         unit.entered = unit.entered or self._in_backward
         for needed in unit.entry:
