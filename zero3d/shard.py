@@ -88,8 +88,10 @@ def publish_params(engine: DataParallelEngine, overlap: bool) -> None:
                 piece.copy_(master[bucket.shard_start:bucket.shard_start + bucket.piece_numel])
             # NCCL gathers in place; gloo gets a separate input so no buffer is read while written.
             source = piece.clone() if is_gloo(engine.dp.group) else piece
-            engine.pending_param_gathers[(name, bucket.index)] = engine.dp.all_gather(
-                group.param_flat[bucket.start:bucket.end], source, tag="params", async_op=True)
+            pending = engine.dp.all_gather(group.param_flat[bucket.start:bucket.end], source, tag="params",
+                                           async_op=True)
+            if pending is not None:  # None: one DP rank, nothing to gather
+                engine.pending_param_gathers[(name, bucket.index)] = pending
     if not overlap:
         engine.finish_param_sync()
 

@@ -25,16 +25,17 @@ def _train(rank, world, stage, overlap):
         engine.backward((engine(x) - y).pow(2).mean())
         norms.append(engine.step(1e-2).grad_norm)
         pending.append(len(engine.pending_param_gathers))
-        hidden.append(engine.comm_stats.report()["comm/time/hidden_fraction"])
+        hidden.append(engine.comm_stats.hidden_fraction())
     first_layer_waited = None
     if stage in (1, 2) and overlap:  # the first layer's forward waits for its bucket only
         model[0](torch.zeros(1, 8))
         first_layer_waited = len(engine.pending_param_gathers) < pending[-1]
-    engine.finish_param_sync()
+    model.state_dict()  # waits for the gathers still in flight
+    in_flight_after_state_dict = len(engine.pending_param_gathers)
     params = engine.gathered_parameters() if stage == 3 else dict(model.named_parameters())
     buckets = sum(len(group.buckets) for group in engine.groups.values())
     return dict(norms=norms, pending=pending, hidden=hidden, buckets=buckets, first_layer_waited=first_layer_waited,
-                params={name: p.detach().clone() for name, p in params.items()})
+                in_flight_after_state_dict=in_flight_after_state_dict, params={name: p.detach().clone() for name, p in params.items()})
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -50,3 +51,11 @@ def test_overlap_off_gives_the_same_training(stage):
                 # every bucket's all-gather left in flight by step(), or none when overlap is off
                 assert r_out["pending"] == [r_out["buckets"] if overlap else 0] * 3
                 assert r_out["buckets"] > 2 and r_out["first_layer_waited"] is (True if overlap else None)
+                assert r_out["in_flight_after_state_dict"] == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_has_nothing_in_flight(stage):
+    (out,) = run_ranks(_train, 1, stage, True)
+    assert out["pending"] == [0, 0, 0] and out["in_flight_after_state_dict"] == 0
+    assert out["hidden"] == [None] * 3  # nothing communicated, nothing timed
