@@ -6,7 +6,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from zero3d.comm import Comm, CommStats, wait_all
+from zero3d.comm import Comm, CommStats
 from zero3d.config import ZeroConfig
 from zero3d.flat import FlatLayout, param_groups
 from zero3d.optim import make_optimizer
@@ -281,5 +281,4 @@ def is_decay_group(name: str) -> bool:
     return name.rsplit("/", 1)[-1] == "decay"
 
 
-__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult",
-           "is_decay_group", "wait_all"]
+__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "is_decay_group"]
