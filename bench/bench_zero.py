@@ -1,6 +1,13 @@
 """ZeRO-DP stages 0-3 against their peers on one GPT model: step time, model-state bytes, communication.
 
     python bench/bench_zero.py [--ranks 2] [--layers 4] [--hidden 256] [--seq 128] [--steps 8]
+    python bench/bench_zero.py --before b96830b --systems zero3d-0 zero3d-1 zero3d-2 zero3d-3
+
+`--before COMMIT` adds a row per zero3d stage run by the engine of that commit ("@before"): its
+tree is exported with `git archive` into a temporary directory and the same rank function runs
+there in a subprocess (ZERO3D_TREE puts that tree first on sys.path), so "before" and "after" are
+measured in one run on the same machine; a before/after table (step time and collective calls per
+step, with ratios) follows the main one.
 
 Every system trains the same megatron-core GPTModel (TP 1: the peers do not speak Megatron TP) from
 the same initial weights on the same batches, on gloo CPU ranks, in one run. Columns:
@@ -10,20 +17,25 @@ the same initial weights on the same batches, on gloo CPU ranks, in one run. Col
 - comm el: elements per rank per step moved by torch.distributed collectives, counted by one shim
   around torch.distributed for every system, at bandwidth-optimal volume (all-reduce 2n(N-1)/N,
   reduce / reduce-scatter / all-gather / broadcast n(N-1)/N);
+- calls: collectives per rank per step seen by the same shim (the gradient-norm all-reduce included);
 - ratios against zero3d stage 0 measured in the same run.
 """
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+TREE = Path(os.environ.get("ZERO3D_TREE", REPO))  # whose zero3d/pretrain the ranks import
 sys.path.insert(0, str(REPO / "tests"))  # local_ranks: the forked-rank runner
+sys.path.insert(0, str(TREE))
 
 import megatron.core.models.gpt  # noqa: E402,F401 - imported before forking the ranks
 import torch  # noqa: E402
@@ -46,19 +58,27 @@ def count_collectives(counter: dict):
     rules = {  # name -> (position, keyword) of the full-size tensor(s), volume factor
         "all_reduce": (0, "tensor", 2), "reduce": (0, "tensor", 1), "broadcast": (0, "tensor", 1),
         "reduce_scatter_tensor": (1, "input", 1), "all_gather_into_tensor": (0, "output_tensor", 1),
+        "reduce_scatter_single": (1, "input", 1), "all_gather_single": (0, "output_tensor", 1),
         "all_gather": (0, "tensor_list", 1), "reduce_scatter": (1, "input_list", 1),
         "_reduce_scatter_base": (1, "input", 1), "_all_gather_base": (0, "output_tensor", 1),
     }
     saved = []
+    depth = [0]  # a deprecated alias calls its successor: count the outermost call only
     for name, (index, keyword, factor) in rules.items():
         original = getattr(c10d, name)
 
         def wrapped(*args, _original=original, _index=index, _keyword=keyword, _factor=factor, **kwargs):
-            full = args[_index] if len(args) > _index else kwargs[_keyword]
-            n = dist.get_world_size(kwargs.get("group"))
-            count = sum(t.numel() for t in full) if isinstance(full, (list, tuple)) else full.numel()
-            counter["elements"] = counter.get("elements", 0) + _factor * count * (n - 1) / n
-            return _original(*args, **kwargs)
+            if depth[0] == 0:
+                full = args[_index] if len(args) > _index else kwargs[_keyword]
+                n = dist.get_world_size(kwargs.get("group"))
+                count = sum(t.numel() for t in full) if isinstance(full, (list, tuple)) else full.numel()
+                counter["elements"] = counter.get("elements", 0) + _factor * count * (n - 1) / n
+                counter["calls"] = counter.get("calls", 0) + 1
+            depth[0] += 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
         for namespace in (dist, c10d):
             saved.append((namespace, name, getattr(namespace, name)))
             setattr(namespace, name, wrapped)
@@ -141,6 +161,7 @@ def run_system(rank, world, system, args):
     from pretrain.model import gpt_loss
     cfg, topo, model = build(args, system)
     lr, steps = 1e-3, args.steps
+    stats = None
     if system.startswith("zero3d-"):
         import zero3d
         from pretrain.train import engine_settings
@@ -148,6 +169,7 @@ def run_system(rank, world, system, args):
                                    zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state = lambda: sum(engine.state_bytes().values())  # noqa: E731
+        stats = engine.comm_stats  # zero3d's own count of the collectives it issued
     elif system == "torch-ZeroRedundancyOptimizer":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -179,9 +201,11 @@ def run_system(rank, world, system, args):
         forward, backward, step = ds, ds.backward, ds.step
         state = lambda: storage_census(model, opt)  # noqa: E731
     get = batches(args, topo.dp_rank, world)
-    times, losses, counter = [], [], {}
+    times, losses, counter, calls, own_calls = [], [], {}, [], []
     for i in range(steps):
         counter.clear()
+        if stats is not None:
+            stats.reset()
         dist.barrier()
         t0 = time.perf_counter()
         with count_collectives(counter):
@@ -190,8 +214,13 @@ def run_system(rank, world, system, args):
             step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    return {"step_s": statistics.median(times[2:]), "state_bytes": state(),
-            "comm_elements": counter.get("elements", 0.0), "first_loss": losses[0], "last_loss": losses[-1]}
+        calls.append(counter.get("calls", 0))
+        if stats is not None:
+            own_calls.append(sum(stats.calls.values()))
+    return {"step_s": statistics.median(times[2:]), "step_min_s": min(times[2:]), "state_bytes": state(),
+            "comm_elements": counter.get("elements", 0.0), "calls": statistics.median(calls[1:]),
+            "zero3d_calls": statistics.median(own_calls[1:]) if own_calls else None,
+            "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def available_systems() -> list[str]:
@@ -203,6 +232,40 @@ def available_systems() -> list[str]:
     except ImportError:
         print("(deepspeed not installed: pip install -e .[bench] adds the DeepSpeed rows)")
     return systems
+
+
+def export_tree(commit: str) -> Path:
+    """The repository at `commit`, exported once (git archive) into a temporary directory."""
+    target = Path(tempfile.gettempdir()) / f"zero3d-{commit}"
+    if not (target / "zero3d").is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def run_before(commit: str, systems: list[str], argv: list[str]) -> dict:
+    """Rows of the engine at `commit`: this script's rank function over that tree, in a subprocess."""
+    stages = [s for s in systems if s.startswith("zero3d-")]
+    if not stages:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, *argv, "--systems", *stages, "--json", out.name, "--before", ""]
+        subprocess.run(cmd, check=True, env={**os.environ, "ZERO3D_TREE": str(export_tree(commit))},
+                       stdout=subprocess.DEVNULL)
+        rows = json.loads(Path(out.name).read_text())
+    return {f"{system}@before": row for system, row in rows.items()}
+
+
+def strip_options(argv: list[str], names: tuple) -> list[str]:
+    """argv without the given options and their values (nargs='*' values run to the next option)."""
+    out, skipping = [], False
+    for item in argv:
+        if item.startswith("--"):
+            skipping = item.split("=")[0] in names
+        if not skipping:
+            out.append(item)
+    return out
 
 
 def main(argv=None):
@@ -218,18 +281,33 @@ def main(argv=None):
     p.add_argument("--bucket", type=int, default=500_000)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--systems", nargs="*", help="subset of rows to run")
+    p.add_argument("--before", default="", help="commit whose zero3d engine adds '@before' rows (e.g. b96830b)")
+    p.add_argument("--json", help="also write the rows to this file")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    systems = args.systems or available_systems()
+    rest = strip_options(argv, ("--systems", "--before", "--json"))
     rows = {}
-    for system in args.systems or available_systems():
+    for system in systems:
         try:
             rows[system] = run_ranks(run_system, args.ranks, system, args, timeout=600)[0]
         except Exception as err:  # noqa: BLE001 - a peer that fails is reported, not fatal
             rows[system] = {"error": str(err).strip().splitlines()[-1][:90]}
+        if args.before:  # interleaved, so load changes on the machine hit both sides alike
+            rows.update(run_before(args.before, [system], rest))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
+    print_table(rows, args)
+    if args.before:
+        print_before_after(rows, args.before)
+
+
+def print_table(rows: dict, args) -> None:
     base = rows.get("zero3d-0", {})
     print(f"GPT L={args.layers} h={args.hidden} s={args.seq} micro={args.micro} vocab={args.vocab} "
           f"{args.dtype}, {args.ranks} gloo ranks (DP={args.ranks}, TP=1); per rank; ratios vs zero3d-0")
     print(f"{'system':32} {'step s':>8} {'x':>6} {'state B':>12} {'x':>6} {'comm el':>12} {'x':>6} "
-          f"{'loss 1st':>9} {'loss last':>9}")
+          f"{'calls':>6} {'loss 1st':>9} {'loss last':>9}")
     for system, r in rows.items():
         if "error" in r:
             print(f"{system:32} failed: {r['error']}")
@@ -238,9 +316,25 @@ def main(argv=None):
         # Fewer than 1% of stage 0's elements: the system's traffic runs below the Python API.
         visible = r["comm_elements"] >= 0.01 * base.get("comm_elements", 0)
         comm = f"{r['comm_elements']:12,.0f} {ratio('comm_elements'):6.2f}" if visible else f"{'n/a':>12} {'':6}"
+        calls = f"{r['calls']:6.0f}" if visible else f"{'n/a':>6}"
         print(f"{system:32} {r['step_s']:8.3f} {ratio('step_s'):6.2f} {r['state_bytes']:12,d} "
-              f"{ratio('state_bytes'):6.2f} {comm} "
+              f"{ratio('state_bytes'):6.2f} {comm} {calls} "
               f"{r['first_loss']:9.4f} {r['last_loss']:9.4f}")
+
+
+def print_before_after(rows: dict, commit: str) -> None:
+    print(f"\nzero3d stages, this tree vs {commit} (interleaved in the same run). step: median / fastest "
+          "step; collectives: as zero3d counts them / torch.distributed calls seen by the shim")
+    print(f"{'stage':10} {'median before':>14} {'after':>7} {'x':>5} {'min before':>11} {'after':>7} {'x':>5} "
+          f"{'collectives before':>19} {'after':>6} {'torch calls before':>19} {'after':>6}")
+    for system, after in rows.items():
+        before = rows.get(f"{system}@before")
+        if before is None or "error" in after or "error" in before:
+            continue
+        print(f"{system:10} {before['step_s']:14.3f} {after['step_s']:7.3f} {after['step_s'] / before['step_s']:5.2f} "
+              f"{before['step_min_s']:11.3f} {after['step_min_s']:7.3f} "
+              f"{after['step_min_s'] / before['step_min_s']:5.2f} {before['zero3d_calls']:19.0f} "
+              f"{after['zero3d_calls']:6.0f} {before['calls']:19.0f} {after['calls']:6.0f}")
 
 
 if __name__ == "__main__":

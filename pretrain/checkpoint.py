@@ -122,6 +122,7 @@ class Checkpointer:
         the write goes on in a background thread (`async_save`), or finishes here."""
         t0 = time.perf_counter()
         self.wait()
+        engine.finish_param_sync()  # stages 1/2 may still be gathering the parameters of the last step
         rank = dist.get_rank()
         final, tmp = self.save_dir / f"step_{step:08d}", self.save_dir / f"step_{step:08d}.tmp"
         error = None

@@ -10,6 +10,7 @@ from typing import Literal, Optional
 
 from pretrain.blend import parse_blend, parse_split
 from pretrain.errors import ConfigError
+from zero3d.config import ZeroConfig, ZeroConfigError  # the [zero] section: zero3d's own dataclass
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,18 +45,6 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     sequence_parallel: bool = False
-
-
-@dataclass
-class ZeroConfig:
-    stage: Literal[0, 1, 2, 3] = 0
-    bucket_elements: int = 50_000_000  # CB: constant-size communication buckets, in elements
-    overlap_comm: bool = True  # stage 2/3: reduce-scatter buckets while backward runs
-    param_persistence_threshold: int = 0  # stage 3: parameters this small stay whole on every rank
-    prefetch_units: int = 1  # stage 3: how many units ahead to gather
-    partition_activations: bool = False  # Pa: checkpoints sliced across the TP group
-    cpu_checkpointing: bool = False  # Pa+cpu: the slices live in host memory
-    contiguous_checkpointing: bool = False  # MD: checkpoints in one pre-allocated buffer
 
 
 @dataclass
@@ -288,6 +277,10 @@ def _check_fp16_only(pr: PrecisionConfig) -> None:
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Checks that need no process group; with `world_size`, also the layout's divisibility."""
+    try:  # the [zero] keys were set one by one: build the dataclass again so it checks itself
+        cfg.zero = ZeroConfig(**dataclasses.asdict(cfg.zero))
+    except ZeroConfigError as err:
+        raise ConfigError(str(err)) from None
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
     _check_finite(cfg)
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -328,13 +321,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              "parallel.sequence_parallel = true with zero.partition_activations = true is refused: with "
              "sequence parallelism each TP rank already stores only its 1/TP of every checkpoint, so Pa "
              "would partition it twice")
-    _require(z.bucket_elements > 0, f"zero.bucket_elements = {z.bucket_elements} must be > 0")
-    _require(z.prefetch_units >= 0, f"zero.prefetch_units = {z.prefetch_units} must be >= 0")
-    _require(z.param_persistence_threshold >= 0,
-             f"zero.param_persistence_threshold = {z.param_persistence_threshold} must be >= 0")
-    _require(not z.cpu_checkpointing or z.partition_activations,
-             "zero.cpu_checkpointing = true needs zero.partition_activations = true (Pa+cpu offloads "
-             "the partitioned checkpoints)")
     _require(not (z.partition_activations or z.contiguous_checkpointing) or m.recompute == "full",
              "zero.partition_activations / zero.contiguous_checkpointing need model.recompute = "
              f"\"full\" (they store the recomputation checkpoints); got model.recompute = {m.recompute!r}")

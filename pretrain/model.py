@@ -160,6 +160,20 @@ def parallel_groups(model, topo):
     return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded)
 
 
+def gather_units(model) -> list[tuple]:
+    """ZeRO stage 3's gather units for megatron's GPTModel: the embedding, each transformer layer,
+    the output layer — which, with tied embeddings on one pipeline stage, is handed the word
+    embedding weight at call time (so it borrows the embedding's unit)."""
+    units = [("embedding", getattr(model, "embedding", None))]
+    units += [(f"decoder.layers.{i}", layer) for i, layer in enumerate(model.decoder.layers)]
+    output_layer = getattr(model, "output_layer", None)
+    if output_layer is not None and model.share_embeddings_and_output_weights:
+        units.append(("output_layer", output_layer, [model.shared_embedding_or_output_weight()]))
+    else:
+        units.append(("output_layer", output_layer))
+    return [unit for unit in units if unit[1] is not None]
+
+
 def gpt_inputs(tokens: torch.Tensor):
     """(inputs, positions, attention_mask, labels) of a [batch, seq+1] token block. The causal mask
     (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda"; on

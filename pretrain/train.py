@@ -19,7 +19,7 @@ from pretrain.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model import DTYPES, activation_checkpointing, build_model, gpt_loss, parallel_groups
+from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.status import clear_status, record_failure, write_status
 from pretrain.topology import Topology, init_topology, launcher_env
@@ -53,15 +53,12 @@ def on_main_then_share(topo: Topology, fn):
 
 def engine_settings(cfg: Config) -> zero3d.EngineSettings:
     o, pr = cfg.optimizer, cfg.precision
-    scaler = zero3d.LossScaler(scale=pr.initial_loss_scale, min_scale=pr.min_loss_scale,
-                               growth_interval=pr.growth_interval, backoff_factor=pr.backoff_factor,
-                               hysteresis=pr.hysteresis) if pr.dtype == "fp16" else None
+    loss_scale = zero3d.LossScaleConfig(
+        initial_scale=pr.initial_loss_scale, min_scale=pr.min_loss_scale, growth_interval=pr.growth_interval,
+        backoff_factor=pr.backoff_factor, hysteresis=pr.hysteresis) if pr.dtype == "fp16" else None
     return zero3d.EngineSettings(
-        bucket_elements=cfg.zero.bucket_elements, overlap_comm=cfg.zero.overlap_comm, lr=o.lr,
-        weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps, clip_grad=o.clip_grad,
-        dtype=DTYPES[pr.dtype], loss_scaler=scaler,
-        param_persistence_threshold=cfg.zero.param_persistence_threshold,
-        prefetch_units=cfg.zero.prefetch_units)
+        zero=cfg.zero, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+        clip_grad=o.clip_grad, dtype=DTYPES[pr.dtype], loss_scale=loss_scale, units=gather_units)
 
 
 def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, forward_only=False) -> list:

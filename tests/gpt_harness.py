@@ -84,6 +84,9 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     out["state_bytes"] = engine.state_bytes()
     out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
     out["psi"], out["group_numels"] = psi, group_numels
+    # Flat buffer sizes with each bucket padded to a multiple of N_d, and buckets per group.
+    out["padded_numels"] = {name: g.layout.padded_numel for name, g in engine.groups.items()}
+    out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
     out["activations"] = activations.report() if activations else {}
     dist.barrier()
     return out
@@ -92,6 +95,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
 def full_params(engine):
     """TP-local parameters as the model sees them (stage 3 gathers them for inspection)."""
     gather = getattr(engine, "gathered_parameters", None)
+    engine.finish_param_sync()  # stages 1/2 leave the parameter all-gathers in flight after step()
     return gather() if gather else dict(engine.model.named_parameters())
 
 

@@ -1,93 +1,133 @@
-"""Backward-time gradient reduction (stages 2 and 3): gradients staged per bucket, reduced to their owners."""
-from dataclasses import dataclass, field
+"""Backward-time gradient reduction (stages 2 and 3): one reduce-scatter per bucket, straight from its buffer."""
+import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from zero3d.engine import GroupState, wait_all
+from zero3d.engine import GroupState
 from zero3d.flat import Bucket
-from zero3d.stage1 import reduce_to_owners
 
-MAX_BUCKETS_IN_FLIGHT = 2  # staging memory stays within a few buckets, whatever the model size
+MAX_BUCKETS_IN_FLIGHT = 2  # gradient buffers stay within a few buckets, whatever the model size
 
 
 @dataclass
 class BucketRun:
-    """One bucket during one backward: its staging buffer and which gradients are still missing."""
+    """One bucket during one backward: its gradient buffer and which gradients are still missing."""
 
     group: GroupState
     bucket: Bucket
     missing: set
-    staging: Optional[torch.Tensor] = None
-    handles: list = field(default_factory=list)
+    grads: Optional[torch.Tensor] = None  # the bucket's padded gradient buffer, model dtype
+    handle: object = None
 
 
 class GradientBuckets:
-    """Each arriving gradient is added into its bucket's staging buffer and freed; a complete bucket
-    is reduced to the ranks owning its elements (asynchronously when `overlap`), and on completion
-    each rank adds its piece, ÷N_d, into the group's gradient shard (so micro-batches accumulate).
+    """Gradients land in their bucket's buffer: once a bucket's buffer exists, the bucket's other
+    parameters get `param.grad` as views of it, so autograd accumulates there in place (only the
+    gradient that opens a bucket, and tied ones summed elsewhere, are copied in). A complete bucket
+    is pre-divided, reduce-scattered in place (asynchronously when `overlap`, on `stream` when
+    given) and, on completion, this rank's piece is added (× post-scale) into the group's gradient
+    shard at the piece's shard offset, so micro-batches accumulate.
 
     A launched bucket is replaced by a fresh one at once, so a bucket may complete once per
-    micro-batch inside a pipeline schedule that calls flush() only at the end of the step."""
+    micro-batch inside a pipeline schedule that launches the rest only at the end of the step."""
 
-    def __init__(self, engine, groups: list[GroupState], overlap: bool):
-        self.engine, self.groups, self.overlap = engine, groups, overlap
+    def __init__(self, engine, groups: list[GroupState], overlap: bool, stream=None):
+        self.engine, self.groups, self.overlap, self.stream = engine, groups, overlap, stream
         self.location = {}  # param -> (group name, slot index, bucket index)
-        for g in groups:
-            for b in g.buckets:
-                for i in b.slot_indices:
-                    self.location[g.params[i]] = (g.name, i, b.index)
-        self.staging_bytes_peak = 0
-        self.reset()
-
-    def reset(self) -> None:
-        self.runs = {g.name: [BucketRun(g, b, set(b.slot_indices)) for b in g.buckets] for g in self.groups}
+        for group in groups:
+            for bucket in group.buckets:
+                for i in bucket.slot_indices:
+                    self.location[group.params[i]] = (group.name, i, bucket.index)
+        self.buffer_bytes_peak = 0
         self.in_flight: list[BucketRun] = []
+        self._new_runs()
+
+    def _new_runs(self) -> None:
+        self.runs = {group.name: [BucketRun(group, bucket, set(bucket.slot_indices)) for bucket in group.buckets]
+                     for group in self.groups}
 
     def add(self, param: torch.Tensor) -> None:
-        """Stage `param.grad` (then drop it: the full-size gradient does not outlive its bucket)."""
+        """`param.grad` is in: add it to its bucket's buffer unless it already lives there, drop it."""
+        self.engine.comm_stats.poll()
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
-        slot = run.group.layout.slots[slot_index]
-        self._staging(run)[slot.start - run.bucket.start:slot.end - run.bucket.start] += param.grad.view(-1)
+        view = self._slot_view(run, slot_index)
+        if param.grad.data_ptr() != view.data_ptr():
+            view += param.grad.view(-1)
         param.grad = None
         run.missing.discard(slot_index)
         if not run.missing:
             self.runs[name][bucket_index] = BucketRun(run.group, run.bucket, set(run.bucket.slot_indices))
             self._launch(run)
 
-    def flush(self) -> None:
+    def launch_remaining(self) -> None:
         """End of backward: buckets holding gradients of a partly used bucket reduce now, in a fixed
-        order (the DP ranks run the same graph, so they agree on which); then wait for all."""
+        order (the DP ranks run the same graph, so they agree on which)."""
         for runs in self.runs.values():
             for run in runs:
-                if run.staging is not None:
+                if run.grads is not None:
                     self._launch(run)
+        self._new_runs()
+
+    def wait(self) -> None:
+        """Every launched bucket reduced and added into its shard."""
         while self.in_flight:
             self._finish(self.in_flight.pop(0))
-        self.reset()
 
-    def _staging(self, run: BucketRun) -> torch.Tensor:
-        if run.staging is None:
-            run.staging = torch.zeros(run.bucket.numel, dtype=run.group.grads.dtype, device=run.group.grads.device)
-            live = sum(r.staging.numel() * r.staging.element_size()
-                       for runs in self.runs.values() for r in runs if r.staging is not None)
-            self.staging_bytes_peak = max(self.staging_bytes_peak, live)
-        return run.staging
+    def _slot_view(self, run: BucketRun, slot_index: int) -> torch.Tensor:
+        slot = run.group.layout.slots[slot_index]
+        return self._buffer(run)[slot.start - run.bucket.start:slot.end - run.bucket.start]
+
+    def _buffer(self, run: BucketRun) -> torch.Tensor:
+        """The bucket's gradient buffer; on creation its waiting parameters' `.grad` become views of it."""
+        if run.grads is None:
+            group, bucket = run.group, run.bucket
+            run.grads = torch.zeros(bucket.numel, dtype=group.grads.dtype, device=group.grads.device)
+            for i in run.missing:
+                param, slot = group.params[i], group.layout.slots[i]
+                if param.grad is None and param not in self.engine.tied:
+                    param.grad = run.grads[slot.start - bucket.start:slot.end - bucket.start].view(slot.shape)
+            live = sum(open_run.grads.numel() * open_run.grads.element_size()
+                       for runs in self.runs.values() for open_run in runs if open_run.grads is not None)
+            live += sum(launched.grads.numel() * launched.grads.element_size() for launched in self.in_flight)
+            self.buffer_bytes_peak = max(self.buffer_bytes_peak, live)
+        return run.grads
 
     def _launch(self, run: BucketRun) -> None:
-        b = run.bucket
-        run.handles = reduce_to_owners(self.engine, run.group, self._staging(run), b.start, b.end, self.overlap)
+        group, bucket, engine = run.group, run.bucket, self.engine
+        buffer = self._buffer(run)
+        for i in bucket.slot_indices:  # views handed out but never filled (unused parameters)
+            param = group.params[i]
+            if param.grad is not None and param not in engine.tied:
+                param.grad = None
+        lo, hi = bucket.piece(engine.dp.rank)
+        with self._on_stream(buffer):
+            if engine.pre_scale != 1.0:
+                buffer.mul_(engine.pre_scale)
+            piece = buffer[lo - bucket.start:hi - bucket.start]  # reduced in place
+            run.handle = engine.dp.reduce_scatter(piece, buffer, tag="grads", async_op=self.overlap)
         self.in_flight.append(run)
         while len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish(self.in_flight.pop(0))
 
+    def _on_stream(self, buffer: torch.Tensor):
+        """Stage 3 on GPU: the reduction runs on the side stream, after the gradients it reads."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        buffer.record_stream(self.stream)
+        return torch.cuda.stream(self.stream)
+
     def _finish(self, run: BucketRun) -> None:
-        wait_all(run.handles)
-        g, b = run.group, run.bucket
-        dp = self.engine.dp
-        s0, s1 = g.layout.shard_range(dp.rank)
-        lo, hi = max(b.start, s0), min(b.end, s1)
-        if lo < hi:
-            g.grads[lo - s0:hi - s0].add_(run.staging[lo - b.start:hi - b.start], alpha=1.0 / dp.size)
-        run.staging = None
+        if run.handle is not None:
+            run.handle.wait()
+        if self.stream is not None:
+            torch.cuda.current_stream(run.grads.device).wait_stream(self.stream)
+        bucket, rank = run.bucket, self.engine.dp.rank
+        lo, hi = bucket.piece(rank)
+        piece = run.grads[lo - bucket.start:hi - bucket.start]
+        run.group.grads[bucket.shard_start:bucket.shard_start + bucket.piece_numel].add_(
+            piece, alpha=self.engine.post_scale)
+        run.grads = None

@@ -1,33 +1,33 @@
 """The data-parallel interface the training loop uses; each ZeRO stage is one small subclass."""
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from zero3d.comm import Comm, CommStats
+from zero3d.config import ZeroConfig
 from zero3d.flat import FlatLayout, param_groups
 from zero3d.optim import make_optimizer
-from zero3d.precision import LossScaler, NoScaler
+from zero3d.precision import LossScaleConfig, make_scaler
 
 
 @dataclass
 class EngineSettings:
     """What the engine needs from the config (plain values, so zero3d stays model-agnostic)."""
 
-    bucket_elements: int = 50_000_000
-    overlap_comm: bool = True
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     clip_grad: float = 0.0
     dtype: torch.dtype = torch.float32
-    loss_scaler: Optional[LossScaler] = None  # fp16 only
-    param_persistence_threshold: int = 0  # stage 3
-    prefetch_units: int = 1  # stage 3
+    loss_scale: Optional[LossScaleConfig] = None  # fp16 only: the engine builds its scaler from it
+    # Stage 3: model -> [(name, module)] gathered as units (pretrain passes megatron's layers);
+    # None: the model's top-level children.
+    units: Optional[Callable[[nn.Module], list]] = None
 
 
 @dataclass
@@ -60,9 +60,21 @@ class GroupState:
     params: list
     param_flat: Optional[torch.Tensor] = None  # model dtype: full (stages 0-2) or shard (stage 3)
     grads: Optional[torch.Tensor] = None  # model dtype: full buffer (stages 0-1) or shard (2-3)
-    master: Optional[torch.Tensor] = None  # fp32 tensor the optimizer updates
-    buckets: tuple = ()  # CB: communication units over the flat buffer
+    # fp32 tensors the optimizer updates, as (offset in master coordinates, tensor): one contiguous
+    # tensor, or — fp32 stages 1/2, whose shard is one piece per bucket of the parameter buffer —
+    # views of those pieces, so the parameters stay the master copy.
+    master_pieces: tuple = ()
     norm_ranges: tuple = ()  # (lo, hi) in master coordinates that count toward the norm
+
+    @property
+    def buckets(self) -> list:
+        return self.layout.buckets
+
+    def master(self) -> torch.Tensor:
+        """The fp32 master in master coordinates (a copy when it lives in pieces)."""
+        if len(self.master_pieces) == 1:
+            return self.master_pieces[0][1]
+        return torch.cat([piece for _, piece in self.master_pieces])
 
 
 class DataParallelEngine:
@@ -81,14 +93,18 @@ class DataParallelEngine:
         self.dp = Comm(groups.dp_group, self.comm_stats)
         self.world = Comm(groups.world_group, self.comm_stats)
         self.tp_rank = groups.tp_rank
-        self.tied = {p: Comm(group, self.comm_stats) for p, group in groups.tied.items()}
+        self.tied = {param: Comm(group, self.comm_stats) for param, group in groups.tied.items()}
         self._norm_excluded = {n for n, p in model.named_parameters() if p in groups.norm_excluded}
         self.device = next(model.parameters()).device
-        self.scaler = settings.loss_scaler or NoScaler()
+        self.scaler = make_scaler(settings.loss_scale)
+        # Gradients are multiplied by pre_scale before the DP sum and by post_scale after it.
+        predivide = settings.zero.predivide(self.dp.size)
+        self.pre_scale, self.post_scale = 1.0 / predivide, predivide / self.dp.size
+        self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
         self.groups = self._build_groups(param_groups(model))
         self.optimizer = make_optimizer(
-            [(g.master, settings.weight_decay if is_decay_group(name) else 0.0)
-             for name, g in self.groups.items()],
+            [(piece, settings.weight_decay if is_decay_group(name) else 0.0)
+             for name, group in self.groups.items() for _, piece in group.master_pieces],
             lr=settings.lr, betas=settings.betas, eps=settings.eps)
 
     # ------------------------------------------------------------ loop-facing interface
@@ -111,33 +127,32 @@ class DataParallelEngine:
         """After each micro-batch's backward (a pipeline schedule: after the step's last one)."""
 
     def step(self, lr: float) -> StepResult:
-        """Reduce, unscale, norm, clip, update, publish; every rank takes the same decision."""
-        self._sum_tied_grads()
+        """Reduce, unscale, norm, clip, update, publish; every rank takes the same decision.
+
+        The overflow rule, the same for every stage: the step is skipped when the global norm of
+        the reduced, unscaled gradients is not finite (an inf/nan in any rank's gradients reaches
+        that norm through the reduction or through the norm's all-reduce).
+        """
+        self.finish_param_sync()
         self._reduce_grads()
-        master_grads = {name: self._master_grad(g) for name, g in self.groups.items()}
+        master_grads = {name: self._master_grad(group) for name, group in self.groups.items()}
         if self.scaler.scale != 1.0:
             for grad in master_grads.values():
                 grad.mul_(1.0 / self.scaler.scale)
         norm = self._global_grad_norm(master_grads)
-        # The norm is all-reduced over every rank, so an inf/nan anywhere is seen everywhere.
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if not overflow:
-            coef = 1.0
-            if self.settings.clip_grad > 0:
-                coef = min(1.0, self.settings.clip_grad / (norm + 1e-6))
-            for name, g in self.groups.items():
-                if coef < 1.0:
-                    master_grads[name].mul_(coef)
-                g.master.grad = master_grads[name]
-            for pg in self.optimizer.param_groups:
-                pg["lr"] = lr
-            self.optimizer.step()
-            for g in self.groups.values():
-                g.master.grad = None
+            self._apply_update(master_grads, norm, lr)
             self._publish_params()
         self.zero_grad()
         return StepResult(grad_norm=norm, skipped=overflow, loss_scale=self.scaler.scale)
+
+    def finish_param_sync(self) -> None:
+        """Wait for parameter all-gathers still in flight (stages 1/2 overlap them with the next
+        forward); call before reading parameters outside a forward."""
+        for key in list(self.pending_param_gathers):
+            self.pending_param_gathers.pop(key).wait()
 
     def train(self):
         self.model.train()
@@ -147,22 +162,41 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ shared pieces
 
+    def _apply_update(self, master_grads: dict, norm: float, lr: float) -> None:
+        coef = 1.0
+        if self.settings.clip_grad > 0:
+            coef = min(1.0, self.settings.clip_grad / (norm + 1e-6))
+        for name, group in self.groups.items():
+            grad = master_grads[name]
+            if coef < 1.0:
+                grad.mul_(coef)
+            for offset, piece in group.master_pieces:
+                piece.grad = grad[offset:offset + piece.numel()]
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.optimizer.step()
+        for group in self.groups.values():
+            for _, piece in group.master_pieces:
+                piece.grad = None
+
     def _sum_tied_grads(self) -> None:
         """Stages keeping whole gradients (0, 1) sum tied ones over their group once per step;
         stage 2 sums each micro-batch's before it is bucketed (finish_backward)."""
-        for p, comm in self.tied.items():
-            comm.all_reduce(p.grad, tag="tied_grads")
+        for param, comm in self.tied.items():
+            comm.all_reduce(param.grad, tag="tied_grads")
 
-    def _norm_ranges(self, layout: FlatLayout, offset: int) -> tuple:
-        """Ranges of this rank's shard to count: TP-duplicated parameters count on TP rank 0 only."""
-        return tuple((offset + lo, offset + hi) for slot, lo, hi in layout.slots_in_shard(self.dp.rank)
+    def _norm_ranges(self, layout: FlatLayout, flat: bool) -> tuple:
+        """Ranges of this rank's shard to count (in flat coordinates when the master is the whole
+        buffer, else in shard coordinates): TP-duplicated parameters count on TP rank 0 only."""
+        return tuple((flat_lo, flat_hi) if flat else (shard_lo, shard_lo + flat_hi - flat_lo)
+                     for slot, flat_lo, flat_hi, shard_lo in layout.owned_slot_ranges(self.dp.rank)
                      if (slot.tp_partitioned or self.tp_rank == 0) and slot.name not in self._norm_excluded)
 
     def _global_grad_norm(self, master_grads: dict) -> float:
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for name, g in self.groups.items():
+        for name, group in self.groups.items():
             grad = master_grads[name]
-            for lo, hi in g.norm_ranges:
+            for lo, hi in group.norm_ranges:
                 local += grad[lo:hi].double().pow(2).sum()
         self.world.all_reduce(local, tag="grad_norm")
         return math.sqrt(local.item()) if torch.isfinite(local).item() else float("inf")
@@ -183,34 +217,39 @@ class DataParallelEngine:
     def _master_bytes(self) -> int:
         """fp32 master bytes that are not shared with the model's own parameter storage."""
         total = 0
-        for g in self.groups.values():
-            if g.param_flat is None or g.master.untyped_storage().data_ptr() != \
-                    g.param_flat.untyped_storage().data_ptr():
-                total += g.master.numel() * g.master.element_size()
+        for group in self.groups.values():
+            for _, piece in group.master_pieces:
+                if group.param_flat is None or piece.untyped_storage().data_ptr() != \
+                        group.param_flat.untyped_storage().data_ptr():
+                    total += piece.numel() * piece.element_size()
         return total
 
     def state_bytes(self) -> dict:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        self.finish_param_sync()
         return {"stage": self.stage, "optimizer": self.optimizer.state_dict(),
-                "master": {n: g.master for n, g in self.groups.items()},
+                "master": {name: group.master() for name, group in self.groups.items()},
                 "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["stage"] != self.stage:
             raise ValueError(f"checkpoint was written by ZeRO stage {state['stage']}, this run uses "
                              f"stage {self.stage}; resume with zero.stage = {state['stage']}")
-        for name, g in self.groups.items():
+        for name, group in self.groups.items():
             saved = state["master"][name]
-            if saved.shape != g.master.shape:
+            size = sum(piece.numel() for _, piece in group.master_pieces)
+            if tuple(saved.shape) != (size,):
                 raise ValueError(f"checkpoint master shard for group {name!r} has shape "
-                                 f"{tuple(saved.shape)}, this layout needs {tuple(g.master.shape)}: "
+                                 f"{tuple(saved.shape)}, this layout needs {(size,)}: "
                                  "resume with the same model, data- and tensor-parallel sizes")
-            g.master.data.copy_(saved)
+            for offset, piece in group.master_pieces:
+                piece.data.copy_(saved[offset:offset + piece.numel()])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self._publish_params()
+        self.finish_param_sync()
 
     # ------------------------------------------------------------ stage hooks
 
@@ -218,13 +257,16 @@ class DataParallelEngine:
         """{name: GroupState}; stages 0-2 keep one group per decay class ("decay", "no_decay")."""
         return {name: self._build_group(name, named) for name, named in named_groups.items()}
 
+    def _layout(self, named_params: list) -> FlatLayout:
+        return FlatLayout(named_params, self.dp.size, self.settings.zero.bucket_elements)
+
     def _build_group(self, name: str, named_params: list) -> GroupState:
         raise NotImplementedError
 
     def _reduce_grads(self) -> None:
         raise NotImplementedError
 
-    def _master_grad(self, g: GroupState) -> torch.Tensor:
+    def _master_grad(self, group: GroupState) -> torch.Tensor:
         raise NotImplementedError
 
     def _publish_params(self) -> None:
@@ -239,12 +281,4 @@ def is_decay_group(name: str) -> bool:
     return name.rsplit("/", 1)[-1] == "decay"
 
 
-def wait_all(handles: list) -> None:
-    for h in handles:
-        if h is not None:
-            h.wait()
-    handles.clear()
-
-
-def is_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
+__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "is_decay_group"]

@@ -1,4 +1,18 @@
-"""The flat-buffer layer every stage shares: parameter groups laid out in padded, DP-sharded buffers."""
+"""The flat-buffer layer every stage shares: parameter groups packed into bucket-sharded, padded buffers.
+
+Layout of one group's flat buffer (parameters in model order):
+
+    | bucket k-1 (padded) | ... | bucket 1 (padded) | bucket 0 (padded) |
+
+Buckets hold whole parameters and are numbered in the order backward produces their gradients
+(bucket 0 = the last parameters). Each bucket is padded to a multiple of the DP size N_d and split
+into N_d equal pieces; DP rank r owns piece r of every bucket, and its shard is the concatenation
+of its pieces in buffer order. So a bucket is reduced with one reduce-scatter and published with
+one all-gather, and bucket b's piece sits at shard offset b.start / N_d.
+
+Contract (checkpoints and the gradient norm rely on it): each (parameter, DP rank) owns at most one
+contiguous range of the flattened parameter — `FlatLayout.slots_in_shard(dp_rank)` lists them.
+"""
 from dataclasses import dataclass
 
 import torch
@@ -22,77 +36,112 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A contiguous range of a flat buffer, communicated as one unit (CB)."""
+    """A contiguous, padded range of a flat buffer, communicated as one unit (CB)."""
 
-    index: int
-    start: int
-    end: int
+    index: int  # 0 = the bucket whose gradients backward produces first
+    start: int  # a multiple of dp_size: every bucket before it is padded
+    end: int  # padded end
     slot_indices: tuple  # slots whose elements lie in this range
+    dp_size: int
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def piece_numel(self) -> int:
+        """Elements of this bucket each DP rank owns."""
+        return self.numel // self.dp_size
+
+    @property
+    def shard_start(self) -> int:
+        """Where this bucket's piece begins in every rank's shard."""
+        return self.start // self.dp_size
+
+    def piece(self, dp_rank: int) -> tuple[int, int]:
+        """This rank's piece, in flat coordinates."""
+        lo = self.start + dp_rank * self.piece_numel
+        return lo, lo + self.piece_numel
+
 
 class FlatLayout:
-    """Parameters of one group, packed end to end and padded to a multiple of the DP size.
+    """Parameters of one group packed in buckets of about `bucket_elements`, each padded to N_d."""
 
-    DP rank r owns the contiguous shard [r·S, (r+1)·S), S = padded_numel / dp_size.
-    """
-
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp_size: int):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp_size: int, bucket_elements: int):
+        if not named_params:
+            raise ValueError("a flat layout needs at least one parameter")
+        if dp_size < 1 or bucket_elements < 1:
+            raise ValueError(f"dp_size = {dp_size} and bucket_elements = {bucket_elements} must be >= 1")
         self.dp_size = dp_size
-        slots, offset = [], 0
-        for name, p in named_params:
-            slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel(),
-                                   bool(getattr(p, "tensor_model_parallel", False))))
-            offset += p.numel()
-        self.slots: list[ParamSlot] = slots
-        self.numel = offset
-        self.padded_numel = -(-offset // dp_size) * dp_size if offset else dp_size
-        self.shard_numel = self.padded_numel // dp_size
+        numels = [p.numel() for _, p in named_params]
+        members = bucket_members(numels, bucket_elements)
+        starts, offset = [0] * len(numels), 0
+        spans = {}
+        for index in reversed(range(len(members))):  # buffer order: the first parameters first
+            begin = offset
+            for i in sorted(members[index]):
+                starts[i] = offset
+                offset += numels[i]
+            offset = begin + -(-(offset - begin) // dp_size) * dp_size
+            spans[index] = (begin, offset)
+        self.slots: list[ParamSlot] = [
+            ParamSlot(name, tuple(p.shape), starts[i], numels[i], bool(getattr(p, "tensor_model_parallel", False)))
+            for i, (name, p) in enumerate(named_params)]
+        self.buckets: list[Bucket] = [Bucket(index, *spans[index], tuple(members[index]), dp_size)
+                                      for index in range(len(members))]
+        self.numel = sum(numels)
+        self.padded_numel = offset
+        self.shard_numel = offset // dp_size
 
-    def shard_range(self, dp_rank: int) -> tuple[int, int]:
-        return dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
+    @property
+    def padding(self) -> int:
+        """Elements added so that every bucket divides evenly over the DP ranks (< N_d per bucket)."""
+        return self.padded_numel - self.numel
 
-    def owner_ranges(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """Split [start, end) by owner: [(owner_rank, lo, hi)] in flat coordinates."""
+    def pieces(self, dp_rank: int) -> list[tuple[Bucket, int, int]]:
+        """[(bucket, flat_lo, flat_hi)] for this rank, in shard order."""
+        return [(bucket, *bucket.piece(dp_rank)) for bucket in sorted(self.buckets, key=lambda b: b.start)]
+
+    def owned_slot_ranges(self, dp_rank: int) -> list[tuple[ParamSlot, int, int, int]]:
+        """[(slot, flat_lo, flat_hi, shard_lo)]: the part of each slot this rank owns (one range at most)."""
         out = []
-        lo = start
-        while lo < end:
-            owner = lo // self.shard_numel
-            hi = min(end, (owner + 1) * self.shard_numel)
-            out.append((owner, lo, hi))
-            lo = hi
+        for bucket, lo, hi in self.pieces(dp_rank):
+            for i in sorted(bucket.slot_indices):
+                slot = self.slots[i]
+                part_lo, part_hi = max(slot.start, lo), min(slot.end, hi)
+                if part_lo < part_hi:
+                    out.append((slot, part_lo, part_hi, bucket.shard_start + part_lo - lo))
         return out
 
     def slots_in_shard(self, dp_rank: int) -> list[tuple[ParamSlot, int, int]]:
-        """[(slot, lo, hi)]: the part of each slot inside this rank's shard, in shard coordinates."""
-        s0, s1 = self.shard_range(dp_rank)
-        out = []
-        for slot in self.slots:
-            lo, hi = max(slot.start, s0), min(slot.end, s1)
-            if lo < hi:
-                out.append((slot, lo - s0, hi - s0))
-        return out
+        """[(slot, lo, hi)]: the part of each slot inside this rank's shard, in shard coordinates.
 
-    def buckets(self, bucket_elements: int) -> list[Bucket]:
-        """Buckets of whole parameters in reverse layout order (the order backward produces them).
+        The contract: at most one contiguous range per slot; element j of it is element
+        `flat_lo - slot.start + j` of the flattened parameter (`owned_slot_ranges` gives flat_lo)."""
+        return [(slot, shard_lo, shard_lo + flat_hi - flat_lo)
+                for slot, flat_lo, flat_hi, shard_lo in self.owned_slot_ranges(dp_rank)]
 
-        A bucket closes once it holds >= bucket_elements; a parameter larger than that is a bucket
-        of its own, so the largest bucket is max(bucket_elements, largest parameter). The padding
-        tail belongs to the first bucket.
-        """
-        buckets, current, end = [], [], self.padded_numel
-        for i in reversed(range(len(self.slots))):
-            current.append(i)
-            size = end - self.slots[i].start
-            if size >= bucket_elements:
-                buckets.append(Bucket(len(buckets), self.slots[i].start, end, tuple(current)))
-                current, end = [], self.slots[i].start
-        if current:
-            buckets.append(Bucket(len(buckets), 0, end, tuple(current)))
-        return buckets
+    def shard_of(self, flat: torch.Tensor, dp_rank: int) -> torch.Tensor:
+        """This rank's shard of a full flat buffer: its pieces concatenated (a new tensor)."""
+        return torch.cat([flat[lo:hi] for _, lo, hi in self.pieces(dp_rank)])
+
+
+def bucket_members(numels: list[int], bucket_elements: int) -> list[list[int]]:
+    """Parameter indices per bucket, walking the parameters backwards (the order backward produces them).
+
+    A bucket closes once it holds >= bucket_elements; a parameter larger than that is a bucket of
+    its own, so the largest bucket is max(bucket_elements, largest parameter) plus < N_d padding.
+    """
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(numels))):
+        current.append(i)
+        size += numels[i]
+        if size >= bucket_elements:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

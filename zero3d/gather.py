@@ -1,11 +1,12 @@
 """Stage 3 gather units: which modules' parameters are materialised together, and in what order.
 
 A unit is one module whose parameters are all-gathered over DP just before it runs and freed
-after. Megatron's GPTModel (anything with `decoder.layers`): `embedding`, each transformer layer
-of `decoder.layers`, `output_layer`; every other parameter (the decoder's final layer norm…)
-joins a unit of the module that directly holds it. Any other nn.Module: its top-level children,
-then the leftovers the same way. A parameter belongs to the first unit that holds it; a unit
-that uses a parameter of another unit (tied weights) *borrows* that unit and gathers it too.
+after. Which modules: the caller's `units(model)` (pretrain/model.py's `gather_units` lists
+megatron's embedding, each transformer layer and the output layer), else the model's top-level
+children; every other parameter (a final layer norm…) joins a unit of the module that directly
+holds it. A parameter belongs to the first unit that holds it; a unit that uses a parameter of
+another unit (tied weights, or one `units` names as used at call time) *borrows* that unit and
+gathers it too.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -32,7 +33,7 @@ class Unit:
     @property
     def numel(self) -> int:
         """Elements materialised when this unit is gathered (padded group buffers)."""
-        return sum(g.layout.padded_numel for g in self.groups)
+        return sum(group.layout.padded_numel for group in self.groups)
 
     @property
     def entry(self) -> list:
@@ -41,28 +42,27 @@ class Unit:
 
     @property
     def entry_numel(self) -> int:
-        return sum(u.numel for u in self.entry)
+        return sum(unit.numel for unit in self.entry)
 
 
-def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    decoder = getattr(model, "decoder", None)
-    if isinstance(getattr(decoder, "layers", None), nn.ModuleList):  # megatron GPTModel
-        named = [("embedding", getattr(model, "embedding", None))]
-        named += [(f"decoder.layers.{i}", layer) for i, layer in enumerate(decoder.layers)]
-        named += [("output_layer", getattr(model, "output_layer", None))]
-        return [(n, m) for n, m in named if m is not None]
-    return list(model.named_children())
+def unit_modules(model: nn.Module, units: Optional[Callable] = None) -> list[tuple]:
+    """[(name, module, params it is handed at call time)]: `units(model)` — entries (name, module)
+    or (name, module, [parameters]) — else the top-level children."""
+    named = units(model) if units is not None else list(model.named_children())
+    return [(entry[0], entry[1], list(entry[2]) if len(entry) > 2 else []) for entry in named]
 
 
-def build_units(model: nn.Module) -> list[Unit]:
+def build_units(model: nn.Module, units: Optional[Callable] = None) -> list[Unit]:
     """Units in module-definition order (the prefetch order until a forward has been recorded)."""
     owner: dict = {}  # param -> unit name
     found: dict[str, tuple[nn.Module, list]] = {}
-    for name, module in unit_modules(model):
+    handed: dict[str, list] = {}  # unit name -> parameters its module is given when called
+    for name, module, used in unit_modules(model, units):
         params = [p for p in module.parameters() if p.requires_grad and p not in owner]
         for p in params:
             owner[p] = name
         found[name] = (module, params)
+        handed[name] = used
     declared = set(found)
     for pname, p in model.named_parameters():  # leftovers: a unit per module holding them
         if p.requires_grad and p not in owner:
@@ -70,23 +70,18 @@ def build_units(model: nn.Module) -> list[Unit]:
             module = model.get_submodule(pname.rpartition(".")[0])
             owner[p] = mname
             found.setdefault(mname, (module, []))[1].append(p)
-    position = {m: i for i, (_, m) in enumerate(model.named_modules())}
+    position = {module: i for i, (_, module) in enumerate(model.named_modules())}
     ordered = sorted(found.items(), key=lambda item: position[item[1][0]])
     units = [Unit(i, name, module, params) for i, (name, (module, params)) in enumerate(ordered)]
-    by_name = {u.name: u for u in units}
+    by_name = {unit.name: unit for unit in units}
     by_param = {p: by_name[owner[p]] for p in owner}
-    for u in units:  # a declared module using a parameter owned elsewhere (shared submodule/weight)
-        if u.name not in declared:
+    for unit in units:  # a declared module using a parameter owned elsewhere (shared weight)
+        if unit.name not in declared:
             continue  # a leftover holder's own direct parameters are all its own
-        for p in u.module.parameters():
-            if p in by_param and by_param[p] is not u and by_param[p] not in u.borrows:
-                u.borrows.append(by_param[p])
-    # megatron's tied output layer (PP = 1) has no weight: it is handed embedding's at call time.
-    if getattr(model, "share_embeddings_and_output_weights", False) and "output_layer" in by_name:
-        shared = model.shared_embedding_or_output_weight()
-        out = by_name["output_layer"]
-        if shared in by_param and by_param[shared] is not out and by_param[shared] not in out.borrows:
-            out.borrows.append(by_param[shared])
+        for p in [*unit.module.parameters(), *handed[unit.name]]:
+            lender = by_param.get(p)
+            if lender is not None and lender is not unit and lender not in unit.borrows:
+                unit.borrows.append(lender)
     return units
 
 

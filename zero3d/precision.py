@@ -1,5 +1,18 @@
 """fp16 dynamic loss scaling: the same decision on every rank because it is fed the same overflow flag."""
 from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 dynamic loss scaling settings (the engine builds its own LossScaler from them)."""
+
+    initial_scale: float = 2.0**16
+    min_scale: float = 1.0
+    growth_interval: int = 1000  # clean steps before the scale grows
+    backoff_factor: float = 0.5
+    hysteresis: int = 2  # overflows tolerated before backing off
+    growth_factor: float = 2.0
 
 
 @dataclass
@@ -58,3 +71,12 @@ class NoScaler:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+def make_scaler(config: Optional[LossScaleConfig]):
+    """A fresh LossScaler for fp16 (`config` given), else NoScaler."""
+    if config is None:
+        return NoScaler()
+    return LossScaler(scale=config.initial_scale, min_scale=config.min_scale,
+                      growth_interval=config.growth_interval, backoff_factor=config.backoff_factor,
+                      hysteresis=config.hysteresis, growth_factor=config.growth_factor)

@@ -1,26 +1,28 @@
 """Stage 3 (Pos+g+p): parameters, gradients and optimizer states partitioned over the DP group.
 
-Layout: one FlatLayout per (gather unit, decay class) — see zero3d/gather.py for the units — so a
-unit is materialised by one all-gather of its own padded buffer per decay class; each rank keeps
-only its contiguous shard of each: model-dtype parameters, model-dtype gradients, the fp32 master
-(the parameter shard itself when the model is fp32, else an fp32 copy) and Adam's moments. The optimizer sees one master shard
-per group. Outside a unit's forward/backward its parameters hold no storage (`p.data` is empty).
+Layout: one bucket-sharded FlatLayout per (gather unit, decay class) — the units come from
+`EngineSettings.units` (pretrain passes megatron's embedding / layers / output layer), else the
+model's top-level children; see zero3d/gather.py. Each rank keeps only its shard of each (its piece
+of every bucket): model-dtype parameters, model-dtype gradients, the fp32 master (the parameter
+shard itself when the model is fp32, else an fp32 copy) and Adam's moments. A unit is materialised
+by one all-gather per bucket. Outside a unit's forward/backward its parameters hold no storage.
 
 Forward: a module pre-hook gathers the unit (tag "params"), first issuing the all-gathers of the
 next `prefetch_units` units so they overlap this unit's compute; a post-hook frees it. The order is
 the one recorded on the first forward (so any execution order is followed, including modules run
 out of definition order); until then, module-definition order. Eval forwards gather the same way
-(tag "params_eval") and free everything when done.
+(tag "params_eval") and free everything when done. On GPU, with `overlap_comm`, gathers and
+reductions are issued on a side CUDA stream.
 
 Backward: a gradient hook on the unit's outputs re-gathers it (tag "params_bwd") just before its
 backward runs, prefetching the next units in reverse recorded order; with full recomputation the
 pre-hook of the recomputed forward does it instead and the unit stays gathered through the
-recompute's backward. Each parameter's gradient is added into a staging bucket of the unit's
-padded buffer by a post-accumulate-grad hook and freed; a full bucket (CB) is reduced to its owners
-(tag "grads", sum then ÷N_d, as in stages 0-2) and added into the gradient shard, so accumulation
-over micro-batches just adds. Once every owned gradient has arrived, the unit is freed.
-Per step (no accumulation, no recompute) that is Ψ forward + Ψ backward + Ψ gradients = 3Ψ(N_d−1)/N_d
-elements, Ψ counted over the padded buffers.
+recompute's backward. Gradients land in their bucket's buffer (zero3d/buckets.py); a full bucket
+(CB) is reduce-scattered (tag "grads", pre-divided as in stages 0-2) and its piece added into the
+gradient shard, so accumulation over micro-batches just adds. Once every owned gradient has
+arrived, the unit is freed. Per step (no accumulation, no recompute) that is Ψ forward + Ψ backward
++ Ψ gradients = 3Ψ(N_d−1)/N_d elements, Ψ counted over the padded buffers (< N_d padding per
+bucket), in one collective per bucket each.
 
 Tied weights: a unit that uses another unit's parameter (megatron's output layer handed the word
 embeddings when `share_embeddings_and_output_weights`, PP = 1) borrows that unit: it is gathered
@@ -31,17 +33,18 @@ Persistence: a parameter with numel <= `param_persistence_threshold` is never sh
 whole on every rank and is replicated like stage 0 (full gradient all-reduced and averaged, full
 fp32 master and Adam states), in groups "persistent/<decay class>" (state_bytes "persistent_*").
 
-Pipeline parallelism is not supported (the config requires parallel.pipeline = 1).
+Pipeline parallelism and gradients summed over another group are not supported (wrap_model refuses them).
 """
 from functools import partial
 
 import torch
 
 from zero3d.buckets import GradientBuckets
-from zero3d.engine import DataParallelEngine, GroupState, wait_all
-from zero3d.flat import FlatLayout, flatten_params
+from zero3d.comm import wait_all
+from zero3d.engine import DataParallelEngine, GroupState
+from zero3d.flat import flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
-from zero3d.stage0 import replicated_group
+from zero3d.shard import all_reduce_replicated, replicated_group
 
 PERSISTENT = "persistent"
 
@@ -52,10 +55,7 @@ class ParameterShardedEngine(DataParallelEngine):
     stage = 3
 
     def __init__(self, model, settings, groups):
-        if groups.tied:
-            raise ValueError("ZeRO stage 3 does not support gradients summed over another group (weights "
-                             "tied across pipeline stages, sequence-parallel layer norms); use zero.stage <= 2")
-        self.units = build_units(model)
+        self.units = build_units(model, settings.units)
         self._order = None  # unit indices in the first forward's execution order
         self._recording = None
         self._cursor = 0
@@ -63,52 +63,55 @@ class ParameterShardedEngine(DataParallelEngine):
         self._live = 0
         self.peak_gathered_elements = 0
         super().__init__(model, settings, groups)
-        self.buckets = GradientBuckets(self, [g for u in self.units for g in u.groups],
-                                       overlap=settings.overlap_comm)
-        self._unit_of = {p: u for u in self.units for g in u.groups for p in g.params}
+        # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
+        self.stream = torch.cuda.Stream(self.device) \
+            if self.device.type == "cuda" and settings.zero.overlap_comm else None
+        self.buckets = GradientBuckets(self, [group for unit in self.units for group in unit.groups],
+                                       overlap=settings.zero.overlap_comm, stream=self.stream)
+        self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}
         for p in self._unit_of:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        for u in self.units:
-            if u.entry_numel:
-                u.module.register_forward_pre_hook(partial(self._pre_forward, u))
-                u.module.register_forward_hook(partial(self._post_forward, u))
-        biggest = max((u.entry_numel for u in self.units), default=0)
+        for unit in self.units:
+            if unit.entry_numel:
+                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+                unit.module.register_forward_hook(partial(self._post_forward, unit))
+        biggest = max((unit.entry_numel for unit in self.units), default=0)
         # The unit running plus `prefetch_units` ahead (the largest, borrowed units included).
-        self.live_budget_elements = (1 + settings.prefetch_units) * biggest
+        self.live_budget_elements = (1 + settings.zero.prefetch_units) * biggest
 
     # ------------------------------------------------------------ layout
 
     def _build_groups(self, named_groups):
-        threshold = self.settings.param_persistence_threshold
+        threshold = self.settings.zero.param_persistence_threshold
         decay_of = {p: decay for decay, named in named_groups.items() for _, p in named}
-        name_of = {p: n for n, p in self.model.named_parameters()}
-        persistent = {decay: [(n, p) for n, p in named if p.numel() <= threshold]
+        name_of = {p: name for name, p in self.model.named_parameters()}
+        persistent = {decay: [(name, p) for name, p in named if p.numel() <= threshold]
                       for decay, named in named_groups.items()}
         out = {}
-        for u in self.units:
+        for unit in self.units:
             for decay in named_groups:
-                named = [(name_of[p], p) for p in u.params if decay_of.get(p) == decay and p.numel() > threshold]
+                named = [(name_of[p], p) for p in unit.params if decay_of.get(p) == decay and p.numel() > threshold]
                 if named:
-                    out[f"{u.name}/{decay}"] = g = self._sharded_group(f"{u.name}/{decay}", named)
-                    u.groups.append(g)
+                    out[f"{unit.name}/{decay}"] = group = self._sharded_group(f"{unit.name}/{decay}", named)
+                    unit.groups.append(group)
         for decay, kept in persistent.items():
             if kept:
                 out[f"{PERSISTENT}/{decay}"] = replicated_group(self, f"{PERSISTENT}/{decay}", kept)
         return out
 
     def _sharded_group(self, name, named):
-        layout = FlatLayout(named, self.dp.size)
+        layout = self._layout(named)
         params = [p for _, p in named]
-        g = GroupState(name, layout, params, buckets=tuple(layout.buckets(self.settings.bucket_elements)))
+        group = GroupState(name, layout, params)
         full = flatten_params(layout, params, self.settings.dtype, self.device)
-        s0, s1 = layout.shard_range(self.dp.rank)
-        g.param_flat = full[s0:s1].clone()
-        g.grads = torch.zeros(layout.shard_numel, dtype=self.settings.dtype, device=self.device)
-        g.master = g.param_flat if g.param_flat.dtype == torch.float32 else g.param_flat.float()
-        g.norm_ranges = self._norm_ranges(layout, offset=0)
+        group.param_flat = layout.shard_of(full, self.dp.rank)
+        group.grads = torch.zeros(layout.shard_numel, dtype=self.settings.dtype, device=self.device)
+        master = group.param_flat if group.param_flat.dtype == torch.float32 else group.param_flat.float()
+        group.master_pieces = ((0, master),)
+        group.norm_ranges = self._norm_ranges(layout, flat=False)
         for p in params:
             p.data = self._empty()
-        return g
+        return group
 
     def _persistent_groups(self):
         return [g for name, g in self.groups.items() if name.startswith(PERSISTENT + "/")]
@@ -122,21 +125,40 @@ class ParameterShardedEngine(DataParallelEngine):
         if unit.full is not None or not unit.groups:
             return
         unit.full = []
-        for g in unit.groups:
-            full = torch.empty(g.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
-            unit.handles.append(self.dp.all_gather(full, g.param_flat, tag=tag, async_op=True))
-            for slot, p in zip(g.layout.slots, g.params):
+        for group in unit.groups:
+            full = torch.empty(group.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
+            unit.handles += self._gather_buckets(group, full, tag)
+            for slot, p in zip(group.layout.slots, group.params):
                 p.data = full[slot.start:slot.end].view(slot.shape)
             unit.full.append(full)
+        if not self.settings.zero.overlap_param_gather:
+            wait_all(unit.handles)
         self._live += unit.numel
         self.peak_gathered_elements = max(self.peak_gathered_elements, self._live)
+
+    def _gather_buckets(self, group, full, tag) -> list:
+        """One all-gather per bucket of the group's shard into `full` (on the side stream on GPU)."""
+        if self.stream is None:
+            return [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(group, bucket), tag=tag,
+                                       async_op=True) for bucket in group.buckets]
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            handles = [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(group, bucket), tag=tag,
+                                          async_op=True) for bucket in group.buckets]
+        if any(handle is None for handle in handles):  # ran synchronously (one rank): order the streams
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return handles
+
+    @staticmethod
+    def _piece(group, bucket):
+        return group.param_flat[bucket.shard_start:bucket.shard_start + bucket.piece_numel]
 
     def _release(self, unit):
         if unit.full is None:
             return
         wait_all(unit.handles)
-        for g in unit.groups:
-            for p in g.params:
+        for group in unit.groups:
+            for p in group.params:
                 p.data = self._empty()
         unit.full = None
         self._live -= unit.numel
@@ -146,16 +168,17 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _enter(self, unit):
         """Make `unit` (and what it borrows) usable; first queue the gathers of the next units."""
+        self.comm_stats.poll()  # a point on the compute timeline: note which collectives are done
         tag = self._tag()
         unit.entered = unit.entered or self._in_backward
-        for u in unit.entry:
-            self._materialise(u, tag)
+        for needed in unit.entry:
+            self._materialise(needed, tag)
         self._prefetch(unit, tag)
-        for u in unit.entry:
-            wait_all(u.handles)
+        for needed in unit.entry:
+            wait_all(needed.handles)
 
     def _sequence(self):
-        order = self._order if self._order is not None else [u.index for u in self.units]
+        order = self._order if self._order is not None else [unit.index for unit in self.units]
         order = [i for i in order if self.units[i].entry_numel]
         return order[::-1] if self._in_backward else order
 
@@ -166,13 +189,13 @@ class ParameterShardedEngine(DataParallelEngine):
         start = self._cursor if unit.index in seq[self._cursor:] else 0
         pos = seq.index(unit.index, start)
         self._cursor = pos + 1
-        for i in seq[pos + 1:pos + 1 + self.settings.prefetch_units]:
-            for u in self.units[i].entry:
-                self._materialise(u, tag)
+        for i in seq[pos + 1:pos + 1 + self.settings.zero.prefetch_units]:
+            for needed in self.units[i].entry:
+                self._materialise(needed, tag)
 
     def _release_all(self):
-        for u in self.units:
-            self._release(u)
+        for unit in self.units:
+            self._release(unit)
 
     def _pre_forward(self, unit, module, args):
         self._enter(unit)
@@ -184,8 +207,8 @@ class ParameterShardedEngine(DataParallelEngine):
     def _post_forward(self, unit, module, args, output):
         if self._in_backward:
             return  # a recomputation inside backward: freed as the gradients arrive
-        for u in unit.entry:
-            self._release(u)
+        for needed in unit.entry:
+            self._release(needed)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
             hook_grads(output, partial(self._enter_backward, unit))
 
@@ -195,9 +218,9 @@ class ParameterShardedEngine(DataParallelEngine):
         self._enter(unit)
 
     def _release_borrowed(self, unit):
-        for u in unit.borrows:
-            if not u.entered:  # else its own backward is running: it frees itself once its grads are in
-                self._release(u)
+        for lender in unit.borrows:
+            if not lender.entered:  # else its own backward is running: it frees itself once its grads are in
+                self._release(lender)
 
     # ------------------------------------------------------------ loop-facing interface
 
@@ -216,32 +239,34 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def backward(self, loss):
         self._in_backward, self._cursor = True, 0
-        for u in self.units:
-            u.pending, u.entered = {p for g in u.groups for p in g.params}, False
+        for unit in self.units:
+            unit.pending, unit.entered = {p for group in unit.groups for p in group.params}, False
         seq = self._sequence()
-        for i in seq[:self.settings.prefetch_units]:
-            for u in self.units[i].entry:
-                self._materialise(u, "params_bwd")
+        for i in seq[:self.settings.zero.prefetch_units]:
+            for needed in self.units[i].entry:
+                self._materialise(needed, "params_bwd")
         try:
             super().backward(loss)
         finally:
             self._in_backward = False
-        self.buckets.flush()
+        self.buckets.launch_remaining()
         self._release_all()
 
     def gathered_parameters(self) -> dict:
         """Collective: {name: full TP-local tensor} (a copy), for checks and export."""
         out = {}
-        for u in self.units:
-            for g in u.groups:
-                full = torch.empty(g.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
-                self.dp.all_gather(full, g.param_flat, tag="params_inspect")
-                for slot in g.layout.slots:
+        for unit in self.units:
+            for group in unit.groups:
+                full = torch.empty(group.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
+                for bucket in group.buckets:
+                    self.dp.all_gather(full[bucket.start:bucket.end], self._piece(group, bucket),
+                                       tag="params_inspect")
+                for slot in group.layout.slots:
                     out[slot.name] = full[slot.start:slot.end].view(slot.shape).clone()
-        for g in self._persistent_groups():
-            for slot, p in zip(g.layout.slots, g.params):
+        for group in self._persistent_groups():
+            for slot, p in zip(group.layout.slots, group.params):
                 out[slot.name] = p.detach().clone()
-        return {n: out[n] for n, _ in self.model.named_parameters() if n in out}
+        return {name: out[name] for name, _ in self.model.named_parameters() if name in out}
 
     # ------------------------------------------------------------ backward-time reduction
 
@@ -258,36 +283,36 @@ class ParameterShardedEngine(DataParallelEngine):
     # ------------------------------------------------------------ step
 
     def _reduce_grads(self):
-        persistent = self._persistent_groups()
-        wait_all([self.dp.all_reduce(g.grads[b.start:b.end], tag="grads", async_op=True)
-                  for g in persistent for b in g.buckets])
-        for g in persistent:
-            g.grads.div_(self.dp.size)
+        self.buckets.wait()
+        all_reduce_replicated(self, self._persistent_groups())
 
-    def _master_grad(self, g):
-        return self._as_fp32(g.grads)
+    def _master_grad(self, group):
+        return self._as_fp32(group.grads)
 
     def _publish_params(self):
         # Shards only: the next forward gathers them.
-        for g in self.groups.values():
-            if g.master.data_ptr() != g.param_flat.data_ptr():
-                g.param_flat.copy_(g.master)
+        for group in self.groups.values():
+            master = group.master_pieces[0][1]
+            if master.data_ptr() != group.param_flat.data_ptr():
+                group.param_flat.copy_(master)
 
     def zero_grad(self):
-        for g in self.groups.values():
-            g.grads.zero_()
+        for group in self.groups.values():
+            group.grads.zero_()
 
     def state_bytes(self):
         """Model states kept between steps; "persistent_*" are the replicated small parameters."""
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        def nbytes(tensor):
+            return tensor.numel() * tensor.element_size()
         out = {}
-        sharded = [g for u in self.units for g in u.groups]
+        sharded = [group for unit in self.units for group in unit.groups]
         for prefix, groups in (("", sharded), (PERSISTENT + "_", self._persistent_groups())):
-            out[prefix + "params"] = sum(nbytes(g.param_flat) for g in groups)
-            out[prefix + "grads"] = sum(nbytes(g.grads) for g in groups)
-            out[prefix + "master_params"] = sum(nbytes(g.master) for g in groups
-                                                if g.master.data_ptr() != g.param_flat.data_ptr())
+            masters = [(group, group.master_pieces[0][1]) for group in groups]
+            out[prefix + "params"] = sum(nbytes(group.param_flat) for group in groups)
+            out[prefix + "grads"] = sum(nbytes(group.grads) for group in groups)
+            out[prefix + "master_params"] = sum(nbytes(master) for group, master in masters
+                                                if master.data_ptr() != group.param_flat.data_ptr())
             out[prefix + "optimizer_states"] = sum(
-                nbytes(v) for g in groups for v in self.optimizer.state.get(g.master, {}).values()
-                if torch.is_tensor(v) and v.dim() > 0)
+                nbytes(value) for _, master in masters for value in self.optimizer.state.get(master, {}).values()
+                if torch.is_tensor(value) and value.dim() > 0)
         return out

@@ -19,9 +19,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 def owned_pieces(layout, dp_rank: int) -> list[tuple]:
     """[(slot, param_lo, param_hi, shard_lo)]: the range [param_lo, param_hi) of the flattened
     parameter `slot` that DP rank `dp_rank` owns, found at `shard_lo` in that rank's shard."""
-    s0 = layout.shard_range(dp_rank)[0]
-    return [(slot, s0 + lo - slot.start, s0 + hi - slot.start, lo)
-            for slot, lo, hi in layout.slots_in_shard(dp_rank)]
+    return [(slot, flat_lo - slot.start, flat_hi - slot.start, shard_lo)
+            for slot, flat_lo, flat_hi, shard_lo in layout.owned_slot_ranges(dp_rank)]
 
 
 @dataclass(frozen=True)
@@ -45,21 +44,36 @@ def _view(tensor: torch.Tensor, layout, slot, lo: int, hi: int, shard_lo: int) -
     return tensor.view(-1)[start:start + hi - lo]
 
 
-def adam_moments(engine, g) -> dict:
-    """The optimizer's per-element states of group `g`'s master; before the first step, zeros (and a
+def _master_piece(g, slot, lo: int, hi: int, shard_lo: int) -> tuple:
+    """(master piece, offset of the slot's elements [lo, hi) in it). The master is one tensor, or one
+    piece per bucket (fp32 stages 1/2); a parameter lies in one bucket, so in one piece."""
+    full = sum(piece.numel() for _, piece in g.master_pieces) == g.layout.padded_numel
+    start = slot.start + lo if full else shard_lo
+    for offset, piece in g.master_pieces:
+        if offset <= start and start + hi - lo <= offset + piece.numel():
+            return piece, start - offset
+    raise AssertionError(f"{slot.name}[{lo}:{hi}] lies in no master piece of group {g.name!r}")
+
+
+def adam_moments(engine, piece: torch.Tensor) -> dict:
+    """The optimizer's per-element states of one master piece; before the first step, zeros (and a
     step count of 0, as the optimizer would create them)."""
-    state = engine.optimizer.state[g.master]
+    state = engine.optimizer.state[piece]
     if not state:
-        state["step"] = _step_tensor(engine, g, 0)
+        state["step"] = _step_tensor(engine, piece, 0)
     for key in MOMENTS:
         if key not in state:
-            state[key] = torch.zeros_like(g.master, memory_format=torch.preserve_format)
+            state[key] = torch.zeros_like(piece, memory_format=torch.preserve_format)
     return {key: state[key] for key in MOMENTS}
 
 
-def _step_tensor(engine, g, count: int) -> torch.Tensor:
+def _step_tensor(engine, piece: torch.Tensor, count: int) -> torch.Tensor:
     fused = engine.optimizer.defaults.get("fused")  # torch's fused AdamW keeps the count on the device
-    return torch.tensor(float(count), dtype=torch.float32, device=g.master.device if fused else "cpu")
+    return torch.tensor(float(count), dtype=torch.float32, device=piece.device if fused else "cpu")
+
+
+def _all_master_pieces(engine) -> list:
+    return [piece for g in engine.groups.values() for _, piece in g.master_pieces]
 
 
 def adam_step_count(engine) -> int:
@@ -67,33 +81,34 @@ def adam_step_count(engine) -> int:
     group = engine.optimizer.param_groups[0]
     if "step" in group:  # apex FusedAdam counts per group
         return int(group["step"])
-    g = next(iter(engine.groups.values()))
-    return int(engine.optimizer.state.get(g.master, {}).get("step", 0))
+    return int(engine.optimizer.state.get(_all_master_pieces(engine)[0], {}).get("step", 0))
 
 
 def set_adam_step_count(engine, count: int) -> None:
     for pg in engine.optimizer.param_groups:
         if "step" in pg:
             pg["step"] = count
-    for g in engine.groups.values():
-        adam_moments(engine, g)
-        engine.optimizer.state[g.master]["step"] = _step_tensor(engine, g, count)
+    for piece in _all_master_pieces(engine):
+        adam_moments(engine, piece)
+        engine.optimizer.state[piece]["step"] = _step_tensor(engine, piece, count)
 
 
 def _pieces(engine, writing: bool) -> list[StatePiece]:
     out = []
     rank = engine.dp.rank
     for g in engine.groups.values():
-        moments = adam_moments(engine, g)
-        replicated = _is_full(g.master, g.layout) and g.layout.shard_numel != g.layout.padded_numel
+        master_numel = sum(piece.numel() for _, piece in g.master_pieces)
+        replicated = master_numel == g.layout.padded_numel and g.layout.shard_numel != g.layout.padded_numel
         if replicated and not writing:  # every rank needs the whole of a replicated parameter
             ranges = [(slot, 0, slot.numel, None) for slot in g.layout.slots]
         else:  # each DP rank writes (and, sharded, holds) its own range: every element once
             ranges = owned_pieces(g.layout, rank)
         for slot, lo, hi, shard_lo in ranges:
+            piece, at = _master_piece(g, slot, lo, hi, shard_lo)
+            moments = adam_moments(engine, piece)
             tensors = {"param": _view(g.param_flat, g.layout, slot, lo, hi, shard_lo),
-                       "master": _view(g.master, g.layout, slot, lo, hi, shard_lo),
-                       **{k: _view(v, g.layout, slot, lo, hi, shard_lo) for k, v in moments.items()}}
+                       "master": piece[at:at + hi - lo],
+                       **{k: v.view(-1)[at:at + hi - lo] for k, v in moments.items()}}
             out.append(StatePiece(slot.name, slot.shape, lo, hi, tensors))
     return out
 

@@ -39,7 +39,12 @@ def test_full_recompute_matches_stage0(tp, dp):
     out = run(tp, dp, 3, extra + ("model.recompute=full",))
     assert_close_runs(run(tp, dp, 0, extra), out, rtol=1e-5)
     plain = run(tp, dp, 3, extra)  # the recompute's gather is the backward gather: same volume
-    assert out[0]["comm"] == plain[0]["comm"]
+    assert volumes(out[0]["comm"]) == volumes(plain[0]["comm"])
+
+
+def volumes(comm_reports):
+    """The per-step elements, bytes and calls of each collective (timings left out)."""
+    return [{k: v for k, v in report.items() if not k.startswith("comm/time/")} for report in comm_reports]
 
 
 def test_tied_embeddings_match_stage0():
@@ -97,6 +102,7 @@ def _probe(rank, world, overrides, steps):
             engine.backward(gpt_loss(engine, batches.get(step, micro)) / topo.grad_accum)
         engine.step(cfg.optimizer.lr)
         out["comm"].append({k: v for k, v in engine.comm_stats.elements.items()})
+        out.setdefault("calls", []).append(dict(engine.comm_stats.calls))
         out["released"].append(released())
     engine.comm_stats.reset()
     tokens = batches.get(steps, 0)
@@ -109,6 +115,7 @@ def _probe(rank, world, overrides, steps):
     out["train_mode_loss"] = gpt_loss(engine, tokens).item()  # grad on, never back-propagated
     out["released"].append(released())
     out["groups"] = {name: (g.layout.padded_numel, g.layout.shard_numel) for name, g in engine.groups.items()}
+    out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
     out["entries"] = [u.entry_numel for u in engine.units]
     out["state_bytes"] = engine.state_bytes()
     out["peak"], out["budget"] = engine.peak_gathered_elements, engine.live_budget_elements
@@ -141,8 +148,9 @@ def test_model_state_bytes_bf16(threshold):
                                         optimizer_states=8 * shard, persistent_params=2 * whole,
                                         persistent_grads=2 * whole, persistent_master_params=4 * whole,
                                         persistent_optimizer_states=8 * whole)
-        if threshold == 0:  # only padding separates it from the paper's 16Ψ/N_d
-            assert 0 <= sum(r["state_bytes"].values()) - 16 * r["psi"] / dp <= 16 * len(sharded)
+        if threshold == 0:  # only padding (< N_d per bucket) separates it from the paper's 16Ψ/N_d
+            buckets = sum(r["buckets"].values())
+            assert 0 <= sum(r["state_bytes"].values()) - 16 * r["psi"] / dp <= 16 * buckets
 
 
 @pytest.mark.parametrize("tp,dp,threshold", [(1, 4, 0), (2, 2, 0), (2, 2, 128)])
@@ -155,10 +163,23 @@ def test_communication_volume(tp, dp, threshold):
         kept = Fraction(sum(n for n, _ in persistent.values()) * (dp - 1), dp)
         for comm in r["comm"]:
             assert {k: v for k, v in comm.items() if k[1] != "grad_norm"} == {
-                ("all_gather", "params"): psi, ("all_gather", "params_bwd"): psi, ("reduce", "grads"): psi,
+                ("all_gather", "params"): psi, ("all_gather", "params_bwd"): psi, ("reduce_scatter", "grads"): psi,
                 **({("all_reduce", "grads"): 2 * kept} if kept else {})}
         assert {tag for _, tag in r["eval_comm"]} == {"params_eval"}  # not counted as training traffic
         assert r["eval_comm"][("all_gather", "params_eval")] == psi
+
+
+def test_one_collective_per_bucket():
+    """Per step: one all-gather per bucket forward, one backward, one reduce-scatter per bucket;
+    persistent groups one all-reduce per bucket."""
+    for r in probe(2, 2, ("zero.param_persistence_threshold=128",)):
+        sharded, persistent = split(r["buckets"])
+        assert sum(sharded.values()) > len(sharded)  # several buckets in some unit
+        for calls in r["calls"]:
+            buckets = sum(sharded.values())
+            assert {k: v for k, v in calls.items() if k[1] != "grad_norm"} == {
+                ("all_gather", "params"): buckets, ("all_gather", "params_bwd"): buckets,
+                ("reduce_scatter", "grads"): buckets, ("all_reduce", "grads"): sum(persistent.values())}
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -202,7 +223,8 @@ def _generic(rank, world, stage):
 
     torch.manual_seed(0)
     model = Net()
-    engine = zero3d.wrap_model(model, stage, zero3d.EngineSettings(bucket_elements=64, clip_grad=0.5),
+    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(bucket_elements=64), clip_grad=0.5)
+    engine = zero3d.wrap_model(model, stage, settings,
                                zero3d.ParallelGroups(dp_group=None))
     g = torch.Generator().manual_seed(1 + rank)
     losses = []

@@ -67,7 +67,8 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
     required = {"train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "perf/tokens_per_s",
                 "perf/tflops_per_gpu", "perf/step_time_s", "mem/params_bytes", "mem/grads_bytes",
                 "mem/master_params_bytes", "mem/optimizer_states_bytes", "mem/rss_bytes",
-                "comm/reduce/grads/bytes", "comm/all_gather/params/bytes", "comm/total/bytes"}
+                "comm/reduce_scatter/grads/bytes", "comm/reduce_scatter/grads/calls", "comm/all_gather/params/bytes",
+                "comm/total/bytes", "comm/time/hidden_fraction"}
     for row in rows:
         assert required <= row.keys(), required - row.keys()
     assert {"val/loss", "val/ppl"} <= rows[-1].keys()

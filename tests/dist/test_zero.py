@@ -35,10 +35,6 @@ def test_stages_match_stage0_bf16(stage):
     assert_close_runs(ref, out, rtol=2e-2)
 
 
-def padded(n, dp):
-    return -(-n // dp) * dp
-
-
 @pytest.mark.parametrize("stage,formula", [
     (0, lambda psi, n: dict(params=2 * psi, grads=2 * psi, master_params=4 * psi, optimizer_states=8 * psi)),
     (1, lambda psi, n: dict(params=2 * psi, grads=2 * psi, master_params=4 * psi // n, optimizer_states=8 * psi // n)),
@@ -46,33 +42,56 @@ def padded(n, dp):
                             optimizer_states=8 * psi // n)),
 ])
 def test_model_state_bytes_bf16(stage, formula):
-    """Stage 1: 4Ψ + 12Ψ/N_d; stage 2: 2Ψ + 14Ψ/N_d; Ψ per TP rank, each group padded to N_d."""
+    """Stage 1: 4Ψ + 12Ψ/N_d; stage 2: 2Ψ + 14Ψ/N_d; Ψ per TP rank, each bucket padded to N_d."""
     tp, dp = 2, 2
     out = run(tp, dp, stage, ["precision.dtype=bf16", "train.global_batch_size=4"], steps=1)
     for rank_out in out:
+        assert rank_out["padded_numels"].keys() == rank_out["group_numels"].keys()
         expected = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states")}
-        for numel in rank_out["group_numels"].values():
-            for k, v in formula(padded(numel, dp), dp).items():
+        for name, padded in rank_out["padded_numels"].items():
+            # each bucket is padded to a multiple of N_d: fewer than N_d elements per bucket
+            assert 0 <= padded - rank_out["group_numels"][name] < dp * rank_out["buckets"][name]
+            assert padded % dp == 0
+            for k, v in formula(padded, dp).items():
                 expected[k] += v
         assert rank_out["state_bytes"] == expected
         psi = rank_out["psi"]
         paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / dp, 2: 2 * psi + 14 * psi / dp}[stage]
-        assert abs(sum(expected.values()) - paper) <= 16 * dp * 2  # only padding separates them
+        buckets = sum(rank_out["buckets"].values())
+        assert abs(sum(expected.values()) - paper) <= 16 * dp * buckets  # only padding separates them
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])
 def test_communication_volume(stage, tp, dp):
-    """Per rank per step: 2Ψ(N_d−1)/N_d elements (gradients + parameters), padding included."""
+    """Per rank per step: 2Ψ(N_d−1)/N_d elements (gradients + parameters), Ψ counted over the flat
+    buffers: the parameters plus fewer than N_d padding elements per bucket."""
     out = run(tp, dp, stage, [f"train.global_batch_size={2 * dp}"], steps=2)
     for rank_out in out:
-        psi_padded = sum(padded(n, dp) for n in rank_out["group_numels"].values())
+        psi_padded = sum(rank_out["padded_numels"].values())
+        assert 0 <= psi_padded - sum(rank_out["group_numels"].values()) < dp * sum(rank_out["buckets"].values())
         assert rank_out["comm_elements"] == [Fraction(2 * psi_padded * (dp - 1), dp)] * 2
         kinds = {k for k in rank_out["comm"][0] if k.endswith("/elements")}
         expected = {0: {"comm/all_reduce/grads/elements"},
-                    1: {"comm/reduce/grads/elements", "comm/all_gather/params/elements"},
-                    2: {"comm/reduce/grads/elements", "comm/all_gather/params/elements"}}[stage]
+                    1: {"comm/reduce_scatter/grads/elements", "comm/all_gather/params/elements"},
+                    2: {"comm/reduce_scatter/grads/elements", "comm/all_gather/params/elements"}}[stage]
         assert kinds == expected | {"comm/all_reduce/grad_norm/elements", "comm/total/elements"}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_one_collective_per_bucket(stage):
+    """Per step and group: stage 0 one all-reduce per bucket; stages 1/2 one reduce-scatter and one
+    all-gather per bucket (not one per (bucket, owner) or per group)."""
+    dp = 4
+    out = run(1, dp, stage, [f"train.global_batch_size={2 * dp}", "zero.bucket_elements=3000"], steps=2)
+    for rank_out in out:
+        buckets = sum(rank_out["buckets"].values())
+        assert buckets > len(rank_out["buckets"])  # several buckets per group
+        for comm in rank_out["comm"]:
+            calls = {k.removeprefix("comm/").removesuffix("/calls"): v for k, v in comm.items()
+                     if k.endswith("/calls") and not k.startswith(("comm/total", "comm/all_reduce/grad_norm"))}
+            assert calls == ({"all_reduce/grads": buckets} if stage == 0 else
+                             {"reduce_scatter/grads": buckets, "all_gather/params": buckets})
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -1,0 +1,68 @@
+"""The ZeRO settings as one dataclass that checks itself once, when it is built."""
+from dataclasses import dataclass
+from typing import Literal
+
+
+class ZeroConfigError(ValueError):
+    """A ZeRO setting is invalid; the message names the key, the value and what is valid."""
+
+
+@dataclass
+class ZeroConfig:
+    """What ZeRO-DP and ZeRO-R do; the TOML `[zero]` section, key for key.
+
+    Every field is validated in `__post_init__`, so an engine built from a ZeroConfig never
+    re-checks it. Build a new one (`dataclasses.replace`) to change a field after construction.
+    """
+
+    # Which model states are partitioned over the data-parallel group: 0 none (plain DP),
+    # 1 optimizer states + fp32 master (Pos), 2 + gradients (Pos+g), 3 + parameters (Pos+g+p).
+    stage: Literal[0, 1, 2, 3] = 0
+    # CB: elements per communication bucket. Large buckets use the network well; constant size keeps
+    # the staging memory independent of the model. Each bucket is one reduce-scatter and one
+    # all-gather (stages 1-3), padded to a multiple of the data-parallel size.
+    bucket_elements: int = 50_000_000
+    # Stage 2/3: reduce-scatter each bucket while backward continues (stage 3: on a side CUDA stream
+    # on GPU). Off: each bucket's reduction is waited for at once (for debugging).
+    overlap_comm: bool = True
+    # Stages 1/2: the parameter all-gathers after the optimizer step are waited for only just before
+    # the first module using the bucket runs in the next forward; stage 3: the next units' gathers are
+    # issued asynchronously (prefetch). Off: every gather completes before step()/the module returns.
+    overlap_param_gather: bool = True
+    # Gradients are divided by this before the data-parallel sum and by N_d / factor after it
+    # (DeepSpeed's gradient_predivide_factor). 0 means N_d: the sum of N_d pre-divided fp16 gradients
+    # stays in the single-rank range, so loss scaling and skipped steps do not depend on N_d.
+    grad_predivide_factor: float = 0.0
+    # Stage 3: parameters with at most this many elements are kept whole on every rank (not worth a
+    # collective each); 0 shards everything.
+    param_persistence_threshold: int = 0
+    # Stage 3: how many units ahead of the running one are gathered, so gathers overlap compute.
+    prefetch_units: int = 1
+    # Pa: each TP rank stores 1/TP of every layer's activation checkpoint (needs full recompute).
+    partition_activations: bool = False
+    # Pa+cpu: those slices live in host memory (needs partition_activations).
+    cpu_checkpointing: bool = False
+    # MD: activation checkpoints in one pre-allocated buffer, against fragmentation.
+    contiguous_checkpointing: bool = False
+
+    def __post_init__(self):
+        checks = (
+            (self.stage in (0, 1, 2, 3) and type(self.stage) is int,
+             f"zero.stage = {self.stage!r} is invalid; valid values: 0, 1, 2, 3"),
+            (self.bucket_elements > 0, f"zero.bucket_elements = {self.bucket_elements} must be > 0"),
+            (self.grad_predivide_factor >= 0,
+             f"zero.grad_predivide_factor = {self.grad_predivide_factor} must be >= 0 (0: the DP size)"),
+            (self.param_persistence_threshold >= 0,
+             f"zero.param_persistence_threshold = {self.param_persistence_threshold} must be >= 0"),
+            (self.prefetch_units >= 0, f"zero.prefetch_units = {self.prefetch_units} must be >= 0"),
+            (not self.cpu_checkpointing or self.partition_activations,
+             "zero.cpu_checkpointing = true needs zero.partition_activations = true (Pa+cpu offloads "
+             "the partitioned checkpoints)"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ZeroConfigError(message)
+
+    def predivide(self, dp_size: int) -> float:
+        """The factor gradients are divided by before the data-parallel sum."""
+        return float(dp_size) if self.grad_predivide_factor == 0 else self.grad_predivide_factor
