@@ -14,18 +14,21 @@ from zero3d.flat import FlatLayout
 from zero3d.state import owned_pieces
 
 
+@pytest.mark.parametrize("bucket_elements", [1, 10, 1000])
 @pytest.mark.parametrize("dp", [1, 2, 3, 4, 7])
-def test_owned_pieces_cover_every_element_once(dp):
+def test_owned_pieces_cover_every_element_once(dp, bucket_elements):
     params = [("a", nn.Parameter(torch.zeros(5, 3))), ("b", nn.Parameter(torch.zeros(4))),
               ("c", nn.Parameter(torch.zeros(2, 3, 2)))]
-    layout = FlatLayout(params, dp)
+    layout = FlatLayout(params, dp, bucket_elements)
     seen = {slot.name: torch.zeros(slot.numel, dtype=torch.int) for slot in layout.slots}
     for rank in range(dp):
         ranges = owned_pieces(layout, rank)
         assert len({slot.name for slot, *_ in ranges}) == len(ranges)  # at most one range a parameter
+        flat = torch.arange(layout.padded_numel)
+        shard = layout.shard_of(flat, rank)  # the rank's shard: its bucket pieces, concatenated
         for slot, lo, hi, shard_lo in ranges:
-            # the shard position is the flat position minus the shard's start
-            assert shard_lo == slot.start + lo - layout.shard_range(rank)[0]
+            # element j of the range sits at shard_lo + j in the shard and at slot.start + lo + j in flat
+            assert torch.equal(shard[shard_lo:shard_lo + hi - lo], flat[slot.start + lo:slot.start + hi])
             assert 0 <= shard_lo and shard_lo + hi - lo <= layout.shard_numel
             seen[slot.name][lo:hi] += 1
     assert all(bool((count == 1).all()) for count in seen.values())
