@@ -165,7 +165,8 @@ class DataParallelEngine:
             for lo, hi in g.norm_ranges:
                 local += grad[lo:hi].double().pow(2).sum()
         self.world.all_reduce(local, tag="grad_norm")
-        return math.sqrt(local.item()) if torch.isfinite(local).item() else float("inf")
+        total = read_host_float(local)
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _as_fp32(self, grad: torch.Tensor) -> torch.Tensor:
         """The optimizer works in fp32: a view when grads already are, else a temporary copy."""
@@ -184,8 +185,8 @@ class DataParallelEngine:
         """fp32 master bytes that are not shared with the model's own parameter storage."""
         total = 0
         for g in self.groups.values():
-            if g.param_flat is None or g.master.untyped_storage().data_ptr() != \
-                    g.param_flat.untyped_storage().data_ptr():
+            # Storage identity, not data_ptr(): fake tensors (the rank-local probe) all report 0.
+            if g.param_flat is None or g.master.untyped_storage() is not g.param_flat.untyped_storage():
                 total += g.master.numel() * g.master.element_size()
         return total
 
@@ -237,6 +238,13 @@ class DataParallelEngine:
 def is_decay_group(name: str) -> bool:
     """Weight decay applies to groups named "decay" or "<anything>/decay" (stage 3: "<unit>/decay")."""
     return name.rsplit("/", 1)[-1] == "decay"
+
+
+def read_host_float(value: torch.Tensor) -> float:
+    """The engine's one device-to-host read (the all-reduced squared gradient norm). A seam: the
+    rank-local probe (pretrain/probe.py) runs the engine on fake tensors, which hold no values, and
+    answers this read with a fixed finite number instead."""
+    return value.item()
 
 
 def wait_all(handles: list) -> None:
