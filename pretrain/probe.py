@@ -148,6 +148,7 @@ class RankRun:
     phase_seconds: dict
     step_seconds: list = field(default_factory=list)
     cuda_max_allocated: Optional[int] = None
+    bucket_staging_peak_bytes: Optional[int] = None  # stages 2-3: the engine's own count of its buckets
 
 
 def host_checkpoint_bytes(acts):
@@ -210,7 +211,8 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
             host_peak_bytes=tracker.host_peak, activation_report=acts.report() if acts else {},
             collectives=[asdict(c) for c in tracker.collectives],
             phase_seconds=dict(clock.seconds), step_seconds=step_seconds,
-            cuda_max_allocated=torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None)
+            cuda_max_allocated=torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None,
+            bucket_staging_peak_bytes=getattr(engine, "staging_bytes_peak", None))
 
 
 def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool = False) -> RankRun:

@@ -73,12 +73,12 @@ def format_probe(out: dict, run, rows: list) -> str:
     if "timing" in out:
         t = out["timing"]
         lines += ["", "timing per step (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t["phase_s_per_step"].items()),
-                  f"measured compute {t['compute_s_per_step']:.3f} s/step = {t['tflops_per_rank_measured']:.1f} "
+                  f"measured compute {t['compute_s_per_step']:.3f} s/step = {t['tflops_per_rank_measured']:.3g} "
                   f"TFLOP/s on this rank" + (f", MFU {t['mfu']:.1%}" if t["mfu"] else " (no peak known: CPU)"),
                   "α-β collectives per step: " + (", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                              t["comm_s_per_step"].items()) or "none"),
                   f"predicted job step {t['predicted_job_step_s']:.3f} s = "
-                  f"{t['predicted_job_tflops_per_gpu']:.1f} TFLOP/s per GPU (no overlap: an upper bound on time)"]
+                  f"{t['predicted_job_tflops_per_gpu']:.3g} TFLOP/s per GPU (no overlap: an upper bound on time)"]
         if out["config"].startswith(("125 layers × hidden 8192",)):
             lines.append(f"paper Figure 2, 100B: {PAPER_FIG2_TFLOPS['100B']}")
     return "\n".join(lines)

@@ -47,6 +47,18 @@ class PhasePeak:
     by_category: dict = field(default_factory=dict)
 
 
+def _process_group(arg) -> Optional[dist.ProcessGroup]:
+    """The ProcessGroup a c10d op was given (a boxed ScriptObject at the dispatcher), else None."""
+    if isinstance(arg, dist.ProcessGroup):
+        return arg
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except RuntimeError:  # the op's other boxed argument, its ReduceOp
+            return None
+    return None
+
+
 class PhaseMemTracker(MemTracker):
     """MemTracker whose peaks are kept per step phase, with device and host memory apart.
 
@@ -135,7 +147,7 @@ class PhaseMemTracker(MemTracker):
     def _log_collective(self, func, args) -> None:
         tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
                    if isinstance(t, torch.Tensor)]
-        groups = [a for a in args if isinstance(a, dist.ProcessGroup)]
+        groups = [g for g in map(_process_group, args) if g is not None]
         if not tensors or not groups:
             return
         name = func._opname  # allreduce_, _allgather_base_, _reduce_scatter_base_, reduce_, broadcast_ ...
