@@ -128,6 +128,24 @@ class PhaseClock:
         self._since = now
 
 
+class CudaPhasePeaks:
+    """--real on a GPU: the caching allocator's peak per phase (reset at every phase change), with no
+    dispatch-mode tracker in the way of the timings; categories there come from the engine's accounting."""
+
+    def __init__(self, phases: StepPhases, device: torch.device):
+        self.device, self.peaks = device, dict.fromkeys(PHASES, 0)
+        torch.cuda.reset_peak_memory_stats(device)
+        self.overall = 0
+        phases.listeners.append(self._on_change)
+
+    def _on_change(self, previous: str, phase: str) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.overall = max(self.overall, peak)
+        if previous in self.peaks:
+            self.peaks[previous] = max(self.peaks[previous], peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
 @dataclass
 class RankRun:
     """What one rank's probed steps measured (bytes are per rank, on its device unless 'host')."""
@@ -176,19 +194,21 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
         with casts_by_set_data() if fake else contextlib.nullcontext():
             model, engine, acts = build_and_wrap(cfg, topo)
         phases = StepPhases()
+        on_gpu = topo.device.type == "cuda"
         tracker = PhaseMemTracker(phases, topo.device, host_checkpoint_bytes(acts))
         register_engine_state(tracker, engine)
         clock = PhaseClock(phases, topo.device)
+        cuda_peaks = CudaPhasePeaks(phases, topo.device) if on_gpu else None
         model.register_forward_pre_hook(lambda *_: phases.enter("forward"))
         model.register_forward_hook(lambda *_: phases.enter("backward"))
         engine.optimizer.register_step_pre_hook(lambda *_: phases.enter("optimizer step"))
         engine.optimizer.register_step_post_hook(lambda *_: phases.enter("gather"))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
-        if topo.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(topo.device)
         step_seconds = []
         engine.train()
-        with tracker:
+        # On a GPU the tracker (a Python dispatch mode) would slow every kernel launch: CUDA's own
+        # allocator statistics measure there instead.
+        with contextlib.nullcontext() if on_gpu else tracker:
             for step in range(steps):
                 if acts:
                     acts.reset_step()
@@ -201,6 +221,12 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
             model_states = tracker.now_by_category()
         counters = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
                        for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
+        if on_gpu:
+            state = engine.state_bytes()
+            model_states = {"params": state["params"], "grads": state["grads"],
+                            "optimizer": state["master_params"] + state["optimizer_states"]}
+            for p in PHASES:
+                tracker.phase_peaks[p].device_bytes = cuda_peaks.peaks[p]
         phase, peak = tracker.peak()
         return RankRun(
             steps=steps, micro_batches=topo.grad_accum, peak_phase=phase, peak_bytes=peak.device_bytes,
@@ -211,14 +237,28 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
             host_peak_bytes=tracker.host_peak, activation_report=acts.report() if acts else {},
             collectives=[asdict(c) for c in tracker.collectives],
             phase_seconds=dict(clock.seconds), step_seconds=step_seconds,
-            cuda_max_allocated=torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None,
+            cuda_max_allocated=cuda_peaks.overall if on_gpu else None,
             bucket_staging_peak_bytes=getattr(engine, "staging_bytes_peak", None))
 
 
-def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool = False) -> RankRun:
-    """One rank of the job, set up, probed and torn down (the process can probe again afterwards)."""
+def cap_device_memory(device: torch.device, cap_bytes: int) -> float:
+    """--real on a GPU larger than the simulated one: the caching allocator refuses beyond `cap_bytes`
+    (torch.cuda.set_per_process_memory_fraction); returns the fraction set (1.0: no cap needed)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cap_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool = False,
+               cap_bytes: Optional[int] = None) -> RankRun:
+    """One rank of the job, set up, probed and torn down (the process can probe again afterwards).
+    With `real` on a GPU and `cap_bytes`, the device is capped to the simulated GPU's memory; a rank
+    that does not fit raises torch.OutOfMemoryError (the caller reports it as the verdict)."""
     device = torch.device("cuda", torch.cuda.current_device()) if real and torch.cuda.is_available() \
         else torch.device("cpu")
+    if device.type == "cuda" and cap_bytes:
+        cap_device_memory(device, cap_bytes)
     topo = fake_topology(cfg, world_size, rank, device)
     try:
         return run_rank_steps(cfg, topo, steps, fake=not real)

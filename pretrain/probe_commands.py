@@ -35,14 +35,25 @@ def timing_report(cfg: Config, world: int, run) -> dict:
 
 
 def probe_command(cfg: Config, world: int, args) -> int:
+    import torch
     t0 = time.perf_counter()
-    run = probe_rank(cfg, world, args.rank, args.steps, real=args.real)
-    wall = time.perf_counter() - t0
     memory = device_bytes(args.memory_gb)
+    try:
+        run = probe_rank(cfg, world, args.rank, args.steps, real=args.real, cap_bytes=memory)
+    except torch.OutOfMemoryError as err:  # --real on a GPU capped at --memory-gb: the verdict itself
+        verdict = {"fits": False, "text": f"verdict: does NOT fit — out of memory on the GPU capped at "
+                   f"{memory / GB:.2f} GB ({args.memory_gb:g} GiB): {str(err).splitlines()[0]}"}
+        out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real", "verdict": verdict,
+               "probe_wall_s": time.perf_counter() - t0, "probe_rss_bytes": rss_bytes()}
+        print(json.dumps(out, indent=2) if args.json else f"{out['config']}\n{verdict['text']}")
+        return 1
+    wall = time.perf_counter() - t0
     estimate = estimate_config(cfg, world, memory)
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
-    rows = estimate_rows(estimate, run.model_states, run.category_peaks, run.peak_bytes, run.host_peak_bytes)
+    rows = estimate_rows(estimate, run.model_states, run.category_peaks, peak, run.host_peak_bytes)
+    if run.cuda_max_allocated is not None:  # on a GPU: model states (engine) and the allocator's peak only
+        rows = [r for r in rows if r[0].startswith(("params", "grads", "optimizer", "peak"))]
     out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real" if args.real else "fake",
            "run": dataclasses.asdict(run), "estimate": estimate.to_dict(),
            "comparison": [{"category": n, "estimate_bytes": e, "executed_bytes": x} for n, e, x in rows],
@@ -86,7 +97,7 @@ def format_probe(out: dict, run, rows: list) -> str:
 
 # ---------------------------------------------------------------- --max-model
 
-STUDY_LAYERS = (2, 4)  # probed depths for the linear fit
+STUDY_LAYERS = (4, 16)  # probed depths for the linear fit (far apart: CB bucket boundaries shift the peak by one bucket)
 
 
 def study_config(layers: int, name: str) -> Config:
