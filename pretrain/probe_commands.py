@@ -6,7 +6,7 @@ import time
 from pretrain import metrics
 from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, estimate_config
-from pretrain.probe import probe_rank, rss_bytes
+from pretrain.probe_rank import probe_rank, rss_bytes
 from zero3d.analysis.comm_model import PAPER_LINKS, comm_breakdown
 from zero3d.analysis.estimate import GB, gpt_param_count
 from zero3d.analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size

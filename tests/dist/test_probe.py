@@ -8,7 +8,7 @@ import pytest
 
 from gpt_harness import BASE
 from pretrain.config import load_config
-from pretrain.probe import probe_rank, run_rank_steps
+from pretrain.probe_rank import probe_rank, run_rank_steps
 from pretrain.topology import init_topology
 from ranks import run_ranks
 
