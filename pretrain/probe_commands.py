@@ -10,7 +10,7 @@ from pretrain.probe_rank import probe_rank, rss_bytes
 from zero3d.analysis.comm_model import PAPER_LINKS, comm_breakdown
 from zero3d.analysis.estimate import GB, gpt_param_count
 from zero3d.analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
-from zero3d.analysis.probe_report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_layers,
+from zero3d.analysis.probe_report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
                                           format_comparison, judge)
 from zero3d.analysis.paper_configs import PAPER_TARGETS_B
 
@@ -119,12 +119,13 @@ def max_model_command(args) -> int:
     usable = judge(0, args.memory_gb).usable_bytes
     results = {}
     for name, z in PAPER_CONFIGS.items():
-        peaks = [probe_rank(study_config(n, name), gpus, 0, 2).peak_bytes for n in STUDY_LAYERS]
-        fit = extrapolate_layers(STUDY_LAYERS[0], peaks[0], STUDY_LAYERS[1], peaks[1], usable)
+        runs = [probe_rank(study_config(n, name), gpus, 0, 2) for n in STUDY_LAYERS]
+        phase, fit = extrapolate_phases(STUDY_LAYERS[0], runs[0].phase_peaks, STUDY_LAYERS[1],
+                                        runs[1].phase_peaks, usable)
         est = max_model_size(stage=z.stage, pa=z.pa, pa_cpu=z.pa_cpu, gpu_memory_bytes=memory, **MP_STUDY)
         results[name] = {"paper_B": PAPER_TARGETS_B[name], "probe_layers": fit.max_layers,
                          "probe_B": gpt_param_count(fit.max_layers, MP_STUDY["hidden"], 50257, 1024) / 1e9,
-                         "probe_per_layer_bytes": fit.per_layer, "probe_fixed_bytes": fit.fixed,
+                         "probe_limiting_phase": phase, "probe_per_layer_bytes": fit.per_layer, "probe_fixed_bytes": fit.fixed,
                          "estimator_layers": est.layers, "estimator_B": est.params / 1e9}
         if args.verify and fit.max_layers:
             results[name]["verified_peak_bytes"] = probe_rank(study_config(fit.max_layers, name), gpus, 0, 2).peak_bytes
@@ -133,12 +134,12 @@ def max_model_command(args) -> int:
         return 0
     print(f"largest model that fits {args.memory_gb:g} GB ({usable / GB:.2f} GB usable after the 15% margin), "
           f"MP 16, 400 GPUs, batch 16 per GPU, h 8192, 64 heads; probe peaks measured at "
-          f"{STUDY_LAYERS[0]} and {STUDY_LAYERS[1]} layers and extrapolated linearly in layers")
+          f"{STUDY_LAYERS[0]} and {STUDY_LAYERS[1]} layers and extrapolated linearly in layers, phase by phase")
     print(f"{'config':<7}{'paper':>8}{'probe':>10}{'layers':>8}{'estimator':>11}{'layers':>8}"
-          f"{'probe GB/layer':>16}{'fixed GB':>10}")
+          f"{'probe GB/layer':>16}{'fixed GB':>10}  limiting phase")
     for name, r in results.items():
         print(f"{name:<7}{r['paper_B']:>7}B{r['probe_B']:>9.1f}B{r['probe_layers']:>8}{r['estimator_B']:>10.1f}B"
-              f"{r['estimator_layers']:>8}{r['probe_per_layer_bytes'] / GB:>16.4f}{r['probe_fixed_bytes'] / GB:>10.3f}"
+              f"{r['estimator_layers']:>8}{r['probe_per_layer_bytes'] / GB:>16.4f}{r['probe_fixed_bytes'] / GB:>10.3f}  {r['probe_limiting_phase']}"
               + (f"  verified peak at {r['probe_layers']} layers: {r['verified_peak_bytes'] / GB:.2f} GB"
                  if "verified_peak_bytes" in r else ""))
     return 0

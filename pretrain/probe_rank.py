@@ -23,6 +23,14 @@ FAKE_SQUARED_GRAD_NORM = 1.0
 _state: dict = {}  # what fake_topology set up and release_topology undoes
 
 
+def gpu_optimizer(tensors_and_decay: list, lr: float, betas: tuple, eps: float):
+    """The optimizer zero3d.optim builds on a GPU without apex: torch's fused AdamW (one kernel, no
+    full-size scratch). Fake and CPU ranks stand in for a CUDA rank, so they get it too instead of the
+    CPU's unfused AdamW, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds."""
+    groups = [{"params": [t], "weight_decay": wd} for t, wd in tensors_and_decay]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
 class SyntheticTokens:
     """Token blocks of the right shape (the probe measures memory and time, not learning)."""
 
@@ -177,7 +185,9 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     host_read = mock.patch.object(zero3d.engine, "read_host_float", lambda t: FAKE_SQUARED_GRAD_NORM) \
         if fake else contextlib.nullcontext()
-    with fake_mode, host_read:
+    gpu_adam = mock.patch.object(zero3d.engine, "make_optimizer", gpu_optimizer) \
+        if topo.device.type == "cpu" else contextlib.nullcontext()
+    with fake_mode, host_read, gpu_adam:
         with casts_by_set_data() if fake else contextlib.nullcontext():
             model, engine, acts = build_and_wrap(cfg, topo)
         phases = StepPhases()

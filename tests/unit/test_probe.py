@@ -73,3 +73,11 @@ def test_real_mode_on_cpu_times_phases_and_models_the_collectives(capsys):
     assert timing["predicted_job_step_s"] == pytest.approx(
         timing["compute_s_per_step"] + sum(timing["comm_s_per_step"].values()))
     assert timing["mfu"] is None  # no peak for a CPU
+
+
+def test_phase_lines_pick_the_phase_that_limits_first():
+    from zero3d.analysis.probe_report import extrapolate_phases
+    # backward grows 2 000 per layer from 1 000; the optimizer step 3 000 per layer from 0.
+    phase, fit = extrapolate_phases(4, {"backward": 9_000, "optimizer step": 12_000},
+                                    16, {"backward": 33_000, "optimizer step": 48_000}, usable_bytes=60_000)
+    assert (phase, fit.max_layers) == ("optimizer step", 20)

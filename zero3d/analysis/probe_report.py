@@ -91,3 +91,21 @@ def extrapolate_layers(layers_a: int, peak_a: int, layers_b: int, peak_b: int, u
     fixed = peak_a - per_layer * layers_a
     return LayerFit((layers_a, layers_b), (peak_a, peak_b), per_layer, fixed,
                     max(0, int((usable_bytes - fixed) // per_layer)))
+
+
+def extrapolate_phases(layers_a: int, phases_a: dict, layers_b: int, phases_b: dict, usable_bytes: float):
+    """One line per phase (the phase that peaks can change with depth: activations grow in backward,
+    optimizer scratch in the optimizer step); the deepest model is the smallest of the phases' limits.
+    Returns (limiting phase, its LayerFit)."""
+    fits = {}
+    for phase, peak_b in phases_b.items():
+        peak_a = phases_a[phase]
+        if peak_b <= peak_a:  # not growing with depth: limits nothing unless already over
+            if peak_b > usable_bytes:
+                fits[phase] = LayerFit((layers_a, layers_b), (peak_a, peak_b), 0.0, peak_b, 0)
+            continue
+        fits[phase] = extrapolate_layers(layers_a, peak_a, layers_b, peak_b, usable_bytes)
+    if not fits:
+        raise ValueError("no phase's peak grew with the layer count")
+    phase = min(fits, key=lambda p: fits[p].max_layers)
+    return phase, fits[phase]
