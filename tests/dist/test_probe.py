@@ -64,7 +64,8 @@ def test_paper_100B_rank_probes_on_cpu():
     run, estimate = out["run"], out["estimate"]
     # 6.36B parameters on this TP rank, bf16, whole under stage 2; gradients and fp32 states sharded over 25.
     assert estimate["params_per_rank"] == 6_358_881_792
-    assert run["model_states"]["params"] == 2 * estimate["params_per_rank"]
+    # the flat buffers (decay, no_decay) are padded to a multiple of DP = 25 elements each
+    assert 0 <= run["model_states"]["params"] - 2 * estimate["params_per_rank"] < 2 * 25 * 2
     assert run["model_states"]["grads"] == pytest.approx(estimate["grad_bytes"], rel=1e-6)
     assert run["peak_phase"] in ("forward", "backward", "reduction", "optimizer step", "gather")
     assert run["peak_bytes"] > sum(run["model_states"].values())
