@@ -22,4 +22,7 @@ test: install  ## the whole suite: unit, dist (gloo ranks) and slurm tiers
 test-fast: install  ## the unit tier only: single-process, under a minute
 	$(VENV)/bin/pytest -q --timeout 300 tests/unit $(PYTEST_ARGS)
 
-.PHONY: install demo test test-fast
+gpu-check:  ## on a GPU machine (torch+CUDA; megatron-core from .whl/ if missing): runs/gpu-check/report.md
+	$${PYTHON_GPU:-python3} tools/gpu_check.py $(ARGS)
+
+.PHONY: install demo test test-fast gpu-check

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from zero3d.comm import same_memory
 from zero3d.engine import GroupState
 from zero3d.flat import Bucket
 
@@ -54,7 +55,7 @@ class GradientBuckets:
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
         view = self._slot_view(run, slot_index)
-        if param.grad.data_ptr() != view.data_ptr():
+        if not same_memory(param.grad, view):
             view += param.grad.view(-1)
         param.grad = None
         run.missing.discard(slot_index)

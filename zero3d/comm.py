@@ -162,16 +162,16 @@ class Comm:
         NCCL: one reduce_scatter, in place."""
         self._record("reduce_scatter", tag, full)
         if self.size == 1:
-            if piece.data_ptr() != full.data_ptr():
+            if not same_memory(piece, full):
                 piece.copy_(full)
             return None
         if not self._gloo:
-            return self._issue(dist.reduce_scatter_single, async_op, output=piece, input=full)
+            return self._issue(dist.reduce_scatter_tensor, async_op, output=piece, input=full)
         size = piece.numel()
         works = [dist.reduce(full[owner * size:(owner + 1) * size], dst=self._global_ranks[owner],
                              group=self.group, async_op=True) for owner in range(self.size)]
         mine = full[self.rank * size:(self.rank + 1) * size]
-        work = WorkGroup(works, copy_to=piece if piece.data_ptr() != mine.data_ptr() else None, copy_from=mine)
+        work = WorkGroup(works, copy_to=None if same_memory(piece, mine) else piece, copy_from=mine)
         if async_op:
             return PendingCollective(work, self.stats)
         started = time.perf_counter()
@@ -183,10 +183,17 @@ class Comm:
     def all_gather(self, full: torch.Tensor, piece: torch.Tensor, tag: str, async_op=False):
         self._record("all_gather", tag, full)
         if self.size == 1:
-            if full.data_ptr() != piece.data_ptr():
+            if not same_memory(full, piece):
                 full.copy_(piece)
             return None
-        return self._issue(dist.all_gather_single, async_op, output_tensor=full, input_tensor=piece)
+        return self._issue(dist.all_gather_into_tensor, async_op, output_tensor=full, input_tensor=piece)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` are views of the same elements (by storage identity and offset, not data_ptr(), which
+    fake tensors — the rank-local probe — all report as 0)."""
+    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset() \
+        and a.numel() == b.numel()
 
 
 def wait_all(handles: list) -> None:

@@ -199,7 +199,8 @@ class DataParallelEngine:
             for lo, hi in group.norm_ranges:
                 local += grad[lo:hi].double().pow(2).sum()
         self.world.all_reduce(local, tag="grad_norm")
-        return math.sqrt(local.item()) if torch.isfinite(local).item() else float("inf")
+        total = read_host_float(local)
+        return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _as_fp32(self, grad: torch.Tensor) -> torch.Tensor:
         """The optimizer works in fp32: a view when grads already are, else a temporary copy."""
@@ -219,8 +220,8 @@ class DataParallelEngine:
         total = 0
         for group in self.groups.values():
             for _, piece in group.master_pieces:
-                if group.param_flat is None or piece.untyped_storage().data_ptr() != \
-                        group.param_flat.untyped_storage().data_ptr():
+                # Storage identity, not data_ptr(): fake tensors (the rank-local probe) all report 0.
+                if group.param_flat is None or piece.untyped_storage() is not group.param_flat.untyped_storage():
                     total += piece.numel() * piece.element_size()
         return total
 
@@ -281,4 +282,12 @@ def is_decay_group(name: str) -> bool:
     return name.rsplit("/", 1)[-1] == "decay"
 
 
-__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "is_decay_group"]
+def read_host_float(value: torch.Tensor) -> float:
+    """The engine's one device-to-host read (the all-reduced squared gradient norm). A seam: the
+    rank-local probe (pretrain/probe.py) runs the engine on fake tensors, which hold no values, and
+    answers this read with a fixed finite number instead."""
+    return value.item()
+
+
+__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "is_decay_group",
+           "read_host_float"]

@@ -293,7 +293,7 @@ class ParameterShardedEngine(DataParallelEngine):
         # Shards only: the next forward gathers them.
         for group in self.groups.values():
             master = group.master_pieces[0][1]
-            if master.data_ptr() != group.param_flat.data_ptr():
+            if master.untyped_storage() is not group.param_flat.untyped_storage():
                 group.param_flat.copy_(master)
 
     def zero_grad(self):
@@ -311,7 +311,7 @@ class ParameterShardedEngine(DataParallelEngine):
             out[prefix + "params"] = sum(nbytes(group.param_flat) for group in groups)
             out[prefix + "grads"] = sum(nbytes(group.grads) for group in groups)
             out[prefix + "master_params"] = sum(nbytes(master) for group, master in masters
-                                                if master.data_ptr() != group.param_flat.data_ptr())
+                                                if master.untyped_storage() is not group.param_flat.untyped_storage())
             out[prefix + "optimizer_states"] = sum(
                 nbytes(value) for _, master in masters for value in self.optimizer.state.get(master, {}).values()
                 if torch.is_tensor(value) and value.dim() > 0)

@@ -1,0 +1,64 @@
+"""Rank-local probe: one rank of a configured job runs whole training steps of pretrain's own code on
+fake tensors and a fake process group (or, with --real, on real tensors of the local device), and
+reports its memory peak per category and phase beside zero3d's estimate.
+
+    python -m pretrain.probe --config configs/paper/fig2_100B_zero.toml [section.key=value ...]
+        [--world 400] [--rank 17] [--steps 2] [--memory-gb 32] [--real] [--json]
+    python -m pretrain.probe --max-model [--verify] [--memory-gb 32] [--json]
+
+Device semantics (fake mode): tensors are CPU fake tensors that hold no data; every storage the rank
+would allocate on its GPU is counted at numel × element size. Host memory (Pa+cpu checkpoints) is
+reported apart. Collectives run on torch's `fake` backend: they do nothing but keep shapes.
+"""
+import argparse
+import sys
+
+from pretrain.config import ConfigError, load_config, validate_layout
+from pretrain.probe_commands import max_model_command, probe_command
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m pretrain.probe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="TOML config (defaults apply where it is silent)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. zero.stage=2")
+    ap.add_argument("--world", type=int, help="world size (default: cluster.nodes × cluster.gpus_per_node)")
+    ap.add_argument("--rank", type=int, default=0, help="which rank to probe (default 0)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps (default 2: optimizer states exist "
+                    "from the second step's start)")
+    ap.add_argument("--memory-gb", type=float, default=32.0,
+                    help="device memory in GB as GPUs are labelled (32 = a V100-32GB's 32 GiB)")
+    ap.add_argument("--real", action="store_true", help="real tensors on the local device (collectives "
+                    "still fake): CUDA peak, phase times, TFLOP/s, predicted job step time")
+    ap.add_argument("--max-model", action="store_true",
+                    help="largest model of the paper's C1-C5 study that fits, by probe and by estimator")
+    ap.add_argument("--verify", action="store_true",
+                    help="--max-model: also probe the extrapolated depth itself (slower)")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.steps < 1:
+        print(f"probe error: --steps {args.steps} is invalid; must be >= 1", file=sys.stderr)
+        return 2
+    if args.memory_gb <= 0:
+        print(f"probe error: --memory-gb {args.memory_gb} is invalid; must be > 0", file=sys.stderr)
+        return 2
+    if args.max_model:
+        return max_model_command(args)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        world = args.world or cfg.cluster.nodes * cfg.cluster.gpus_per_node
+        validate_layout(cfg, world)
+        if not 0 <= args.rank < world:
+            raise ConfigError(f"--rank {args.rank} is invalid; valid ranks: 0 .. {world - 1}")
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    return probe_command(cfg, world, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

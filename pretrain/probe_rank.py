@@ -1,0 +1,268 @@
+"""One rank of a configured job, set up on the fake process group and run for whole training steps of
+pretrain's own code, on fake tensors or (--real) real ones, under the phase/category memory tracker."""
+import contextlib
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+import megatron_patches
+import zero3d.engine
+from pretrain.config import Config, ConfigError, validate_layout
+from pretrain.topology import Topology
+from pretrain.train import Batches, build_and_wrap, forward_backward, lr_at
+from zero3d.analysis.rank_memory import PHASES, PhaseMemTracker, StepPhases, _MemRefType
+
+# Fake tensors hold no values; the engine's one host read (the squared gradient norm) gets this
+# finite value, so every step takes the non-overflow path (clip, optimizer step, publish).
+FAKE_SQUARED_GRAD_NORM = 1.0
+_state: dict = {}  # what fake_topology set up and release_topology undoes
+
+
+def gpu_optimizer(tensors_and_decay: list, lr: float, betas: tuple, eps: float):
+    """The optimizer zero3d.optim builds on a GPU without apex: torch's fused AdamW (one kernel, no
+    full-size scratch). Fake and CPU ranks stand in for a CUDA rank, so they get it too instead of the
+    CPU's unfused AdamW, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds."""
+    groups = [{"params": [t], "weight_decay": wd} for t, wd in tensors_and_decay]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+class SyntheticTokens:
+    """Token blocks of the right shape (the probe measures memory and time, not learning)."""
+
+    def __init__(self, vocab: int, seq_length: int):
+        self.vocab, self.seq_length = vocab, seq_length
+
+    def sample(self, i: int) -> torch.Tensor:
+        return (torch.arange(self.seq_length + 1) * (i % 7 + 1) + i) % self.vocab
+
+
+@contextlib.contextmanager
+def casts_by_set_data():
+    """nn.Module.to for fake parameters: torch (2.13) swaps each fake parameter, which fails on the
+    weak references fake tensors carry, so the probe casts them by `param.data = ...` instead —
+    the same result (dtype and device of every floating parameter and buffer) as Module.to."""
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for module in self.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = p.data.to(device=device, dtype=dtype if p.is_floating_point() else None)
+            for key, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[key] = b.to(device=device, dtype=dtype if b.is_floating_point() else None)
+        return self
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+def fake_topology(cfg: Config, world_size: int, rank: int, device: torch.device) -> Topology:
+    """torch.distributed on the `fake` backend as rank `rank` of `world_size`, megatron's groups on it."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    grad_accum = validate_layout(cfg, world_size)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank {rank} is invalid; valid ranks: 0 .. {world_size - 1}")
+    if dist.is_initialized():
+        raise RuntimeError("the probe needs a process without torch.distributed initialised")
+    _state["undo_cpu_patches"] = device.type == "cpu" and not megatron_patches.cpu_patches_applied()
+    megatron_patches.apply(device.type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
+                                             pipeline_model_parallel_size=cfg.parallel.pipeline,
+                                             create_gloo_process_groups=False)
+    torch.manual_seed(cfg.train.seed)
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    ps = parallel_state
+    return Topology(rank=rank, world_size=world_size, local_rank=0, tp=cfg.parallel.tensor,
+                    pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
+                    tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                    dp_rank=ps.get_data_parallel_rank(), grad_accum=grad_accum, device=device,
+                    dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
+                    pp_group=ps.get_pipeline_model_parallel_group())
+
+
+def release_topology() -> None:
+    """Undo fake_topology: megatron's groups, the process group, and the CPU patches it applied."""
+    from megatron.core import parallel_state
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _state.pop("undo_cpu_patches", False):
+        megatron_patches.undo_cpu_patches()
+
+
+class PhaseClock:
+    """Wall time per phase, summed over steps (the device is synchronised at every phase change)."""
+
+    def __init__(self, phases: StepPhases, device: torch.device):
+        self.device, self.seconds = device, dict.fromkeys(PHASES, 0.0)
+        self._since = time.perf_counter()
+        phases.listeners.append(self._on_change)
+
+    def _on_change(self, previous: str, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if previous in self.seconds:
+            self.seconds[previous] += now - self._since
+        self._since = now
+
+
+class CudaPhasePeaks:
+    """--real on a GPU: the caching allocator's peak per phase (reset at every phase change), with no
+    dispatch-mode tracker in the way of the timings; categories there come from the engine's accounting."""
+
+    def __init__(self, phases: StepPhases, device: torch.device):
+        self.device, self.peaks = device, dict.fromkeys(PHASES, 0)
+        torch.cuda.reset_peak_memory_stats(device)
+        self.overall = 0
+        phases.listeners.append(self._on_change)
+
+    def _on_change(self, previous: str, phase: str) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.overall = max(self.overall, peak)
+        if previous in self.peaks:
+            self.peaks[previous] = max(self.peaks[previous], peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+@dataclass
+class RankRun:
+    """What one rank's probed steps measured (bytes are per rank, on its device unless 'host')."""
+
+    steps: int
+    micro_batches: int
+    peak_phase: str
+    peak_bytes: int
+    peak_by_category: dict  # the categories at the moment of the peak
+    category_peaks: dict  # each category's own maximum over the steps
+    phase_peaks: dict  # phase -> device bytes
+    model_states: dict  # tracker categories after the last step
+    engine_state_bytes: dict  # engine.state_bytes() (the training loop's accounting)
+    optimizer_step_counter_bytes: int  # Adam's 0-dim step tensors (host memory on a GPU)
+    host_peak_bytes: int
+    activation_report: dict
+    collectives: list
+    phase_seconds: dict
+    step_seconds: list = field(default_factory=list)
+    cuda_max_allocated: Optional[int] = None
+    bucket_staging_peak_bytes: Optional[int] = None  # stages 2-3: the engine's own count of its buckets
+
+
+def host_checkpoint_bytes(acts):
+    """Host bytes of the Pa+cpu checkpoints now: the MD buffer when there is one, else the slices."""
+    if acts is None or not acts.cpu:
+        return lambda: 0
+    return lambda: acts.buffer.nbytes if acts.contiguous and acts.buffer is not None else acts.host_bytes
+
+
+def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
+    """The engine's buffers, allocated before tracking: parameters, gradients, fp32 masters."""
+    tracker.track_external(engine.model)
+    for g in engine.groups.values():
+        tracker.register(_MemRefType.PARAM, g.param_flat)
+        tracker.register(_MemRefType.GRAD, g.grads)
+        tracker.register(_MemRefType.OPT, g.master)
+
+
+def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:
+    """Build, wrap and train `steps` steps on this rank, as pretrain.train does, under the tracker."""
+    fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
+    host_read = mock.patch.object(zero3d.engine, "read_host_float", lambda t: FAKE_SQUARED_GRAD_NORM) \
+        if fake else contextlib.nullcontext()
+    gpu_adam = mock.patch.object(zero3d.engine, "make_optimizer", gpu_optimizer) \
+        if topo.device.type == "cpu" else contextlib.nullcontext()
+    with fake_mode, host_read, gpu_adam:
+        with casts_by_set_data() if fake else contextlib.nullcontext():
+            model, engine, acts = build_and_wrap(cfg, topo)
+        phases = StepPhases()
+        on_gpu = topo.device.type == "cuda"
+        tracker = PhaseMemTracker(phases, topo.device, host_checkpoint_bytes(acts))
+        register_engine_state(tracker, engine)
+        clock = PhaseClock(phases, topo.device)
+        cuda_peaks = CudaPhasePeaks(phases, topo.device) if on_gpu else None
+        model.register_forward_pre_hook(lambda *_: phases.enter("forward"))
+        model.register_forward_hook(lambda *_: phases.enter("backward"))
+        engine.optimizer.register_step_pre_hook(lambda *_: phases.enter("optimizer step"))
+        engine.optimizer.register_step_post_hook(lambda *_: phases.enter("gather"))
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        step_seconds = []
+        engine.train()
+        # On a GPU the tracker (a Python dispatch mode) would slow every kernel launch: CUDA's own
+        # allocator statistics measure there instead.
+        with contextlib.nullcontext() if on_gpu else tracker:
+            for step in range(steps):
+                if acts:
+                    acts.reset_step()
+                t0 = time.perf_counter()
+                forward_backward(engine, batches, step, cfg, topo)
+                phases.enter("reduction")
+                engine.step(lr_at(step, cfg))
+                phases.enter("idle")
+                step_seconds.append(time.perf_counter() - t0)
+            model_states = tracker.now_by_category()
+        counters = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
+                       for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
+        if on_gpu:
+            state = engine.state_bytes()
+            model_states = {"params": state["params"], "grads": state["grads"],
+                            "optimizer": state["master_params"] + state["optimizer_states"]}
+            for p in PHASES:
+                tracker.phase_peaks[p].device_bytes = cuda_peaks.peaks[p]
+        phase, peak = tracker.peak()
+        return RankRun(
+            steps=steps, micro_batches=topo.grad_accum, peak_phase=phase, peak_bytes=peak.device_bytes,
+            peak_by_category=peak.by_category, category_peaks=dict(tracker.category_peaks),
+            phase_peaks={p: tracker.phase_peaks[p].device_bytes for p in PHASES},
+            model_states={k: model_states[k] for k in ("params", "grads", "optimizer")},
+            engine_state_bytes=dict(engine.state_bytes()), optimizer_step_counter_bytes=counters,
+            host_peak_bytes=tracker.host_peak, activation_report=acts.report() if acts else {},
+            collectives=[asdict(c) for c in tracker.collectives],
+            phase_seconds=dict(clock.seconds), step_seconds=step_seconds,
+            cuda_max_allocated=cuda_peaks.overall if on_gpu else None,
+            bucket_staging_peak_bytes=getattr(engine, "staging_bytes_peak", None))
+
+
+def cap_device_memory(device: torch.device, cap_bytes: int) -> float:
+    """--real on a GPU larger than the simulated one: the caching allocator refuses beyond `cap_bytes`
+    (torch.cuda.set_per_process_memory_fraction); returns the fraction set (1.0: no cap needed)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cap_bytes / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool = False,
+               cap_bytes: Optional[int] = None) -> RankRun:
+    """One rank of the job, set up, probed and torn down (the process can probe again afterwards).
+    With `real` on a GPU and `cap_bytes`, the device is capped to the simulated GPU's memory; a rank
+    that does not fit raises torch.OutOfMemoryError (the caller reports it as the verdict)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if real and torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda" and cap_bytes:
+        cap_device_memory(device, cap_bytes)
+    topo = fake_topology(cfg, world_size, rank, device)
+    try:
+        return run_rank_steps(cfg, topo, steps, fake=not real)
+    finally:
+        release_topology()
+
+
+def rss_bytes() -> int:
+    """Peak resident set of this process (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,38 @@
+"""tools/gpu_check.py's plan and report (the GPU rows themselves run only on a GPU machine)."""
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("gpu_check", Path(__file__).resolve().parents[2] / "tools/gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+INFO = {"gpu": "NVIDIA H100 80GB HBM3", "gpus": 1, "torch": "2.11.0", "cuda": "13.0", "nccl": "2.28.9",
+        "megatron_core": "0.16.1", "transformer_engine": False}
+
+
+def test_one_gpu_plan_runs_every_stage_and_precision_and_says_what_it_skips():
+    rows, skipped = gpu_check.plan_rows(INFO, quick=False, dry=False)
+    labels = [label for label, _, _ in rows]
+    assert labels == [label for label, _ in gpu_check.STAGE_ROWS] + [gpu_check.PA_CPU_ROW[0]]
+    assert {ov[0] for _, ov, _ in rows} == {"zero.stage=0", "zero.stage=1", "zero.stage=2", "zero.stage=3"}
+    assert skipped == ["world 2+: one GPU on this machine",
+                       "Transformer Engine row: transformer_engine is not importable"]
+
+
+def test_eight_gpus_add_nccl_world_8_rows_and_te_when_importable():
+    rows, skipped = gpu_check.plan_rows(dict(INFO, gpus=8, transformer_engine=True), quick=True, dry=False)
+    assert [world for _, _, world in rows].count(8) == 1 and rows[-1][0] == gpu_check.TE_ROW[0]
+    assert skipped == []
+
+
+def test_report_names_the_gpu_versions_rows_and_skips(tmp_path):
+    rows = [{"row": "stage 0, bf16", "world": 1, "rc": 0, "loss": 6.3282, "loss_scale": 1.0, "step_s": 0.02,
+             "tflops": 0.145, "mfu": 0.0001, "max_allocated": 2**30, "wall_s": 30.0},
+            {"row": "probe 100B --real, 32 GB cap", "rc": 1, "peak_bytes": None, "verdict": "verdict: does NOT fit",
+             "wall_s": 50.0}]
+    out = tmp_path / "report.md"
+    gpu_check.write_report(out, INFO, rows, ["probe 60B: time budget"], started=0.0)
+    text = out.read_text()
+    assert "**NVIDIA H100 80GB HBM3** × 1; torch 2.11.0, CUDA 13.0, NCCL 2.28.9" in text
+    assert "| stage 0, bf16 | 1 | 0 | 6.3282 | 1 | 0.0200 | 0.145 | 0.0% | 1.00 |" in text
+    assert "verdict: does NOT fit" in text and "Skipped: probe 60B: time budget" in text

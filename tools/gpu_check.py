@@ -1,0 +1,229 @@
+"""`make gpu-check`: what a CPU cannot show, on one GPU machine, in under 9 minutes → runs/gpu-check/report.md.
+
+Rows: NCCL world 1 (and world N when N > 1 GPUs) training of configs/tiny.toml for ZeRO stages 0-3
+in fp16 and bf16; Pa+cpu (pinned host memory, side-stream copies) with MD; the Transformer Engine
+layer spec when importable; `python -m pretrain.probe --real` of the 8B, 60B and 100B paper rank
+slices under a 32 GB cap (a slice that does not fit is a verdict, not a crash).
+
+The machine may lack megatron-core and a package index: wheels in `.whl/` (git-ignored) are
+installed with `pip install --no-index --no-deps --target /tmp/site` and put on PYTHONPATH.
+`--cpu-dry-run` walks the same rows on CPU/gloo (probes in fake mode, 2 layers) to catch mistakes
+before the one GPU attempt; `--quick` keeps one row of each kind.
+"""
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SITE = "/tmp/site"
+BUDGET_S = 8.5 * 60  # the whole check must end inside the lead's 10-minute call
+STEPS = 12
+
+STAGE_ROWS = [("stage 0, bf16", ["zero.stage=0", "precision.dtype=\"bf16\""]),
+              ("stage 1, fp16", ["zero.stage=1", "precision.dtype=\"fp16\""]),
+              ("stage 1, bf16", ["zero.stage=1", "precision.dtype=\"bf16\""]),
+              ("stage 2, fp16", ["zero.stage=2", "precision.dtype=\"fp16\""]),
+              ("stage 2, bf16", ["zero.stage=2", "precision.dtype=\"bf16\""]),
+              ("stage 3, fp16", ["zero.stage=3", "precision.dtype=\"fp16\""]),
+              ("stage 3, bf16", ["zero.stage=3", "precision.dtype=\"bf16\""])]
+PA_CPU_ROW = ("stage 2, bf16, recompute + Pa + Pa+cpu (pinned, side stream) + MD",
+              ["zero.stage=2", "precision.dtype=\"bf16\"", "model.recompute=\"full\"",
+               "zero.partition_activations=true", "zero.cpu_checkpointing=true",
+               "zero.contiguous_checkpointing=true"])
+TE_ROW = ("stage 2, bf16, Transformer Engine layer spec", ["zero.stage=2", "precision.dtype=\"bf16\""])
+PROBES = [("8B", "configs/paper/fig2_8B_zero.toml"), ("60B", "configs/paper/fig2_60B_zero.toml"),
+          ("100B", "configs/paper/fig2_100B_zero.toml")]
+
+
+def ensure_megatron(wheel_dir: Path = REPO / ".whl") -> dict:
+    """The environment for subprocesses: megatron-core from `.whl/` when it is not importable here."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               WANDB_MODE="disabled")
+    if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
+        return env
+    wheels = sorted(glob.glob(str(wheel_dir / "*.whl")))
+    if not wheels:
+        raise SystemExit(f"megatron-core is not importable and {wheel_dir} holds no wheels: put the "
+                         "megatron_core-0.16.1 wheel for this Python (and any missing pure dependencies) there")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", SITE,
+                    *wheels], check=True)
+    env["PYTHONPATH"] = os.pathsep.join([SITE, env["PYTHONPATH"]])
+    sys.path.insert(0, SITE)
+    return env
+
+
+def versions(env: dict) -> dict:
+    """GPU, torch, CUDA, NCCL, megatron-core and Transformer Engine, read in a subprocess with `env`."""
+    code = ("import json, torch, importlib.util\n"
+            "from importlib.metadata import version\n"
+            "cuda = torch.cuda.is_available()\n"
+            "print(json.dumps({'gpu': torch.cuda.get_device_name() if cuda else 'none (CPU)',\n"
+            " 'gpus': torch.cuda.device_count(), 'torch': torch.__version__, 'cuda': torch.version.cuda,\n"
+            " 'nccl': '.'.join(map(str, torch.cuda.nccl.version())) if cuda else None,\n"
+            " 'megatron_core': version('megatron-core'),\n"
+            " 'transformer_engine': importlib.util.find_spec('transformer_engine') is not None}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def last_record(run_dir: Path) -> dict:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, steps: int, timeout: float) -> dict:
+    """torchrun of `python -m pretrain` on configs/tiny.toml with `nproc` ranks (TP 1 × DP nproc)."""
+    run_dir = REPO / "runs/gpu-check" / f"row{index}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "pretrain", "--config", "configs/tiny.toml", "parallel.tensor=1", "logging.wandb=false",
+           f"train.steps={steps}", "train.eval_interval=0", f"logging.log_interval={steps}",
+           "train.save_final=false", "train.resume=false", f"logging.run_dir=\"{run_dir}\"",
+           f"train.global_batch_size={4 * nproc}", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    row = {"row": label, "world": nproc, "wall_s": time.perf_counter() - t0, "rc": proc.returncode}
+    if proc.returncode != 0:
+        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return row
+    rec = last_record(run_dir)
+    row.update(loss=rec.get("train/loss"), step_s=rec.get("perf/step_time_s"),
+               tflops=rec.get("perf/tflops_per_gpu"), mfu=rec.get("perf/mfu"),
+               max_allocated=rec.get("mem/max_allocated_bytes"), loss_scale=rec.get("train/loss_scale"))
+    return row
+
+
+def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float) -> dict:
+    """`probe --real` of the paper rank slice under a 32 GB cap (dry run: fake tensors, 2 layers)."""
+    cmd = [sys.executable, "-W", "ignore", "-m", "pretrain.probe", "--config", config, "--json",
+           "--memory-gb", "32", "--steps", "2"]
+    cmd += ["model.num_layers=2"] if dry else ["--real"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    row = {"row": f"probe {name}" + (" (dry run: fake, 2 layers)" if dry else " --real, 32 GB cap"),
+           "wall_s": time.perf_counter() - t0, "rc": proc.returncode}
+    try:
+        out = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return row
+    row["verdict"] = out["verdict"]["text"]
+    run = out.get("run", {})
+    row["peak_bytes"] = run.get("cuda_max_allocated") or run.get("peak_bytes")
+    row["peak_phase"] = run.get("peak_phase")
+    row["step_s"] = (out.get("timing") or {}).get("compute_s_per_step")
+    row["tflops"] = (out.get("timing") or {}).get("tflops_per_rank_measured")
+    row["mfu"] = (out.get("timing") or {}).get("mfu")
+    row["predicted_job_tflops"] = (out.get("timing") or {}).get("predicted_job_tflops_per_gpu")
+    row["phase_s"] = (out.get("timing") or {}).get("phase_s_per_step")
+    return row
+
+
+def fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def write_report(path: Path, info: dict, rows: list, skipped: list, started: float) -> None:
+    lines = ["# GPU check", "",
+             f"GPU: **{info['gpu']}** × {info['gpus']}; torch {info['torch']}, CUDA {info['cuda']}, "
+             f"NCCL {info['nccl']}, megatron-core {info['megatron_core']}, Transformer Engine "
+             f"{'importable' if info['transformer_engine'] else 'not importable'}; "
+             f"total wall {time.perf_counter() - started:.0f} s.", "",
+             "| row | world | rc | loss | loss scale | step s | TFLOP/s/GPU | MFU | max allocated GiB | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["row"].startswith("probe"):
+            continue
+        lines.append(f"| {r['row']} | {r['world']} | {r['rc']} | {fmt(r.get('loss'), '.4f')} | "
+                     f"{fmt(r.get('loss_scale'), 'g')} | {fmt(r.get('step_s'), '.4f')} | {fmt(r.get('tflops'), '.3g')} | "
+                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r['max_allocated'] / 2**30 if r.get('max_allocated') else None, '.2f')} | "
+                     f"{r['wall_s']:.0f} |" + (f" error: {r['error'][0]}" if "error" in r else ""))
+    lines += ["", "| probe | rc | peak GB | peak phase | compute s/step | TFLOP/s rank | MFU | predicted job TFLOP/s/GPU | "
+              "phase s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["row"].startswith("probe"):
+            continue
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in (r.get("phase_s") or {}).items()) or "—"
+        lines.append(f"| {r['row']} | {r['rc']} | {fmt(r['peak_bytes'] / 1e9 if r.get('peak_bytes') else None, '.2f')} | "
+                     f"{r.get('peak_phase') or '—'} | {fmt(r.get('step_s'), '.3f')} | {fmt(r.get('tflops'), '.1f')} | "
+                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('predicted_job_tflops'), '.1f')} | {phases} | "
+                     f"{r['wall_s']:.0f} |")
+        lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} |||||||||")
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(skipped)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plan_rows(info: dict, quick: bool, dry: bool) -> tuple[list, list]:
+    """(training rows as (label, overrides, world), skipped reasons)."""
+    stage_rows = [STAGE_ROWS[0], STAGE_ROWS[4], STAGE_ROWS[5]] if quick else STAGE_ROWS
+    rows = [(label, ov, 1) for label, ov in stage_rows] + [(PA_CPU_ROW[0], PA_CPU_ROW[1], 1)]
+    skipped = []
+    gpus = info["gpus"] if not dry else 2
+    if gpus > 1:
+        rows += [(f"{label} (NCCL world {gpus})" if not dry else f"{label} (gloo world 2)", ov, gpus)
+                 for label, ov in ([STAGE_ROWS[4]] if quick else [STAGE_ROWS[0], STAGE_ROWS[4], STAGE_ROWS[5]])]
+    else:
+        skipped.append("world 2+: one GPU on this machine")
+    if info["transformer_engine"] and not dry:
+        rows.append((TE_ROW[0], TE_ROW[1], 1))
+    else:
+        skipped.append("Transformer Engine row: transformer_engine is not importable" if not info["transformer_engine"]
+                       else "Transformer Engine row: CUDA only")
+    return rows, skipped
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one row of each kind (about half the time)")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the same rows on CPU/gloo, probes in fake mode")
+    ap.add_argument("--out", default=str(REPO / "runs/gpu-check/report.md"))
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S,
+                    help=f"stop starting rows after this many seconds (default {BUDGET_S:.0f})")
+    args = ap.parse_args(argv)
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s {args.budget_s} is invalid; must be > 0")
+    started = time.perf_counter()
+    env = ensure_megatron()
+    if args.cpu_dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # torch sees no GPU: pretrain picks gloo and the CPU
+    info = versions(env)
+    if not args.cpu_dry_run and info["gpus"] == 0:
+        raise SystemExit("no CUDA device visible: run on a GPU machine, or use --cpu-dry-run")
+    steps = 2 if args.cpu_dry_run else STEPS
+    rows, skipped = plan_rows(info, args.quick, args.cpu_dry_run)
+    probes = PROBES[:1] if args.quick else PROBES
+    # Order: two training rows (the stack works on CUDA), then the probes (the heaviest, most wanted
+    # rows), then the rest; rows that would start past the budget are listed as skipped.
+    jobs = [("train", i, row) for i, row in enumerate(rows[:2])] + [("probe", None, p) for p in probes] \
+        + [("train", i + 2, row) for i, row in enumerate(rows[2:])]
+    results = []
+    for kind, index, job in jobs:
+        label = job[0] if kind == "train" else f"probe {job[0]}"
+        left = args.budget_s - (time.perf_counter() - started)
+        if left < 30:
+            skipped.append(f"{label}: time budget")
+            continue
+        try:
+            if kind == "train":
+                results.append(train_row(job[0], job[1], job[2], env, index, steps, timeout=left))
+            else:
+                results.append(probe_row(job[0], job[1], env, args.cpu_dry_run, timeout=left))
+        except subprocess.TimeoutExpired:
+            skipped.append(f"{label}: did not finish inside the time budget")
+            continue
+        print(json.dumps(results[-1], default=str), flush=True)
+    write_report(Path(args.out), info, results, skipped, started)
+    print(f"wrote {args.out}")
+    return 0 if all(r["rc"] in (0, 1) if r["row"].startswith("probe") else r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Per-phase, per-category memory peaks of one rank's training steps (torch's MemTracker, extended)."""
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+PHASES = ("forward", "backward", "reduction", "optimizer step", "gather")
+# Phases after backward: what they allocate is scratch (MemTracker would call it activations).
+STEP_PHASES = ("reduction", "optimizer step", "gather")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+# MemTracker's reference types → the paper's categories (buffers are megatron's few registered buffers).
+CATEGORY_OF = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "params", _MemRefType.GRAD: "grads",
+               _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations",
+               _MemRefType.TEMP: "temporaries", _MemRefType.OTH: "temporaries"}
+
+
+class StepPhases:
+    """Which phase of a training step is running; the probe moves it, the tracker and clock read it."""
+
+    def __init__(self):
+        self.current = "setup"
+        self.listeners: list[Callable[[str, str], None]] = []
+
+    def enter(self, phase: str) -> None:
+        if phase != self.current:
+            previous, self.current = self.current, phase
+            for listener in self.listeners:
+                listener(previous, phase)
+
+
+@dataclass
+class Collective:
+    """One collective this rank issued: the op, its payload bytes (whole tensor) and its group."""
+
+    op: str
+    nbytes: int
+    ranks: tuple
+    phase: str
+
+
+@dataclass
+class PhasePeak:
+    device_bytes: int = 0
+    by_category: dict = field(default_factory=dict)
+
+
+def _process_group(arg) -> Optional[dist.ProcessGroup]:
+    """The ProcessGroup a c10d op was given (a boxed ScriptObject at the dispatcher), else None."""
+    if isinstance(arg, dist.ProcessGroup):
+        return arg
+    if isinstance(arg, torch.ScriptObject):
+        try:
+            return dist.ProcessGroup.unbox(arg)
+        except RuntimeError:  # the op's other boxed argument, its ReduceOp
+            return None
+    return None
+
+
+class PhaseMemTracker(MemTracker):
+    """MemTracker whose peaks are kept per step phase, with device and host memory apart.
+
+    - Tensors first allocated during reduction, optimizer step or gather count as temporaries.
+    - `host_bytes_now()` is the host memory (Pa+cpu checkpoints) inside the simulated device's
+      snapshot; it is taken out of the device figures (on a real GPU host tensors sit on the CPU
+      device and are reported from there).
+    - Collectives (c10d ops) are logged with their payload and group, for the α-β model.
+    """
+
+    def __init__(self, phases: StepPhases, device: torch.device,
+                 host_bytes_now: Optional[Callable[[], int]] = None):
+        super().__init__()
+        self.phases, self.device = phases, device
+        self.host_bytes_now = host_bytes_now or (lambda: 0)
+        self.phase_peaks = {p: PhasePeak() for p in PHASES}
+        self.category_peaks = dict.fromkeys(CATEGORIES, 0)
+        self.host_peak = 0
+        self.collectives: list[Collective] = []
+
+    # ------------------------------------------------------------ registration of engine buffers
+
+    def register(self, category_ref: _MemRefType, *tensors: torch.Tensor) -> None:
+        """Count tensors allocated before tracking began under a category (first claim wins)."""
+        for t in tensors:
+            if t is not None and t.untyped_storage() not in self._WINFO:
+                self._update_and_maybe_create_winfos(t, category_ref)
+
+    # ------------------------------------------------------------ MemTracker hooks
+
+    # MemTracker's module hooks keep per-module snapshots (deep copies at every module call, and a
+    # refusal of a second iteration); the probe needs only what they do for the categories: track
+    # each module's parameters (and their gradients' hooks), and mark recomputation in backward
+    # (its tensors are activations, not temporaries).
+    def _pre_fw_hook(self, module, inputs) -> None:
+        self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        if self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod, self._in_ac = weakref.ref(module), True
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        if self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod, self._in_ac = None, False
+
+    def _pre_bw_hook(self, module, args) -> None:
+        pass
+
+    def _post_bw_hook(self, module, args) -> None:
+        pass
+
+    def _track(self, reftype, t):
+        # Inside optimizer.step MemTracker calls every new tensor optimizer state; the states proper
+        # are re-tagged by its post-step hook, so the rest (the update's scratch) is temporary.
+        if (self.phases.current in STEP_PHASES and reftype == _MemRefType.ACT) or reftype == _MemRefType.OPT:
+            reftype = _MemRefType.TEMP
+        super()._track(reftype, t)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        # Replaces MemTracker's per-module bookkeeping (quadratic in modules × ops) by per-phase peaks.
+        device_snap = self._curr_mem_snap.get(self.device, {})
+        host = self._host_now()
+        by_category = dict.fromkeys(CATEGORIES, 0)
+        for ref, nbytes in device_snap.items():
+            if ref != _TOTAL_KEY:
+                by_category[CATEGORY_OF[ref]] += nbytes
+        if self.device.type == "cpu":
+            by_category["activations"] -= host
+        total = sum(by_category.values())
+        for name, nbytes in by_category.items():
+            if nbytes > self.category_peaks[name]:
+                self.category_peaks[name] = nbytes
+        self.host_peak = max(self.host_peak, host)
+        peak = self.phase_peaks.get(self.phases.current)
+        if peak is not None and total > peak.device_bytes:
+            peak.device_bytes, peak.by_category = total, by_category
+
+    def _host_now(self) -> int:
+        if self.device.type == "cpu":
+            return self.host_bytes_now()
+        return self._curr_mem_snap.get(torch.device("cpu"), {}).get(_TOTAL_KEY, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            self._log_collective(func, args)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _log_collective(self, func, args) -> None:
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                   if isinstance(t, torch.Tensor)]
+        groups = [g for g in map(_process_group, args) if g is not None]
+        if not tensors or not groups:
+            return
+        name = func._opname  # allreduce_, _allgather_base_, _reduce_scatter_base_, reduce_, broadcast_ ...
+        # The payload: the full tensor (an all-gather's output, a reduce-scatter's input).
+        payload = max(t.numel() * t.element_size() for t in tensors)
+        self.collectives.append(Collective(name, payload, tuple(dist.get_process_group_ranks(groups[0])),
+                                           self.phases.current))
+
+    # ------------------------------------------------------------ results
+
+    def now_by_category(self) -> dict:
+        """Device bytes per category right now (model states between steps, when called then)."""
+        snap = self._curr_mem_snap.get(self.device, {})
+        out = dict.fromkeys(CATEGORIES, 0)
+        for ref, nbytes in snap.items():
+            if ref != _TOTAL_KEY:
+                out[CATEGORY_OF[ref]] += nbytes
+        if self.device.type == "cpu":
+            out["activations"] -= self._host_now()
+        return out
+
+    def peak(self) -> tuple[str, PhasePeak]:
+        """(phase, its peak) of the phase that reaches the highest device bytes."""
+        phase = max(PHASES, key=lambda p: self.phase_peaks[p].device_bytes)
+        return phase, self.phase_peaks[phase]
