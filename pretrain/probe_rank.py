@@ -177,7 +177,8 @@ def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
     for g in engine.groups.values():
         tracker.register(_MemRefType.PARAM, g.param_flat)
         tracker.register(_MemRefType.GRAD, g.grads)
-        tracker.register(_MemRefType.OPT, g.master)
+        for _, piece in g.master_pieces:  # one tensor, or per-bucket views of the fp32 parameters
+            tracker.register(_MemRefType.OPT, piece)
 
 
 def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:
