@@ -1,9 +1,18 @@
 """Command line: `python -m pretrain --config configs/tiny.toml [section.key=value ...]`."""
-import argparse
-import json
-import sys
+import signal
 
-from pretrain.config import ConfigError, load_config, validate_layout
+if __name__ == "__main__":
+    # Slurm's SIGUSR1 (time-limit warning, preemption) can arrive while torch is still importing, and
+    # its default action kills the rank. Blocked from the first line, it stays pending until the train
+    # loop's handler is installed (StopRequest in pretrain/train.py unblocks it), then stops the run.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
 
 EXIT_REQUEUE = 75
 
@@ -30,16 +39,15 @@ def main(argv=None) -> int:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
     if args.estimate:
-        from pretrain.memory_check import describe, estimate_config
-        from zero3d.analysis.estimate import GB, format_breakdown
+        from pretrain.memory_check import config_report
         world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
         try:
             validate_layout(cfg, world)
-            estimate = estimate_config(cfg, world, cfg.cluster.gpu_memory_gb * GB)
+            estimate, table = config_report(cfg, world)
         except (ConfigError, ValueError) as err:
             print(f"config error: {err}", file=sys.stderr)
             return 2
-        print(format_breakdown(estimate, describe(cfg, world)))
+        print(table)
         return 0 if estimate.fits else 1
     from pretrain.train import train
     from pretrain.topology import destroy_topology
@@ -50,8 +58,9 @@ def main(argv=None) -> int:
         return 2
     finally:
         destroy_topology()
-    # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint; slurm/launch.sbatch requeues.
-    return EXIT_REQUEUE if result["stopped_early"] else 0
+    # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint. slurm/launch.sbatch sets
+    # ZERO3D_INTERRUPTED_EXIT=0 (it decides from status.json; a 75 would fire srun's --kill-on-bad-exit).
+    return int(os.environ.get("ZERO3D_INTERRUPTED_EXIT", EXIT_REQUEUE)) if result["stopped_early"] else 0
 
 
 if __name__ == "__main__":

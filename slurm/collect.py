@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 sys.path.insert(0, str(REPO_ROOT))
 
 from pretrain.summary import read_records, summary_from_records  # noqa: E402
