@@ -5,16 +5,14 @@ import re
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 from slurm import collect, submit
-from slurm.local_cluster import LocalCluster, SlurmUnavailable, ensure_installed
+from tests.slurm.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def records(steps, tflops=lambda s: 10.0, **extra):
@@ -99,43 +97,6 @@ def test_launcher_dry_run_with_container(monkeypatch):
 # ---------------------------------------------------------------- a real Slurm
 
 
-class SlurmSkipped(RuntimeWarning):
-    """Shown in pytest's warnings summary, so a skipped Slurm test is never a silent pass."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    try:
-        if os.geteuid() != 0:  # slurmd starts job steps as their owner: it runs as root
-            raise SlurmUnavailable("the local slurmd needs root (run the tests as root, as CI does)")
-        ensure_installed()
-    except SlurmUnavailable as err:
-        warnings.warn(SlurmSkipped(f"Slurm tests skipped: {err}"))
-        pytest.skip(f"no Slurm on this machine: {err}")
-    local = LocalCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        local.start()
-        yield local
-    finally:
-        local.stop()
-
-
-def wait_for(cluster: LocalCluster, job_id: str, log_glob: Path, timeout: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(),
-                             capture_output=True, text=True).stdout
-        fields = dict(re.findall(r"(\w+)=(\S*)", out))
-        if fields.get("JobState") in TERMINAL:
-            return fields
-        if time.monotonic() > deadline:
-            logs = "\n".join(p.read_text(errors="replace")[-4000:] for p in log_glob.parent.glob(log_glob.name))
-            subprocess.run(["scancel", job_id], env=cluster.env())
-            pytest.fail(f"job {job_id} not finished after {timeout:.0f}s ({fields.get('JobState')})\n{logs}\n"
-                        f"{cluster.logs()}")
-        time.sleep(1)
-
-
 @pytest.mark.timeout(420)
 def test_tiny_config_trains_through_sbatch_and_srun(cluster, tmp_path):
     env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
@@ -166,34 +127,3 @@ def test_tiny_config_trains_through_sbatch_and_srun(cluster, tmp_path):
     assert states["broken"]["JobState"] == "FAILED"
     row = collect.collect_run(run_dir, warmup=1)
     assert (row["status"], row["reason"]) == ("failed", "DataError: corpus '/nonexistent/corpus.jsonl' does not exist")
-
-
-@pytest.mark.timeout(300)
-def test_exit_75_requeues_the_job_and_it_continues(cluster, tmp_path):
-    # A stand-in interpreter: the "training" exits 75 (checkpoint saved on SIGUSR1) in the first
-    # allocation and 0 after the requeue; the preflight goes to the real Python.
-    fake = tmp_path / "python"
-    fake.write_text(f"""#!/bin/bash
-if [[ $1 == -m ]]; then echo "rank $SLURM_PROCID restart ${{SLURM_RESTART_COUNT:-0}}"
-    [[ ${{SLURM_RESTART_COUNT:-0}} == 0 ]] && exit 75; exit 0; fi
-exec {sys.executable} "$@"
-""")
-    fake.chmod(0o755)
-    run_dir = tmp_path / "run"
-    env = cluster.env(dict(os.environ, ZERO3D_PYTHON=str(fake)))
-    proc = subprocess.run([sys.executable, "slurm/submit.py", "--cpu", "--requeue", "--config", "configs/tiny.toml",
-                           f"logging.run_dir={run_dir}"], env=env, capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    job_id = proc.stdout.strip()
-    deadline = time.monotonic() + 120
-    while "Restarts=1" not in (show := subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(),
-                                                      capture_output=True, text=True).stdout):
-        assert time.monotonic() < deadline and "JobState=COMPLETED" not in show, show
-        time.sleep(0.5)
-    # Slurm holds a requeued job back for a while (BeginTime); release it now.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env(), check=True)
-    state = wait_for(cluster, job_id, run_dir / "slurm-*.out", timeout=120)
-    log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log
-    assert "requeueing job" in log and "rank 0 restart 0" in log and "rank 0 restart 1" in log  # one log, appended
-    assert json.loads((run_dir / "job.json").read_text())["restart"] == 1
