@@ -6,6 +6,12 @@ if __name__ == "__main__":
     # its default action kills the rank. Blocked from the first line, it stays pending until the train
     # loop's handler is installed (StopRequest in pretrain/train.py unblocks it), then stops the run.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    import os as _os
+    import warnings as _warnings
+    if (_os.environ.get("RANK") or _os.environ.get("SLURM_PROCID") or "0") != "0":
+        # megatron-core warns at import about absent Apex/Transformer Engine and deprecated options:
+        # the same lines from every rank. Rank 0 prints them, once each.
+        _warnings.filterwarnings("ignore", module="megatron")
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -66,13 +66,13 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
     env = dict(os.environ, ZERO3D_PYTHON=sys.executable, PATH=f"{shim}:{os.environ['PATH']}",
                ZERO3D_TEST_CONTAINER_LOG=str(container_log))
 
-    # (1) the reference: container mode, never interrupted
-    ref_dir = tmp_path / "reference"
+    # Tokenizer and token files built once here, so the two jobs below read the same ones.
+    from pretrain.data import prepare_files
+    prepare_files(corpus=REPO / "data/corpus.jsonl", tokenizer_model=None, data_prefix=None,
+                  cache_dir=REPO / "runs/data", vocab_size=1024)
+    # (1) the reference: container mode, never interrupted; (2) the same run, requeueable, signalled mid-run
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"
     ref_id = submit(cluster, ref_dir, "--container", "/images/zero3d.sqsh", env=env)
-    # (2) the same run, requeueable, signalled mid-run; submitted once the reference has prepared the data
-    wait_until(lambda: (ref_dir / "metrics.jsonl").is_file(), 300, "the reference's first step",
-               ref_dir / "slurm-*.out")
-    run_dir = tmp_path / "preempted"
     job_id = submit(cluster, run_dir, "--requeue")
     wait_until(lambda: max(losses(run_dir), default=0) >= 3, 300, "step 3 of the preempted job",
                run_dir / "slurm-*.out")
@@ -91,6 +91,7 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
 
     # container mode: the preflight ran as a one-task step in the image, for the job's 4 ranks
     assert ref_state["JobState"] == "COMPLETED" and ref_state["ExitCode"] == "0:0", ref_log
+    assert ref_state["NumTasks"] == "4" and json.loads((ref_dir / "config.json").read_text())["train"]["steps"] == STEPS
     launched = container_log.read_text().splitlines()
     preflight = [line for line in launched if "--preflight" in line]
     assert len(preflight) == 1 and "--ntasks=1" in preflight[0] and "--world-size 4" in preflight[0], launched
@@ -98,7 +99,8 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
     assert json.loads((ref_dir / "job.json").read_text())["world_size"] == 4
     assert json.loads((ref_dir / "status.json").read_text())["world_size"] == 4
     row = collect.collect_run(ref_dir, warmup=1)
-    assert (row["status"], row["gpus"], row["mp"], row["steps"]) == ("ok", 4, 2, STEPS)
+    assert (row["status"], row["gpus"], row["mp"], row["steps"], row["config"]) == ("ok", 4, 2, STEPS, "C3")
+    assert row["tflops_per_gpu"] > 0 and row["peak_mem_GB"] > 0 and row["comm_elements_per_step"] > 0
     assert row["pflops"] == pytest.approx(row["tflops_per_gpu"] * 4 / 1000)
 
     # preemption: stopped after a checkpoint on every rank, requeued, resumed, completed

@@ -31,7 +31,8 @@ def test_summary_medians_after_warmup_and_peaks_over_all_steps():
     assert summary["summary/comm_elements_per_step"] == 5.0 and summary["summary/world_size"] == 400
     assert "summary/mfu" not in summary  # not logged on CPU: left out, not None
     short = collect.summary_from_records(records(3), warmup=10, world_size=4)
-    assert short["summary/measured_steps"] == 3  # everything past no warm-up: use all steps
+    assert short["summary/measured_steps"] == 3 and short["summary/warmup_only"]  # none past: all, flagged
+    assert not summary["summary/warmup_only"]
     assert collect.summary_from_records([], warmup=10, world_size=4)["summary/steps"] == 0
 
 
@@ -85,6 +86,26 @@ def test_collector_rows_for_ok_oom_failed_and_missing_runs(tmp_path):
     assert (out / "scaling.png").stat().st_size > 10_000 and len((out / "table.csv").read_text().splitlines()) == 6
 
 
+def test_plot_bars_never_overlap_and_the_legend_lists_what_is_drawn(tmp_path):
+    z7, b7 = "configs/paper/fig7_1p5B_zero.toml", "configs/paper/fig7_1p38B_baseline.toml"
+    runs = [fake_run(tmp_path, "a", "configs/paper/fig2_1p5B_zero.toml", steps=30, status={"status": "ok"}),
+            fake_run(tmp_path, "b", z7, steps=30, status={"status": "ok"}),  # same model, same variant
+            fake_run(tmp_path, "c", "configs/paper/fig7_13B_zero.toml", steps=5, status={"status": "ok"}),
+            fake_run(tmp_path, "d", b7, steps=1, log="torch.OutOfMemoryError: CUDA out of memory.\n",
+                     status={"status": "failed", "reason": "exception"})]
+    rows = [collect.collect_run(r, warmup=10) for r in runs]
+    assert [r["warmup_only"] for r in rows] == [False, False, True, True]
+    assert "warm-up only: 5 logged step(s), none past --warmup 10" in rows[2]["reason"]
+    keys, slots = collect.bar_slots(rows)
+    assert keys.count(("1.5B", "")) == 1
+    spans = sorted((x - w / 2, x + w / 2) for x, w in slots.values())
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))  # side by side, never on top
+    _, labels = collect.plot(rows, tmp_path / "scaling.png")
+    # no baseline bar is drawn (its only run is out of memory); the 13B point is no paper figure
+    assert sorted(labels) == ["ZeRO (measured)", "median includes warm-up steps", "paper, approx"]
+    assert [f for f in collect.PAPER_FIGURES if f[0] == 7 and f[2] == f[3] == 13] == []
+
+
 def test_launcher_dry_run_with_container(monkeypatch):
     job = submit.build_job("configs/tiny.toml", ["train.steps=2"], container="/img/zero3d.sqsh", requeue=True)
     monkeypatch.setenv("ZERO3D_CONTAINER_MOUNTS", "/data:/data")
@@ -97,33 +118,20 @@ def test_launcher_dry_run_with_container(monkeypatch):
 # ---------------------------------------------------------------- a real Slurm
 
 
-@pytest.mark.timeout(420)
-def test_tiny_config_trains_through_sbatch_and_srun(cluster, tmp_path):
+@pytest.mark.timeout(300)
+def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
+    """(A job that trains, in container mode, and one preempted and requeued: tests/slurm/test_preemption.py.)"""
     env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
-    jobs = {}
-    for name, extra in (("ok", []), ("broken", ["data.corpus=/nonexistent/corpus.jsonl"])):
-        run_dir = tmp_path / name
-        cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
-               "logging.wandb=false", f"logging.run_dir={run_dir}", *extra]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr
-        jobs[name] = (proc.stdout.strip(), run_dir)
-    states = {name: wait_for(cluster, job_id, run_dir / "slurm-*.out") for name, (job_id, run_dir) in jobs.items()}
-
-    job_id, run_dir = jobs["ok"]
+    run_dir = tmp_path / "broken"
+    cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
+           "logging.wandb=false", f"logging.run_dir={run_dir}", "data.corpus=/nonexistent/corpus.jsonl"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    state = wait_for(cluster, job_id, run_dir / "slurm-*.out")
     log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert states["ok"]["JobState"] == "COMPLETED" and states["ok"]["ExitCode"] == "0:0", log
-    assert states["ok"]["NumTasks"] == "4"
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4], log
-    job = json.loads((run_dir / "job.json").read_text())
-    assert (job["job_id"], job["world_size"], job["nodes"]) == (job_id, 4, 1)
-    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 4
-    row = collect.collect_run(run_dir, warmup=1)
-    assert (row["status"], row["gpus"], row["mp"], row["steps"], row["config"]) == ("ok", 4, 2, 4, "C3")
-    assert row["tflops_per_gpu"] > 0 and row["peak_mem_GB"] > 0 and row["comm_elements_per_step"] > 0
-
-    job_id, run_dir = jobs["broken"]
-    assert states["broken"]["JobState"] == "FAILED"
+    assert state["JobState"] == "FAILED" and "run status: failed" in log, log
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["world_size"]) == ("failed", 4)
     row = collect.collect_run(run_dir, warmup=1)
     assert (row["status"], row["reason"]) == ("failed", "DataError: corpus '/nonexistent/corpus.jsonl' does not exist")
