@@ -1,5 +1,6 @@
 """Slurm launch path on a real single-node Slurm (slurm-wlm), plus the collector and run summaries."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -104,6 +105,57 @@ def test_plot_bars_never_overlap_and_the_legend_lists_what_is_drawn(tmp_path):
     # no baseline bar is drawn (its only run is out of memory); the 13B point is no paper figure
     assert sorted(labels) == ["ZeRO (measured)", "median includes warm-up steps", "paper, approx"]
     assert [f for f in collect.PAPER_FIGURES if f[0] == 7 and f[2] == f[3] == 13] == []
+
+
+def test_stop_warning_covers_a_step_and_the_checkpoint_write():
+    from pretrain.config import load_config
+    cfg = load_config(REPO / "configs/paper/fig2_100B_zero.toml")
+    from zero3d.analysis.estimate import gpt_param_count
+    psi = gpt_param_count(125, 8192, 50257, 1024, tp=16)  # per TP rank; the estimator's own test pins it
+    # every rank: fp16 parameters (2Ψ) + its 1/N_d of the fp32 master and Adam moments (12Ψ / 25)
+    assert submit.checkpoint_bytes(cfg, 400) == pytest.approx(400 * (2 * psi + 12 * psi / 25), rel=1e-12)
+    tokens, h = 800 * 1024, 8192
+    flops = 96 * tokens * 125 * h * h * (1 + 1024 / (6 * h)) + 6 * tokens * h * 50257
+    assert submit.step_seconds(cfg, 400) == flops / (400 * 10e12)
+    write = submit.checkpoint_bytes(cfg, 400) / 5e9  # cluster.checkpoint_write_gbps default
+    assert submit.warning_seconds(cfg, 400) == math.ceil(2 * (write + submit.step_seconds(cfg, 400)) + 60)
+    faster = load_config(REPO / "configs/paper/fig2_100B_zero.toml", ["cluster.checkpoint_write_gbps=1000"])
+    assert submit.warning_seconds(faster, 400) < submit.warning_seconds(cfg, 400)
+    assert submit.warning_seconds(load_config(REPO / "configs/tiny.toml"), 4) == submit.WARNING_FLOOR_S
+    assert [submit.time_limit_seconds(t) for t in ("05:30:00", "1-00:00:00", "90", "10:30")] == [19800, 86400, 5400, 630]
+    with pytest.raises(Exception, match="cluster.checkpoint_write_gbps = 0.0 must be > 0"):
+        load_config(REPO / "configs/tiny.toml", ["cluster.checkpoint_write_gbps=0"])
+
+
+def test_master_port_stays_below_the_ephemeral_range(monkeypatch):
+    job = submit.build_job("configs/tiny.toml", [])
+    for job_id in ("0", "12999", "29999", "987654"):
+        env = dict(os.environ, ZERO3D_DRY_RUN="1", SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO))
+        out = subprocess.run(["bash", str(REPO / submit.LAUNCHER), job.config_path], env=env, capture_output=True,
+                             text=True, cwd=REPO).stdout
+        port = int(re.search(r"MASTER_PORT=(\d+)", out).group(1))
+        assert 20000 <= port < 30000 and port == 20000 + int(job_id) % 10000, out
+
+
+def test_preflight_needs_the_jobs_task_count(capsys, tmp_path):
+    assert submit.main(["--preflight", "--config", "configs/tiny.toml"]) == 2
+    assert "--preflight needs --world-size N >= 1 (the job's task count), got None" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    assert submit.main(["--preflight", "--world-size", "4", "--config", "configs/tiny.toml",
+                        f"logging.run_dir={run_dir}"]) == 0
+    assert json.loads((run_dir / "job.json").read_text())["world_size"] == 4
+    assert submit.main(["--preflight", "--world-size", "3", "--config", "configs/tiny.toml"]) == 2
+    assert "world size 3 is not divisible by parallel.tensor × parallel.pipeline = 2" in capsys.readouterr().err
+
+
+def test_cpu_ranks_get_no_device_verdict(capsys):
+    import torch
+    from pretrain.config import load_config
+    from pretrain.memory_check import check_memory
+    check_memory(load_config(REPO / "configs/tiny.toml"), 4, torch.device("cpu"), is_main=True)
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("CPU run: no device memory check (the estimate is for H100, 80 GiB)")
+    assert "fits" not in out
 
 
 def test_launcher_dry_run_with_container(monkeypatch):
