@@ -16,8 +16,15 @@ demo: install  ## tiny GPT on 4 CPU ranks, TP=2 x DP=2, ZeRO stage 2
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		-m pretrain --config configs/tiny.toml $(ARGS)
 
-test: install  ## the whole suite: unit, dist (gloo ranks) and slurm tiers
-	$(VENV)/bin/pytest -q --timeout 900 tests $(PYTEST_ARGS)
+test: install  ## the whole suite: unit, dist (gloo ranks) and slurm tiers (-rs: skip reasons shown)
+	$(VENV)/bin/pytest -q -rs --timeout 900 tests $(PYTEST_ARGS)
+
+slurm-setup:  ## slurm-wlm for the slurm tier (root + apt-get); a no-op where slurmctld exists or apt is absent
+	@if command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ]; then echo "slurm-setup: slurmctld present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm \
+		|| echo "slurm-setup: apt-get install slurm-wlm failed; the slurm tier will skip"; \
+	else echo "slurm-setup: no root or no apt-get; the slurm tier will skip (install slurm-wlm to run it)"; fi
 
 test-fast: install  ## the unit tier only: single-process, under a minute
 	$(VENV)/bin/pytest -q --timeout 300 tests/unit $(PYTEST_ARGS)
@@ -25,4 +32,4 @@ test-fast: install  ## the unit tier only: single-process, under a minute
 gpu-check:  ## on a GPU machine (torch+CUDA; megatron-core from .whl/ if missing): runs/gpu-check/report.md
 	$${PYTHON_GPU:-python3} tools/gpu_check.py $(ARGS)
 
-.PHONY: install demo test test-fast gpu-check
+.PHONY: install demo test test-fast gpu-check slurm-setup

@@ -1,14 +1,18 @@
 """Writes configs/paper/*.toml, one per job of the ZeRO paper's reproduction CSV (run with --check in CI)."""
 import argparse
 import csv
+import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
+from zero3d.analysis.paper_configs import FIGURE4, paper_expectation, zero_choices as paper_zero_choices  # noqa: E402
+from zero3d.analysis.planner import PAPER_CONFIGS  # noqa: E402
 
 # The vendored copy when the repo has one, else the shared one beside the checkout; both are identical.
 DEFAULT_CSV = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
@@ -21,10 +25,8 @@ STEPS = 100  # a throughput run: enough steps for a median after warm-up
 # 1-2 GB per buffer on a 32 GB V100, the residual memory CB exists to bound. It is also the value
 # zero3d.analysis.estimate (DEFAULT_BUCKET_ELEMENTS) assumes, so the estimator's verdicts hold for these files.
 BUCKET_ELEMENTS = 50_000_000
-# Table III (facts §4.4): (stage, Pa, Pa+cpu); CB + MD are on in all five.
-ZERO_CONFIGS = {"C1": (1, False, False), "C2": (1, True, False), "C3": (2, False, False),
-                "C4": (2, True, False), "C5": (2, True, True)}
-FIGURE4 = {"40B": "C1", "60B": "C2", "50B": "C3", "140B": "C4", "150B": "C5"}  # facts §4.8
+# Table III (docs/zero-paper-facts.md §4.4): (stage, Pa, Pa+cpu); CB + MD are on in all five.
+ZERO_CONFIGS = {name: (z.stage, z.pa, z.pa_cpu) for name, z in PAPER_CONFIGS.items()}
 ASSUMED_TFLOPS_PER_GPU = 10.0  # for time limits: a quarter of the paper's ZeRO rate covers slow baselines
 
 
@@ -98,25 +100,9 @@ def jobs_of(row: Row) -> list:
 
 
 def zero_choices(row: Row) -> list:
-    """[(C-label or None, note)] per job: the ZeRO settings the paper used for this row."""
-    n = len(jobs_of(row))
-    if row.system == "baseline":
-        base = "PyTorch DDP" if row.mp == 1 else "Megatron-LM tensor parallelism"
-        return [(None, f"baseline: {base}, no ZeRO (stage 0, no Pa)")] * n
-    if row.figure == 4:
-        return [(FIGURE4[row.model], "facts §4.8: the figure's size for this configuration")] * n
-    if row.figure == 5:
-        return [(c, "facts §4.9: every configuration at both sizes") for c in ZERO_CONFIGS]
-    if row.figure == 6 and n > 1:
-        note = ("ASSUMPTION (facts §4.10): the table lists five batches but does not say which "
-                "configuration each belongs to; they are mapped to C1..C5 in order")
-        return [(c, note) for c in list(ZERO_CONFIGS)[:n]]
-    if row.model == "170B":
-        return [("C5", "facts §4.10: 170B needs Pa+cpu (C5) to run without OOM")] * n
-    if row.mp == 1:  # Figure 7 and the 1.5B bar of Figure 2
-        return [("C3", "DP only: ZeRO-100B's Pos+g with CB and MD; Pa has nothing to split at tp=1, "
-                       "so C4 reduces to C3")] * n
-    return [("C4", "ZeRO-100B = Pos+g with Pa (C4), CB and MD")] * n
+    """[(C-label or None, note)] per job: the ZeRO settings the paper used for this row
+    (zero3d.analysis.paper_configs, which `--plan csv` judges with too)."""
+    return paper_zero_choices(row.figure, row.model, row.system, row.mp, len(jobs_of(row)))
 
 
 def job_name(row: Row, label, gpus: int) -> str:
@@ -157,7 +143,7 @@ def render(row: Row, label, note: str, gpus: int, batch: int, total: int,
         f"# Figure {row.figure} (appendix numbering, facts §8.1), {row.model} {row.system}, {gpus} GPUs"
         + (f", ZeRO configuration {label}" if label else "") + ".",
         f"# ZeRO settings: {note}.",
-        "# Data: override data.tokenizer_model and data.prefix with an OpenWebText .bin/.idx (slurm/README.md).",
+        "# Data: override data.tokenizer_model and data.blend with OpenWebText .bin/.idx prefixes (slurm/README.md).",
         "",
         "[model]",
         f"num_layers = {row.layers}", f"hidden_size = {row.hidden}", f"num_attention_heads = {row.heads}",
@@ -169,19 +155,36 @@ def render(row: Row, label, note: str, gpus: int, batch: int, total: int,
         f"contiguous_checkpointing = {b(stage > 0)}  # MD: on in every ZeRO configuration",
         f"bucket_elements = {BUCKET_ELEMENTS:_}  # CB (see configs/generate_paper.py)",
         "", "[optimizer]", "lr = 1.5e-4", "min_lr = 1.5e-5", "warmup_steps = 10",
-        "", "[precision]", f'dtype = "{dtype}"',
+        "", "[precision]", f'dtype = "{dtype}"' + (
+            "  # the paper's fp16 mixed precision with dynamic loss scaling (precision.* defaults; facts §7)"
+            if dtype == "fp16" else ""),
         "", "[data]", 'corpus = "data/corpus.jsonl"', 'cache_dir = "runs/data"',
         "", "[train]", f"steps = {STEPS}", f"micro_batch_size = {batch}", f"global_batch_size = {total}",
         "eval_interval = 0  # a throughput run",
         "save_final = false  # no multi-TB checkpoint at the end (a stop signal still saves one)",
         "", "[logging]", f'name = "{name}"', f'wandb_group = "fig{row.figure}"',
         "", "[cluster]", f"nodes = {nodes}", f"gpus_per_node = {gpus_per_node}", f'gpu = "{gpu}"',
-        f"gpu_memory_gb = {gpu_memory_gb:g}", f'time_limit = "{time_limit(row, total, gpus)}"', ""])
+        f"gpu_memory_gb = {gpu_memory_gb:g}  # GiB", f'time_limit = "{time_limit(row, total, gpus)}"',
+        *paper_section(row, label), ""])
 
 
-def generate(csv_path=DEFAULT_CSV, gpus_per_node: int = 16, dtype: str = "bf16", gpu: str = "V100",
+def paper_section(row: Row, label) -> list:
+    """[paper] expected = "oom" for a job the paper reports out of memory (slurm/sweep.py skips it)."""
+    expected, reason = paper_expectation(row.figure, row.model, label)
+    if expected == "run":
+        return []
+    return ["", "[paper]", f'expected = "{expected}"', f"reason = {json.dumps(reason, ensure_ascii=False)}"]
+
+
+NO_BF16 = ("V100", "P100", "T4")  # GPUs without bf16 arithmetic
+
+
+def generate(csv_path=DEFAULT_CSV, gpus_per_node: int = 16, dtype: str = "fp16", gpu: str = "V100",
              gpu_memory_gb: float = 32.0) -> dict:
     """{file name: TOML text} for every job; raises GeneratorError naming the first bad row."""
+    if dtype == "bf16" and gpu in NO_BF16:
+        raise GeneratorError(f"--dtype bf16 with --gpu {gpu}: the {gpu} has no bf16; use --dtype fp16 (the "
+                             "paper's mixed precision) or name a GPU with bf16 (A100, H100, H200)")
     files = {}
     for row in read_rows(Path(csv_path)):
         check_row(row)
@@ -214,9 +217,10 @@ def main(argv=None) -> int:
     parser.add_argument("--csv", default=str(DEFAULT_CSV), help="reproduction-configs.csv")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the .toml files")
     parser.add_argument("--gpus-per-node", type=int, default=16, help="16 = DGX-2 as in the paper")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"], help="fp16 for V100s (no bf16)")
+    parser.add_argument("--dtype", default="fp16", choices=["bf16", "fp16"],
+                        help="fp16 (default): the paper's mixed precision, the only one V100s have")
     parser.add_argument("--gpu", default="V100", help="cluster.gpu")
-    parser.add_argument("--gpu-memory-gb", type=float, default=32.0, help="cluster.gpu_memory_gb")
+    parser.add_argument("--gpu-memory-gb", type=float, default=32.0, help="cluster.gpu_memory_gb, in GiB")
     parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what would be written")
     args = parser.parse_args(argv)
     import tempfile

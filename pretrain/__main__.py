@@ -5,16 +5,30 @@ Exit codes (pretrain/errors.py, docs/exit-codes.md): 0 ok, 1 unexpected (traceba
 75 interrupted after a complete checkpoint. Every known error is one line on stderr,
 `error: <what> (<where>): <how to fix>`; ZERO3D_DEBUG=1 or --debug adds its traceback.
 """
-import argparse
-import json
-import os
-import sys
+import signal
 
-from pretrain.config import ConfigError, load_config, validate_layout
-from pretrain.preflight import check_paths
-from pretrain.launch import check_master_resolves, launcher_env
-from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE
-from pretrain.status import record_failure, report, write_status
+if __name__ == "__main__":
+    # Slurm's SIGUSR1 (time-limit warning, preemption) can arrive while torch is still importing, and
+    # its default action kills the rank. Blocked from the first line, it stays pending until the train
+    # loop's handler is installed (StopRequest in pretrain/train.py unblocks it), then stops the run.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    import os as _os
+    import warnings as _warnings
+    if (_os.environ.get("RANK") or _os.environ.get("SLURM_PROCID") or "0") != "0":
+        # megatron-core warns at import about absent Apex/Transformer Engine and deprecated options:
+        # the same lines from every rank. Rank 0 prints them, once each.
+        _warnings.filterwarnings("ignore", module="megatron")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
+from pretrain.preflight import check_paths  # noqa: E402
+from pretrain.launch import check_master_resolves, launcher_env  # noqa: E402
+from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
+from pretrain.status import record_failure, report, write_status  # noqa: E402
 
 EXIT_ESTIMATE_TOO_BIG = 1  # --estimate: the layout does not fit the GPU memory
 
@@ -50,15 +64,14 @@ def record_config_error(args, err: ConfigError) -> None:
 
 
 def estimate(cfg) -> int:
-    from pretrain.memory_check import describe, estimate_config
-    from zero3d.analysis.estimate import GB, format_breakdown
+    from pretrain.memory_check import config_report
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     try:
         validate_layout(cfg, world)
-        result = estimate_config(cfg, world, cfg.cluster.gpu_memory_gb * GB)
+        result, table = config_report(cfg, world)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    print(format_breakdown(result, describe(cfg, world)))
+    print(table)
     return EXIT_OK if result.fits else EXIT_ESTIMATE_TOO_BIG
 
 
@@ -103,8 +116,9 @@ def main(argv=None) -> int:
         if training:
             from pretrain.topology import destroy_topology
             destroy_topology()
-    # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint; slurm/launch.sbatch requeues.
-    return EXIT_REQUEUE if result["stopped_early"] else EXIT_OK
+    # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint. slurm/launch.sbatch sets
+    # ZERO3D_INTERRUPTED_EXIT=0 (it decides from status.json; a 75 would fire srun's --kill-on-bad-exit).
+    return int(os.environ.get("ZERO3D_INTERRUPTED_EXIT", EXIT_REQUEUE)) if result["stopped_early"] else EXIT_OK
 
 
 if __name__ == "__main__":

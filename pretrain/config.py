@@ -126,6 +126,17 @@ class ClusterConfig:
     gpu_memory_gb: float = 80.0
     time_limit: str = "01:00:00"
     partition: Optional[str] = None
+    # Aggregate write bandwidth (GB/s) of the file system holding the checkpoints: slurm/submit.py
+    # sizes the SIGUSR1 warning before the time limit from it and the checkpoint's bytes.
+    checkpoint_write_gbps: float = 5.0
+
+
+@dataclass
+class PaperConfig:
+    """For configs/paper/: what the paper reports for this job; slurm/sweep.py skips "oom" jobs."""
+
+    expected: Literal["run", "oom"] = "run"
+    reason: str = ""  # why (which figure or table of the paper says so)
 
 
 @dataclass
@@ -139,6 +150,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    paper: PaperConfig = field(default_factory=PaperConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -363,6 +375,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              "cluster.nodes and cluster.gpus_per_node must be >= 1")
     _require(cfg.cluster.gpu_memory_gb > 0,
              f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb} is invalid; must be > 0")
+    _require(cfg.cluster.checkpoint_write_gbps > 0,
+             f"cluster.checkpoint_write_gbps = {cfg.cluster.checkpoint_write_gbps} must be > 0 (GB/s)")
     if world_size is not None:
         validate_layout(cfg, world_size)
 

@@ -73,7 +73,8 @@ def launcher_env() -> dict:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1"))
         # A port derived from the job id, so concurrent jobs on one node do not collide.
-        port = env.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID", "0") % 20000)
+        # Below Linux's ephemeral range (32768-60999), so a connecting socket cannot already hold it.
+        port = env.get("MASTER_PORT") or str(20000 + _env_int("SLURM_JOB_ID", "0") % 10000)
         return check_launch(dict(
             rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NTASKS", minimum=1),
             local_rank=_env_int("SLURM_LOCALID", "0"), master_addr=env.get("MASTER_ADDR", nodes[0]),

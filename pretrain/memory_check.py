@@ -1,9 +1,12 @@
 """Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts."""
-import torch
-import torch.distributed as dist
-
 from pretrain.config import Config, ConfigError
-from zero3d.analysis.estimate import GB, MemoryBreakdown, estimate_from_shape, format_breakdown
+from zero3d.analysis.estimate import GB, GIB, MemoryBreakdown, estimate_from_shape, format_breakdown
+
+
+def config_budget_bytes(cfg: Config) -> float:
+    """The device memory a config describes: cluster.gpu_memory_gb in GiB, the unit vendors label
+    cards in (a "32 GB" V100 carries 32 GiB); the planner budgets the same (docs/estimator.md)."""
+    return cfg.cluster.gpu_memory_gb * GIB
 
 
 def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
@@ -27,23 +30,37 @@ def describe(cfg: Config, world_size: int) -> str:
             f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}")
 
 
-def check_memory(cfg: Config, world_size: int, device: torch.device, is_main: bool) -> MemoryBreakdown:
+def config_report(cfg: Config, world_size: int) -> tuple:
+    """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
+    estimate = estimate_config(cfg, world_size, config_budget_bytes(cfg))
+    device = f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
+    return estimate, format_breakdown(estimate, describe(cfg, world_size), device=device)
+
+
+def check_memory(cfg: Config, world_size: int, device, is_main: bool) -> MemoryBreakdown:
     """Print the estimate on rank 0; on CUDA refuse (every rank alike) a config that does not fit.
 
     The smallest device memory over all ranks is the budget, so every rank takes the same decision.
-    On CPU ranks there is no device budget: the estimate is printed for information only.
+    On CPU ranks there is no device budget: the table is printed for the device the config
+    describes, and the verdict says that nothing was checked.
     """
-    if device.type == "cuda":
-        budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
-        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-        gpu_memory = budget.item()
-    else:
-        gpu_memory = cfg.cluster.gpu_memory_gb * GB
+    import torch
+    import torch.distributed as dist
+    if device.type != "cuda":
+        estimate, table = config_report(cfg, world_size)
+        if is_main:
+            print(table.rsplit("\n", 1)[0] + f"\nCPU run: no device memory check (the estimate is for "
+                  f"{cfg.cluster.gpu}, {config_budget_bytes(cfg) / GIB:g} GiB)", flush=True)
+        return estimate
+    budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
+    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    gpu_memory = budget.item()
     estimate = estimate_config(cfg, world_size, gpu_memory)
-    table = format_breakdown(estimate, describe(cfg, world_size))
+    name = torch.cuda.get_device_name(device)
+    table = format_breakdown(estimate, describe(cfg, world_size), device=f"{name} (smallest over the ranks)")
     if is_main:
         print(table, flush=True)
-    if device.type == "cuda" and not estimate.fits and not cfg.train.ignore_memory_estimate:
+    if not estimate.fits and not cfg.train.ignore_memory_estimate:
         raise ConfigError(f"the memory estimate exceeds the device memory "
                           f"({estimate.total_bytes / GB:.2f} GB > {gpu_memory / GB:.2f} GB); lower "
                           "train.micro_batch_size, raise zero.stage or parallel.tensor, enable "

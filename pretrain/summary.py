@@ -24,10 +24,12 @@ def summary_from_records(records: list, warmup: int, world_size: int) -> dict:
     """The table's figures for one run: medians over the steps after `warmup`, peaks over all steps.
 
     Used by the collector and, at the end of training, by the loop for the W&B run summary
-    (MetricsLogger.set_summary). If no step is past the warm-up, every logged step is used.
+    (MetricsLogger.set_summary). If no step is past the warm-up, every logged step is used and
+    "summary/warmup_only" says so: such medians include the slow first steps.
     """
     records = sorted(records, key=lambda r: r.get("step", 0))
-    measured = [r for r in records if r.get("step", 0) > warmup] or records
+    past = [r for r in records if r.get("step", 0) > warmup]
+    measured = past or records
     tflops = _median(measured, "perf/tflops_per_gpu")
     peaks = [r.get("mem/max_allocated_bytes", r.get("mem/rss_bytes")) for r in records]
     reserved = [r["mem/max_reserved_bytes"] for r in records if "mem/max_reserved_bytes" in r]
@@ -35,6 +37,7 @@ def summary_from_records(records: list, warmup: int, world_size: int) -> dict:
         "summary/world_size": world_size,
         "summary/steps": records[-1].get("step", len(records)) if records else 0,
         "summary/measured_steps": len(measured),
+        "summary/warmup_only": bool(records) and not past,
         "summary/tflops_per_gpu": tflops,
         "summary/pflops": tflops * world_size / 1000 if tflops is not None else None,
         "summary/tokens_per_s": _median(measured, "perf/tokens_per_s"),

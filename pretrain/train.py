@@ -101,6 +101,8 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        # `python -m pretrain` blocks SIGUSR1 until now: one that came early is delivered here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
     def _on_signal(self, signum, frame):
         self.requested = True

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 sys.path.insert(0, str(REPO_ROOT))
 
 from pretrain.summary import read_records, summary_from_records  # noqa: E402
@@ -20,7 +21,8 @@ PAPER_FIGURES = [
     (2, "zero", 8, 100, "pflops", 15.0, "15 PFLOP/s average, 8B-100B"),
     (2, "baseline", 40, 40, "tflops_per_gpu", 5.0, "Megatron 40B across 2 nodes ~5"),
     (2, "baseline", 0, 20, "tflops_per_gpu", 30.0, "Megatron within a node ~30"),
-    (7, "zero", 13, 13, "tflops_per_gpu", 40.0, "13B DP-only >40"),
+    # §4.11: ">40 TFLOP/s per GPU" is the average over the DP-only ZeRO runs up to 13B, not the 13B bar
+    (7, "zero", 1.5, 13, "tflops_per_gpu", 40.0, "DP-only average 1.5B-13B >40"),
     (7, "baseline", 1.1, 1.45, "tflops_per_gpu", 20.0, "1.4B DDP <20"),
 ]
 OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory|oom[-_]kill", re.IGNORECASE)
@@ -30,7 +32,7 @@ ERROR = re.compile(r"\berror:", re.IGNORECASE)  # srun/slurmstepd errors: the sy
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes each rank's traceback
 COLUMNS = ["run", "figure", "model", "system", "config", "gpus", "mp", "batch_per_gpu", "global_batch",
            "params_B", "tflops_per_gpu", "pflops", "peak_mem_GB", "comm_elements_per_step", "steps",
-           "status", "reason"]
+           "measured_steps", "status", "reason"]
 
 
 def param_count(layers: int, hidden: int, vocab: int, seq: int) -> int:
@@ -92,10 +94,17 @@ def collect_run(run_dir, config_path=None, warmup: int = DEFAULT_WARMUP) -> dict
     cfg = load_run_config(run_dir, config_path)
     m, c, t = cfg["model"], cfg["cluster"], cfg["train"]
     job = json.loads((run_dir / "job.json").read_text()) if (run_dir / "job.json").is_file() else {}
-    world = job.get("world_size") or c["nodes"] * c["gpus_per_node"]
+    # The ranks that trained (status.json, from rank 0) over the job's task count over the config's.
+    status_file = run_dir / "status.json"
+    trained = json.loads(status_file.read_text()).get("world_size") if status_file.is_file() else None
+    world = trained or job.get("world_size") or c["nodes"] * c["gpus_per_node"]
     records = read_records(run_dir / "metrics.jsonl")
     summary = summary_from_records(records, warmup, world)
     status, reason = run_status(run_dir, records, t["steps"])
+    if summary.get("summary/warmup_only"):
+        note = (f"warm-up only: {len(records)} logged step(s), none past --warmup {warmup}; "
+                "the medians include warm-up steps")
+        reason = f"{reason}; {note}" if reason else note
     system, config = system_of(cfg)
     name = cfg["logging"]["name"]
     match = re.fullmatch(r"fig(\d+)_([0-9p]+B)_.*", name)
@@ -108,7 +117,8 @@ def collect_run(run_dir, config_path=None, warmup: int = DEFAULT_WARMUP) -> dict
            "params_B": round(params / 1e9, 3), "tflops_per_gpu": summary.get("summary/tflops_per_gpu"),
            "pflops": summary.get("summary/pflops"), "peak_mem_GB": peak / 1e9 if peak is not None else None,
            "comm_elements_per_step": summary.get("summary/comm_elements_per_step"),
-           "steps": summary["summary/steps"], "status": status, "reason": reason}
+           "steps": summary["summary/steps"], "measured_steps": summary["summary/measured_steps"],
+           "warmup_only": bool(summary.get("summary/warmup_only")), "status": status, "reason": reason}
     return row
 
 
@@ -131,7 +141,7 @@ def _fmt(value) -> str:
 def write_tables(rows: list, out: Path) -> list:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "table.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -143,51 +153,79 @@ def write_tables(rows: list, out: Path) -> list:
     return [out / "table.csv", out / "table.md"]
 
 
-def plot(rows: list, path: Path) -> Path:
-    """Bars of TFLOP/s per GPU and aggregate PFLOP/s per run, ZeRO vs baseline, with the paper's figures."""
+def _variant(r: dict) -> str:
+    return f"{r['gpus']} GPUs" if r["figure"] == 3 else r["config"] if r["figure"] in (4, 5, 6) else ""
+
+
+def bar_slots(rows: list) -> tuple:
+    """([(model, variant)] x groups, {row index: (x, width)}): every run its own bar, side by side inside
+    its group (ZeRO before baseline, then by figure), so no two bars overlap."""
+    keys, members = [], {}
+    for i, r in enumerate(rows):
+        key = (r["model"], _variant(r))
+        if key not in members:
+            keys.append(key)
+            members[key] = []
+        members[key].append(i)
+    slots = {}
+    for x, key in enumerate(keys):
+        group = sorted(members[key], key=lambda i: (rows[i]["system"] != "zero", str(rows[i]["figure"])))
+        width = 0.8 / len(group)
+        for k, i in enumerate(group):
+            slots[i] = (x - 0.4 + width * (k + 0.5), width)
+    return keys, slots
+
+
+def plot(rows: list, path: Path) -> tuple:
+    """Bars of TFLOP/s per GPU and aggregate PFLOP/s per run, ZeRO vs baseline, with the paper's figures.
+
+    The legend lists only what is drawn; runs whose medians include warm-up steps are hatched.
+    Returns (path, legend labels).
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = sorted(rows, key=lambda r: (r["params_B"], r["gpus"], r["config"], r["system"]))
-    keys = []  # one x position per (model, variant); ZeRO and baseline side by side
-    for r in rows:
-        variant = f"{r['gpus']} GPUs" if r["figure"] == 3 else r["config"] if r["figure"] in (4, 5, 6) else ""
-        r["_x"] = (r["model"], variant)
-        if r["_x"] not in keys:
-            keys.append(r["_x"])
+    keys, slots = bar_slots(rows)
     fig, axes = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(keys) + 2), 8), sharex=True)
     colors = {"zero": "tab:blue", "baseline": "tab:orange"}
+    names = {"zero": "ZeRO (measured)", "baseline": "baseline (measured)"}
+    legend = {}
     for ax, metric, label in zip(axes, ("tflops_per_gpu", "pflops"), ("TFLOP/s per GPU", "aggregate PFLOP/s")):
-        for r in rows:
-            x = keys.index(r["_x"]) + (-0.2 if r["system"] == "zero" else 0.2)
+        for i, r in enumerate(rows):
+            x, width = slots[i]
             if r[metric] is not None and r["status"] == "ok":
-                ax.bar(x, r[metric], width=0.4, color=colors[r["system"]])
+                hatch = "//" if r.get("warmup_only") else None
+                ax.bar(x, r[metric], width=width, color=colors[r["system"]], hatch=hatch, edgecolor="black")
+                legend[names[r["system"]]] = plt.Rectangle((0, 0), 1, 1, color=colors[r["system"]])
+                if hatch:
+                    legend["median includes warm-up steps"] = plt.Rectangle(
+                        (0, 0), 1, 1, facecolor="white", edgecolor="black", hatch=hatch)
             else:
                 ax.text(x, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=8)
         for figure, system, lo, hi, key, value, text in PAPER_FIGURES:
             # a point belongs to the run of that size label; a span to the runs inside it (±10%)
-            xs = [keys.index(r["_x"]) for r in rows if key == metric and r["system"] == system
-                  and r["figure"] in (figure, "")
-                  and (r["model"] == f"{lo:g}B" if lo == hi else 0.9 * lo <= r["params_B"] <= 1.1 * hi)]
-            if xs:  # over this system's half of the bars
-                left, right = (-0.4, 0.0) if system == "zero" else (0.0, 0.4)
-                ax.hlines(value, min(xs) + left, max(xs) + right, colors="black", linestyles="--")
-                ax.annotate(text, (min(xs) + left, value), fontsize=7, xytext=(0, 3), textcoords="offset points")
+            idx = [i for i, r in enumerate(rows) if key == metric and r["system"] == system
+                   and r["figure"] in (figure, "")
+                   and (r["model"] == f"{lo:g}B" if lo == hi else 0.9 * lo <= r["params_B"] <= 1.1 * hi)]
+            if idx:  # over exactly those runs' bars
+                left = min(slots[i][0] - slots[i][1] / 2 for i in idx)
+                right = max(slots[i][0] + slots[i][1] / 2 for i in idx)
+                ax.hlines(value, left, right, colors="black", linestyles="--")
+                ax.annotate(text, (left, value), fontsize=7, xytext=(0, 3), textcoords="offset points")
+                legend["paper, approx"] = plt.Line2D([0], [0], color="black", linestyle="--")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
-    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-               + [plt.Line2D([0], [0], color="black", linestyle="--")],
-               labels=["ZeRO (measured)", "baseline (measured)", "paper, approx"], loc="upper center", ncol=3)
+    if legend:
+        fig.legend(handles=list(legend.values()), labels=list(legend), loc="upper center", ncol=2, fontsize=8)
     axes[1].set_xticks(range(len(keys)), [f"{m}\n{v}" if v else m for m, v in keys])
     axes[1].set_xlabel("model size")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    for r in rows:
-        r.pop("_x", None)
-    return path
+    return path, list(legend)
 
 
 def main(argv=None) -> int:
@@ -209,7 +247,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     written = write_tables(rows, out)
     if not args.no_plot:
-        written.append(plot(rows, out / "scaling.png"))
+        written.append(plot(rows, out / "scaling.png")[0])
     print((out / "table.md").read_text())
     print("wrote " + ", ".join(map(str, written)))
     return 0

@@ -40,10 +40,12 @@ SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+# No slurmdbd here, so no sacct: each job end (requeues included) is a line in jobcomp.log instead.
+JobCompType=jobcomp/filetxt
+JobCompLoc={dir}/jobcomp.log
 MpiDefault=none
 ReturnToService=2
-# Finished jobs stay visible to `scontrol show job` (no accounting, so no sacct) for 10 minutes.
+# Finished jobs stay visible to `scontrol show job` for 10 minutes.
 MinJobAge=600
 SlurmdParameters=config_overrides
 SlurmctldTimeout=30
@@ -195,6 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("action", choices=["start", "stop", "status"])
     parser.add_argument("--dir", default="/tmp/zero3d-slurm", help="config, state, spool and logs")
     parser.add_argument("--no-install", action="store_true", help="fail instead of apt-get installing slurm-wlm")
+    # (the test tier never installs: tests/slurm/conftest.py skips, naming `make slurm-setup`)
     args = parser.parse_args(argv)
     cluster = LocalCluster(args.dir)
     if args.action == "start":

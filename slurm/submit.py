@@ -15,6 +15,13 @@ sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
+# SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
+# writes its checkpoint shard, so the warning must cover one step plus the whole checkpoint's write.
+WARNING_SAFETY = 2.0  # file systems slow down when every rank writes at once
+WARNING_SLACK_S = 60  # the agreed stop, the barriers, status.json, srun's teardown
+WARNING_FLOOR_S = 180
+WARNING_MAX_S = 65535  # Slurm's limit for --signal=SIG@TIME
+ASSUMED_TFLOPS_PER_GPU = 10.0  # a pessimistic step time: configs/generate_paper.py sizes time limits alike
 
 
 @dataclass
@@ -38,6 +45,44 @@ class Job:
         return (env + " " if env else "") + shlex.join(self.sbatch)
 
 
+def checkpoint_bytes(cfg: Config, world: int) -> float:
+    """Bytes one checkpoint writes: every rank saves its parameters and its optimizer shard (fp32
+    master + Adam moments), as pretrain/checkpoint.py does; from zero3d's memory estimator."""
+    from pretrain.memory_check import config_budget_bytes, estimate_config
+    m = estimate_config(cfg, world, config_budget_bytes(cfg))
+    return world * (m.param_bytes + m.optimizer_bytes)
+
+
+def step_seconds(cfg: Config, world: int) -> float:
+    """One training step at ASSUMED_TFLOPS_PER_GPU (Megatron's FLOPs formula, full recomputation)."""
+    m = cfg.model
+    tokens = cfg.train.global_batch_size * m.seq_length
+    h, layers = m.hidden_size, m.num_layers
+    flops = 96 * tokens * layers * h * h * (1 + m.seq_length / (6 * h)) + 6 * tokens * h * m.vocab_size
+    return flops / (world * ASSUMED_TFLOPS_PER_GPU * 1e12)
+
+
+def warning_seconds(cfg: Config, world: int) -> int:
+    """--signal=USR1@T: T covers one step plus the checkpoint's write at cluster.checkpoint_write_gbps,
+    times WARNING_SAFETY, plus slack; at least WARNING_FLOOR_S."""
+    write = checkpoint_bytes(cfg, world) / (cfg.cluster.checkpoint_write_gbps * 1e9)
+    needed = WARNING_SAFETY * (write + step_seconds(cfg, world)) + WARNING_SLACK_S
+    return int(min(WARNING_MAX_S, max(WARNING_FLOOR_S, -(-needed // 1))))
+
+
+def time_limit_seconds(text: str) -> int:
+    """Slurm's [D-]HH:MM:SS / MM:SS / MM → seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if len(parts) == 1:
+        parts = [0, parts[0], 0]
+    elif len(parts) == 2 and not days:
+        parts = [0, *parts]
+    while len(parts) < 3:
+        parts.append(0)
+    return int(days or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
 def build_job(config_path: str, overrides=(), cpu: bool = False, container=None, requeue: bool = False,
               extra_sbatch=()) -> Job:
     """Load + validate (world = nodes × gpus_per_node) and build the sbatch command; raises ConfigError."""
@@ -50,8 +95,9 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     world = c.nodes * c.gpus_per_node
     validate_layout(cfg, world)
     run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
+    warning = warning_seconds(cfg, world)
     sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={c.nodes}",
-              f"--ntasks-per-node={c.gpus_per_node}", f"--time={c.time_limit}",
+              f"--ntasks-per-node={c.gpus_per_node}", f"--time={c.time_limit}", f"--signal=USR1@{warning}",
               f"--output={run_dir}/slurm-%j.out", f"--chdir={REPO_ROOT}"]
     if not cpu:
         # Whole nodes: throughput numbers from shared nodes are not comparable; --mem=0 gives the job
@@ -68,6 +114,12 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     if requeue:
         env["ZERO3D_REQUEUE"] = "1"
     notes = []
+    limit = time_limit_seconds(c.time_limit)
+    if warning >= limit:
+        notes.append(f"the stop warning (USR1 {warning} s before the limit, for a "
+                     f"{checkpoint_bytes(cfg, world) / 1e9:.0f} GB checkpoint at cluster.checkpoint_write_gbps = "
+                     f"{c.checkpoint_write_gbps:g}) is longer than cluster.time_limit = {c.time_limit}: "
+                     "the run stops at its first step")
     if cfg.parallel.tensor > c.gpus_per_node and cfg.zero.stage > 0:  # baselines cross nodes on purpose
         # Megatron ranks are consecutive, so TP groups fill nodes; bigger ones cross the network.
         notes.append(f"parallel.tensor = {cfg.parallel.tensor} > cluster.gpus_per_node = {c.gpus_per_node}: "
@@ -82,7 +134,7 @@ def launch_preview(job: Job) -> str:
                           env=env, capture_output=True, text=True, cwd=REPO_ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{LAUNCHER} dry run failed: {proc.stderr}")
-    return proc.stdout.replace("MASTER_PORT=20000", "MASTER_PORT=<20000 + job id % 20000>")
+    return proc.stdout.replace("MASTER_PORT=20000", "MASTER_PORT=<20000 + job id % 10000>")
 
 
 def submit(job: Job) -> str:
@@ -96,10 +148,11 @@ def submit(job: Job) -> str:
     return proc.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
 
 
-def preflight(config_path: str, overrides: list) -> Path:
-    """Inside the job: validate for this allocation, record config.json and job.json, return run_dir."""
+def preflight(config_path: str, overrides: list, world: int) -> Path:
+    """Inside the job: validate for the job's `world` ranks (launch.sbatch passes the job's
+    SLURM_NTASKS: in a one-task container step the step's own is 1), record config.json and
+    job.json, return run_dir."""
     cfg = load_config(config_path, overrides)
-    world = int(os.environ.get("SLURM_NTASKS", cfg.cluster.nodes * cfg.cluster.gpus_per_node))
     validate_layout(cfg, world)
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +179,7 @@ def parse_args(argv=None):
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                         help="extra sbatch argument, e.g. --sbatch=--account=abc (repeatable)")
     parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # launch.sbatch's own step
+    parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)  # the job's task count, for --preflight
     return parser.parse_args(argv)
 
 
@@ -133,7 +187,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         if args.preflight:
-            print(preflight(args.config, args.overrides))
+            if not args.world_size or args.world_size < 1:
+                print(f"--preflight needs --world-size N >= 1 (the job's task count), got {args.world_size}",
+                      file=sys.stderr)
+                return 2
+            print(preflight(args.config, args.overrides, args.world_size))
             return 0
         job = build_job(args.config, args.overrides, cpu=args.cpu, container=args.container,
                         requeue=args.requeue, extra_sbatch=args.sbatch)

@@ -44,20 +44,28 @@ def main(argv=None) -> int:
     parser.add_argument("--requeue", action="store_true", help="requeue after preemption / SIGUSR1 checkpoints")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (local test cluster)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch argument")
+    parser.add_argument("--include-oom", action="store_true",
+                        help='also submit jobs the paper reports out of memory ([paper] expected = "oom")')
     parser.add_argument("--configs-dir", default=str(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         paths = figure_configs(None if args.all else args.figure, Path(args.configs_dir))
-        jobs = []
+        jobs, skipped = [], []
         for path in paths:  # build (and so validate) every job before submitting any
             overrides = node_overrides(path, args.gpus_per_node) + list(args.overrides)
             if args.group:
                 overrides.append(f"logging.wandb_group={args.group}")
-            jobs.append(build_job(str(path), overrides, cpu=args.cpu, container=args.container,
-                                  requeue=args.requeue, extra_sbatch=args.sbatch))
+            job = build_job(str(path), overrides, cpu=args.cpu, container=args.container,
+                            requeue=args.requeue, extra_sbatch=args.sbatch)
+            if job.cfg.paper.expected == "oom" and not args.include_oom:
+                skipped.append(job)
+            else:
+                jobs.append(job)
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    for job in skipped:
+        print(f"skipped {job.name}: {job.cfg.paper.reason} (--include-oom submits it)", file=sys.stderr)
     failures = 0
     for job in jobs:
         for note in job.notes:
@@ -72,7 +80,8 @@ def main(argv=None) -> int:
             failures += 1
             print(f"{job.name}\tFAILED: {err}", file=sys.stderr, flush=True)
     if args.dry_run:
-        print(f"{len(jobs)} jobs (dry run, nothing submitted)")
+        print(f"{len(jobs)} jobs (dry run, nothing submitted); {len(skipped)} the paper reports out of memory "
+              "skipped")
     return 1 if failures else 0
 
 

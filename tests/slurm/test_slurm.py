@@ -1,20 +1,19 @@
 """Slurm launch path on a real single-node Slurm (slurm-wlm), plus the collector and run summaries."""
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 
 from slurm import collect, submit
-from slurm.local_cluster import LocalCluster, SlurmUnavailable, ensure_installed
+from tests.slurm.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def records(steps, tflops=lambda s: 10.0, **extra):
@@ -33,7 +32,8 @@ def test_summary_medians_after_warmup_and_peaks_over_all_steps():
     assert summary["summary/comm_elements_per_step"] == 5.0 and summary["summary/world_size"] == 400
     assert "summary/mfu" not in summary  # not logged on CPU: left out, not None
     short = collect.summary_from_records(records(3), warmup=10, world_size=4)
-    assert short["summary/measured_steps"] == 3  # everything past no warm-up: use all steps
+    assert short["summary/measured_steps"] == 3 and short["summary/warmup_only"]  # none past: all, flagged
+    assert not summary["summary/warmup_only"]
     assert collect.summary_from_records([], warmup=10, world_size=4)["summary/steps"] == 0
 
 
@@ -87,6 +87,77 @@ def test_collector_rows_for_ok_oom_failed_and_missing_runs(tmp_path):
     assert (out / "scaling.png").stat().st_size > 10_000 and len((out / "table.csv").read_text().splitlines()) == 6
 
 
+def test_plot_bars_never_overlap_and_the_legend_lists_what_is_drawn(tmp_path):
+    z7, b7 = "configs/paper/fig7_1p5B_zero.toml", "configs/paper/fig7_1p38B_baseline.toml"
+    runs = [fake_run(tmp_path, "a", "configs/paper/fig2_1p5B_zero.toml", steps=30, status={"status": "ok"}),
+            fake_run(tmp_path, "b", z7, steps=30, status={"status": "ok"}),  # same model, same variant
+            fake_run(tmp_path, "c", "configs/paper/fig7_13B_zero.toml", steps=5, status={"status": "ok"}),
+            fake_run(tmp_path, "d", b7, steps=1, log="torch.OutOfMemoryError: CUDA out of memory.\n",
+                     status={"status": "failed", "reason": "exception"})]
+    rows = [collect.collect_run(r, warmup=10) for r in runs]
+    assert [r["warmup_only"] for r in rows] == [False, False, True, True]
+    assert "warm-up only: 5 logged step(s), none past --warmup 10" in rows[2]["reason"]
+    keys, slots = collect.bar_slots(rows)
+    assert keys.count(("1.5B", "")) == 1
+    spans = sorted((x - w / 2, x + w / 2) for x, w in slots.values())
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:]))  # side by side, never on top
+    _, labels = collect.plot(rows, tmp_path / "scaling.png")
+    # no baseline bar is drawn (its only run is out of memory); the 13B point is no paper figure
+    assert sorted(labels) == ["ZeRO (measured)", "median includes warm-up steps", "paper, approx"]
+    assert [f for f in collect.PAPER_FIGURES if f[0] == 7 and f[2] == f[3] == 13] == []
+
+
+def test_stop_warning_covers_a_step_and_the_checkpoint_write():
+    from pretrain.config import load_config
+    cfg = load_config(REPO / "configs/paper/fig2_100B_zero.toml")
+    from zero3d.analysis.estimate import gpt_param_count
+    psi = gpt_param_count(125, 8192, 50257, 1024, tp=16)  # per TP rank; the estimator's own test pins it
+    # every rank: fp16 parameters (2Ψ) + its 1/N_d of the fp32 master and Adam moments (12Ψ / 25)
+    assert submit.checkpoint_bytes(cfg, 400) == pytest.approx(400 * (2 * psi + 12 * psi / 25), rel=1e-12)
+    tokens, h = 800 * 1024, 8192
+    flops = 96 * tokens * 125 * h * h * (1 + 1024 / (6 * h)) + 6 * tokens * h * 50257
+    assert submit.step_seconds(cfg, 400) == flops / (400 * 10e12)
+    write = submit.checkpoint_bytes(cfg, 400) / 5e9  # cluster.checkpoint_write_gbps default
+    assert submit.warning_seconds(cfg, 400) == math.ceil(2 * (write + submit.step_seconds(cfg, 400)) + 60)
+    faster = load_config(REPO / "configs/paper/fig2_100B_zero.toml", ["cluster.checkpoint_write_gbps=1000"])
+    assert submit.warning_seconds(faster, 400) < submit.warning_seconds(cfg, 400)
+    assert submit.warning_seconds(load_config(REPO / "configs/tiny.toml"), 4) == submit.WARNING_FLOOR_S
+    assert [submit.time_limit_seconds(t) for t in ("05:30:00", "1-00:00:00", "90", "10:30")] == [19800, 86400, 5400, 630]
+    with pytest.raises(Exception, match="cluster.checkpoint_write_gbps = 0.0 must be > 0"):
+        load_config(REPO / "configs/tiny.toml", ["cluster.checkpoint_write_gbps=0"])
+
+
+def test_master_port_stays_below_the_ephemeral_range(monkeypatch):
+    job = submit.build_job("configs/tiny.toml", [])
+    for job_id in ("0", "12999", "29999", "987654"):
+        env = dict(os.environ, ZERO3D_DRY_RUN="1", SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO))
+        out = subprocess.run(["bash", str(REPO / submit.LAUNCHER), job.config_path], env=env, capture_output=True,
+                             text=True, cwd=REPO).stdout
+        port = int(re.search(r"MASTER_PORT=(\d+)", out).group(1))
+        assert 20000 <= port < 30000 and port == 20000 + int(job_id) % 10000, out
+
+
+def test_preflight_needs_the_jobs_task_count(capsys, tmp_path):
+    assert submit.main(["--preflight", "--config", "configs/tiny.toml"]) == 2
+    assert "--preflight needs --world-size N >= 1 (the job's task count), got None" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    assert submit.main(["--preflight", "--world-size", "4", "--config", "configs/tiny.toml",
+                        f"logging.run_dir={run_dir}"]) == 0
+    assert json.loads((run_dir / "job.json").read_text())["world_size"] == 4
+    assert submit.main(["--preflight", "--world-size", "3", "--config", "configs/tiny.toml"]) == 2
+    assert "world size 3 is not divisible by parallel.tensor × parallel.pipeline = 2" in capsys.readouterr().err
+
+
+def test_cpu_ranks_get_no_device_verdict(capsys):
+    import torch
+    from pretrain.config import load_config
+    from pretrain.memory_check import check_memory
+    check_memory(load_config(REPO / "configs/tiny.toml"), 4, torch.device("cpu"), is_main=True)
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("CPU run: no device memory check (the estimate is for H100, 80 GiB)")
+    assert "fits" not in out
+
+
 def test_launcher_dry_run_with_container(monkeypatch):
     job = submit.build_job("configs/tiny.toml", ["train.steps=2"], container="/img/zero3d.sqsh", requeue=True)
     monkeypatch.setenv("ZERO3D_CONTAINER_MOUNTS", "/data:/data")
@@ -99,101 +170,20 @@ def test_launcher_dry_run_with_container(monkeypatch):
 # ---------------------------------------------------------------- a real Slurm
 
 
-class SlurmSkipped(RuntimeWarning):
-    """Shown in pytest's warnings summary, so a skipped Slurm test is never a silent pass."""
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    try:
-        if os.geteuid() != 0:  # slurmd starts job steps as their owner: it runs as root
-            raise SlurmUnavailable("the local slurmd needs root (run the tests as root, as CI does)")
-        ensure_installed()
-    except SlurmUnavailable as err:
-        warnings.warn(SlurmSkipped(f"Slurm tests skipped: {err}"))
-        pytest.skip(f"no Slurm on this machine: {err}")
-    local = LocalCluster(tmp_path_factory.mktemp("slurm"))
-    try:
-        local.start()
-        yield local
-    finally:
-        local.stop()
-
-
-def wait_for(cluster: LocalCluster, job_id: str, log_glob: Path, timeout: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(),
-                             capture_output=True, text=True).stdout
-        fields = dict(re.findall(r"(\w+)=(\S*)", out))
-        if fields.get("JobState") in TERMINAL:
-            return fields
-        if time.monotonic() > deadline:
-            logs = "\n".join(p.read_text(errors="replace")[-4000:] for p in log_glob.parent.glob(log_glob.name))
-            subprocess.run(["scancel", job_id], env=cluster.env())
-            pytest.fail(f"job {job_id} not finished after {timeout:.0f}s ({fields.get('JobState')})\n{logs}\n"
-                        f"{cluster.logs()}")
-        time.sleep(1)
-
-
-@pytest.mark.timeout(420)
-def test_tiny_config_trains_through_sbatch_and_srun(cluster, tmp_path):
-    env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
-    jobs = {}
-    for name, extra in (("ok", []), ("broken", ["data.corpus=/nonexistent/corpus.jsonl"])):
-        run_dir = tmp_path / name
-        cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
-               "logging.wandb=false", f"logging.run_dir={run_dir}", *extra]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr
-        jobs[name] = (proc.stdout.strip(), run_dir)
-    states = {name: wait_for(cluster, job_id, run_dir / "slurm-*.out") for name, (job_id, run_dir) in jobs.items()}
-
-    job_id, run_dir = jobs["ok"]
-    log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert states["ok"]["JobState"] == "COMPLETED" and states["ok"]["ExitCode"] == "0:0", log
-    assert states["ok"]["NumTasks"] == "4"
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4], log
-    job = json.loads((run_dir / "job.json").read_text())
-    assert (job["job_id"], job["world_size"], job["nodes"]) == (job_id, 4, 1)
-    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 4
-    row = collect.collect_run(run_dir, warmup=1)
-    assert (row["status"], row["gpus"], row["mp"], row["steps"], row["config"]) == ("ok", 4, 2, 4, "C3")
-    assert row["tflops_per_gpu"] > 0 and row["peak_mem_GB"] > 0 and row["comm_elements_per_step"] > 0
-
-    job_id, run_dir = jobs["broken"]
-    assert states["broken"]["JobState"] == "FAILED"
-    row = collect.collect_run(run_dir, warmup=1)
-    assert (row["status"], row["reason"]) == ("failed", "DataError: corpus '/nonexistent/corpus.jsonl' does not exist")
-
-
 @pytest.mark.timeout(300)
-def test_exit_75_requeues_the_job_and_it_continues(cluster, tmp_path):
-    # A stand-in interpreter: the "training" exits 75 (checkpoint saved on SIGUSR1) in the first
-    # allocation and 0 after the requeue; the preflight goes to the real Python.
-    fake = tmp_path / "python"
-    fake.write_text(f"""#!/bin/bash
-if [[ $1 == -m ]]; then echo "rank $SLURM_PROCID restart ${{SLURM_RESTART_COUNT:-0}}"
-    [[ ${{SLURM_RESTART_COUNT:-0}} == 0 ]] && exit 75; exit 0; fi
-exec {sys.executable} "$@"
-""")
-    fake.chmod(0o755)
-    run_dir = tmp_path / "run"
-    env = cluster.env(dict(os.environ, ZERO3D_PYTHON=str(fake)))
-    proc = subprocess.run([sys.executable, "slurm/submit.py", "--cpu", "--requeue", "--config", "configs/tiny.toml",
-                           f"logging.run_dir={run_dir}"], env=env, capture_output=True, text=True, cwd=REPO)
+def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
+    """(A job that trains, in container mode, and one preempted and requeued: tests/slurm/test_preemption.py.)"""
+    env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
+    run_dir = tmp_path / "broken"
+    cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
+           "logging.wandb=false", f"logging.run_dir={run_dir}", "data.corpus=/nonexistent/corpus.jsonl"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
-    deadline = time.monotonic() + 120
-    while "Restarts=1" not in (show := subprocess.run(["scontrol", "show", "job", "-o", job_id], env=cluster.env(),
-                                                      capture_output=True, text=True).stdout):
-        assert time.monotonic() < deadline and "JobState=COMPLETED" not in show, show
-        time.sleep(0.5)
-    # Slurm holds a requeued job back for a while (BeginTime); release it now.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env(), check=True)
-    state = wait_for(cluster, job_id, run_dir / "slurm-*.out", timeout=120)
+    state = wait_for(cluster, job_id, run_dir / "slurm-*.out")
     log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log
-    assert "requeueing job" in log and "rank 0 restart 0" in log and "rank 0 restart 1" in log  # one log, appended
-    assert json.loads((run_dir / "job.json").read_text())["restart"] == 1
+    assert state["JobState"] == "FAILED" and "run status: failed" in log, log
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["status"], status["world_size"]) == ("failed", 4)
+    row = collect.collect_run(run_dir, warmup=1)
+    assert (row["status"], row["reason"]) == ("failed", "DataError: corpus '/nonexistent/corpus.jsonl' does not exist")

@@ -29,7 +29,9 @@ TABLE_TWO_PRINTED = [
     (16, 1024, ["32B", "121.6B", "230.4B", "2T"]),
 ]
 
-TOLERANCE = 0.15  # planner maxima vs the paper's measured sizes (docs/estimator.md)
+# Planner maxima vs the paper's measured sizes (docs/estimator.md): never below (the paper ran that
+# size, so the guard must let it run), at most this much above (its sizes come from a coarse grid).
+TOLERANCE = 0.20
 
 
 def _typed_table_one():
@@ -116,7 +118,7 @@ def test_breakdown_terms():
     assert m.checkpoint_bytes == 10 * 2 * 1024 * 1024 * 2 / 4
     assert m.working_set_bytes == layer_activation_bytes(1024, 2, 1024, 16, 4)
     assert m.logits_bytes == 2 * 1024 * padded_vocab(50257, 4) // 4 * 4
-    assert m.margin_bytes == 0.15 * est.V100_MEMORY_BYTES
+    assert m.margin_bytes == est.DEFAULT_MARGIN_FRACTION * est.V100_MEMORY_BYTES
     cpu = estimate_from_shape(stage=2, recompute="full", pa=True, pa_cpu=True, **shape)
     assert cpu.checkpoint_bytes == 0 and cpu.host_bytes == m.checkpoint_bytes and cpu.buffer_bytes == 4 * psi
     none = estimate_from_shape(stage=3, **shape)
@@ -141,32 +143,33 @@ def test_bad_shapes_raise(bad, message):
 def test_dp_only_limits():
     ddp = planner.dp_only_limit(0)
     zero_dp = planner.dp_only_limit(2)
-    assert (ddp.hidden, ddp.layers, round(ddp.params / 1e9, 2)) == (1920, 28, 1.43)
-    assert (zero_dp.hidden, zero_dp.layers, round(zero_dp.params / 1e9, 2)) == (3072, 113, 13.11)
-    assert abs(ddp.params / 1.4e9 - 1) < TOLERANCE and abs(zero_dp.params / 13e9 - 1) < TOLERANCE
+    assert (ddp.hidden, ddp.layers, round(ddp.params / 1e9, 2)) == (1536, 48, 1.52)
+    assert (zero_dp.hidden, zero_dp.layers, round(zero_dp.params / 1e9, 2)) == (4096, 67, 13.91)
+    assert 0 <= ddp.params / 1.4e9 - 1 < TOLERANCE and 0 <= zero_dp.params / 13e9 - 1 < TOLERANCE
 
 
 def test_c1_to_c5_maxima():
     limits = planner.config_limits()
     layers = {name: m.layers for name, m in limits.items()}
-    assert layers == {"C1": 53, "C2": 109, "C3": 67, "C4": 183, "C5": 207}
+    assert layers == {"C1": 57, "C2": 116, "C3": 71, "C4": 195, "C5": 220}
     billions = {name: m.params / 1e9 for name, m in limits.items()}
     for name, paper in (("C1", 40), ("C3", 50), ("C4", 140), ("C5", 150)):
-        assert abs(billions[name] / paper - 1) < TOLERANCE, name
-    # C2 is the documented gap (docs/estimator.md): 88.6B against the paper's 60B
-    assert round(billions["C2"], 1) == 88.6
+        assert 0 <= billions[name] / paper - 1 < TOLERANCE, name
+    # C2 is the documented gap (docs/estimator.md): 94.3B against the paper's 60B
+    assert round(billions["C2"], 1) == 94.3
     assert billions["C1"] < billions["C3"] < billions["C2"] < billions["C4"] < billions["C5"]
 
 
 def test_paper_config_verdicts():
     from zero3d.analysis import paper_configs
     verdicts = paper_configs.judge_all()
-    assert len(verdicts) == 48  # 41 rows; Figure 3 lists 4 GPU counts, Figure 6's first row 5 batches
-    failing = {(v.run.figure, v.run.model, v.run.system) for v in verdicts if not v.fits}
-    assert failing == {(7, "12B", "zero"), (7, "13B", "zero"), (2, "40B", "baseline"),
-                       (2, "170B", "zero"), (6, "170B", "zero"), (4, "150B", "zero")}
-    v150 = next(v for v in verdicts if v.run.model == "150B")
-    assert v150.zero == planner.PAPER_CONFIGS["C4"] and "with C5 (P_a+cpu): 31.72 GB, fits" in v150.reason
+    assert len(verdicts) == 56  # one per generated job: 41 rows, Figures 3/6 several GPU counts or batches, 5 × C1-C5
+    failing = {(v.run.figure, v.run.model, v.run.label) for v in verdicts if not v.fits}
+    # exactly the jobs the paper reports out of memory; every job it ran fits (docs/estimator.md, Margin)
+    assert failing == {(5, "100B", "C1"), (5, "100B", "C2"), (5, "100B", "C3")}
+    assert {(v.run.figure, v.run.model, v.run.label) for v in verdicts if v.run.expected == "oom"} == failing
+    v170 = next(v for v in verdicts if v.run.model == "170B" and v.run.figure == 2)
+    assert v170.zero == planner.PAPER_CONFIGS["C5"] and v170.memory.host_bytes > 0
 
 
 def test_planner_ranks_the_papers_100b_layout():

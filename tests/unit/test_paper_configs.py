@@ -72,6 +72,8 @@ def test_every_job_validates_and_dry_runs(path, capsys):
     sbatch = next(line for line in out.splitlines() if line.startswith("sbatch:"))
     assert f"--nodes={cfg.cluster.nodes}" in sbatch and f"--gpus-per-node={cfg.cluster.gpus_per_node}" in sbatch
     assert f"--time={cfg.cluster.time_limit}" in sbatch and sbatch.endswith(f"slurm/launch.sbatch {rel}")
+    warning = int(re.search(r"--signal=USR1@(\d+)", sbatch).group(1))
+    assert warning == submit.warning_seconds(cfg, world) and warning < submit.time_limit_seconds(cfg.cluster.time_limit)
     train = next(line for line in out.splitlines() if line.startswith("train:"))
     assert train.split() == ["train:", "srun", "--kill-on-bad-exit=1", "--cpu-bind=none", "python", "-m",
                              "pretrain", "--config", str(rel)]
@@ -102,11 +104,65 @@ def test_zero_settings_per_figure():
             assert zero_of(p) == TABLE_III["C5" if model == "170B" else "C4"], p.name
     assert sorted(p.stem for p in PAPER.glob("fig5_*.toml")) == [
         f"fig5_{m}_zero_c{i}" for m in ("100B", "40B") for i in range(1, 6)]
-    for i, (label, batch) in enumerate(zip(TABLE_III, (2, 4, 32, 32, 8)), start=1):
-        path = PAPER / f"fig6_60B_zero_c{i}.toml"
+    # Figure 6's batches 2, 4, 32, 32, 8 in the order the appendix prints Figure 4's configurations
+    for label, batch in zip(("C1", "C2", "C4", "C5", "C3"), (2, 4, 32, 32, 8)):
+        path = PAPER / f"fig6_60B_zero_{label.lower()}.toml"
         assert zero_of(path) == TABLE_III[label] and load_config(path).train.micro_batch_size == batch
         assert "ASSUMPTION" in path.read_text()
     assert zero_of(PAPER / "fig6_170B_zero_c5.toml") == TABLE_III["C5"]
+
+
+def test_v100_jobs_train_in_fp16_with_dynamic_loss_scaling():
+    for p in JOBS:
+        cfg = load_config(p)
+        assert (cfg.cluster.gpu, cfg.precision.dtype) == ("V100", "fp16"), p.name
+        assert cfg.precision.initial_loss_scale > cfg.precision.min_loss_scale and cfg.precision.growth_interval > 0
+
+
+def test_bf16_for_a_v100_is_refused(tmp_path, capsys):
+    assert generate_paper.main(["--out", str(tmp_path), "--dtype", "bf16"]) == 2
+    assert "--dtype bf16 with --gpu V100: the V100 has no bf16" in capsys.readouterr().err
+
+
+def test_only_what_the_paper_reports_out_of_memory_is_marked_and_every_other_job_fits():
+    from pretrain.memory_check import config_report
+    oom = {p.stem for p in JOBS if load_config(p).paper.expected == "oom"}
+    assert oom == {"fig5_100B_zero_c1", "fig5_100B_zero_c2", "fig5_100B_zero_c3"}
+    for p in JOBS:
+        cfg = load_config(p)
+        estimate, table = config_report(cfg, cfg.cluster.nodes * cfg.cluster.gpus_per_node)
+        assert estimate.fits == (p.stem not in oom), f"{p.name}\n{table}"
+    # the rows the paper ran that a 15% margin refused
+    for name in ("fig2_170B_zero", "fig6_170B_zero_c5", "fig7_12B_zero", "fig7_13B_zero", "fig6_60B_zero_c3"):
+        assert name not in oom and (PAPER / f"{name}.toml").is_file()
+
+
+def test_plan_csv_judges_each_job_as_its_config_and_agrees_with_estimate():
+    from pretrain.memory_check import config_report
+    from zero3d.analysis import paper_configs
+    verdicts = paper_configs.judge_all()
+    by_job = {}
+    for v in verdicts:
+        r = v.run
+        by_job.setdefault((r.figure, r.model, r.system, r.label), []).append(v)
+    for p in JOBS:
+        cfg = load_config(p)
+        figure, model, system = p.stem.split("_")[:3]
+        label = None if system == "baseline" else {v: k for k, v in TABLE_III.items()}[zero_of(p)]
+        candidates = by_job[(int(figure[3:]), model.replace("p", "."), system, label)]
+        world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+        v = next(v for v in candidates if v.run.gpus == world and v.run.batch_per_gpu == cfg.train.micro_batch_size)
+        assert v.memory.total_bytes == config_report(cfg, world)[0].total_bytes, p.name
+
+
+def test_sweep_skips_jobs_the_paper_reports_out_of_memory_unless_asked(capsys):
+    assert sweep.main(["--figure", "5", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    submitted = [line.split(":")[0] for line in captured.out.splitlines() if line.startswith("fig5_")]
+    assert sorted(submitted) == ["fig5_100B_zero_c4", "fig5_100B_zero_c5"] + [f"fig5_40B_zero_c{i}" for i in range(1, 6)]
+    assert "skipped fig5_100B_zero_c1: the paper reports 100B out of memory in C1" in captured.err
+    assert sweep.main(["--figure", "5", "--dry-run", "--include-oom"]) == 0
+    assert "10 jobs (dry run, nothing submitted); 0 the paper" in capsys.readouterr().out
 
 
 def test_bucket_matches_the_estimator_default():
@@ -148,7 +204,7 @@ def test_sweep_dry_run_covers_a_figure_with_group_and_node_size(capsys):
     assert len(sbatch_lines) == 5
     assert all("--nodes=50" in line and "logging.wandb_group=trial" in line for line in sbatch_lines)
     assert sweep.main(["--all", "--dry-run"]) == 0
-    assert f"{len(JOBS)} jobs (dry run" in capsys.readouterr().out
+    assert f"{len(JOBS) - 3} jobs (dry run, nothing submitted); 3 the paper" in capsys.readouterr().out
 
 
 def test_submit_refuses_an_invalid_config_before_sbatch(capsys, monkeypatch):

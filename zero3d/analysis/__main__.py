@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Optional
 
-from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, PRECISIONS, V100_MEMORY_BYTES,
+from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, V100_MEMORY_BYTES,
                                      estimate_from_shape, format_breakdown, model_state_bytes, padded_vocab)
 
 
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
     ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
     ap.add_argument("--prefetch-units", type=int, default=1, help="stage 3 units gathered ahead")
-    ap.add_argument("--gpu-memory-gb", type=float, default=V100_MEMORY_BYTES / GB,
-                    help="GPU memory in GB (1e9 bytes); default V100-32GB = 32 GiB")
+    ap.add_argument("--gpu-memory-gb", type=float, default=V100_MEMORY_BYTES / GIB,
+                    help="GPU memory in GiB, as cards are labelled and as cluster.gpu_memory_gb is read "
+                         "(docs/estimator.md, Budget); default 32 = a V100-32GB")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return ap
@@ -57,7 +58,7 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
     from zero3d.analysis.planner import GPT2_VOCAB, PAPER_CLUSTER, PAPER_SEQ, format_candidates, plan
     if None in (args.layers, args.hidden, args.heads):
         ap.error("--plan rank needs --layers, --hidden, --heads and one of --global-batch, --batch-per-gpu")
-    cluster = dataclasses.replace(PAPER_CLUSTER, gpu_memory_bytes=args.gpu_memory_gb * GB)
+    cluster = dataclasses.replace(PAPER_CLUSTER, gpu_memory_bytes=args.gpu_memory_gb * GIB)
     gpus = args.gpus or cluster.gpus
     try:
         found = plan(cluster, layers=args.layers, hidden=args.hidden, heads=args.heads, gpus=gpus,
@@ -72,14 +73,29 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
     return 0
 
 
+def _print_tables(args) -> int:
+    """--table1 / --table2, as markdown or (--json) as the cells: text and bold per Table I cell."""
+    from zero3d.analysis.paper_tables import table_one, table_one_cells, table_two, table_two_cells
+    if not args.json:
+        print("\n\n".join(t() for t, on in ((table_one, args.table1), (table_two, args.table2)) if on))
+        return 0
+    out = {}
+    if args.table1:
+        out["table1"] = [{"dp": dp, "cells": [{"text": text, "bold": bold} for text, bold in cells]}
+                         for dp, cells in table_one_cells()]
+    if args.table2:
+        out["table2"] = [{"mp": mp, "gpus": gpus, "baseline": c[0], "p_os": c[1], "p_os+g": c[2], "p_os+g+p": c[3]}
+                         for mp, gpus, c in table_two_cells()]
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def main(argv: Optional[list] = None) -> int:
     """CLI entry point; see build_parser() and docs/estimator.md."""
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.table1 or args.table2:
-        from zero3d.analysis.paper_tables import table_one, table_two
-        print("\n\n".join(t() for t, on in ((table_one, args.table1), (table_two, args.table2)) if on))
-        return 0
+        return _print_tables(args)
     if not 0 <= args.margin_fraction < 1:
         ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
     if args.gpu_memory_gb <= 0:
@@ -111,7 +127,7 @@ def main(argv: Optional[list] = None) -> int:
             gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
             recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
             precision=args.precision, tied=args.tied, prefetch_units=args.prefetch_units,
-            gpu_memory_bytes=args.gpu_memory_gb * GB, margin_fraction=args.margin_fraction)
+            gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction)
     except ValueError as err:
         ap.error(str(err))
     if args.json:

@@ -5,9 +5,17 @@ from fractions import Fraction
 from typing import Optional
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
-V100_MEMORY_BYTES = 32 * 2**30  # V100-SXM3-32GB carries 32 GiB of HBM2
-# CUDA context, NCCL/cuBLAS workspaces and allocator fragmentation (docs/estimator.md, Margin)
-DEFAULT_MARGIN_FRACTION = 0.15
+GIB = 2**30
+# The budget convention, one for the planner, `--plan`, `python -m pretrain --estimate` and the guard:
+# a device's memory in GiB, the unit vendors label cards in (cluster.gpu_memory_gb = 32 means 32 GiB).
+# A V100-SXM3-32GB carries 32 GiB of HBM2 and torch reports ~31.7 GiB of it, so the paper's
+# 32 GB = 32e9 (Tables I and II, zero3d.analysis.paper_tables) would under-state the card by 2.4e9.
+V100_MEMORY_BYTES = 32 * GIB
+# CUDA context, NCCL/cuBLAS workspaces and allocator fragmentation (docs/estimator.md, Margin). 10%:
+# the paper ran 12B/13B data-parallel only and 170B (C5) on 32 GiB V100s, rows whose estimates leave
+# 4.6-5.1 GB of the card, so a larger margin would refuse jobs the paper ran (docs/zero-paper-facts.md
+# §4.10, §4.11).
+DEFAULT_MARGIN_FRACTION = 0.10
 DEFAULT_BUCKET_ELEMENTS = 50_000_000  # CB bucket, the project's zero.bucket_elements default
 VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
 
@@ -224,7 +232,8 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
 # ---------------------------------------------------------------- CLI
 
 
-def format_breakdown(m: MemoryBreakdown, header: str) -> str:
+def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> str:
+    """The breakdown table; the verdict line names the device (and so the budget) it judges."""
     rows = [("parameters", m.param_bytes), ("gradients", m.grad_bytes),
             ("optimizer states (incl. master)", m.optimizer_bytes), ("  = model states", m.model_state_bytes),
             ("activation checkpoints", m.checkpoint_bytes), ("layer working set", m.working_set_bytes),
@@ -236,6 +245,6 @@ def format_breakdown(m: MemoryBreakdown, header: str) -> str:
     verdict = "fits" if m.fits else "does NOT fit"
     lines = [header, f"Ψ (parameters per TP rank, embeddings included) = {m.params_per_rank:,}", "",
              f"{'category':<34}{'GB':>10}"] + [f"{name:<34}{value / GB:10.3f}" for name, value in rows]
-    lines.append(f"GPU memory {m.gpu_memory_bytes / GB:.2f} GB: {verdict} (headroom "
+    lines.append(f"{device}: {m.gpu_memory_bytes / GIB:.2f} GiB = {m.gpu_memory_bytes / GB:.2f} GB: {verdict} (headroom "
                  f"{(m.gpu_memory_bytes - m.total_bytes) / GB:.2f} GB; largest: {m.dominant})")
     return "\n".join(lines)

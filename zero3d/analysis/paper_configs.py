@@ -2,20 +2,66 @@
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MemoryBreakdown,
-                             estimate_from_shape)
+from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, GIB, MemoryBreakdown,
+                                     estimate_from_shape)
 from zero3d.analysis.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, PAPER_CONFIGS, PAPER_SEQ,
                             Cluster, ZeroChoice, config_limits, dp_only_limit, format_candidates, plan)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 CSV_PATH = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
 PAPER_TARGETS_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}  # Figure 5, for side-by-side print
+# Figure numbers are the artifact appendix's (docs/zero-paper-facts.md §8.1): 4 = max model size per
+# configuration (SC20 Fig. 5), 5 = max cached memory (SC20 Fig. 6), 6 = throughput per configuration
+# (SC20 Fig. 7), 7 = data parallelism only (SC20 Fig. 8).
+FIGURE4 = {"40B": "C1", "60B": "C2", "50B": "C3", "140B": "C4", "150B": "C5"}  # facts §4.8
+# Figure 6's five 60B batches (2, 4, 32, 32, 8) carry no configuration labels (facts §4.10). They are
+# read in the order the same appendix prints Figure 4's configurations (40B C1, 60B C2, 140B C4,
+# 150B C5, 50B C3; facts §5 Table 3): C3 (no Pa) gets batch 8, C4 and C5 batch 32 each. Read as
+# C1..C5 instead, C3 would get batch 32, whose unpartitioned checkpoints alone (75 × 32 × 1024 × 8192
+# × 2 bytes = 40.3 GB) exceed a 32 GiB V100: a run the paper could not have made. This reading also
+# gives facts §4.10's "C5 slower than C4 for 60B" at equal batch, from the CPU traffic alone.
+FIGURE6_ORDER = ("C1", "C2", "C4", "C5", "C3")
+
+
+def zero_choices(figure: int, model: str, system: str, mp: int, jobs: int) -> list:
+    """[(C-label or None, note)], one per job of a CSV row: the ZeRO settings the paper used.
+
+    Figure 5 rows list one shape that the paper ran in all five configurations (5 jobs).
+    """
+    if system == "baseline":
+        base = "PyTorch DDP" if mp == 1 else "Megatron-LM tensor parallelism"
+        return [(None, f"baseline: {base}, no ZeRO (stage 0, no Pa)")] * jobs
+    if figure == 4:
+        return [(FIGURE4[model], "facts §4.8: the figure's size for this configuration")] * jobs
+    if figure == 5:
+        return [(c, "facts §4.9: every configuration at both sizes") for c in PAPER_CONFIGS]
+    if figure == 6 and jobs > 1:
+        note = ("ASSUMPTION (facts §4.10): the table lists five batches but does not say which "
+                "configuration each belongs to; they are read in the order the appendix prints Figure 4's "
+                "configurations, " + ", ".join(FIGURE6_ORDER) + " (zero3d/analysis/paper_configs.py)")
+        return [(c, note) for c in FIGURE6_ORDER[:jobs]]
+    if model == "170B":
+        return [("C5", "facts §4.10: 170B needs Pa+cpu (C5) to run without OOM")] * jobs
+    if mp == 1:  # Figure 7 and the 1.5B bar of Figure 2
+        return [("C3", "DP only: ZeRO-100B's Pos+g with CB and MD; Pa has nothing to split at tp=1, "
+                       "so C4 reduces to C3")] * jobs
+    return [("C4", "ZeRO-100B = Pos+g with Pa (C4), CB and MD")] * jobs
+
+
+def paper_expectation(figure: int, model: str, label) -> tuple:
+    """("run" | "oom", why): what the paper reports for this job (facts sheet sections cited)."""
+    if figure == 5 and model == "100B" and label in ("C1", "C2", "C3"):
+        return "oom", (f"the paper reports 100B out of memory in {label}: its largest {label} model at 400 GPUs "
+                       f"and MP 16 is {PAPER_TARGETS_B[label]}B (facts §4.8, appendix Figure 4)")
+    return "run", ""
 
 
 @dataclass(frozen=True)
 class PaperRun:
-    """One GPU count of one CSV row."""
+    """One job of a CSV row, as configs/generate_paper.py generates it."""
 
     figure: int
     model: str
@@ -26,10 +72,17 @@ class PaperRun:
     hidden: int
     heads: int
     batch_per_gpu: int  # per DP rank, i.e. the micro-batch every GPU of an MP group runs
+    label: Optional[str] = None  # C1..C5, None for a baseline
+    expected: str = "run"  # "oom": the paper reports this job out of memory
+
+    @property
+    def zero(self) -> ZeroChoice:
+        return PAPER_CONFIGS[self.label] if self.label else ZeroChoice(0)
 
 
 def load_paper_runs(path=None) -> list:
-    """Parse the CSV (skipping "#" lines); ";"-separated GPU counts or batches yield one run each."""
+    """Parse the CSV (skipping "#" lines) into one run per generated job: ";"-separated GPU counts or
+    batches yield one each, Figure 5 rows one per configuration."""
     path = Path(path) if path else CSV_PATH
     lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
     runs = []
@@ -40,19 +93,16 @@ def load_paper_runs(path=None) -> list:
         gpu_counts, batches = (x * count if len(x) == 1 else x for x in (gpu_counts, batches))
         if len(gpu_counts) != len(batches):
             raise ValueError(f"row {row} lists {len(gpu_counts)} GPU counts but {len(batches)} batches")
-        for gpus, batch in zip(gpu_counts, batches):
-            runs.append(PaperRun(int(row["figure"]), row["model"], row["system"], int(gpus), int(row["mp"]),
-                                 int(row["layers"]), int(row["hidden"]), int(row["heads"]), int(batch)))
+        figure, model, mp = int(row["figure"]), row["model"], int(row["mp"])
+        choices = zero_choices(figure, model, row["system"], mp, count)
+        jobs = list(zip(gpu_counts, batches))
+        if len(jobs) == 1:
+            jobs = jobs * len(choices)
+        for (gpus, batch), (label, _) in zip(jobs, choices, strict=True):
+            runs.append(PaperRun(figure, model, row["system"], int(gpus), mp, int(row["layers"]),
+                                 int(row["hidden"]), int(row["heads"]), int(batch), label,
+                                 paper_expectation(figure, model, label)[0]))
     return runs
-
-
-def run_choice(run: PaperRun) -> tuple:
-    """(ZeroChoice, CB elements or None) the judgement uses for a run (see docs/estimator.md)."""
-    if run.system == "baseline":
-        return ZeroChoice(0), None  # Megatron / DDP: stage 0 with the 4Ψ fused fp32 buffer
-    if run.figure == 7 or run.mp == 1:
-        return ZeroChoice(2), DEFAULT_BUCKET_ELEMENTS  # DP only: P_os+g, nothing for Pa to split
-    return PAPER_CONFIGS["C4"], DEFAULT_BUCKET_ELEMENTS
 
 
 def run_memory(run: PaperRun, zero: ZeroChoice, bucket, cluster: Cluster) -> MemoryBreakdown:
@@ -78,8 +128,10 @@ class Verdict:
 
 
 def judge(run: PaperRun, cluster: Cluster = PAPER_CLUSTER) -> Verdict:
-    """Memory verdict for one run; rows that do not fit also say whether C5 (Pa+cpu) would."""
-    zero, bucket = run_choice(run)
+    """Memory verdict for one run in its own configuration, with the CB bucket its generated config
+    sets (so `--plan csv` and `python -m pretrain --estimate` agree); rows that do not fit also say
+    whether C5 (Pa+cpu) would."""
+    zero, bucket = run.zero, DEFAULT_BUCKET_ELEMENTS
     m = run_memory(run, zero, bucket, cluster)
     per_param = m.model_state_bytes / m.params_per_rank
     parts = (f"model states {m.model_state_bytes / GB:.1f} GB ({per_param:.2f} B/param × "
@@ -90,7 +142,7 @@ def judge(run: PaperRun, cluster: Cluster = PAPER_CLUSTER) -> Verdict:
     room = (m.gpu_memory_bytes - m.total_bytes) / GB
     reason = (f"{m.total_bytes / GB:.1f} of {m.gpu_memory_bytes / GB:.2f} GB, "
               f"{'headroom' if m.fits else 'over by'} {abs(room):.1f} GB; {m.dominant} dominate: {parts}")
-    if not m.fits and run.system == "zero" and run.mp > 1:
+    if not m.fits and run.system == "zero" and run.mp > 1 and run.label != "C5":
         c5 = run_memory(run, PAPER_CONFIGS["C5"], bucket, cluster)
         c5_verdict = "fits" if c5.fits else "does not fit"
         reason += f"; with C5 (P_a+cpu): {c5.total_bytes / GB:.2f} GB, {c5_verdict}"
@@ -105,13 +157,15 @@ def judge_all(path=None, cluster: Cluster = PAPER_CLUSTER) -> list:
 
 
 def _csv_section(path, cluster: Cluster) -> list:
-    lines = [f"Reproduction configs on {cluster.name} ({cluster.gpu_memory_bytes / GB:.2f} GB, margin "
-             f"{DEFAULT_MARGIN_FRACTION:.0%}); ZeRO rows C4 (Figure 7 / MP 1: P_os+g), "
-             "baselines stage 0 + MP"]
+    lines = [f"Reproduction configs on {cluster.name} ({cluster.gpu_memory_bytes / GIB:.0f} GiB = "
+             f"{cluster.gpu_memory_bytes / GB:.2f} GB, margin {DEFAULT_MARGIN_FRACTION:.0%}); each job in its "
+             "own configuration (C1-C5 as configs/paper/ sets them, baselines stage 0 + MP), figures in "
+             "the artifact appendix's numbering; [paper: OOM] marks jobs the paper reports out of memory"]
     for v in judge_all(path, cluster):
         r = v.run
-        lines.append(f"  Fig {r.figure} {r.model:>6} {r.system:<8} {r.gpus:>3} GPUs MP {r.mp:<3} "
-                     f"L {r.layers:<3} h {r.hidden:<4} b {r.batch_per_gpu:<3} [{v.zero.label}] "
+        paper = " [paper: OOM]" if r.expected == "oom" else ""
+        lines.append(f"  Fig {r.figure} {r.model:>6} {r.system:<8} {r.label or 'base':<4} {r.gpus:>3} GPUs "
+                     f"MP {r.mp:<3} L {r.layers:<3} h {r.hidden:<4} b {r.batch_per_gpu:<3} [{v.zero.label}]{paper} "
                      f"{'FITS' if v.fits else 'DOES NOT FIT'}: {v.reason}")
     return lines
 
