@@ -5,6 +5,7 @@ import pytest
 
 from pretrain import probe
 from zero3d.analysis.comm_model import Links, collective_seconds, comm_breakdown, ring_kind
+from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION
 from zero3d.analysis.probe_report import GIB, extrapolate_layers, judge, relative_gap
 
 
@@ -44,9 +45,9 @@ def test_layer_extrapolation_is_the_line_through_two_probes():
 
 
 def test_verdict_uses_device_gib_minus_margin():
-    usable = 32 * GIB * 0.85
+    usable = 32 * GIB * (1 - DEFAULT_MARGIN_FRACTION)  # the estimator's margin, one convention
     assert judge(int(usable), 32).fits and not judge(int(usable) + 1, 32).fits
-    assert "15% margin" in judge(0, 32).describe()
+    assert f"{DEFAULT_MARGIN_FRACTION:.0%} margin" in judge(0, 32).describe()
     assert relative_gap(105, 100) == pytest.approx(0.05) and relative_gap(0, 0) == 0.0
 
 
@@ -69,7 +70,7 @@ def test_real_mode_on_cpu_times_phases_and_models_the_collectives(capsys):
     assert timing["compute_s_per_step"] == pytest.approx(sum(timing["phase_s_per_step"].values()))
     # TP 2 × DP 2 on one node: megatron's TP all-reduces and ZeRO's DP reductions, all over NVSwitch.
     assert "allreduce over NVSwitch (group of 2)" in timing["comm_s_per_step"]
-    assert "reduce over NVSwitch (group of 2)" in timing["comm_s_per_step"]
+    assert "reduce_scatter over NVSwitch (group of 2)" in timing["comm_s_per_step"]  # one per bucket
     assert timing["predicted_job_step_s"] == pytest.approx(
         timing["compute_s_per_step"] + sum(timing["comm_s_per_step"].values()))
     assert timing["mfu"] is None  # no peak for a CPU
