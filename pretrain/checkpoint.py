@@ -34,7 +34,8 @@ __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
 
 
 def run_identity(cfg, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
-    """What a checkpoint must agree with to be resumed: the model's shape, the tokenizer and the data."""
+    """What a checkpoint must agree with to be resumed: the model's shape, the tokenizer and the data
+    (`data_prefix`: the prefixes the run reads, space-separated; blend weights may change)."""
     m = cfg.model
     return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,

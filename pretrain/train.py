@@ -256,7 +256,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
     files = on_main_then_share(topo, lambda: prepare_files(d, m.vocab_size))
     layout = layout_signature(cfg, topo)
-    identity = checkpoint.run_identity(cfg, topo.tp, *files)
+    identity = checkpoint.run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     checkpoints = checkpoint.Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
                                           timeout_minutes=t.timeout_minutes)
     usable = checkpoints.find_usable(identity) if t.resume else None

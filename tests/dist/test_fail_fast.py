@@ -117,7 +117,8 @@ def make_input(case: str, tmp: Path, data: dict) -> tuple[list[str], str]:
             body = Path(data["prefix"] + suffix).read_bytes()
             (tmp / f"tokens{suffix}").write_bytes(body[:len(body) // 2] if suffix == truncated else body)
         return [f"data.blend={q(tmp / 'tokens')}", f"data.tokenizer_model={q(data['tokenizer'])}"], \
-            f"error: {tmp}/tokens{truncated} is truncated or corrupt"
+            f"error: {tmp}/tokens.idx is truncated" if truncated == ".idx" else \
+            f"error: {tmp}/tokens.bin is shorter than its index says: {tmp}/tokens.idx describes"
     if case == "corpus-invalid-json":
         (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
         return [f"data.corpus={q(tmp / 'bad.jsonl')}", f"data.cache_dir={q(tmp / 'cache')}"], \
