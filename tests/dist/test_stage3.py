@@ -11,34 +11,33 @@ from gpt_harness import assert_close_runs, run_gpt_steps
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 
 
-@functools.lru_cache(maxsize=None)
-def run(tp, dp, stage, extra=(), steps=8):
+def run(gpt_run, tp, dp, stage, extra=(), steps=8):
     """Cached: stage-0 references are shared between tests."""
     overrides = [f"parallel.tensor={tp}", f"zero.stage={stage}", *extra]
-    return run_ranks(run_gpt_steps, tp * dp, overrides, steps, None, timeout=300)
+    return gpt_run(tp * dp, overrides, steps)
 
 
 @pytest.mark.parametrize("tp,dp", LAYOUTS)
-def test_matches_stage0_fp32(tp, dp):
+def test_matches_stage0_fp32(tp, dp, gpt_run):
     extra = (f"train.global_batch_size={2 * dp}",)
-    ref = run(tp, dp, 0, extra)
+    ref = run(gpt_run, tp, dp, 0, extra)
     assert sum(ref[0]["loss"][-3:]) < sum(ref[0]["loss"][:3])  # it trains
-    assert_close_runs(ref, run(tp, dp, 3, extra), rtol=1e-5)
+    assert_close_runs(ref, run(gpt_run, tp, dp, 3, extra), rtol=1e-5)
 
 
 @pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2)])
-def test_gradient_accumulation_matches_stage0(tp, dp):
+def test_gradient_accumulation_matches_stage0(tp, dp, gpt_run):
     extra = (f"train.global_batch_size={4 * dp}",)  # micro 2 × DP × 2 micro-batches
-    assert_close_runs(run(tp, dp, 0, extra), run(tp, dp, 3, extra), rtol=1e-5)
+    assert_close_runs(run(gpt_run, tp, dp, 0, extra), run(gpt_run, tp, dp, 3, extra), rtol=1e-5)
 
 
 @pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2)])
-def test_full_recompute_matches_stage0(tp, dp):
+def test_full_recompute_matches_stage0(tp, dp, gpt_run):
     """megatron's CheckpointFunction re-runs each layer inside backward: the unit stays gathered."""
     extra = (f"train.global_batch_size={2 * dp}",)
-    out = run(tp, dp, 3, extra + ("model.recompute=full",))
-    assert_close_runs(run(tp, dp, 0, extra), out, rtol=1e-5)
-    plain = run(tp, dp, 3, extra)  # the recompute's gather is the backward gather: same volume
+    out = run(gpt_run, tp, dp, 3, extra + ("model.recompute=full",))
+    assert_close_runs(run(gpt_run, tp, dp, 0, extra), out, rtol=1e-5)
+    plain = run(gpt_run, tp, dp, 3, extra)  # the recompute's gather is the backward gather: same volume
     assert volumes(out[0]["comm"]) == volumes(plain[0]["comm"])
 
 
@@ -47,22 +46,22 @@ def volumes(comm_reports):
     return [{k: v for k, v in report.items() if not k.startswith("comm/time/")} for report in comm_reports]
 
 
-def test_tied_embeddings_match_stage0():
+def test_tied_embeddings_match_stage0(gpt_run):
     extra = ("model.tie_embeddings=true", "train.global_batch_size=4")
-    assert_close_runs(run(2, 2, 0, extra), run(2, 2, 3, extra), rtol=1e-5)
+    assert_close_runs(run(gpt_run, 2, 2, 0, extra), run(gpt_run, 2, 2, 3, extra), rtol=1e-5)
     extra += ("model.recompute=full", "zero.prefetch_units=3")
-    assert_close_runs(run(2, 2, 0, extra), run(2, 2, 3, extra), rtol=1e-5)
+    assert_close_runs(run(gpt_run, 2, 2, 0, extra), run(gpt_run, 2, 2, 3, extra), rtol=1e-5)
 
 
-def test_bf16_matches_stage0():
+def test_bf16_matches_stage0(gpt_run):
     extra = ("precision.dtype=bf16", "train.global_batch_size=8")
     # Stage 3 accumulates bf16 gradient shards per bucket, like stage 2.
-    assert_close_runs(run(2, 2, 0, extra), run(2, 2, 3, extra), rtol=2e-2)
+    assert_close_runs(run(gpt_run, 2, 2, 0, extra), run(gpt_run, 2, 2, 3, extra), rtol=2e-2)
 
 
-def test_persistent_params_match_stage0():
+def test_persistent_params_match_stage0(gpt_run):
     extra = ("train.global_batch_size=4", "zero.param_persistence_threshold=128")
-    assert_close_runs(run(2, 2, 0, extra), run(2, 2, 3, extra), rtol=1e-5)
+    assert_close_runs(run(gpt_run, 2, 2, 0, extra), run(gpt_run, 2, 2, 3, extra), rtol=1e-5)
 
 
 def test_fp16_overflow_on_one_rank_skips_everywhere():

@@ -4,33 +4,33 @@ from fractions import Fraction
 import pytest
 
 from ranks import run_ranks
-from gpt_harness import assert_close_runs, run_gpt_steps
+from gpt_harness import assert_close_runs
 
 STEPS = 20
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 
 
-def run(tp, dp, stage, extra=(), steps=STEPS, inject_inf_at=None):
+def run(gpt_run, tp, dp, stage, extra=(), steps=STEPS, inject_inf_at=None):
     overrides = [f"parallel.tensor={tp}", f"zero.stage={stage}", *extra]
-    return run_ranks(run_gpt_steps, tp * dp, overrides, steps, inject_inf_at, timeout=300)
+    return gpt_run(tp * dp, overrides, steps, inject_inf_at)
 
 
 @pytest.mark.parametrize("tp,dp", LAYOUTS)
 @pytest.mark.parametrize("accum", [1, 2])
-def test_stages_match_stage0_fp32(tp, dp, accum):
+def test_stages_match_stage0_fp32(tp, dp, accum, gpt_run):
     # micro 2 × DP × accum = global batch
     extra = [f"train.global_batch_size={2 * dp * accum}"]
-    ref = run(tp, dp, 0, extra)
+    ref = run(gpt_run, tp, dp, 0, extra)
     assert ref[0]["loss"][-1] < ref[0]["loss"][0]  # it trains
     for stage in (1, 2):
-        assert_close_runs(ref, run(tp, dp, stage, extra), rtol=1e-5)
+        assert_close_runs(ref, run(gpt_run, tp, dp, stage, extra), rtol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_stages_match_stage0_bf16(stage):
+def test_stages_match_stage0_bf16(stage, gpt_run):
     extra = ["precision.dtype=bf16", "train.global_batch_size=8"]
-    ref = run(2, 2, 0, extra, steps=8)
-    out = run(2, 2, stage, extra, steps=8)
+    ref = run(gpt_run, 2, 2, 0, extra, steps=8)
+    out = run(gpt_run, 2, 2, stage, extra, steps=8)
     # Stage 1 reduces the same bf16 sums as stage 0; stage 2 accumulates bf16 shards per micro-batch.
     assert_close_runs(ref, out, rtol=2e-2)
 
@@ -41,10 +41,10 @@ def test_stages_match_stage0_bf16(stage):
     (2, lambda psi, n: dict(params=2 * psi, grads=2 * psi // n, master_params=4 * psi // n,
                             optimizer_states=8 * psi // n)),
 ])
-def test_model_state_bytes_bf16(stage, formula):
+def test_model_state_bytes_bf16(stage, formula, gpt_run):
     """Stage 1: 4Ψ + 12Ψ/N_d; stage 2: 2Ψ + 14Ψ/N_d; Ψ per TP rank, each bucket padded to N_d."""
     tp, dp = 2, 2
-    out = run(tp, dp, stage, ["precision.dtype=bf16", "train.global_batch_size=4"], steps=1)
+    out = run(gpt_run, tp, dp, stage, ["precision.dtype=bf16", "train.global_batch_size=4"], steps=1)
     for rank_out in out:
         assert rank_out["padded_numels"].keys() == rank_out["group_numels"].keys()
         expected = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states")}
@@ -63,10 +63,10 @@ def test_model_state_bytes_bf16(stage, formula):
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])
-def test_communication_volume(stage, tp, dp):
+def test_communication_volume(stage, tp, dp, gpt_run):
     """Per rank per step: 2Ψ(N_d−1)/N_d elements (gradients + parameters), Ψ counted over the flat
     buffers: the parameters plus fewer than N_d padding elements per bucket."""
-    out = run(tp, dp, stage, [f"train.global_batch_size={2 * dp}"], steps=2)
+    out = run(gpt_run, tp, dp, stage, [f"train.global_batch_size={2 * dp}"], steps=2)
     for rank_out in out:
         psi_padded = sum(rank_out["padded_numels"].values())
         assert 0 <= psi_padded - sum(rank_out["group_numels"].values()) < dp * sum(rank_out["buckets"].values())
@@ -79,11 +79,11 @@ def test_communication_volume(stage, tp, dp):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_one_collective_per_bucket(stage):
+def test_one_collective_per_bucket(stage, gpt_run):
     """Per step and group: stage 0 one all-reduce per bucket; stages 1/2 one reduce-scatter and one
     all-gather per bucket (not one per (bucket, owner) or per group)."""
     dp = 4
-    out = run(1, dp, stage, [f"train.global_batch_size={2 * dp}", "zero.bucket_elements=3000"], steps=2)
+    out = run(gpt_run, 1, dp, stage, [f"train.global_batch_size={2 * dp}", "zero.bucket_elements=3000"], steps=2)
     for rank_out in out:
         buckets = sum(rank_out["buckets"].values())
         assert buckets > len(rank_out["buckets"])  # several buckets per group
@@ -95,10 +95,10 @@ def test_one_collective_per_bucket(stage):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_fp16_overflow_on_one_rank_skips_everywhere(stage):
+def test_fp16_overflow_on_one_rank_skips_everywhere(stage, gpt_run):
     extra = ["precision.dtype=fp16", "precision.hysteresis=1", "precision.initial_loss_scale=1024",
              "train.global_batch_size=4"]
-    out = run(1, 2, stage, extra, steps=4, inject_inf_at=(1, 1))  # step 1, rank 1 only
+    out = run(gpt_run, 1, 2, stage, extra, steps=4, inject_inf_at=(1, 1))  # step 1, rank 1 only
     for rank_out in out:
         assert rank_out["skipped"] == [False, True, False, False]
         assert rank_out["loss_scale"] == [1024.0, 512.0, 512.0, 512.0]
@@ -108,11 +108,11 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(stage):
     assert out[0]["param_checksum"] == out[1]["param_checksum"]
 
 
-def test_tied_embeddings_match_stage0():
+def test_tied_embeddings_match_stage0(gpt_run):
     extra = ["model.tie_embeddings=true", "train.global_batch_size=4"]
-    ref = run(2, 2, 0, extra, steps=6)
+    ref = run(gpt_run, 2, 2, 0, extra, steps=6)
     for stage in (1, 2):
-        assert_close_runs(ref, run(2, 2, stage, extra, steps=6), rtol=1e-5)
+        assert_close_runs(ref, run(gpt_run, 2, 2, stage, extra, steps=6), rtol=1e-5)
 
 
 def _staging_peak(rank, world, num_layers):
