@@ -1,11 +1,11 @@
 """Paths a run writes and reads, checked before any process group starts (no torch here)."""
+import glob
 import os
 from pathlib import Path
 from typing import Optional
 
 from pretrain.blend import parse_blend
 from pretrain.config import Config
-from pretrain.corpus import DataError, expand_inputs
 from pretrain.errors import ConfigError, InputError
 
 
@@ -53,9 +53,9 @@ def check_paths(cfg: Config) -> None:
                             f"{prefix}{suffix} is missing; run python -m pretrain.preprocess to write it, or "
                             f"fix the prefix in data.{key}")
     if not blends:
-        try:
-            expand_inputs([d.corpus])
-        except DataError as err:
-            raise InputError(f"data.corpus = {d.corpus!r}: {err}", "input files",
-                             'point data.corpus at JSONL files ({"text": ...} a line; .gz/.zst too) or a glob') \
-                from None
+        fix = 'point data.corpus at JSONL files ({"text": ...} a line; .gz/.zst too) or a glob'
+        if glob.has_magic(d.corpus):
+            if not glob.glob(d.corpus, recursive=True):
+                raise InputError(f"data.corpus = {d.corpus!r} matches no file", "input files", fix)
+        else:
+            _input_file("data.corpus", d.corpus, fix)

@@ -185,4 +185,7 @@ def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["world_size"]) == ("failed", 4)
     row = collect.collect_run(run_dir, warmup=1)
-    assert (row["status"], row["reason"]) == ("failed", "DataError: corpus '/nonexistent/corpus.jsonl' does not exist")
+    assert (row["status"], row["reason"]) == (
+        "failed", "InputError: data.corpus = '/nonexistent/corpus.jsonl' does not exist; point data.corpus at JSONL "
+                  'files ({"text": ...} a line; .gz/.zst too) or a glob')
+    assert status["exit_code"] == 3  # the input-error code the batch script reads
