@@ -8,7 +8,7 @@ from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, estimate_config
 from pretrain.probe_rank import probe_rank, rss_bytes
 from zero3d.analysis.comm_model import PAPER_LINKS, comm_breakdown
-from zero3d.analysis.estimate import GB, gpt_param_count
+from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
 from zero3d.analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
 from zero3d.analysis.probe_report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
                                           format_comparison, judge)
@@ -132,7 +132,7 @@ def max_model_command(args) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"largest model that fits {args.memory_gb:g} GB ({usable / GB:.2f} GB usable after the 15% margin), "
+    print(f"largest model that fits {args.memory_gb:g} GB ({usable / GB:.2f} GB usable after the {DEFAULT_MARGIN_FRACTION:.0%} margin), "
           f"MP 16, 400 GPUs, batch 16 per GPU, h 8192, 64 heads; probe peaks measured at "
           f"{STUDY_LAYERS[0]} and {STUDY_LAYERS[1]} layers and extrapolated linearly in layers, phase by phase")
     print(f"{'config':<7}{'paper':>8}{'probe':>10}{'layers':>8}{'estimator':>11}{'layers':>8}"
