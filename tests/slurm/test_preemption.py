@@ -67,9 +67,9 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
                ZERO3D_TEST_CONTAINER_LOG=str(container_log))
 
     # Tokenizer and token files built once here, so the two jobs below read the same ones.
+    from pretrain.config import DataConfig
     from pretrain.data import prepare_files
-    prepare_files(corpus=REPO / "data/corpus.jsonl", tokenizer_model=None, data_prefix=None,
-                  cache_dir=REPO / "runs/data", vocab_size=1024)
+    prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(REPO / "runs/data")), 1024)
     # (1) the reference: container mode, never interrupted; (2) the same run, requeueable, signalled mid-run
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"
     ref_id = submit(cluster, ref_dir, "--container", "/images/zero3d.sqsh", env=env)
@@ -111,7 +111,10 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
     assert len(checkpoints) == 1, checkpoints  # the stop's checkpoint; save_final is off
     stop_step = int(checkpoints[0].name.split("_")[1])
     assert 3 <= stop_step < STEPS, log
-    assert sorted(p.name for p in checkpoints[0].glob("rank_*.pt")) == [f"rank_{r:05d}.pt" for r in range(4)]
+    # a complete DCP checkpoint: its manifest, every rank's RNG state and a part from every rank
+    assert (checkpoints[0] / "checkpoint.json").is_file()
+    assert sorted(p.name for p in (checkpoints[0] / "rng").glob("rank_*.json")) == [f"rank_{r:05d}.json" for r in range(4)]
+    assert len(list(checkpoints[0].glob("__*_0.distcp"))) == 4
     assert stopped_at["restart"] == 0 and json.loads((run_dir / "job.json").read_text())["restart"] == 1
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["steps"], status["world_size"]) == ("ok", STEPS, 4)
