@@ -23,6 +23,9 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/none
 CredType=cred/none
+# A requeued job may start again only once its revoked credential has expired (120 s by default):
+# short here, so a preempted test job restarts within seconds instead of failing "credential revoked".
+AuthInfo=cred_expire=10
 SlurmUser={user}
 SlurmdUser=root
 StateSaveLocation={dir}/state

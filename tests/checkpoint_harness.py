@@ -65,6 +65,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
 
 def full_params(engine):
     gather = getattr(engine, "gathered_parameters", None)
+    engine.finish_param_sync()  # stages 1/2 leave the last step's parameter all-gathers in flight
     return gather() if gather else dict(engine.model.named_parameters())
 
 

@@ -140,6 +140,7 @@ def engine_rank(rank, world_size, tp, steps):
             if acts is not None:
                 run["reports"].append(acts.report())
                 run["md_ptr"].append(acts.buffer.buffer.data_ptr() if acts.buffer else None)
+        engine.finish_param_sync()  # stages 1/2 leave the last step's parameter all-gathers in flight
         run["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         runs[(stage, mode)] = run
     layers, b, s, h = cfg.model.num_layers, cfg.train.micro_batch_size, cfg.model.seq_length, cfg.model.hidden_size

@@ -81,8 +81,8 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
     wait_until(lambda: requeued.items() <= job_fields(cluster, job_id).items(), 180, "the requeue",
                run_dir / "slurm-*.out")
     stopped_at = json.loads((run_dir / "job.json").read_text())  # still the first allocation's
-    # Slurm holds a requeued job back for a while (BeginTime); release it now.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=cluster.env(), check=True)
+    # Slurm holds a requeued job back until its revoked credential expires (cred_expire, 10 s in the local
+    # cluster); releasing it sooner ("StartTime=now") races that and fails the launch on "credential revoked".
 
     ref_state = wait_for(cluster, ref_id, ref_dir / "slurm-*.out", timeout=300)
     state = wait_for(cluster, job_id, run_dir / "slurm-*.out", timeout=300)
