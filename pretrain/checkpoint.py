@@ -143,11 +143,13 @@ class Checkpointer:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, parameter_names(templates))
             self._names = {k: v for names in everyone for k, v in names.items()}
-        staged = [engine_state.StatePiece(p.name, p.shape, p.lo, p.hi,
-                                          {k: v.detach().to("cpu", copy=True) for k, v in p.tensors.items()})
-                  for p in engine_state.pieces_to_write(engine)]  # the device-to-host copy
+        with engine.materialized_states():  # NVMe offload: the states read from their files meanwhile
+            staged = [engine_state.StatePiece(p.name, p.shape, p.lo, p.hi,
+                                              {k: v.detach().to("cpu", copy=True) for k, v in p.tensors.items()})
+                      for p in engine_state.pieces_to_write(engine)]  # the device-to-host copy
+            adam_step = engine_state.adam_step_count(engine)
         state = sharded_state(staged, templates, tuple(PREFIXES), writing=True)
-        meta = {**meta, "format": FORMAT, "step": step, "adam_step": engine_state.adam_step_count(engine),
+        meta = {**meta, "format": FORMAT, "step": step, "adam_step": adam_step,
                 "scaler": engine.scaler.state_dict(), "parameter_names": self._names}
         rng = rng_state()
         group = self._writer_group()
@@ -310,7 +312,9 @@ class Checkpointer:
     def load(self, usable: dict, model, engine, layout: dict, seed: int) -> dict:
         """Collective: restore the checkpoint `find_usable` chose. Returns {"step", "consumed_samples", "path", "notes"}."""
         step_dir, manifest = usable["path"], usable["manifest"]
-        self._load_states(step_dir, model, engine)
+        with engine.materialized_states():  # NVMe offload: written back to their files on exit
+            self._load_states(step_dir, model, engine)
+            engine_state.set_adam_step_count(engine, manifest["adam_step"])
         notes = usable["notes"] + self._restore_scalars(manifest, engine, layout, seed, step_dir)
         return {"step": manifest["step"], "consumed_samples": manifest.get("consumed_samples"),
                 "path": step_dir, "notes": notes}
@@ -329,7 +333,6 @@ class Checkpointer:
         engine_state.publish_loaded_state(engine)
 
     def _restore_scalars(self, manifest: dict, engine, layout: dict, seed: int, step_dir: Path) -> list[str]:
-        engine_state.set_adam_step_count(engine, manifest["adam_step"])
         if manifest["scaler"]:
             engine.scaler.load_state_dict(manifest["scaler"])
         saved = manifest["layout"]

@@ -132,3 +132,4 @@ class GradientBuckets:
         run.group.grads[bucket.shard_start:bucket.shard_start + bucket.piece_numel].add_(
             piece, alpha=self.engine.post_scale)
         run.grads = None
+        self.engine.grad_shard_ready(run.group, bucket.shard_start, bucket.shard_start + bucket.piece_numel)

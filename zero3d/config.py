@@ -1,6 +1,9 @@
 """The ZeRO settings as one dataclass that checks itself once, when it is built."""
+import os
 from dataclasses import dataclass
 from typing import Literal
+
+PLACEMENTS = ("none", "cpu", "nvme")
 
 
 class ZeroConfigError(ValueError):
@@ -44,6 +47,20 @@ class ZeroConfig:
     cpu_checkpointing: bool = False
     # MD: activation checkpoints in one pre-allocated buffer, against fragmentation.
     contiguous_checkpointing: bool = False
+    # ZeRO-Offload (stages 1-3): where the fp32 master shard and Adam's moments live. "none": on the
+    # device; "cpu": host memory (page-locked on CUDA), the Adam step on the CPU, gradient shards
+    # streamed to the host as their buckets finish; "nvme": files under nvme_path streamed through
+    # nvme_buffer_bytes of host buffers (ZeRO-Infinity), so host memory stays bounded.
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    # Stage 3: where the parameter shards live between gathers (each gather fetches them); needs
+    # offload_optimizer, since the update runs where the master lives.
+    offload_params: Literal["none", "cpu", "nvme"] = "none"
+    # A writable directory on a fast local disk for the "nvme" placements (per-rank files, removed
+    # when the process ends however it ends).
+    nvme_path: str = ""
+    # Host memory the NVMe optimizer stream goes through (two buffers together): a larger budget
+    # means fewer, larger reads and writes; the model size does not change it.
+    nvme_buffer_bytes: int = 64 * 2**20
 
     def __post_init__(self):
         checks = (
@@ -58,10 +75,36 @@ class ZeroConfig:
             (not self.cpu_checkpointing or self.partition_activations,
              "zero.cpu_checkpointing = true needs zero.partition_activations = true (Pa+cpu offloads "
              "the partitioned checkpoints)"),
+            *self._offload_checks(),
         )
         for ok, message in checks:
             if not ok:
                 raise ZeroConfigError(message)
+
+    def _offload_checks(self) -> tuple:
+        z, nvme = self, "nvme" in (self.offload_optimizer, self.offload_params)
+        valid = ", ".join(repr(p) for p in PLACEMENTS)
+        return (
+            (z.offload_optimizer in PLACEMENTS,
+             f"zero.offload_optimizer = {z.offload_optimizer!r} is invalid; valid values: {valid}"),
+            (z.offload_params in PLACEMENTS, f"zero.offload_params = {z.offload_params!r} is invalid; valid values: {valid}"),
+            (z.offload_optimizer == "none" or z.stage >= 1,
+             f"zero.offload_optimizer = {z.offload_optimizer!r} needs zero.stage >= 1 (the offloaded optimizer "
+             f"updates this rank's shard); got zero.stage = {z.stage}"),
+            (z.offload_params == "none" or z.stage == 3,
+             f"zero.offload_params = {z.offload_params!r} needs zero.stage = 3 (only stage 3 shards the "
+             f"parameters); got zero.stage = {z.stage}"),
+            (z.offload_params == "none" or z.offload_optimizer != "none",
+             f"zero.offload_params = {z.offload_params!r} needs zero.offload_optimizer = 'cpu' or 'nvme' "
+             "(the update runs where the master lives)"),
+            (z.nvme_buffer_bytes > 0, f"zero.nvme_buffer_bytes = {z.nvme_buffer_bytes} must be > 0"),
+            (not nvme or z.nvme_path != "",
+             "zero.offload_optimizer/offload_params = 'nvme' needs zero.nvme_path (a writable directory on "
+             "a fast local disk)"),
+            (not nvme or not z.nvme_path or (os.path.isdir(z.nvme_path) and os.access(z.nvme_path, os.W_OK | os.X_OK)),
+             f"zero.nvme_path = {z.nvme_path!r} is not a writable directory; create it or point zero.nvme_path "
+             "at one"),
+        )
 
     def predivide(self, dp_size: int) -> float:
         """The factor gradients are divided by before the data-parallel sum."""

@@ -1,4 +1,5 @@
 """The data-parallel interface the training loop uses; each ZeRO stage is one small subclass."""
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -9,6 +10,8 @@ import torch.nn as nn
 from zero3d.comm import Comm, CommStats
 from zero3d.config import ZeroConfig
 from zero3d.flat import FlatLayout, param_groups
+from zero3d.nvme import NvmeOffload
+from zero3d.offload import GroupSpec, HostOffload, device_state_bytes
 from zero3d.optim import make_optimizer
 from zero3d.precision import LossScaleConfig, make_scaler
 
@@ -81,7 +84,7 @@ class DataParallelEngine:
     """Template: backward() → step(lr) → [grads reduced, unscaled, clipped, optimizer, params published].
 
     Subclasses fill in what is stored and communicated: `_build_group`, `_reduce_grads`,
-    `_master_grad`, `_publish_params`, `zero_grad`, `state_bytes`.
+    `_master_grad`, `_publish_params`, `zero_grad`, `_state_bytes`.
     """
 
     stage: int = -1
@@ -102,10 +105,14 @@ class DataParallelEngine:
         self.pre_scale, self.post_scale = 1.0 / predivide, predivide / self.dp.size
         self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
         self.groups = self._build_groups(param_groups(model))
-        self.optimizer = make_optimizer(
-            [(piece, settings.weight_decay if is_decay_group(name) else 0.0)
-             for name, group in self.groups.items() for _, piece in group.master_pieces],
-            lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        self.offload = None  # ZeRO-Offload: HostOffload / NvmeOffload when the master and Adam states are off the device
+        if settings.zero.offload_optimizer != "none":
+            self.optimizer = self._offload_optimizer()
+        else:
+            self.optimizer = make_optimizer(
+                [(piece, self._weight_decay(name)) for name, group in self.groups.items()
+                 for _, piece in group.master_pieces],
+                lr=settings.lr, betas=settings.betas, eps=settings.eps)
 
     # ------------------------------------------------------------ loop-facing interface
 
@@ -136,16 +143,19 @@ class DataParallelEngine:
         self.finish_param_sync()
         self._reduce_grads()
         master_grads = {name: self._master_grad(group) for name, group in self.groups.items()}
-        if self.scaler.scale != 1.0:
+        inv_scale = 1.0 / self.scaler.scale  # before update() may change the scale
+        if inv_scale != 1.0:
             for grad in master_grads.values():
-                grad.mul_(1.0 / self.scaler.scale)
+                grad.mul_(inv_scale)
         norm = self._global_grad_norm(master_grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if not overflow:
-            self._apply_update(master_grads, norm, lr)
+            self._apply_update(master_grads, norm, lr, inv_scale)
             self._publish_params()
         self.zero_grad()
+        if self.offload is not None:
+            self.offload.zero_grad()
         return StepResult(grad_norm=norm, skipped=overflow, loss_scale=self.scaler.scale)
 
     def finish_param_sync(self) -> None:
@@ -162,10 +172,13 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ shared pieces
 
-    def _apply_update(self, master_grads: dict, norm: float, lr: float) -> None:
+    def _apply_update(self, master_grads: dict, norm: float, lr: float, inv_scale: float) -> None:
         coef = 1.0
         if self.settings.clip_grad > 0:
             coef = min(1.0, self.settings.clip_grad / (norm + 1e-6))
+        if self.offload is not None:  # clip, AdamW on the host; the parameters come back in the compute dtype
+            self.offload.step(master_grads, coef, inv_scale, lr)
+            return
         for name, group in self.groups.items():
             grad = master_grads[name]
             if coef < 1.0:
@@ -178,6 +191,57 @@ class DataParallelEngine:
         for group in self.groups.values():
             for _, piece in group.master_pieces:
                 piece.grad = None
+
+    def _weight_decay(self, name: str) -> float:
+        return self.settings.weight_decay if is_decay_group(name) else 0.0
+
+    # ------------------------------------------------------------ ZeRO-Offload (zero3d/offload.py, nvme.py)
+
+    def _offload_optimizer(self):
+        """The master and Adam states of every group move off the device; each group's master
+        becomes the host tensor (NVMe: an empty placeholder outside `materialized_states()`)."""
+        zero, s = self.settings.zero, self.settings
+        specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(name))
+                 for name, group in self.groups.items()]
+        if zero.offload_optimizer == "cpu":
+            self.offload = HostOffload(specs, s.lr, s.betas, s.eps, self.device)
+        else:
+            self.offload = NvmeOffload(specs, s.lr, s.betas, s.eps, self.device, zero.nvme_path,
+                                       zero.nvme_buffer_bytes, self.world.rank)
+        for name, group in self.groups.items():
+            group.master_pieces = ((0, self.offload.master(name)),)
+        return self.offload.optimizer
+
+    def _param_pieces(self, group: GroupState) -> tuple:
+        """The model-dtype parameter elements matching the group's master coordinates, as
+        ((offset, tensor), ...): the whole tensor when the master covers it, else this rank's pieces."""
+        master_numel = sum(piece.numel() for _, piece in group.master_pieces)
+        if master_numel == group.param_flat.numel():
+            return ((0, group.param_flat),)
+        return tuple((bucket.shard_start, group.param_flat[lo:hi]) for bucket, lo, hi in group.layout.pieces(self.dp.rank))
+
+    def grad_shard_ready(self, group: GroupState, lo: int, hi: int) -> None:
+        """Stages 2/3 (zero3d/buckets.py): shard elements [lo, hi) hold this micro-batch's reduced
+        gradient; with the optimizer on the host, their copy there starts now, overlapping backward."""
+        if self.offload is not None:
+            self.offload.stream_grad(group.name, lo, hi, group.grads[lo:hi])
+
+    def materialized_states(self):
+        """Context: inside it every master and `optimizer.state` is a tensor (NVMe: read from the
+        files, written back on exit). Checkpoint code reads and writes them only inside it."""
+        return self.offload.materialized() if self.offload is not None else contextlib.nullcontext()
+
+    def masters_loaded(self) -> None:
+        """After the masters (and Adam states) were overwritten, e.g. by a checkpoint load: the
+        model-dtype parameters follow. NVMe: call inside `materialized_states()`."""
+        if self.offload is not None:
+            self.offload.after_load()  # host masters into the device parameter pieces
+        self._publish_params()
+
+    def close(self) -> None:
+        """Releases the offload's files and I/O thread (also done when the process ends)."""
+        if self.offload is not None:
+            self.offload.close()
 
     def _sum_tied_grads(self) -> None:
         """Stages keeping whole gradients (0, 1) sum tied ones over their group once per step;
@@ -226,30 +290,40 @@ class DataParallelEngine:
         return total
 
     def state_bytes(self) -> dict:
+        """Model-state bytes per category on the device; with offload also host_* / nvme_* keys."""
+        out = self._state_bytes()
+        placement = self.settings.zero.offload_params
+        if placement != "none":  # stage 3's parameter shards live on the host or in files
+            out[("host_" if placement == "cpu" else "nvme_") + "params"], out["params"] = out["params"], 0
+        return device_state_bytes(out, self.offload) if self.offload is not None else out
+
+    def _state_bytes(self) -> dict:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
         self.finish_param_sync()
-        return {"stage": self.stage, "optimizer": self.optimizer.state_dict(),
-                "master": {name: group.master() for name, group in self.groups.items()},
-                "scaler": self.scaler.state_dict()}
+        with self.materialized_states():  # detached copies outlive an NVMe read-in
+            return {"stage": self.stage, "optimizer": self.optimizer.state_dict(),
+                    "master": {name: group.master().detach().clone() for name, group in self.groups.items()},
+                    "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["stage"] != self.stage:
             raise ValueError(f"checkpoint was written by ZeRO stage {state['stage']}, this run uses "
                              f"stage {self.stage}; resume with zero.stage = {state['stage']}")
-        for name, group in self.groups.items():
-            saved = state["master"][name]
-            size = sum(piece.numel() for _, piece in group.master_pieces)
-            if tuple(saved.shape) != (size,):
-                raise ValueError(f"checkpoint master shard for group {name!r} has shape "
-                                 f"{tuple(saved.shape)}, this layout needs {(size,)}: "
-                                 "resume with the same model, data- and tensor-parallel sizes")
-            for offset, piece in group.master_pieces:
-                piece.data.copy_(saved[offset:offset + piece.numel()])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self.materialized_states():  # NVMe: written back to the files on exit
+            for name, group in self.groups.items():
+                saved = state["master"][name]
+                size = sum(piece.numel() for _, piece in group.master_pieces)
+                if tuple(saved.shape) != (size,):
+                    raise ValueError(f"checkpoint master shard for group {name!r} has shape "
+                                     f"{tuple(saved.shape)}, this layout needs {(size,)}: "
+                                     "resume with the same model, data- and tensor-parallel sizes")
+                for offset, piece in group.master_pieces:
+                    piece.data.copy_(saved[offset:offset + piece.numel()])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.masters_loaded()
         self.scaler.load_state_dict(state["scaler"])
-        self._publish_params()
         self.finish_param_sync()
 
     # ------------------------------------------------------------ stage hooks

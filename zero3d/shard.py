@@ -81,7 +81,9 @@ def publish_params(engine: DataParallelEngine, overlap: bool) -> None:
     per bucket; with `overlap` they stay in flight until the module using them runs next."""
     rank = engine.dp.rank
     for name, group in engine.groups.items():
-        master = group.master_pieces[0][1] if len(group.master_pieces) == 1 else None
+        # One fp32 master (mixed precision) is cast into the pieces here; fp32 pieces are the master;
+        # with the optimizer offloaded, the offload has already written the pieces.
+        master = group.master_pieces[0][1] if len(group.master_pieces) == 1 and engine.offload is None else None
         for bucket, lo, hi in group.layout.pieces(rank):
             piece = group.param_flat[lo:hi]
             if master is not None:

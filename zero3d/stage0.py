@@ -28,5 +28,5 @@ class ReplicatedEngine(DataParallelEngine):
         for group in self.groups.values():
             group.grads.zero_()
 
-    def state_bytes(self):
+    def _state_bytes(self):
         return model_state_bytes(self)

@@ -60,5 +60,5 @@ class GradientShardedEngine(DataParallelEngine):
             for param in group.params:
                 param.grad = None
 
-    def state_bytes(self):
+    def _state_bytes(self):
         return model_state_bytes(self)

@@ -44,6 +44,8 @@ from zero3d.comm import wait_all
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
+from zero3d.nvme import file_backed_copy
+from zero3d.offload import Copier, host_copy
 from zero3d.shard import all_reduce_replicated, replicated_group
 
 PERSISTENT = "persistent"
@@ -62,6 +64,8 @@ class ParameterShardedEngine(DataParallelEngine):
         self._in_backward = False
         self._live = 0
         self.peak_gathered_elements = 0
+        self._fetch = Copier(next(model.parameters()).device)  # offload_params: host shard -> device
+        self._fetched = {}  # unit index -> device copies of host shards that its in-flight gathers read
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
         self.stream = torch.cuda.Stream(self.device) \
@@ -109,6 +113,11 @@ class ParameterShardedEngine(DataParallelEngine):
         master = group.param_flat if group.param_flat.dtype == torch.float32 else group.param_flat.float()
         group.master_pieces = ((0, master),)
         group.norm_ranges = self._norm_ranges(layout, flat=False)
+        placement = self.settings.zero.offload_params
+        if placement != "none":  # the shard lives on the host or in a file; each gather fetches it
+            group.master_pieces = ((0, master.clone() if master is group.param_flat else master),)
+            group.param_flat = host_copy(group.param_flat) if placement == "cpu" else \
+                file_backed_copy(group.param_flat, self.settings.zero.nvme_path, self.dp.rank)
         for p in params:
             p.data = self._empty()
         return group
@@ -127,7 +136,7 @@ class ParameterShardedEngine(DataParallelEngine):
         unit.full = []
         for group in unit.groups:
             full = torch.empty(group.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
-            unit.handles += self._gather_buckets(group, full, tag)
+            unit.handles += self._gather_buckets(self._device_shard(group, unit.index), group, full, tag)
             for slot, p in zip(group.layout.slots, group.params):
                 p.data = full[slot.start:slot.end].view(slot.shape)
             unit.full.append(full)
@@ -136,27 +145,39 @@ class ParameterShardedEngine(DataParallelEngine):
         self._live += unit.numel
         self.peak_gathered_elements = max(self.peak_gathered_elements, self._live)
 
-    def _gather_buckets(self, group, full, tag) -> list:
+    def _gather_buckets(self, shard, group, full, tag) -> list:
         """One all-gather per bucket of the group's shard into `full` (on the side stream on GPU)."""
         if self.stream is None:
-            return [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(group, bucket), tag=tag,
+            return [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag=tag,
                                        async_op=True) for bucket in group.buckets]
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            handles = [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(group, bucket), tag=tag,
+            handles = [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag=tag,
                                           async_op=True) for bucket in group.buckets]
         if any(handle is None for handle in handles):  # ran synchronously (one rank): order the streams
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return handles
 
     @staticmethod
-    def _piece(group, bucket):
-        return group.param_flat[bucket.shard_start:bucket.shard_start + bucket.piece_numel]
+    def _piece(shard, bucket):
+        return shard[bucket.shard_start:bucket.shard_start + bucket.piece_numel]
+
+    def _device_shard(self, group, unit_index=None):
+        """The group's parameter shard on the device: itself, or (offload_params) a fresh device copy
+        of the host one, kept alive with the unit's gathers that read it."""
+        if self.settings.zero.offload_params == "none":
+            return group.param_flat
+        shard = torch.empty(group.param_flat.shape, dtype=group.param_flat.dtype, device=self.device)
+        self._fetch.to_device(shard, group.param_flat)
+        if unit_index is not None:
+            self._fetched.setdefault(unit_index, []).append(shard)
+        return shard
 
     def _release(self, unit):
         if unit.full is None:
             return
         wait_all(unit.handles)
+        self._fetched.pop(unit.index, None)
         for group in unit.groups:
             for p in group.params:
                 p.data = self._empty()
@@ -258,8 +279,9 @@ class ParameterShardedEngine(DataParallelEngine):
         for unit in self.units:
             for group in unit.groups:
                 full = torch.empty(group.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
+                shard = self._device_shard(group)
                 for bucket in group.buckets:
-                    self.dp.all_gather(full[bucket.start:bucket.end], self._piece(group, bucket),
+                    self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket),
                                        tag="params_inspect")
                 for slot in group.layout.slots:
                     out[slot.name] = full[slot.start:slot.end].view(slot.shape).clone()
@@ -290,7 +312,9 @@ class ParameterShardedEngine(DataParallelEngine):
         return self._as_fp32(group.grads)
 
     def _publish_params(self):
-        # Shards only: the next forward gathers them.
+        # Shards only: the next forward gathers them. An offloaded optimizer has written them already.
+        if self.offload is not None:
+            return
         for group in self.groups.values():
             master = group.master_pieces[0][1]
             if master.untyped_storage() is not group.param_flat.untyped_storage():
@@ -300,7 +324,7 @@ class ParameterShardedEngine(DataParallelEngine):
         for group in self.groups.values():
             group.grads.zero_()
 
-    def state_bytes(self):
+    def _state_bytes(self):
         """Model states kept between steps; "persistent_*" are the replicated small parameters."""
         def nbytes(tensor):
             return tensor.numel() * tensor.element_size()

@@ -124,8 +124,9 @@ def pieces_to_load(engine) -> list[StatePiece]:
 
 
 def publish_loaded_state(engine) -> None:
-    """After master weights were loaded: model-dtype parameters recomputed from them on every rank."""
-    engine._publish_params()
+    """After master weights were loaded: model-dtype parameters recomputed from them on every rank
+    (NVMe offload: inside `engine.materialized_states()`, like every read or write of the states)."""
+    engine.masters_loaded()
 
 
 @contextmanager

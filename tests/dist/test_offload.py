@@ -1,0 +1,113 @@
+"""ZeRO-Offload (optimizer states on the host or in files) against the same run without offload."""
+import pytest
+import torch
+
+from checkpoint_harness import train_segment
+from gpt_harness import run_gpt_steps
+from ranks import run_ranks
+
+STEPS = 10
+
+
+def run(tp, stage, extra=(), steps=STEPS, inject_inf_at=None):
+    overrides = [f"parallel.tensor={tp}", f"zero.stage={stage}", "train.global_batch_size=8", *extra]
+    return run_ranks(run_gpt_steps, tp * 2, overrides, steps, inject_inf_at, timeout=300)
+
+
+def offload(placement, tmp_path, key="offload_optimizer"):
+    out = [f"zero.{key}=\"{placement}\""]
+    if placement == "nvme":  # a small budget, so every group streams through several chunks
+        out += [f"zero.nvme_path=\"{tmp_path}\"", "zero.nvme_buffer_bytes=300000"]
+    return out
+
+
+def assert_same_training(ref, out, rtol=1e-6, param_atol=1e-5):
+    """Losses and gradient norms within rtol; parameters within param_atol: the host step is torch's
+    fused CPU AdamW, the device path's CPU AdamW the single-tensor one — they round apart by an ulp."""
+    for r_ref, r_out in zip(ref, out):
+        torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]), rtol=rtol, atol=0)
+        torch.testing.assert_close(torch.tensor(r_out["grad_norm"]), torch.tensor(r_ref["grad_norm"]),
+                                   rtol=rtol, atol=0)
+        assert r_out["skipped"] == r_ref["skipped"]
+        assert r_out["params"].keys() == r_ref["params"].keys()
+        for name, p in r_ref["params"].items():
+            torch.testing.assert_close(r_out["params"][name], p, rtol=rtol, atol=param_atol, msg=name)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_matches_device_fp32(tp, stage, tmp_path):
+    ref = run(tp, stage)
+    assert ref[0]["loss"][-1] < ref[0]["loss"][0]  # it trains
+    cpu = run(tp, stage, offload("cpu", tmp_path))
+    nvme = run(tp, stage, offload("nvme", tmp_path))
+    assert_same_training(ref, cpu)
+    assert_same_training(ref, nvme)
+    # Both run the same fused AdamW, NVMe in 4096-aligned chunks: bit for bit the same training.
+    assert_same_training(cpu, nvme, rtol=0, param_atol=0)
+    for r_ref, r_cpu, r_nvme in zip(ref, cpu, nvme):
+        moved = r_ref["state_bytes"]["optimizer_states"]
+        assert moved > 0
+        assert r_cpu["state_bytes"]["master_params"] == r_cpu["state_bytes"]["optimizer_states"] == 0
+        assert r_nvme["state_bytes"]["master_params"] == r_nvme["state_bytes"]["optimizer_states"] == 0
+        assert r_cpu["state_bytes"]["host_optimizer_states"] == moved == r_nvme["state_bytes"]["nvme_optimizer_states"]
+        assert r_nvme["state_bytes"]["host_buffers"] <= 300000
+    assert list(tmp_path.iterdir()) == []  # the state files are removed with the engine
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflow_skips_the_same_steps(stage, tmp_path):
+    """An inf on one rank skips the step everywhere, with or without offload; the loss scale follows
+    the same path; a small clip threshold makes every update a clipped one (norm × coef on the host)."""
+    extra = ["precision.dtype=\"fp16\"", "precision.hysteresis=1", "precision.initial_loss_scale=1024",
+             "optimizer.clip_grad=0.05"]
+    inject = (1, 1)  # step 1, rank 1 only
+    ref = run(1, stage, extra, steps=5, inject_inf_at=inject)
+    assert ref[0]["skipped"] == [False, True, False, False, False]
+    assert all(n > 0.05 for n, skipped in zip(ref[0]["grad_norm"], ref[0]["skipped"]) if not skipped)
+    for placement in ("cpu", "nvme"):
+        out = run(1, stage, extra + offload(placement, tmp_path), steps=5, inject_inf_at=inject)
+        for r_ref, r_out in zip(ref, out):
+            assert r_out["skipped"] == r_ref["skipped"]
+            assert r_out["loss_scale"] == r_ref["loss_scale"]
+            assert r_out["param_checksum"][1] == r_out["param_checksum"][0]  # the skip left them alone
+            # fp16 parameters: an ulp of the fp32 master apart can round to neighbouring fp16 values.
+            torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]),
+                                       rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_resumes_across_offload_settings(stage, tmp_path):
+    """A DCP checkpoint holds the same master, Adam moments and step count whatever the placement:
+    saved with one, resumed with another (on, off, nvme), the run continues as the uninterrupted one."""
+    overrides = [f"zero.stage={stage}", "train.global_batch_size=8"]
+    nvme_dir = tmp_path / "nvme"
+    nvme_dir.mkdir()
+    placements = {"none": [], "cpu": offload("cpu", nvme_dir), "nvme": offload("nvme", nvme_dir)}
+    straight = run_ranks(train_segment, 2, overrides, tmp_path / "straight", 0, 6, timeout=300)
+    for first, second in (("cpu", "none"), ("none", "nvme"), ("nvme", "cpu")):
+        save_dir = tmp_path / f"{first}-{second}"
+        run_ranks(train_segment, 2, overrides + placements[first], save_dir, 0, 3, (3,), timeout=300)
+        resumed = run_ranks(train_segment, 2, overrides + placements[second], save_dir, 3, 6, (), True, timeout=300)
+        assert resumed[0]["resumed"]["step"] == 3
+        torch.testing.assert_close(torch.tensor(resumed[0]["loss"]), torch.tensor(straight[0]["loss"][3:]),
+                                   rtol=1e-6, atol=0, msg=f"{first} -> {second}")
+    assert list(nvme_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stage3_param_offload_matches(tp, tmp_path):
+    """offload_params = cpu / nvme: the parameter shards live in host memory / in memory-mapped files
+    and every gather fetches them; the same training as without offload, and bit for bit the run
+    with only the optimizer offloaded."""
+    ref = run(tp, 3)
+    opt_only = run(tp, 3, offload("cpu", tmp_path))
+    assert_same_training(ref, opt_only)
+    for placement in ("cpu", "nvme"):
+        params = run(tp, 3, offload("cpu", tmp_path) + offload(placement, tmp_path, key="offload_params"))
+        assert_same_training(opt_only, params, rtol=0, param_atol=0)
+        for r, r_opt in zip(params, opt_only):
+            moved = r["state_bytes"]
+            assert moved["params"] == 0
+            assert moved[f"{'host' if placement == 'cpu' else 'nvme'}_params"] == r_opt["state_bytes"]["params"] > 0
+    assert list(tmp_path.iterdir()) == []  # the mapped files are unlinked

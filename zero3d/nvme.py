@@ -1,0 +1,283 @@
+"""ZeRO-Infinity for the optimizer: master shards and Adam states in files, streamed through two host buffers.
+
+Every group's fp32 master, exp_avg and exp_avg_sq live in one file each (raw float32, positional
+reads and writes with os.preadv/os.pwritev straight into page-locked buffers, no pickling) in a
+private directory under `zero.nvme_path`. The step walks the groups in chunks that fit one of two
+host buffers (`zero.nvme_buffer_bytes` for both together): while the CPU runs AdamW on chunk i in
+one buffer, an I/O thread writes chunk i-1 back and reads chunk i+1 into the other, so host memory
+for optimizer states stays at the buffer budget whatever the model size.
+
+Checkpoints: `materialized()` reads the states into ordinary host tensors (the engine's master
+shards and `optimizer.state`) for the duration of a save or load and writes them back on exit.
+"""
+import contextlib
+import os
+import shutil
+import tempfile
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from zero3d.offload import (Copier, GroupSpec, adamw_step, copy_into_pieces, cpu_adamw, keep_cpu_mode, pinned_empty,
+                            scale_)
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+CHUNK_ALIGN = 4096  # elements: chunk boundaries stay aligned for the vectorised Adam kernel
+FP32 = 4
+
+
+def buffer_bytes_per_element(dtype: torch.dtype) -> int:
+    """One buffer holds a chunk of master, exp_avg, exp_avg_sq and gradient in fp32, plus the
+    compute-dtype copy of the updated parameters when that is not fp32."""
+    extra = 0 if dtype == torch.float32 else torch.empty(0, dtype=dtype).element_size()
+    return len(STATES) * FP32 + FP32 + extra
+
+
+def chunk_elements(buffer_bytes: int, dtype: torch.dtype, largest_group: int) -> int:
+    """Elements per chunk so two buffers fit `buffer_bytes`; a multiple of CHUNK_ALIGN."""
+    per_element = buffer_bytes_per_element(dtype)
+    chunk = buffer_bytes // (2 * per_element) // CHUNK_ALIGN * CHUNK_ALIGN
+    if chunk == 0:
+        raise ValueError(f"zero.nvme_buffer_bytes = {buffer_bytes} is too small: two buffers of "
+                         f"{CHUNK_ALIGN} elements × {per_element} bytes need at least "
+                         f"{2 * CHUNK_ALIGN * per_element}")
+    return min(chunk, -(-largest_group // CHUNK_ALIGN) * CHUNK_ALIGN)
+
+
+def file_backed_copy(t: torch.Tensor, root: str, rank: int) -> torch.Tensor:
+    """A copy of `t` in a memory-mapped file under `root` (offload_params = "nvme"): the kernel pages
+    it in when a gather reads it and may write it back and evict it when memory is short. The file is
+    unlinked once mapped, so its space returns to the disk with the process."""
+    directory = tempfile.mkdtemp(prefix=f"zero3d-params-rank{rank}-", dir=root)
+    path = os.path.join(directory, "shard.bin")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, max(1, t.numel()) * t.element_size())
+        os.close(fd)
+        out = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    out.copy_(t.reshape(-1))
+    return out.view(t.shape)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+class StateFiles:
+    """One raw float32 file per (group, state); positional I/O of element ranges.
+
+    The files are unlinked as soon as they are open: the disk space is the process's alone and is
+    returned when it exits, however it exits (a killed rank leaves nothing behind)."""
+
+    def __init__(self, root: str, rank: int, numels: dict):
+        self.dir = Path(tempfile.mkdtemp(prefix=f"zero3d-offload-rank{rank}-", dir=root))
+        self.fds = {}
+        try:
+            for index, (name, numel) in enumerate(numels.items()):
+                for state in STATES:
+                    path = self.dir / f"group{index}.{state}.f32"
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                    self.fds[name, state] = fd
+                    os.unlink(path)
+                    os.ftruncate(fd, numel * FP32)  # zeros: Adam's moments start there
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self._finalizer = weakref.finalize(self, _close_all, dict(self.fds))
+
+    def read(self, name: str, state: str, lo: int, out: torch.Tensor) -> None:
+        view, offset = _byte_view(out), lo * FP32
+        while len(view):
+            n = os.preadv(self.fds[name, state], [view], offset)
+            if n <= 0:
+                raise IOError(f"short read of {state} of group {name!r} in {self.dir}")
+            view, offset = view[n:], offset + n
+
+    def write(self, name: str, state: str, lo: int, src: torch.Tensor) -> None:
+        view, offset = _byte_view(src), lo * FP32
+        while len(view):
+            n = os.pwritev(self.fds[name, state], [view], offset)
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_all(fds: dict) -> None:
+    for fd in fds.values():
+        os.close(fd)
+
+
+@dataclass
+class ChunkBuffer:
+    """One of the two host buffers: a chunk of every state, the gradient and the compute-dtype output."""
+
+    states: dict
+    grad: torch.Tensor
+    staging: Optional[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device) -> "ChunkBuffer":
+        staging = None if dtype == torch.float32 else pinned_empty(numel, dtype, device)
+        return cls({s: pinned_empty(numel, torch.float32, device) for s in STATES},
+                   pinned_empty(numel, torch.float32, device), staging)
+
+    def nbytes(self) -> int:
+        tensors = [*self.states.values(), self.grad] + ([self.staging] if self.staging is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    name: str
+    group_index: int
+    lo: int
+    hi: int
+
+
+class NvmeOffload:
+    """offload_optimizer = "nvme": the same interface as HostOffload (zero3d/offload.py)."""
+
+    placement = "nvme"
+
+    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, device: torch.device,
+                 nvme_path: str, buffer_bytes: int, rank: int):
+        self.copier = Copier(device)
+        dtype = specs[0].dtype
+        self.chunk = chunk_elements(buffer_bytes, dtype, max(s.numel for s in specs))
+        self.buffers = [ChunkBuffer.allocate(self.chunk, dtype, device) for _ in range(2)]
+        self.files = StateFiles(nvme_path, rank, {s.name: s.numel for s in specs})
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3d-nvme")
+        # Outside materialized() the engine's master shards are empty placeholders.
+        self.masters = {s.name: torch.empty(0, dtype=torch.float32) for s in specs}
+        self.steps = {s.name: 0 for s in specs}
+        self.optimizer = cpu_adamw([self.masters[s.name] for s in specs], [s.weight_decay for s in specs],
+                                   lr, betas, eps)
+        for s in specs:
+            self._write_initial_master(s)
+        self.specs = {s.name: s.released() for s in specs}  # the device master copy can be freed
+
+    def master(self, name: str) -> torch.Tensor:
+        return self.masters[name]
+
+    def _write_initial_master(self, spec: GroupSpec) -> None:
+        buf = self.buffers[0].states["master"]
+        for lo in range(0, spec.numel, self.chunk):
+            hi = min(lo + self.chunk, spec.numel)
+            self.copier.to_host(buf[:hi - lo], spec.master[lo:hi])
+            self.copier.wait_host()
+            self.files.write(spec.name, "master", lo, buf[:hi - lo])
+
+    # ------------------------------------------------------------ gradients
+
+    def stream_grad(self, name: str, lo: int, hi: int, piece: torch.Tensor) -> None:
+        """Gradients stay on the device until the step fetches them chunk by chunk (bounded host memory)."""
+
+    def zero_grad(self) -> None:
+        pass
+
+    # ------------------------------------------------------------ step
+
+    def _chunks(self) -> list[Chunk]:
+        return [Chunk(name, i, lo, min(lo + self.chunk, s.numel))
+                for i, (name, s) in enumerate(self.specs.items())
+                for lo in range(0, s.numel, self.chunk)]
+
+    def _read(self, c: Chunk, buf: ChunkBuffer) -> None:
+        for state, t in buf.states.items():
+            self.files.read(c.name, state, c.lo, t[:c.hi - c.lo])
+
+    def _write(self, c: Chunk, buf: ChunkBuffer) -> None:
+        for state, t in buf.states.items():
+            self.files.write(c.name, state, c.lo, t[:c.hi - c.lo])
+
+    def step(self, master_grads: dict, coef: float, inv_scale: float, lr: float) -> None:
+        """AdamW chunk by chunk; the I/O thread reads chunk i+1 (after writing chunk i-1 back) while
+        the CPU updates chunk i. `master_grads` are the engine's, already unscaled."""
+        for pg in self.optimizer.param_groups:
+            pg["lr"] = lr
+        chunks = self._chunks()
+        reads = {0: self.io.submit(self._read, chunks[0], self.buffers[0])}
+        writes = []
+        for i, c in enumerate(chunks):
+            if i + 1 < len(chunks):  # queued behind chunk i-1's write, which used the same buffer
+                reads[i + 1] = self.io.submit(self._read, chunks[i + 1], self.buffers[(i + 1) % 2])
+            reads.pop(i).result()
+            buf = self.buffers[i % 2]
+            self._update(c, buf, master_grads[c.name], coef)
+            writes.append(self.io.submit(self._write, c, buf))
+        for w in writes:
+            w.result()
+        for name in self.steps:
+            self.steps[name] += 1
+
+    def _update(self, c: Chunk, buf: ChunkBuffer, device_grad: torch.Tensor, coef: float) -> None:
+        n = c.hi - c.lo
+        grad = buf.grad[:n]
+        self.copier.to_host(grad, device_grad[c.lo:c.hi])
+        self.copier.wait_host()
+        scale_(grad, coef)
+        step = torch.tensor(float(self.steps[c.name]), dtype=torch.float32)  # adamw adds one
+        master = buf.states["master"][:n]
+        adamw_step(master, grad, buf.states["exp_avg"][:n], buf.states["exp_avg_sq"][:n], step,
+                   self.optimizer.param_groups[c.group_index])
+        source = master
+        if buf.staging is not None:
+            source = buf.staging[:n].copy_(master)
+        copy_into_pieces(self.copier, self.specs[c.name], c.lo, source)
+        self.copier.wait_host()  # the buffer is reused two chunks later
+
+    # ------------------------------------------------------------ checkpoints and accounting
+
+    @contextlib.contextmanager
+    def materialized(self):
+        """Inside: the engine's master shards and `optimizer.state` hold the full states as host
+        tensors (optimizer.state empty before the first step, as torch's AdamW); on exit whatever
+        they then hold (a loaded checkpoint, say) is written back and the memory released."""
+        for name, master in self.masters.items():
+            numel = self.specs[name].numel
+            master.data = torch.empty(numel, dtype=torch.float32)
+            self.files.read(name, "master", 0, master.data)
+            if self.steps[name]:
+                state = {"step": torch.tensor(float(self.steps[name]), dtype=torch.float32)}
+                for key in STATES[1:]:
+                    state[key] = torch.empty(numel, dtype=torch.float32)
+                    self.files.read(name, key, 0, state[key])
+                self.optimizer.state[master] = state
+        try:
+            yield
+        finally:
+            self._write_back()
+
+    def _write_back(self) -> None:
+        for name, master in self.masters.items():
+            self.files.write(name, "master", 0, master.data.contiguous())
+            state = self.optimizer.state.pop(master, {})
+            self.steps[name] = int(state["step"]) if "step" in state else 0
+            for key in STATES[1:]:
+                moment = state.get(key)
+                self.files.write(name, key, 0, moment.float().contiguous() if moment is not None
+                                 else torch.zeros_like(master.data))
+            master.data = torch.empty(0, dtype=torch.float32)
+
+    def after_load(self) -> None:
+        """Inside materialized(): keep the CPU mode flags and publish the loaded masters."""
+        keep_cpu_mode(self.optimizer)
+        for name, master in self.masters.items():
+            spec = self.specs[name]
+            copy_into_pieces(self.copier, spec, 0, master.data.to(spec.dtype))
+        self.copier.wait_host()
+
+    def state_bytes(self) -> dict:
+        numel = sum(s.numel for s in self.specs.values())
+        return {"nvme_master_params": numel * FP32, "nvme_optimizer_states": 2 * numel * FP32,
+                "host_buffers": sum(b.nbytes() for b in self.buffers)}
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True)
+        self.files.close()

@@ -1,0 +1,253 @@
+"""ZeRO-Offload: fp32 master shards and Adam states in host memory, the Adam step on the CPU.
+
+The engine hands over, per parameter group, a `GroupSpec`: its fp32 master (initial values, in
+master coordinates), the device tensors holding the matching compute-dtype parameter elements
+(`param_pieces`: one tensor, or one piece per bucket at stages 1/2) and the group's weight decay.
+From then on:
+
+- the master and Adam's moments live on the host (page-locked on CUDA, so copies are DMA);
+- the reduced gradient shard comes to the host: piece by piece while backward still runs
+  (`stream_grad`, called by stages 2/3 as each bucket's reduction lands in the shard) or, for
+  groups not streamed, whole at the step; on CUDA on a side stream ordered by stream waits;
+- the step applies the engine's unscale and clip factors on the host, runs torch's AdamW in its
+  fused CPU mode (bench/bench_offload.py measures fused against foreach and single-tensor), casts
+  the updated master to the compute dtype on the host and copies that into the device pieces.
+
+NVMe placement (zero3d/nvme.py) keeps the same interface with the states in files. The step order
+and the overflow decision stay the engine's: `step` is called only when the engine updates.
+"""
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.optim.adamw import adamw as functional_adamw
+
+CPU_ADAM_MODE = {"fused": True}  # the fastest CPU mode, measured by bench/bench_offload.py
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What the engine hands over for one parameter group."""
+
+    name: str
+    master: Optional[torch.Tensor]  # fp32, master coordinates: the initial values (None once copied)
+    param_pieces: tuple  # ((offset in master coordinates, compute-dtype device tensor), ...)
+    weight_decay: float
+
+    @property
+    def numel(self) -> int:
+        return sum(piece.numel() for _, piece in self.param_pieces)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param_pieces[0][1].dtype
+
+    def released(self) -> "GroupSpec":
+        """The spec without its initial master, so the device copy is not kept alive."""
+        return dataclasses.replace(self, master=None)
+
+
+def pinned_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor, page-locked when the device is a GPU (so device copies are asynchronous DMA)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A (page-locked on CUDA) host copy of a device tensor."""
+    out = pinned_empty(tensor.numel(), tensor.dtype, tensor.device)
+    out.copy_(tensor.view(-1))
+    return out.view(tensor.shape)
+
+
+class Copier:
+    """Device <-> host copies. CUDA: non-blocking on a side stream, ordered against the compute
+    stream by stream waits; the host waits (`wait_host`) before it reads or reuses a buffer.
+    CPU: plain synchronous copies (device and host memory are the same)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def to_host(self, host: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None or not src.is_cuda:
+            host.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # src is final
+        with torch.cuda.stream(self.stream):
+            host.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)  # not reused by the allocator before the copy ran
+
+    def to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        if self.stream is None or not dst.is_cuda:  # also a host destination (stage 3 offload_params)
+            dst.copy_(host)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(dst.device))  # nobody still reads dst
+        with torch.cuda.stream(self.stream):
+            dst.copy_(host, non_blocking=True)
+        torch.cuda.current_stream(dst.device).wait_stream(self.stream)  # compute sees the new values
+
+    def wait_host(self) -> None:
+        """Every copy queued so far has finished (host buffers may be read or rewritten)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def copy_into_pieces(copier: Copier, spec: GroupSpec, lo: int, source: torch.Tensor) -> None:
+    """Elements [lo, lo + len(source)) of the group (master coordinates) into its device pieces."""
+    hi = lo + source.numel()
+    for offset, piece in spec.param_pieces:
+        a, b = max(lo, offset), min(hi, offset + piece.numel())
+        if a < b:
+            copier.to_device(piece[a - offset:b - offset], source[a - lo:b - lo])
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, step: torch.Tensor, group: dict) -> None:
+    """torch's own AdamW math on one (piece of a) group, in the mode `CPU_ADAM_MODE` picks."""
+    functional_adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False,
+                     beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                     foreach=False, **CPU_ADAM_MODE)
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    if factor != 1.0:
+        tensor.mul_(factor)
+
+
+def cpu_adamw(masters: list, weight_decays: list, lr: float, betas: tuple, eps: float) -> torch.optim.AdamW:
+    """torch's AdamW over host masters in its fast CPU mode: its `state` is what checkpoints read."""
+    return torch.optim.AdamW([{"params": [m], "weight_decay": wd} for m, wd in zip(masters, weight_decays)],
+                             lr=lr, betas=betas, eps=eps, **CPU_ADAM_MODE)
+
+
+def keep_cpu_mode(optimizer: torch.optim.Optimizer) -> None:
+    """A loaded optimizer state may carry another run's mode flags and device step counters."""
+    for param_group in optimizer.param_groups:
+        param_group.update(foreach=False, **CPU_ADAM_MODE)
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu").reshape(())
+
+
+@dataclass
+class HostGroup:
+    """One group's host-side tensors."""
+
+    spec: GroupSpec
+    master: torch.Tensor  # fp32
+    grad: torch.Tensor  # fp32: this step's gradient shard
+    staging: Optional[torch.Tensor] = None  # compute dtype: streamed raw gradients, then the new parameters
+    streamed: bool = False  # this step's gradient arrived through stream_grad (raw: not yet unscaled)
+
+
+class HostOffload:
+    """offload_optimizer = "cpu": every state in host memory; `optimizer` is a torch AdamW over the
+    host masters, so `optimizer.state` and the masters are ordinary tensors (checkpoints)."""
+
+    placement = "cpu"
+
+    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, device: torch.device):
+        self.device = device
+        self.copier = Copier(device)
+        self.groups = {spec.name: self._host_group(spec) for spec in specs}
+        self.optimizer = cpu_adamw([g.master for g in self.groups.values()],
+                                   [g.spec.weight_decay for g in self.groups.values()], lr, betas, eps)
+
+    def _host_group(self, spec: GroupSpec) -> HostGroup:
+        n = spec.numel
+        group = HostGroup(spec.released(), master=pinned_empty(n, torch.float32, self.device),
+                          grad=pinned_empty(n, torch.float32, self.device).zero_())
+        if spec.dtype != torch.float32:
+            group.staging = pinned_empty(n, spec.dtype, self.device).zero_()
+        self.copier.to_host(group.master, spec.master)
+        self.copier.wait_host()
+        return group
+
+    def master(self, name: str) -> torch.Tensor:
+        return self.groups[name].master
+
+    # ------------------------------------------------------------ gradients
+
+    def stream_grad(self, name: str, lo: int, hi: int, piece: torch.Tensor) -> None:
+        """Elements [lo, hi) of the group's reduced gradient shard are final for this micro-batch:
+        start their copy to the host (a later micro-batch's copy of the same range overwrites it)."""
+        group = self.groups[name]
+        self.copier.to_host((group.staging if group.staging is not None else group.grad)[lo:hi], piece)
+        group.streamed = True
+
+    def _gather_grads(self, master_grads: dict, inv_scale: float) -> None:
+        """Each group's fp32 gradient on the host, unscaled: streamed ones are converted and unscaled
+        here (as the engine does on the device), the rest copied from its unscaled master gradients."""
+        for name, group in self.groups.items():
+            if not group.streamed:
+                self.copier.to_host(group.grad, master_grads[name])
+        self.copier.wait_host()
+        for group in self.groups.values():
+            if group.streamed:
+                if group.staging is not None:
+                    group.grad.copy_(group.staging)
+                scale_(group.grad, inv_scale)
+
+    # ------------------------------------------------------------ step
+
+    def step(self, master_grads: dict, coef: float, inv_scale: float, lr: float) -> None:
+        """Gradients to the host, unscale and clip (the engine's multiplications), AdamW on the CPU,
+        updated parameters into the device pieces in the compute dtype."""
+        self._gather_grads(master_grads, inv_scale)
+        for group in self.groups.values():
+            scale_(group.grad, coef)
+            group.master.grad = group.grad
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.optimizer.step()
+        for group in self.groups.values():
+            group.master.grad = None
+        self.publish()
+
+    def publish(self) -> None:
+        """Every host master into its device pieces, cast to the compute dtype on the host."""
+        for group in self.groups.values():
+            source = group.master
+            if group.staging is not None:
+                source = group.staging.copy_(group.master)
+            copy_into_pieces(self.copier, group.spec, 0, source)
+        self.copier.wait_host()
+
+    def zero_grad(self) -> None:
+        self.copier.wait_host()  # a streamed copy of a skipped step may still be landing
+        for group in self.groups.values():
+            group.grad.zero_()
+            if group.staging is not None:  # it held the published parameters: not a gradient
+                group.staging.zero_()
+            group.streamed = False
+
+    # ------------------------------------------------------------ checkpoints and accounting
+
+    def materialized(self):
+        """The masters and optimizer.state are always ordinary host tensors here."""
+        return contextlib.nullcontext()
+
+    def after_load(self) -> None:
+        keep_cpu_mode(self.optimizer)
+        self.publish()
+
+    def state_bytes(self) -> dict:
+        def nbytes(tensor):
+            return 0 if tensor is None else tensor.numel() * tensor.element_size()
+        moments = sum(nbytes(v) for state in self.optimizer.state.values() for v in state.values()
+                      if torch.is_tensor(v) and v.dim() > 0)
+        return {"host_master_params": sum(nbytes(g.master) for g in self.groups.values()),
+                "host_optimizer_states": moments,
+                "host_grads": sum(nbytes(g.grad) + nbytes(g.staging) for g in self.groups.values())}
+
+    def close(self) -> None:
+        pass
+
+
+def device_state_bytes(stage_bytes: dict, offload) -> dict:
+    """The stage's accounting with the offloaded categories moved: device master/optimizer bytes are 0
+    (the keys keep their device meaning); host_*/nvme_* keys say where those bytes went."""
+    out = {k: (0 if k.endswith(("master_params", "optimizer_states")) else v) for k, v in stage_bytes.items()}
+    out.update(offload.state_bytes())
+    return out
