@@ -15,6 +15,7 @@ import sys
 
 from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.probe_commands import max_model_command, probe_command
+from pretrain.probe_rank import refuse_file_offload_on_fake_tensors
 
 
 def parse_args(argv=None):
@@ -54,6 +55,7 @@ def main(argv=None) -> int:
         validate_layout(cfg, world)
         if not 0 <= args.rank < world:
             raise ConfigError(f"--rank {args.rank} is invalid; valid ranks: 0 .. {world - 1}")
+        refuse_file_offload_on_fake_tensors(cfg, fake=not args.real)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

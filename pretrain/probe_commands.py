@@ -51,7 +51,8 @@ def probe_command(cfg: Config, world: int, args) -> int:
     estimate = estimate_config(cfg, world, memory)
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
-    rows = estimate_rows(estimate, run.model_states, run.category_peaks, peak, run.host_peak_bytes)
+    rows = estimate_rows(estimate, run.model_states, run.category_peaks, peak,
+                         run.host_peak_by_category.get("activations", 0))
     if run.cuda_max_allocated is not None:  # on a GPU: model states (engine) and the allocator's peak only
         rows = [r for r in rows if r[0].startswith(("params", "grads", "optimizer", "peak"))]
     out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real" if args.real else "fake",
@@ -69,6 +70,10 @@ def probe_command(cfg: Config, world: int, args) -> int:
     return 0 if verdict.fits else 1
 
 
+HOST_PARTS = {"activations": "Pa+cpu checkpoints", "optimizer": "offloaded master + Adam moments",
+              "params": "offloaded parameter shards", "untracked": "offload gradient/staging buffers"}
+
+
 def format_probe(out: dict, run, rows: list) -> str:
     lines = [f"probe ({out['mode']} tensors) of rank {out['rank']}: {out['config']}",
              f"{run.steps} step(s) × {run.micro_batches} micro-batch(es); probe wall {out['probe_wall_s']:.1f} s, "
@@ -76,7 +81,12 @@ def format_probe(out: dict, run, rows: list) -> str:
              f"peak {run.peak_bytes / GB:.3f} GB in phase '{run.peak_phase}'; at that moment: "
              + ", ".join(f"{k} {v / GB:.3f}" for k, v in run.peak_by_category.items()),
              "peak per phase (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in run.phase_peaks.items()),
-             f"host memory (Pa+cpu checkpoints) peak {run.host_peak_bytes / GB:.3f} GB", "",
+             f"host memory peak {run.host_peak_bytes / GB:.3f} GB"
+             + (" (" + ", ".join(f"{HOST_PARTS.get(k, k)} {v / GB:.3f}" for k, v in run.host_peak_by_category.items() if v)
+                + ")" if run.host_peak_bytes else ""),
+             *([f"offload PCIe traffic per step: device→host {run.host_traffic_per_step['to_host'] / GB:.3f} GB, "
+                f"host→device {run.host_traffic_per_step['to_device'] / GB:.3f} GB"]
+               if any(run.host_traffic_per_step.values()) else []), "",
              format_comparison(rows), ""]
     if run.cuda_max_allocated is not None:
         lines.append(f"torch.cuda.max_memory_allocated {run.cuda_max_allocated / GB:.3f} GB")

@@ -162,13 +162,35 @@ class RankRun:
     step_seconds: list = field(default_factory=list)
     cuda_max_allocated: Optional[int] = None
     bucket_staging_peak_bytes: Optional[int] = None  # stages 2-3: the engine's own count of its buckets
+    # ZeRO-Offload: device -> host and host -> device bytes per step
+    host_traffic_per_step: dict = field(default_factory=dict)
+    host_peak_by_category: dict = field(default_factory=dict)  # activations (Pa+cpu), optimizer, params, untracked
 
 
-def host_checkpoint_bytes(acts):
-    """Host bytes of the Pa+cpu checkpoints now: the MD buffer when there is one, else the slices."""
-    if acts is None or not acts.cpu:
-        return lambda: 0
-    return lambda: acts.buffer.nbytes if acts.contiguous and acts.buffer is not None else acts.host_bytes
+def host_bytes(acts, engine):
+    """Host memory now, by the tracker category it would otherwise count under: the Pa+cpu
+    checkpoints (the MD buffer when there is one, else the slices) and ZeRO-Offload's host master,
+    Adam moments and stage 3 parameter shards; its gradient and staging buffers were never tracked."""
+    def now() -> dict:
+        out = {"activations": 0}
+        if acts is not None and acts.cpu:
+            out["activations"] = acts.buffer.nbytes if acts.contiguous and acts.buffer is not None else acts.host_bytes
+        if engine.offload is not None:
+            state = engine.state_bytes()
+            out["optimizer"] = state.get("host_master_params", 0) + state.get("host_optimizer_states", 0)
+            out["params"] = state.get("host_params", 0)
+            out["untracked"] = state.get("host_grads", 0) + state.get("host_buffers", 0)
+        return out
+    return now
+
+
+def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
+    """The NVMe placements read and write files; fake tensors hold no bytes to write."""
+    z = cfg.zero
+    if fake and "nvme" in (z.offload_optimizer, z.offload_params):
+        raise ConfigError(f"probe: zero.offload_optimizer = {z.offload_optimizer!r}, zero.offload_params = "
+                          f"{z.offload_params!r}: the NVMe placements do file I/O, which fake tensors cannot "
+                          "do; probe with \"cpu\" (the device side is the same code) or with --real")
 
 
 def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
@@ -183,6 +205,7 @@ def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
 
 def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:
     """Build, wrap and train `steps` steps on this rank, as pretrain.train does, under the tracker."""
+    refuse_file_offload_on_fake_tensors(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     host_read = mock.patch.object(zero3d.engine, "read_host_float", lambda t: FAKE_SQUARED_GRAD_NORM) \
         if fake else contextlib.nullcontext()
@@ -193,7 +216,7 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
             model, engine, acts = build_and_wrap(cfg, topo)
         phases = StepPhases()
         on_gpu = topo.device.type == "cuda"
-        tracker = PhaseMemTracker(phases, topo.device, host_checkpoint_bytes(acts))
+        tracker = PhaseMemTracker(phases, topo.device, host_bytes(acts, engine))
         register_engine_state(tracker, engine)
         clock = PhaseClock(phases, topo.device)
         cuda_peaks = CudaPhasePeaks(phases, topo.device) if on_gpu else None
@@ -206,6 +229,7 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
         engine.train()
         # On a GPU the tracker (a Python dispatch mode) would slow every kernel launch: CUDA's own
         # allocator statistics measure there instead.
+        copied_before = dict(engine.copier.bytes)  # the offload's set-up copies are not a step's
         with contextlib.nullcontext() if on_gpu else tracker:
             for step in range(steps):
                 if acts:
@@ -236,6 +260,8 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
             collectives=[asdict(c) for c in tracker.collectives],
             phase_seconds=dict(clock.seconds), step_seconds=step_seconds,
             cuda_max_allocated=cuda_peaks.overall if on_gpu else None,
+            host_traffic_per_step={k: (v - copied_before[k]) // steps for k, v in engine.copier.bytes.items()},
+            host_peak_by_category=dict(tracker.host_category_peaks),
             bucket_staging_peak_bytes=getattr(engine, "staging_bytes_peak", None))
 
 

@@ -11,7 +11,7 @@ from zero3d.comm import Comm, CommStats
 from zero3d.config import ZeroConfig
 from zero3d.flat import FlatLayout, param_groups
 from zero3d.nvme import NvmeOffload
-from zero3d.offload import GroupSpec, HostOffload, device_state_bytes
+from zero3d.offload import Copier, GroupSpec, HostOffload, device_state_bytes
 from zero3d.optim import make_optimizer
 from zero3d.precision import LossScaleConfig, make_scaler
 
@@ -104,6 +104,7 @@ class DataParallelEngine:
         predivide = settings.zero.predivide(self.dp.size)
         self.pre_scale, self.post_scale = 1.0 / predivide, predivide / self.dp.size
         self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
+        self.copier = Copier(self.device)  # device <-> host copies of offloaded states (counts their bytes)
         self.groups = self._build_groups(param_groups(model))
         self.offload = None  # ZeRO-Offload: HostOffload / NvmeOffload when the master and Adam states are off the device
         if settings.zero.offload_optimizer != "none":
@@ -204,9 +205,9 @@ class DataParallelEngine:
         specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(name))
                  for name, group in self.groups.items()]
         if zero.offload_optimizer == "cpu":
-            self.offload = HostOffload(specs, s.lr, s.betas, s.eps, self.device)
+            self.offload = HostOffload(specs, s.lr, s.betas, s.eps, self.copier)
         else:
-            self.offload = NvmeOffload(specs, s.lr, s.betas, s.eps, self.device, zero.nvme_path,
+            self.offload = NvmeOffload(specs, s.lr, s.betas, s.eps, self.copier, zero.nvme_path,
                                        zero.nvme_buffer_bytes, self.world.rank)
         for name, group in self.groups.items():
             group.master_pieces = ((0, self.offload.master(name)),)

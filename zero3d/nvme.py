@@ -145,9 +145,9 @@ class NvmeOffload:
 
     placement = "nvme"
 
-    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, device: torch.device,
+    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier,
                  nvme_path: str, buffer_bytes: int, rank: int):
-        self.copier = Copier(device)
+        self.copier, device = copier, copier.device
         dtype = specs[0].dtype
         self.chunk = chunk_elements(buffer_bytes, dtype, max(s.numel for s in specs))
         self.buffers = [ChunkBuffer.allocate(self.chunk, dtype, device) for _ in range(2)]

@@ -64,12 +64,16 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 class Copier:
     """Device <-> host copies. CUDA: non-blocking on a side stream, ordered against the compute
     stream by stream waits; the host waits (`wait_host`) before it reads or reuses a buffer.
-    CPU: plain synchronous copies (device and host memory are the same)."""
+    CPU: plain synchronous copies (device and host memory are the same). Counts the bytes each way
+    (the PCIe traffic of offload: `offload/` metrics, the probe)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.bytes = {"to_host": 0, "to_device": 0}
 
     def to_host(self, host: torch.Tensor, src: torch.Tensor) -> None:
+        self.bytes["to_host"] += src.numel() * src.element_size()
         if self.stream is None or not src.is_cuda:
             host.copy_(src)
             return
@@ -79,6 +83,7 @@ class Copier:
         src.record_stream(self.stream)  # not reused by the allocator before the copy ran
 
     def to_device(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        self.bytes["to_device"] += host.numel() * host.element_size()
         if self.stream is None or not dst.is_cuda:  # also a host destination (stage 3 offload_params)
             dst.copy_(host)
             return
@@ -147,9 +152,9 @@ class HostOffload:
 
     placement = "cpu"
 
-    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, device: torch.device):
-        self.device = device
-        self.copier = Copier(device)
+    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier):
+        self.device = copier.device
+        self.copier = copier
         self.groups = {spec.name: self._host_group(spec) for spec in specs}
         self.optimizer = cpu_adamw([g.master for g in self.groups.values()],
                                    [g.spec.weight_decay for g in self.groups.values()], lr, betas, eps)

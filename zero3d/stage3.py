@@ -45,7 +45,7 @@ from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
-from zero3d.offload import Copier, host_copy
+from zero3d.offload import host_copy
 from zero3d.shard import all_reduce_replicated, replicated_group
 
 PERSISTENT = "persistent"
@@ -64,7 +64,6 @@ class ParameterShardedEngine(DataParallelEngine):
         self._in_backward = False
         self._live = 0
         self.peak_gathered_elements = 0
-        self._fetch = Copier(next(model.parameters()).device)  # offload_params: host shard -> device
         self._fetched = {}  # unit index -> device copies of host shards that its in-flight gathers read
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
@@ -168,7 +167,7 @@ class ParameterShardedEngine(DataParallelEngine):
         if self.settings.zero.offload_params == "none":
             return group.param_flat
         shard = torch.empty(group.param_flat.shape, dtype=group.param_flat.dtype, device=self.device)
-        self._fetch.to_device(shard, group.param_flat)
+        self.copier.to_device(shard, group.param_flat)
         if unit_index is not None:
             self._fetched.setdefault(unit_index, []).append(shard)
         return shard

@@ -7,7 +7,7 @@ import torch
 from pretrain.config import ConfigError, load_config
 from zero3d.nvme import NvmeOffload, buffer_bytes_per_element, chunk_elements
 from zero3d.config import ZeroConfig, ZeroConfigError
-from zero3d.offload import GroupSpec, HostOffload, device_state_bytes
+from zero3d.offload import Copier, GroupSpec, HostOffload, device_state_bytes
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 SIZES = {"decay": 10_000, "no_decay": 333}
@@ -50,8 +50,8 @@ def reference(specs, steps, coef):
 def test_offloaded_step_is_torch_adamw_bit_for_bit(placement, tmp_path):
     specs = make_specs(pieces=3)
     ref, ref_opt = reference(specs, steps=3, coef=0.5)
-    off = (HostOffload(specs, device=torch.device("cpu"), **HYPER) if placement == "cpu" else
-           NvmeOffload(specs, device=torch.device("cpu"), nvme_path=str(tmp_path), buffer_bytes=2 * 16 * 4096,
+    off = (HostOffload(specs, copier=Copier(torch.device("cpu")), **HYPER) if placement == "cpu" else
+           NvmeOffload(specs, copier=Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=2 * 16 * 4096,
                        rank=0, **HYPER))
     if placement == "nvme":
         assert off.chunk == 4096  # 10_000 elements: three chunks through two buffers
@@ -76,13 +76,17 @@ def test_streamed_fp16_gradients_are_unscaled_on_the_host():
     """Stages 2/3 stream raw (scaled, compute-dtype) gradient pieces; the step unscales them exactly
     as the engine does on the device: fp16 → fp32, times 1/scale."""
     specs = make_specs(torch.float16)
-    off = HostOffload(specs, device=torch.device("cpu"), **HYPER)
+    off = HostOffload(specs, copier=Copier(torch.device("cpu")), **HYPER)
     scale = 1024.0
     raw = {name: (g * 1e-3 * scale).half() for name, g in grads_at(0).items()}
+    before = dict(off.copier.bytes)
     for name, grad in raw.items():  # in two pieces, as two buckets would land
         off.stream_grad(name, 0, 100, grad[:100])
         off.stream_grad(name, 100, grad.numel(), grad[100:])
     off.step({}, coef=1.0, inv_scale=1.0 / scale, lr=HYPER["lr"])
+    # The PCIe traffic of a step: the fp16 gradient shard down, the fp16 parameters up (2 bytes each way).
+    n = sum(SIZES.values())
+    assert {k: off.copier.bytes[k] - before[k] for k in before} == {"to_host": 2 * n, "to_device": 2 * n}
     masters = {s.name: s.master.clone() for s in specs}
     opt = torch.optim.AdamW([{"params": [masters[s.name]], "weight_decay": s.weight_decay} for s in specs],
                             fused=True, **HYPER)
@@ -96,7 +100,7 @@ def test_streamed_fp16_gradients_are_unscaled_on_the_host():
 
 def test_nvme_materialized_writes_back_what_a_load_put_there(tmp_path):
     specs = make_specs()
-    off = NvmeOffload(specs, device=torch.device("cpu"), nvme_path=str(tmp_path), buffer_bytes=1 << 20,
+    off = NvmeOffload(specs, copier=Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=1 << 20,
                       rank=0, **HYPER)
     with off.materialized():
         assert len(off.optimizer.state) == 0  # before the first step, as torch's AdamW
@@ -126,7 +130,7 @@ def test_nvme_buffers_stay_within_the_budget():
 
 
 def test_device_state_bytes_move_to_host_keys():
-    off = HostOffload(make_specs(torch.bfloat16), device=torch.device("cpu"), **HYPER)
+    off = HostOffload(make_specs(torch.bfloat16), copier=Copier(torch.device("cpu")), **HYPER)
     stage = {"params": 10, "grads": 5, "master_params": 40, "optimizer_states": 80,
              "persistent_master_params": 4, "persistent_optimizer_states": 8}
     n = sum(SIZES.values())

@@ -82,3 +82,33 @@ def test_phase_lines_pick_the_phase_that_limits_first():
     phase, fit = extrapolate_phases(4, {"backward": 9_000, "optimizer step": 12_000},
                                     16, {"backward": 33_000, "optimizer step": 48_000}, usable_bytes=60_000)
     assert (phase, fit.max_layers) == ("optimizer step", 20)
+
+
+def _probe_json(capsys, *overrides):
+    code = probe.main(["--config", "configs/tiny.toml", "--world", "4", "--steps", "2", "--json",
+                       "model.num_layers=2", "train.global_batch_size=8", "zero.stage=2", *overrides])
+    return code, json.loads(capsys.readouterr().out)["run"]
+
+
+def test_offloaded_optimizer_leaves_the_device_and_its_traffic_is_counted(capsys):
+    """ZeRO-Offload in the probe: the master and Adam moments count as host memory, not device
+    memory; the PCIe traffic per step is the gradient shard down once per micro-batch (streamed as
+    each bucket lands) and the updated parameter shard up once."""
+    _, device = _probe_json(capsys)
+    _, offloaded = _probe_json(capsys, "zero.offload_optimizer=cpu")
+    state, micro_batches = offloaded["engine_state_bytes"], offloaded["micro_batches"]
+    counters = offloaded["optimizer_step_counter_bytes"]  # Adam's 0-dim step tensors
+    assert device["model_states"]["optimizer"] >= device["engine_state_bytes"]["optimizer_states"] > 0
+    assert offloaded["model_states"]["optimizer"] == counters
+    assert offloaded["host_peak_by_category"]["optimizer"] == \
+        state["host_master_params"] + state["host_optimizer_states"] > 0
+    shard_bytes = state["grads"]  # fp32: the gradient shard and the parameter shard have one size
+    assert offloaded["host_traffic_per_step"] == {"to_host": micro_batches * shard_bytes, "to_device": shard_bytes}
+    assert offloaded["peak_bytes"] < device["peak_bytes"]
+    assert device["host_traffic_per_step"] == {"to_host": 0, "to_device": 0}
+
+
+def test_nvme_offload_is_refused_on_fake_tensors(capsys, tmp_path):
+    assert probe.main(["--config", "configs/tiny.toml", "zero.stage=2", "zero.offload_optimizer=nvme",
+                       f"zero.nvme_path={tmp_path}"]) == 2
+    assert "the NVMe placements do file I/O, which fake tensors cannot do" in capsys.readouterr().err

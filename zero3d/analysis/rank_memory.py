@@ -63,20 +63,22 @@ class PhaseMemTracker(MemTracker):
     """MemTracker whose peaks are kept per step phase, with device and host memory apart.
 
     - Tensors first allocated during reduction, optimizer step or gather count as temporaries.
-    - `host_bytes_now()` is the host memory (Pa+cpu checkpoints) inside the simulated device's
-      snapshot; it is taken out of the device figures (on a real GPU host tensors sit on the CPU
-      device and are reported from there).
+    - `host_bytes_now()` is the host memory inside the simulated device's snapshot, per category
+      (Pa+cpu checkpoints: activations; ZeRO-Offload: optimizer, params) plus "untracked" host bytes
+      that never were in it; it is taken out of the device figures (on a real GPU host tensors sit on
+      the CPU device and are reported from there).
     - Collectives (c10d ops) are logged with their payload and group, for the α-β model.
     """
 
     def __init__(self, phases: StepPhases, device: torch.device,
-                 host_bytes_now: Optional[Callable[[], int]] = None):
+                 host_bytes_now: Optional[Callable[[], dict]] = None):
         super().__init__()
         self.phases, self.device = phases, device
-        self.host_bytes_now = host_bytes_now or (lambda: 0)
+        self.host_bytes_now = host_bytes_now or dict
         self.phase_peaks = {p: PhasePeak() for p in PHASES}
         self.category_peaks = dict.fromkeys(CATEGORIES, 0)
         self.host_peak = 0
+        self.host_category_peaks: dict = {}
         self.collectives: list[Collective] = []
 
     # ------------------------------------------------------------ registration of engine buffers
@@ -117,14 +119,11 @@ class PhaseMemTracker(MemTracker):
 
     def _update_peak_stats(self, peak_state) -> None:
         # Replaces MemTracker's per-module bookkeeping (quadratic in modules × ops) by per-phase peaks.
-        device_snap = self._curr_mem_snap.get(self.device, {})
-        host = self._host_now()
-        by_category = dict.fromkeys(CATEGORIES, 0)
-        for ref, nbytes in device_snap.items():
-            if ref != _TOTAL_KEY:
-                by_category[CATEGORY_OF[ref]] += nbytes
-        if self.device.type == "cpu":
-            by_category["activations"] -= host
+        by_category = self.now_by_category()
+        host_now = self._host_now()
+        host = sum(host_now.values())
+        for name, nbytes in host_now.items():
+            self.host_category_peaks[name] = max(self.host_category_peaks.get(name, 0), nbytes)
         total = sum(by_category.values())
         for name, nbytes in by_category.items():
             if nbytes > self.category_peaks[name]:
@@ -134,10 +133,11 @@ class PhaseMemTracker(MemTracker):
         if peak is not None and total > peak.device_bytes:
             peak.device_bytes, peak.by_category = total, by_category
 
-    def _host_now(self) -> int:
+    def _host_now(self) -> dict:
+        """{category: host bytes}; "untracked": host bytes outside the tracker's snapshot."""
         if self.device.type == "cpu":
             return self.host_bytes_now()
-        return self._curr_mem_snap.get(torch.device("cpu"), {}).get(_TOTAL_KEY, 0)
+        return {"untracked": self._curr_mem_snap.get(torch.device("cpu"), {}).get(_TOTAL_KEY, 0)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -166,7 +166,9 @@ class PhaseMemTracker(MemTracker):
             if ref != _TOTAL_KEY:
                 out[CATEGORY_OF[ref]] += nbytes
         if self.device.type == "cpu":
-            out["activations"] -= self._host_now()
+            for category, nbytes in self._host_now().items():
+                if category in out:
+                    out[category] -= nbytes
         return out
 
     def peak(self) -> tuple[str, PhasePeak]:
