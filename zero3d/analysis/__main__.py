@@ -114,7 +114,8 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
                      bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction)
     except ValueError as err:
         ap.error(str(err))
-    print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs); best first:")
+    offload = " (none fits without offload; the first offload tier that fits)" if found and found[0].offload else ""
+    print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs){offload}; best first:")
     print(format_candidates(found, args.top))
     return 0
 
