@@ -1,4 +1,4 @@
-"""The estimator's offload terms, the ZeRO-Offload anchor (13B on one 32 GB V100) and the CLI."""
+"""The estimator's offload terms, the ZeRO-Offload anchor (13B on one 32 GB V100), the CLI, the start-up check."""
 import json
 
 import pytest
@@ -130,3 +130,21 @@ def test_cli_refuses_offload_at_stage_0(capsys):
         main("--layers 4 --hidden 64 --heads 4 --vocab 100 --seq 8 --gpus 2 --offload-optimizer cpu".split())
     assert exit_info.value.code == 2 and "needs stage >= 1 (got stage = 0)" in capsys.readouterr().err
 
+
+def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.memory_check import check_memory, config_report, estimate_config
+
+    cfg = load_config(None, ["zero.stage=2", "model.num_layers=4", "model.hidden_size=256"])
+    none, _ = config_report(cfg, 2)
+    # set on the loaded config: independent of when ZeroConfig gains the zero.offload_* keys
+    cfg.zero.offload_optimizer = "cpu"
+    cpu, table = config_report(cfg, 2)
+    assert cpu.optimizer_bytes == 0 and none.total_bytes - cpu.total_bytes == none.optimizer_bytes > 0
+    assert estimate_config(cfg, 2, 32 * GIB).optimizer_bytes == none.optimizer_bytes  # checkpoints still hold them
+    assert "offload optimizer→cpu: host" in table and "host master params" in table
+    check_memory(cfg, 2, torch.device("cpu"), is_main=True)
+    out = capsys.readouterr().out
+    assert "host optimizer states" in out and out.rstrip().endswith("GiB)") and "CPU run: no device memory check" in out
