@@ -1,6 +1,10 @@
 """Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts."""
+from typing import Optional
+
 from pretrain.config import Config, ConfigError
 from zero3d.analysis.estimate import GB, GIB, MemoryBreakdown, estimate_from_shape, format_breakdown
+from zero3d.analysis.offload_estimate import (DEFAULT_NVME_BUFFER_BYTES, OffloadBreakdown, format_offload,
+                                              offload_breakdown)
 
 
 def config_budget_bytes(cfg: Config) -> float:
@@ -23,6 +27,36 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes)
 
 
+def offload_settings(cfg: Config) -> dict:
+    """zero.offload_optimizer / offload_params / nvme_buffer_bytes ("none" where a config has no such key)."""
+    z = cfg.zero
+    return dict(offload_optimizer=getattr(z, "offload_optimizer", "none"),
+                offload_params=getattr(z, "offload_params", "none"),
+                nvme_buffer_bytes=getattr(z, "nvme_buffer_bytes", DEFAULT_NVME_BUFFER_BYTES))
+
+
+def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float) -> tuple:
+    """(what stays on the device, OffloadBreakdown or None): with zero.offload_* on, the check judges only
+    the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes)."""
+    estimate, settings = estimate_config(cfg, world_size, gpu_memory_bytes), offload_settings(cfg)
+    if settings["offload_optimizer"] == "none" and settings["offload_params"] == "none":
+        return estimate, None
+    gpus, t = world_size // cfg.parallel.pipeline, cfg.train
+    accumulation = max(1, t.global_batch_size // (t.micro_batch_size * (gpus // cfg.parallel.tensor)))
+    offload = offload_breakdown(estimate, stage=cfg.zero.stage, gpus=gpus, tp=cfg.parallel.tensor,
+                                precision=cfg.precision.dtype, accumulation=accumulation, **settings)
+    return offload.device, offload
+
+
+def _table(estimate: MemoryBreakdown, offload: Optional[OffloadBreakdown], header: str, device: str,
+           cpu_note: Optional[str] = None) -> str:
+    """The breakdown, its verdict (or, on CPU ranks, `cpu_note` last instead) and where offload put states."""
+    table = format_breakdown(estimate, header, device=device)
+    if cpu_note is not None:
+        table = table.rsplit("\n", 1)[0]
+    return "\n".join([table] + ([format_offload(offload)] if offload else []) + ([cpu_note] if cpu_note else []))
+
+
 def describe(cfg: Config, world_size: int) -> str:
     p = cfg.parallel
     return (f"{cfg.model.num_layers} layers × hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}; "
@@ -30,11 +64,11 @@ def describe(cfg: Config, world_size: int) -> str:
             f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}")
 
 
-def config_report(cfg: Config, world_size: int) -> tuple:
+def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None) -> tuple:
     """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
-    estimate = estimate_config(cfg, world_size, config_budget_bytes(cfg))
+    estimate, offload = device_estimate(cfg, world_size, config_budget_bytes(cfg))
     device = f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
-    return estimate, format_breakdown(estimate, describe(cfg, world_size), device=device)
+    return estimate, _table(estimate, offload, describe(cfg, world_size), device, cpu_note)
 
 
 def check_memory(cfg: Config, world_size: int, device, is_main: bool) -> MemoryBreakdown:
@@ -47,17 +81,18 @@ def check_memory(cfg: Config, world_size: int, device, is_main: bool) -> MemoryB
     import torch
     import torch.distributed as dist
     if device.type != "cuda":
-        estimate, table = config_report(cfg, world_size)
+        estimate, table = config_report(cfg, world_size, cpu_note=(
+            f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
+            f"{config_budget_bytes(cfg) / GIB:g} GiB)"))
         if is_main:
-            print(table.rsplit("\n", 1)[0] + f"\nCPU run: no device memory check (the estimate is for "
-                  f"{cfg.cluster.gpu}, {config_budget_bytes(cfg) / GIB:g} GiB)", flush=True)
+            print(table, flush=True)
         return estimate
     budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
     dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     gpu_memory = budget.item()
-    estimate = estimate_config(cfg, world_size, gpu_memory)
+    estimate, offload = device_estimate(cfg, world_size, gpu_memory)
     name = torch.cuda.get_device_name(device)
-    table = format_breakdown(estimate, describe(cfg, world_size), device=f"{name} (smallest over the ranks)")
+    table = _table(estimate, offload, describe(cfg, world_size), f"{name} (smallest over the ranks)")
     if is_main:
         print(table, flush=True)
     if not estimate.fits and not cfg.train.ignore_memory_estimate:

@@ -8,6 +8,8 @@ from typing import Optional
 
 from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, V100_MEMORY_BYTES,
                                      estimate_from_shape, format_breakdown, model_state_bytes, padded_vocab)
+from zero3d.analysis.offload_estimate import (DEFAULT_NVME_BUFFER_BYTES, OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES,
+                                              format_offload, largest_offload_gpt, offload_breakdown)
 
 
 def _format_states(params: float, dp: int, precision: str) -> str:
@@ -50,7 +52,51 @@ def build_parser() -> argparse.ArgumentParser:
                          "(docs/estimator.md, Budget); default 32 = a V100-32GB")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    off = ap.add_argument_group("offload (ZeRO-Offload / ZeRO-Infinity; docs/estimator.md, Offload)")
+    off.add_argument("--offload-optimizer", choices=list(OFFLOAD_PLACEMENTS), default="none",
+                     help="fp32 master + Adam moments on the host (cpu) or in files (nvme); stages 1-3")
+    off.add_argument("--offload-params", choices=list(OFFLOAD_PLACEMENTS), default="none",
+                     help="stage 3: parameter shards on the host or in files (needs --offload-optimizer)")
+    off.add_argument("--grads-on-host", action="store_true",
+                     help="ZeRO-Offload as published: the gradient shard leaves the device as it is produced "
+                          "(zero3d keeps it on the device)")
+    off.add_argument("--nvme-buffer-bytes", type=int, default=DEFAULT_NVME_BUFFER_BYTES,
+                     help="host buffers of the NVMe stream (zero.nvme_buffer_bytes)")
+    off.add_argument("--largest", action="store_true",
+                     help="the largest GPT whose device memory fits: bisects layers at --hidden/--heads, or at "
+                          "the Figure 7 shapes and 5120 × 40; --gpus/--vocab/--seq default 1/50257/1024")
     return ap
+
+
+def _offload_args(args) -> dict:
+    return dict(offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
+                grads_on_host=args.grads_on_host, nvme_buffer_bytes=args.nvme_buffer_bytes)
+
+
+def _largest(ap: argparse.ArgumentParser, args) -> int:
+    """--largest: the biggest GPT whose device memory fits with the requested offload."""
+    shapes = ((args.hidden, args.heads),) if args.hidden and args.heads else OFFLOAD_SHAPES
+    gpus = args.gpus or 1
+    try:
+        found = largest_offload_gpt(
+            hidden_heads=shapes, gpus=gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
+            vocab=args.vocab or 50257, seq=args.seq or 1024, recompute=args.recompute,
+            bucket_elements=args.bucket_elements, precision=args.precision,
+            gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction, **_offload_args(args))
+    except ValueError as err:
+        ap.error(str(err))
+    if not found.layers:
+        print(f"no GPT of the shapes (hidden, heads) {', '.join(map(str, shapes))} fits")
+        return 0
+    o = found.offload
+    print(f"largest GPT: {found.layers} layers × hidden {found.hidden} ({found.heads} heads) = "
+          f"{found.params / 1e9:.2f}B parameters on {gpus} GPU(s), tp {args.tp}, stage {args.stage}, "
+          f"micro-batch {args.micro_batch}, recompute {args.recompute}, {args.precision}, "
+          f"gradients {'on the host' if args.grads_on_host else 'on the device'}")
+    print(format_breakdown(o.device, "device memory:"))
+    if args.offload_optimizer != "none":
+        print(format_offload(o))
+    return 0
 
 
 def _rank(ap: argparse.ArgumentParser, args) -> int:
@@ -68,7 +114,8 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
                      bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction)
     except ValueError as err:
         ap.error(str(err))
-    print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs); best first:")
+    offload = " (none fits without offload; the first offload tier that fits)" if found and found[0].offload else ""
+    print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs){offload}; best first:")
     print(format_candidates(found, args.top))
     return 0
 
@@ -102,6 +149,8 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"--gpu-memory-gb {args.gpu_memory_gb} is invalid; must be > 0")
     if args.plan == "rank":
         return _rank(ap, args)
+    if args.largest:
+        return _largest(ap, args)
     if args.plan:
         from zero3d.analysis.paper_configs import paper_report
         if args.csv and not os.path.isfile(args.csv):
@@ -128,10 +177,22 @@ def main(argv: Optional[list] = None) -> int:
             recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
             precision=args.precision, tied=args.tied, prefetch_units=args.prefetch_units,
             gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction)
+        offload = None
+        if args.offload_optimizer != "none" or args.offload_params != "none" or args.grads_on_host:
+            offload = offload_breakdown(m, stage=args.stage, gpus=args.gpus, tp=args.tp, precision=args.precision,
+                                        **_offload_args(args))
+            m = offload.device
     except ValueError as err:
         ap.error(str(err))
     if args.json:
-        print(json.dumps(m.to_dict(), indent=2))
+        out = m.to_dict()
+        if offload is not None:
+            out.update({f"host_{k}_bytes": v for k, v in offload.host.items()})
+            out.update({f"nvme_{k}_bytes": v for k, v in offload.nvme.items()})
+            out.update(offload_host_bytes=offload.host_bytes, offload_nvme_bytes=offload.nvme_bytes,
+                       offload_pcie_bytes_per_step=offload.pcie_bytes_per_step,
+                       offload_nvme_bytes_per_step=offload.nvme_bytes_per_step)
+        print(json.dumps(out, indent=2))
         return 0
     cb = f"CB {args.bucket_elements} elements" if args.bucket_elements else "no CB"
     zr = " + Pa+cpu" if args.pa_cpu else " + Pa" if pa else ""
@@ -140,6 +201,8 @@ def main(argv: Optional[list] = None) -> int:
               f"{args.gpus} GPUs = tp {args.tp} × dp {args.gpus // args.tp}; ZeRO stage {args.stage}"
               f"{zr}, {cb}, recompute {args.recompute}, micro-batch {args.micro_batch}, {args.precision}")
     print(format_breakdown(m, header))
+    if offload is not None:
+        print(format_offload(offload))
     return 0
 
 

@@ -229,6 +229,19 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host))
 
 
+def largest_fitting_layers(fits) -> int:
+    """The largest layer count n with fits(n), memory growing with layers (so bisect); 0 if not even 1."""
+    if not fits(1):
+        return 0
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, bad * 2
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
 # ---------------------------------------------------------------- CLI
 
 

@@ -1,9 +1,11 @@
-"""Planner: feasible (tp, ZeRO stage, Pa, Pa+cpu, micro-batch) layouts ranked by modelled throughput."""
+"""Planner: feasible (tp, ZeRO stage, Pa, Pa+cpu, offload, micro-batch) layouts ranked by modelled throughput."""
 from dataclasses import dataclass
 from typing import Optional
 
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
-                             V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count)
+                                      V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
+                                      largest_fitting_layers)
+from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 
 GPT2_VOCAB = 50257
 PAPER_SEQ = 1024  # the only sequence length the paper uses
@@ -22,6 +24,8 @@ class Cluster:
     peak_flops: float  # per GPU, training precision
     pcie_bandwidth: float  # bytes/s per GPU between host and device
     efficiency: float  # share of peak the compute sustains when no communication is exposed
+    host_memory_bytes: float  # per NODE, shared by its GPUs (ZeRO-Offload's host states)
+    nvme_bytes: float  # per NODE (ZeRO-Infinity's files)
 
     @property
     def gpus(self) -> int:
@@ -30,6 +34,12 @@ class Cluster:
     @property
     def inter_node_bandwidth_per_gpu(self) -> float:
         return self.inter_node_bandwidth / self.gpus_per_node
+
+    def holds_offload(self, o: OffloadBreakdown, gpus: int, margin_fraction: float) -> bool:
+        """Do a node's GPUs' host and NVMe bytes fit its memory and disks, less the margin?"""
+        on_node = min(gpus, self.gpus_per_node)
+        return (o.host_bytes * on_node <= (1 - margin_fraction) * self.host_memory_bytes
+                and o.nvme_bytes * on_node <= (1 - margin_fraction) * self.nvme_bytes)
 
 
 PAPER_CLUSTER = Cluster(
@@ -41,6 +51,8 @@ PAPER_CLUSTER = Cluster(
     pcie_bandwidth=15.75e9,  # PCIe 3.0 x16, one direction, nominal
     # Megatron-LM's single-V100 baseline sustains 39 TFLOP/s = 31% of peak (Shoeybi et al. 2019)
     efficiency=39e12 / 125e12,
+    host_memory_bytes=24 * 64 * 2**30,  # 24 × 64 GB DDR4 DIMMs (paper §4.1; DIMMs are labelled in GiB)
+    nvme_bytes=2 * 960e9,  # 2 × Samsung 960 GB NVMe SSDs (paper §4.1; disks are labelled in 10^9)
 )
 
 
@@ -51,13 +63,27 @@ class ZeroChoice:
     stage: int
     pa: bool = False
     pa_cpu: bool = False
+    offload_optimizer: str = "none"  # zero.offload_optimizer: "none", "cpu", "nvme"
+    offload_params: str = "none"  # zero.offload_params (stage 3)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offload_optimizer != "none"
 
     @property
     def label(self) -> str:
         names = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
         extra = " + P_a+cpu" if self.pa_cpu else " + P_a" if self.pa else ""
+        if self.offloaded:
+            extra += f" + opt→{self.offload_optimizer}"
+        if self.offload_params != "none":
+            extra += f" + params→{self.offload_params}"
         return names[self.stage] + extra
 
+
+# Escalation when nothing fits on the device alone (zero.offload_optimizer, zero.offload_params): the
+# optimizer to the host, then to files (host memory short), then stage 3's parameters as well.
+OFFLOAD_TIERS = (("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
 
 # Table III: every configuration also runs C_B and M_D
 PAPER_CONFIGS = {"C1": ZeroChoice(1), "C2": ZeroChoice(1, pa=True), "C3": ZeroChoice(2),
@@ -90,16 +116,18 @@ class Candidate:
     pa_s: float  # Pa all-gathers
     offload_s: float  # Pa+cpu host traffic
     dp_s: float  # exposed (not overlapped) data-parallel communication
+    pcie_s: float  # ZeRO-Offload's gradient / parameter traffic over PCIe, not overlapped
     tflops_per_gpu: float
     samples_per_s: float
+    offload: Optional[OffloadBreakdown] = None  # host / NVMe bytes and traffic when zero.offloaded
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s
+        return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s + self.pcie_s
 
 
 def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: ZeroChoice, micro_batch,
-              global_batch, params_per_rank, recompute="full", precision="fp16") -> dict:
+              global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0) -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner."""
     dp = gpus // tp
     if global_batch % (micro_batch * dp):
@@ -133,9 +161,10 @@ def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: Z
     else:
         # gradient reduce-scatter overlaps the last backward; the post-step parameter all-gather does not
         dp_exposed = max(0.0, one_pass - backward) + one_pass
-    step = compute + mp + pa + offload + dp_exposed
+    pcie = pcie_bytes / cluster.pcie_bandwidth  # ZeRO-Offload; the CPU optimizer's own time is not modelled
+    step = compute + mp + pa + offload + dp_exposed + pcie
     return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,
-                pa_s=pa, offload_s=offload, dp_s=dp_exposed, tflops_per_gpu=flops / step / gpus / 1e12,
+                pa_s=pa, offload_s=offload, dp_s=dp_exposed, pcie_s=pcie, tflops_per_gpu=flops / step / gpus / 1e12,
                 samples_per_s=global_batch / step)
 
 
@@ -148,11 +177,13 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: i
          gpus: Optional[int] = None, recompute: str = "full",
          bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
          margin_fraction: float = DEFAULT_MARGIN_FRACTION,
-         tp_choices: Optional[list] = None, stages=(0, 1, 2, 3)) -> list:
+         tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True) -> list:
     """Every layout that fits, best modelled throughput first.
 
     Give `global_batch` (fixed samples per step) or `batch_per_gpu` (samples per DP rank, the paper's
-    per-GPU batch: the global batch then grows with the DP degree).
+    per-GPU batch: the global batch then grows with the DP degree). Only when no layout fits on the
+    device alone (and `offload`), the first of OFFLOAD_TIERS under which some layout fits the device and
+    the cluster's host memory and NVMe gives the layouts instead, each with its `offload` breakdown.
     """
     if (global_batch is None) == (batch_per_gpu is None):
         raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
@@ -162,34 +193,63 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: i
         raise ValueError(f"batch = {batch} is invalid; must be a positive integer")
     gpus = gpus or cluster.gpus
     tps = tp_choices or [t for t in _divisors(gpus) if heads % t == 0 and hidden % t == 0]
-    found = []
-    for tp in tps:
-        dp = gpus // tp
-        step_batch = global_batch if batch_per_gpu is None else batch_per_gpu * dp
-        if step_batch % dp:
-            continue  # the global batch must split evenly over the DP ranks
-        activation_options = [ZeroChoice(0)]
-        if tp > 1 and recompute == "full":
-            activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
-        for stage in stages:
-            for option in activation_options:
-                zero = ZeroChoice(stage, option.pa, option.pa_cpu)
-                for micro_batch in _divisors(step_batch // dp):
-                    memory = estimate_from_shape(
-                        layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus, tp=tp,
-                        stage=stage, micro_batch=micro_batch, recompute=recompute, pa=zero.pa,
-                        pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements, precision=precision,
-                        gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction)
-                    if not memory.fits:
-                        break  # a larger micro-batch only needs more memory
-                    timing = step_time(cluster, layers=layers, hidden=hidden, vocab=vocab, seq=seq,
-                                       gpus=gpus, tp=tp, zero=zero, micro_batch=micro_batch,
-                                       global_batch=step_batch, params_per_rank=memory.params_per_rank,
-                                       recompute=recompute, precision=precision)
-                    found.append(Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory,
-                                           **timing))
-    # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
-    return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
+    shape = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus, recompute=recompute,
+                 precision=precision)
+
+    def search(offload_optimizer: str = "none", offload_params: str = "none") -> list:
+        found = []
+        for tp in tps:
+            dp = gpus // tp
+            step_batch = global_batch if batch_per_gpu is None else batch_per_gpu * dp
+            if step_batch % dp:
+                continue  # the global batch must split evenly over the DP ranks
+            activation_options = [ZeroChoice(0)]
+            if tp > 1 and recompute == "full":
+                activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
+            for stage in stages:
+                if (offload_optimizer != "none" and stage == 0) or (offload_params != "none" and stage != 3):
+                    continue
+                for option in activation_options:
+                    zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
+                    for micro_batch in _divisors(step_batch // dp):
+                        candidate = _candidate(cluster, shape, tp, zero, micro_batch, step_batch, bucket_elements,
+                                               margin_fraction)
+                        if candidate is None:
+                            break  # a larger micro-batch only needs more memory
+                        found.append(candidate)
+        # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
+        return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
+
+    found = search()
+    for tier in OFFLOAD_TIERS if offload and not found else ():
+        found = search(*tier)
+        if found:
+            break
+    return found
+
+
+def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_batch: int, step_batch: int,
+               bucket_elements: Optional[int], margin_fraction: float) -> Optional[Candidate]:
+    """The layout with its memory and modelled time, or None when it does not fit."""
+    memory = estimate_from_shape(**shape, tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
+                                 pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements,
+                                 gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction)
+    offload = None
+    if zero.offloaded:
+        offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
+                                    offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
+                                    accumulation=step_batch // (micro_batch * (shape["gpus"] // tp)))
+        memory = offload.device
+        if not cluster.holds_offload(offload, shape["gpus"], margin_fraction):
+            return None
+    if not memory.fits:
+        return None
+    timing = step_time(cluster, layers=shape["layers"], hidden=shape["hidden"], vocab=shape["vocab"],
+                       seq=shape["seq"], gpus=shape["gpus"], tp=tp, zero=zero, micro_batch=micro_batch,
+                       global_batch=step_batch, params_per_rank=memory.params_per_rank,
+                       recompute=shape["recompute"], precision=shape["precision"],
+                       pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0)
+    return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, **timing)
 
 
 def format_candidates(candidates: list, top: int = 10) -> str:
@@ -200,7 +260,10 @@ def format_candidates(candidates: list, top: int = 10) -> str:
                      f"x{c.accumulation:<3} B {c.global_batch:<5} {c.memory.total_bytes / 1e9:5.1f} GB  "
                      f"{c.tflops_per_gpu:5.1f} TFLOP/s/GPU  step {c.step_s:7.2f} s "
                      f"(compute {c.compute_s:.2f}, "
-                     f"MP {c.mp_s:.2f}, Pa {c.pa_s:.2f}, cpu {c.offload_s:.2f}, DP {c.dp_s:.2f})")
+                     f"MP {c.mp_s:.2f}, Pa {c.pa_s:.2f}, cpu {c.offload_s:.2f}, DP {c.dp_s:.2f}"
+                     + (f", PCIe {c.pcie_s:.2f}; host {c.offload.host_bytes / 1e9:.1f} GB, NVMe "
+                        f"{c.offload.nvme_bytes / 1e9:.1f} GB, PCIe {c.offload.pcie_bytes_per_step / 1e9:.1f} GB/step)"
+                        if c.offload else ")"))
     return "\n".join(lines) if lines else "  no layout fits (or the global batch splits over no DP degree)"
 
 
@@ -227,15 +290,10 @@ def max_model_size(*, hidden: int, heads: int, gpus: int, tp: int, stage: int, m
                                    pa_cpu=pa_cpu, bucket_elements=bucket_elements, precision=precision,
                                    gpu_memory_bytes=gpu_memory_bytes, margin_fraction=margin_fraction)
 
-    if not memory(1).fits:
+    layers = largest_fitting_layers(lambda n: memory(n).fits)
+    if not layers:
         return MaxModel(hidden, 0, 0, None)
-    fits, fails = 1, 2
-    while memory(fails).fits:
-        fits, fails = fails, fails * 2
-    while fails - fits > 1:
-        middle = (fits + fails) // 2
-        fits, fails = (middle, fails) if memory(middle).fits else (fits, middle)
-    return MaxModel(hidden, fits, gpt_param_count(fits, hidden, vocab, seq), memory(fits))
+    return MaxModel(hidden, layers, gpt_param_count(layers, hidden, vocab, seq), memory(layers))
 
 
 # Figure 7 / Table IV shapes for the data-parallel-only study: (hidden, heads)

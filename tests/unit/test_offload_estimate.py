@@ -1,0 +1,150 @@
+"""The estimator's offload terms, the ZeRO-Offload anchor (13B on one 32 GB V100), the CLI, the start-up check."""
+import json
+
+import pytest
+
+from zero3d.analysis.__main__ import main
+from zero3d.analysis.estimate import (GIB, estimate_from_shape, gpt_param_count, layer_activation_bytes,
+                                      padded_vocab)
+from zero3d.analysis.offload_estimate import OFFLOAD_SHAPES, largest_offload_gpt, offload_breakdown
+
+SHAPE = dict(layers=24, hidden=2048, heads=16, vocab=50257, seq=1024, recompute="full", micro_batch=1,
+             bucket_elements=50_000_000)
+GPUS = 4
+PAPER_13B = 13e9  # Ren et al. 2021 (ZeRO-Offload): 13B trains on one 32 GB V100
+# main's convention for paper maxima (tests/unit/test_estimate.py TOLERANCE): never below, at most 20% above
+TOLERANCE = 0.20
+
+
+def breakdown(stage=2, precision="fp16", **offload):
+    m = estimate_from_shape(gpus=GPUS, stage=stage, precision=precision, **SHAPE)
+    return m, offload_breakdown(m, stage=stage, gpus=GPUS, precision=precision, **offload)
+
+
+def test_optimizer_offload_moves_k_psi_over_nd_off_the_device():
+    m, cpu = breakdown(offload_optimizer="cpu", accumulation=3)
+    shard = m.params_per_rank / GPUS
+    assert cpu.device.optimizer_bytes == 0 and cpu.device.grad_bytes == m.grad_bytes == pytest.approx(2 * shard)
+    assert m.total_bytes - cpu.device.total_bytes == pytest.approx(12 * shard)
+    # fp32 master 4 + Adam moments 8; fp32 host gradient shard 4 + the fp16 copy that lands 2
+    assert cpu.host == pytest.approx({"master_params": 4 * shard, "optimizer_states": 8 * shard, "grads": 6 * shard})
+    assert cpu.nvme == {} and cpu.nvme_bytes_per_step == 0
+    # each of the 3 micro-batches' reduced fp16 shard down, the updated fp16 shard up once
+    assert cpu.pcie_bytes_per_step == pytest.approx((3 * 2 + 2) * shard)
+    _, nvme = breakdown(offload_optimizer="nvme", nvme_buffer_bytes=32 * 2**20)
+    assert nvme.device.total_bytes == cpu.device.total_bytes
+    assert nvme.host == {"buffers": 32 * 2**20}
+    assert nvme.nvme == pytest.approx({"master_params": 4 * shard, "optimizer_states": 8 * shard})
+    assert nvme.nvme_bytes_per_step == pytest.approx(24 * shard)  # every state read and written once
+
+
+def test_fp32_offload_keeps_a_host_master_and_stage1_sends_fp32_gradients():
+    m, o = breakdown(stage=1, precision="fp32", offload_optimizer="cpu")
+    shard = m.params_per_rank / GPUS
+    assert m.optimizer_bytes == pytest.approx(8 * shard) and o.device.optimizer_bytes == 0
+    assert o.host == pytest.approx({"master_params": 4 * shard, "optimizer_states": 8 * shard, "grads": 4 * shard})
+    assert o.pcie_bytes_per_step == pytest.approx((4 + 4) * shard)
+
+
+def test_param_offload_fetches_per_gather_and_the_paper_gradient_placement():
+    m, o = breakdown(stage=3, offload_optimizer="cpu", offload_params="nvme", accumulation=2)
+    shard = m.params_per_rank / GPUS
+    assert o.device.param_bytes == 0 and o.device.optimizer_bytes == 0 and o.device.grad_bytes == m.grad_bytes
+    assert o.nvme == pytest.approx({"params": 2 * shard})
+    # gradients 2 × 2 down; no upload: 2 gathers × 2 micro-batches fetch the fp16 shard
+    assert o.pcie_bytes_per_step == pytest.approx((2 * 2 + 4 * 2) * shard)
+    assert o.nvme_bytes_per_step == pytest.approx((4 + 1) * 2 * shard)  # 4 reads + the update's write
+    _, paper = breakdown(offload_optimizer="cpu", grads_on_host=True)
+    assert paper.device.grad_bytes == 0 and paper.label == "offload optimizer→cpu, grads→host"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stage=0, offload_optimizer="cpu"), "offload_optimizer = 'cpu' needs stage >= 1 (got stage = 0)"),
+    (dict(stage=2, offload_optimizer="cpu", offload_params="cpu"), "offload_params = 'cpu' needs stage = 3"),
+    (dict(stage=3, offload_params="cpu"), "and offload_optimizer = 'cpu' or 'nvme' (got stage = 3, "
+                                          "offload_optimizer = 'none')"),
+    (dict(stage=2, offload_optimizer="disk"), "offload_optimizer = 'disk' is invalid; valid: 'none', 'cpu', 'nvme'"),
+    (dict(stage=1, offload_optimizer="cpu", grads_on_host=True), "grads_on_host needs stage >= 2"),
+    (dict(stage=2, offload_optimizer="nvme", nvme_buffer_bytes=0), "nvme_buffer_bytes = 0 is invalid"),
+    (dict(stage=2, offload_optimizer="cpu", accumulation=0), "accumulation = 0 is invalid"),
+])
+def test_bad_offload_requests(kwargs, message):
+    m = estimate_from_shape(gpus=GPUS, **SHAPE, stage=kwargs["stage"])
+    with pytest.raises(ValueError) as err:
+        offload_breakdown(m, gpus=GPUS, **kwargs)
+    assert message in str(err.value)
+
+
+def one_v100_device_bytes(layers, hidden, heads, grads_on_device):
+    """Stage 2 on one GPU with the optimizer offloaded, written out from docs/estimator.md: fp16 params 2Ψ
+    (+ fp16 gradients 2Ψ unless streamed), one 1024-token checkpoint per layer, one layer's working set,
+    fp32 logits, the 5e7-element fp32 bucket, the 10% margin of 32 GiB."""
+    psi = gpt_param_count(layers, hidden, 50257, 1024)
+    return ((2 + 2 * grads_on_device) * psi + layers * 1024 * hidden * 2
+            + layer_activation_bytes(1024, 1, hidden, heads, 1) + 1024 * padded_vocab(50257) * 4
+            + 4 * min(50_000_000, psi) + 0.1 * 32 * GIB)
+
+
+def largest_by_formula(grads_on_device):
+    best = (0, 0)
+    for hidden, heads in OFFLOAD_SHAPES:
+        layers = 0
+        while one_v100_device_bytes(layers + 1, hidden, heads, grads_on_device) <= 32 * GIB:
+            layers += 1
+        best = max(best, (gpt_param_count(layers, hidden, 50257, 1024), layers))
+    return best
+
+
+def test_zero_offload_anchor_13b_on_one_v100():
+    """Ren et al. 2021: stage 2 + optimizer offload trains 13B on one 32 GB V100, gradients streamed to the
+    host as produced (--grads-on-host). zero3d's own placement keeps the 2Ψ gradient shard on the device."""
+    paper = largest_offload_gpt(stage=2, offload_optimizer="cpu", grads_on_host=True)
+    assert (paper.params, paper.layers) == largest_by_formula(grads_on_device=False)
+    assert paper.offload.fits and paper.offload.device.grad_bytes == 0
+    assert PAPER_13B <= paper.params <= (1 + TOLERANCE) * PAPER_13B, paper
+    own = largest_offload_gpt(stage=2, offload_optimizer="cpu")
+    assert (own.params, own.layers) == largest_by_formula(grads_on_device=True)
+    assert own.params < paper.params / 1.9  # 4Ψ instead of 2Ψ on the device
+    # without offload, stage 2 on one GPU holds 16Ψ: not even 2B fits
+    assert 0 < largest_offload_gpt(stage=2, offload_optimizer="none").params < 2e9
+
+
+def test_cli_prints_the_offload_lines(capsys):
+    shape = "--layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq 1024 --gpus 4 --stage 2".split()
+    assert main(shape + ["--offload-optimizer", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert "offload optimizer→nvme: host 0.067 GB" in out and "NVMe master params" in out and "NVMe I/O" in out
+    assert main(shape + ["--offload-optimizer", "cpu", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    shard = printed["params_per_rank"] / GPUS
+    assert printed["optimizer_bytes"] == 0 and printed["host_master_params_bytes"] == pytest.approx(4 * shard)
+    assert printed["offload_pcie_bytes_per_step"] == pytest.approx((2 + 2) * shard)
+    assert main(["--largest", "--stage", "2", "--offload-optimizer", "cpu", "--grads-on-host",
+                 "--recompute", "full", "--bucket-elements", "50000000"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("largest GPT: ") and "gradients on the host" in out and ": fits" in out
+
+
+def test_cli_refuses_offload_at_stage_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main("--layers 4 --hidden 64 --heads 4 --vocab 100 --seq 8 --gpus 2 --offload-optimizer cpu".split())
+    assert exit_info.value.code == 2 and "needs stage >= 1 (got stage = 0)" in capsys.readouterr().err
+
+
+def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.memory_check import check_memory, config_report, estimate_config
+
+    cfg = load_config(None, ["zero.stage=2", "model.num_layers=4", "model.hidden_size=256"])
+    none, _ = config_report(cfg, 2)
+    # set on the loaded config: independent of when ZeroConfig gains the zero.offload_* keys
+    cfg.zero.offload_optimizer = "cpu"
+    cpu, table = config_report(cfg, 2)
+    assert cpu.optimizer_bytes == 0 and none.total_bytes - cpu.total_bytes == none.optimizer_bytes > 0
+    assert estimate_config(cfg, 2, 32 * GIB).optimizer_bytes == none.optimizer_bytes  # checkpoints still hold them
+    assert "offload optimizer→cpu: host" in table and "host master params" in table
+    check_memory(cfg, 2, torch.device("cpu"), is_main=True)
+    out = capsys.readouterr().out
+    assert "host optimizer states" in out and out.rstrip().endswith("GiB)") and "CPU run: no device memory check" in out

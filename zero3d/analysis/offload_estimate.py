@@ -1,0 +1,181 @@
+"""ZeRO-Offload / ZeRO-Infinity in the estimator: device, host and NVMe bytes and PCIe traffic per step."""
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, PRECISIONS,
+                                      V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
+                                      largest_fitting_layers)
+
+OFFLOAD_PLACEMENTS = ("none", "cpu", "nvme")
+DEFAULT_NVME_BUFFER_BYTES = 64 * 2**20  # zero.nvme_buffer_bytes default: the NVMe stream's two host buffers
+MASTER_BYTES = 4  # the fp32 master copy, per parameter
+# --largest without --hidden/--heads: the Figure 7 hidden sizes and GPT-3 13B's 5120 × 40
+OFFLOAD_SHAPES = ((1536, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (5120, 40))
+
+
+@dataclass(frozen=True)
+class OffloadBreakdown:
+    """Per-GPU bytes with offloaded states moved out of `device`, by where they went.
+
+    `host` and `nvme` are keyed by the engine's state categories (docs/metrics.md `mem/host_*`,
+    `mem/nvme_*`; `host["checkpoints"]` are Pa+cpu checkpoints); traffic is per optimizer step.
+    """
+
+    device: MemoryBreakdown  # the estimator's categories, the offloaded ones at 0
+    offload_optimizer: str
+    offload_params: str
+    grads_on_host: bool
+    host: dict = field(default_factory=dict)
+    nvme: dict = field(default_factory=dict)
+    pcie_bytes_per_step: float = 0.0  # device <-> host, both directions
+    nvme_bytes_per_step: float = 0.0  # file reads + writes
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def nvme_bytes(self) -> float:
+        return sum(self.nvme.values())
+
+    @property
+    def fits(self) -> bool:
+        """Does what stays on the device fit it? (Host and NVMe capacity: planner.Cluster.)"""
+        return self.device.fits
+
+    @property
+    def label(self) -> str:
+        parts = [f"optimizer→{self.offload_optimizer}"]
+        if self.offload_params != "none":
+            parts.append(f"params→{self.offload_params}")
+        if self.grads_on_host:
+            parts.append("grads→host")
+        return "offload " + ", ".join(parts)
+
+
+def validate_offload(stage: int, offload_optimizer: str, offload_params: str = "none",
+                     grads_on_host: bool = False, nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES,
+                     accumulation: int = 1) -> None:
+    """Raise ValueError naming the bad offload setting and what would be valid."""
+    for key, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        if value not in OFFLOAD_PLACEMENTS:
+            raise ValueError(f"{key} = {value!r} is invalid; valid: {', '.join(map(repr, OFFLOAD_PLACEMENTS))}")
+    if offload_optimizer != "none" and stage == 0:
+        raise ValueError(f"offload_optimizer = {offload_optimizer!r} needs stage >= 1 (got stage = {stage}): "
+                         "the offloaded optimizer updates this rank's shard")
+    if offload_params != "none" and (stage != 3 or offload_optimizer == "none"):
+        raise ValueError(f"offload_params = {offload_params!r} needs stage = 3 and offload_optimizer = 'cpu' "
+                         f"or 'nvme' (got stage = {stage}, offload_optimizer = {offload_optimizer!r})")
+    if grads_on_host and (stage < 2 or offload_optimizer == "none"):
+        raise ValueError(f"grads_on_host needs stage >= 2 and an offloaded optimizer (got stage = {stage}, "
+                         f"offload_optimizer = {offload_optimizer!r}): it streams the gradient shard")
+    if nvme_buffer_bytes <= 0:
+        raise ValueError(f"nvme_buffer_bytes = {nvme_buffer_bytes} is invalid; must be > 0")
+    if not isinstance(accumulation, int) or accumulation <= 0:
+        raise ValueError(f"accumulation = {accumulation!r} is invalid; must be a positive integer")
+
+
+def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1, precision: str = "fp16",
+                      offload_optimizer: str = "none", offload_params: str = "none", grads_on_host: bool = False,
+                      nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1) -> OffloadBreakdown:
+    """Move what zero3d's `zero.offload_optimizer` / `zero.offload_params` move (docs/estimator.md, Offload).
+
+    Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + Adam moments; in fp32 training the
+    parameters are the master, and the host keeps its own fp32 master copy besides the moments) leave
+    the device. "cpu" holds them in host memory with an fp32 gradient shard (plus a compute-dtype
+    staging copy under mixed precision); "nvme" holds them in files and only `nvme_buffer_bytes` of
+    host buffers. The gradient shard stays on the device (the global norm runs there);
+    `grads_on_host=True` models ZeRO-Offload as published (Ren et al. 2021): the device keeps only the
+    buckets. Parameter offload (stage 3) moves the compute-dtype parameter shard, 2Ψ/N_d, too.
+    PCIe per step: at stages 2-3 each micro-batch's reduced gradient shard goes down as it lands
+    (stage 1: the fp32 shard once, at the step), the updated compute-dtype shard comes up once; with
+    parameter offload there is no upload, but every forward and backward gather fetches the shard.
+    """
+    validate_offload(stage, offload_optimizer, offload_params, grads_on_host, nvme_buffer_bytes, accumulation)
+    p = PRECISIONS[precision]
+    shard = m.params_per_rank / (gpus // tp)  # Ψ/N_d: this rank's share of every sharded state
+    device = {}
+    host = {"checkpoints": m.host_bytes} if m.host_bytes else {}
+    nvme = {}
+    pcie = nvme_io = 0.0
+    if offload_optimizer != "none":
+        device["optimizer_bytes"] = 0.0
+        mixed = p.param_bytes != MASTER_BYTES  # K includes the master; in fp32 K is the moments alone
+        moments = (p.optimizer_bytes - (MASTER_BYTES if mixed else 0)) * shard
+        states = {"master_params": MASTER_BYTES * shard, "optimizer_states": moments}
+        staging = p.grad_bytes * shard if mixed else 0.0
+        grads = {"grads": 4 * shard + staging}  # fp32 shard the optimizer reads (+ the copy that lands)
+        if offload_optimizer == "cpu":
+            host.update(states, **grads)
+        else:
+            nvme.update(states)
+            host["buffers"] = float(nvme_buffer_bytes)
+            nvme_io += 2 * sum(states.values())  # every state read and written back once per step
+            if grads_on_host:
+                host.update(grads)
+        pcie += p.grad_bytes * shard * accumulation if stage >= 2 else 4 * shard
+        if offload_params == "none":
+            pcie += p.param_bytes * shard  # the updated shard back to the device
+        if grads_on_host:
+            device["grad_bytes"] = 0.0
+    if offload_params != "none":
+        moved = p.param_bytes * shard
+        device["param_bytes"] = 0.0
+        gathers = 2 * accumulation  # forward and backward of every micro-batch
+        pcie += gathers * moved
+        if offload_params == "cpu":
+            host["params"] = moved
+        else:
+            nvme["params"] = moved
+            nvme_io += (gathers + 1) * moved  # read per gather, written once by the update
+    return OffloadBreakdown(dataclasses.replace(m, **device), offload_optimizer, offload_params, grads_on_host,
+                            host, nvme, pcie, nvme_io)
+
+
+@dataclass(frozen=True)
+class LargestOffload:
+    """The largest GPT whose device memory fits with the given offload; layers 0 when none does."""
+
+    layers: int
+    hidden: int
+    heads: int
+    params: int  # whole model (tp = 1 count), embeddings included
+    offload: Optional[OffloadBreakdown]
+
+
+def largest_offload_gpt(*, hidden_heads: tuple = OFFLOAD_SHAPES, gpus: int = 1, tp: int = 1, stage: int = 2,
+                        micro_batch: int = 1, vocab: int = 50257, seq: int = 1024, recompute: str = "full",
+                        bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
+                        offload_optimizer: str = "cpu", offload_params: str = "none", grads_on_host: bool = False,
+                        nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES,
+                        gpu_memory_bytes: float = V100_MEMORY_BYTES,
+                        margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> LargestOffload:
+    """Bisect the layer count at each (hidden, heads); the shape with the most parameters wins."""
+
+    def at(layers: int, hidden: int, heads: int) -> OffloadBreakdown:
+        m = estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus, tp=tp,
+                                stage=stage, micro_batch=micro_batch, recompute=recompute,
+                                bucket_elements=bucket_elements, precision=precision,
+                                gpu_memory_bytes=gpu_memory_bytes, margin_fraction=margin_fraction)
+        return offload_breakdown(m, stage=stage, gpus=gpus, tp=tp, precision=precision,
+                                 offload_optimizer=offload_optimizer, offload_params=offload_params,
+                                 grads_on_host=grads_on_host, nvme_buffer_bytes=nvme_buffer_bytes)
+
+    best = LargestOffload(0, 0, 0, 0, None)
+    for hidden, heads in hidden_heads:
+        layers = largest_fitting_layers(lambda n: at(n, hidden, heads).fits)
+        params = gpt_param_count(layers, hidden, vocab, seq) if layers else 0
+        if params > best.params:
+            best = LargestOffload(layers, hidden, heads, params, at(layers, hidden, heads))
+    return best
+
+
+def format_offload(o: OffloadBreakdown) -> str:
+    """Where the offloaded states went (GB per GPU) and the traffic they cost per step."""
+    where = [f"host {k.replace('_', ' ')}" for k in o.host] + [f"NVMe {k.replace('_', ' ')}" for k in o.nvme]
+    values = list(o.host.values()) + list(o.nvme.values())
+    lines = [f"{o.label}: host {o.host_bytes / GB:.3f} GB, NVMe {o.nvme_bytes / GB:.3f} GB per GPU"]
+    lines += [f"  {name:<32}{value / GB:10.3f}" for name, value in zip(where, values)]
+    lines.append(f"per step: PCIe {o.pcie_bytes_per_step / GB:.3f} GB, NVMe I/O {o.nvme_bytes_per_step / GB:.3f} GB")
+    return "\n".join(lines)
