@@ -3,8 +3,7 @@ from typing import Optional
 
 from pretrain.config import Config, ConfigError
 from zero3d.analysis.estimate import GB, GIB, MemoryBreakdown, estimate_from_shape, format_breakdown
-from zero3d.analysis.offload_estimate import (DEFAULT_NVME_BUFFER_BYTES, OffloadBreakdown, format_offload,
-                                              offload_breakdown)
+from zero3d.analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
 
 
 def config_budget_bytes(cfg: Config) -> float:
@@ -28,11 +27,10 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
 
 
 def offload_settings(cfg: Config) -> dict:
-    """zero.offload_optimizer / offload_params / nvme_buffer_bytes ("none" where a config has no such key)."""
+    """zero.offload_optimizer / offload_params / nvme_buffer_bytes, as the estimator takes them."""
     z = cfg.zero
-    return dict(offload_optimizer=getattr(z, "offload_optimizer", "none"),
-                offload_params=getattr(z, "offload_params", "none"),
-                nvme_buffer_bytes=getattr(z, "nvme_buffer_bytes", DEFAULT_NVME_BUFFER_BYTES))
+    return dict(offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
+                nvme_buffer_bytes=z.nvme_buffer_bytes)
 
 
 def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float) -> tuple:

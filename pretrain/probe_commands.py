@@ -5,7 +5,7 @@ import time
 
 from pretrain import metrics
 from pretrain.config import Config, load_config
-from pretrain.memory_check import describe, estimate_config
+from pretrain.memory_check import describe, device_estimate
 from pretrain.probe_rank import probe_rank, rss_bytes
 from zero3d.analysis.comm_model import PAPER_LINKS, comm_breakdown
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
@@ -48,7 +48,7 @@ def probe_command(cfg: Config, world: int, args) -> int:
         print(json.dumps(out, indent=2) if args.json else f"{out['config']}\n{verdict['text']}")
         return 1
     wall = time.perf_counter() - t0
-    estimate = estimate_config(cfg, world, memory)
+    estimate, _ = device_estimate(cfg, world, memory)  # with offload: what stays on the device
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
     rows = estimate_rows(estimate, run.model_states, run.category_peaks, peak,

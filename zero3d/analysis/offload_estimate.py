@@ -6,9 +6,10 @@ from typing import Optional
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
+from zero3d.config import PLACEMENTS as OFFLOAD_PLACEMENTS
+from zero3d.config import ZeroConfig
 
-OFFLOAD_PLACEMENTS = ("none", "cpu", "nvme")
-DEFAULT_NVME_BUFFER_BYTES = 64 * 2**20  # zero.nvme_buffer_bytes default: the NVMe stream's two host buffers
+DEFAULT_NVME_BUFFER_BYTES = ZeroConfig.nvme_buffer_bytes  # the NVMe stream's two host buffers, as the engine defaults them
 MASTER_BYTES = 4  # the fp32 master copy, per parameter
 # --largest without --hidden/--heads: the Figure 7 hidden sizes and GPT-3 13B's 5120 × 40
 OFFLOAD_SHAPES = ((1536, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (5120, 40))
