@@ -45,13 +45,14 @@ def test_fake_probe_equals_real_cpu_ranks(overrides):
             "optimizer": states["master_params"] + states["optimizer_states"]
             + probed.optimizer_step_counter_bytes}
         assert probed.model_states == measured.model_states
-        # Activations (and the rest) as the real ranks' tensors were counted: within 5%. Temporaries are
-        # small here (~120 kB) and the real ranks' peak of them depends on when gloo's worker threads
-        # release their staging tensors, a race the fake group does not have: one clean `make test` run
-        # measured 126,324 B real vs 118,132 B probed (stage 2 fp16), 8,192 B apart; hence the slack.
-        assert probed.category_peaks["activations"] == pytest.approx(measured.category_peaks["activations"], rel=0.05)
-        assert probed.category_peaks["temporaries"] == pytest.approx(measured.category_peaks["temporaries"], rel=0.05,
-                                                                     abs=GLOO_STAGING_SLACK)
+        # Activations (and the rest) as the real ranks' tensors were counted: within 5%, or within
+        # GLOO_STAGING_SLACK. Both categories are small here (~120 kB) and the real ranks' peak of them
+        # depends on when gloo's worker threads release their staging tensors, a race the fake group
+        # does not have: clean `make test` runs measured 126,324 B real vs 118,132 B probed (stage 2
+        # fp16), 8,192 B apart, in one of the two categories (two failures in ~10 runs); most runs agree.
+        for category in ("activations", "temporaries"):
+            assert probed.category_peaks[category] == pytest.approx(measured.category_peaks[category], rel=0.05,
+                                                                    abs=GLOO_STAGING_SLACK), category
         assert probed.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
         # Per phase within 10%: gloo stages a parameter all-gather through a temporary the fake process
         # group does not allocate (stage 2 fp16 here: 843,528 B real vs 774,600 B probed in the gather
