@@ -13,6 +13,8 @@ Glossary (the paper's names → the code):
   one all-gather each.
 - MD: memory defragmentation — contiguous buffers: `flat.flatten_params/flatten_grads` (one
   allocation per group) and `ZeroConfig.contiguous_checkpointing` (checkpoints in one buffer).
+- ZeRO-Offload / ZeRO-Infinity: `ZeroConfig.offload_optimizer` ("cpu": zero3d/offload.py,
+  "nvme": zero3d/nvme.py) and stage 3's `offload_params`; see docs/offload.md.
 - N_d, Ψ: data-parallel size (`engine.dp.size`), parameters per TP rank.
 """
 import dataclasses

@@ -33,6 +33,9 @@ Persistence: a parameter with numel <= `param_persistence_threshold` is never sh
 whole on every rank and is replicated like stage 0 (full gradient all-reduced and averaged, full
 fp32 master and Adam states), in groups "persistent/<decay class>" (state_bytes "persistent_*").
 
+Offload: with `zero.offload_params` the shards live on the host (or in memory-mapped files) and each
+gather first copies them to the device (`_device_shard`); the live-parameter budget is unchanged.
+
 Pipeline parallelism and gradients summed over another group are not supported (wrap_model refuses them).
 """
 from functools import partial
