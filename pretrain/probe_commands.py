@@ -71,7 +71,8 @@ def probe_command(cfg: Config, world: int, args) -> int:
 
 
 HOST_PARTS = {"activations": "Pa+cpu checkpoints", "optimizer": "offloaded master + Adam moments",
-              "params": "offloaded parameter shards", "untracked": "offload gradient/staging buffers"}
+              "grads": "offloaded gradient shards",
+              "params": "offloaded parameter shards", "untracked": "offload staging buffers"}
 
 
 def format_probe(out: dict, run, rows: list) -> str:

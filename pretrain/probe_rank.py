@@ -170,7 +170,7 @@ class RankRun:
 def host_bytes(acts, engine):
     """Host memory now, by the tracker category it would otherwise count under: the Pa+cpu
     checkpoints (the MD buffer when there is one, else the slices) and ZeRO-Offload's host master,
-    Adam moments and stage 3 parameter shards; its gradient and staging buffers were never tracked."""
+    Adam moments, gradient shards and stage 3 parameter shards; its staging buffers were never tracked."""
     def now() -> dict:
         out = {"activations": 0}
         if acts is not None and acts.cpu:
@@ -179,7 +179,8 @@ def host_bytes(acts, engine):
             state = engine.state_bytes()
             out["optimizer"] = state.get("host_master_params", 0) + state.get("host_optimizer_states", 0)
             out["params"] = state.get("host_params", 0)
-            out["untracked"] = state.get("host_grads", 0) + state.get("host_buffers", 0)
+            out["grads"] = engine.offload.held_grad_bytes()  # stages 2/3 "cpu": the shard lives there only
+            out["untracked"] = state.get("host_grads", 0) - out["grads"] + state.get("host_buffers", 0)
         return out
     return now
 

@@ -85,7 +85,8 @@ class GradientBuckets:
         """The bucket's gradient buffer; on creation its waiting parameters' `.grad` become views of it."""
         if run.grads is None:
             group, bucket = run.group, run.bucket
-            run.grads = torch.zeros(bucket.numel, dtype=group.grads.dtype, device=group.grads.device)
+            # The compute dtype on the device (the shard it lands in may be an fp32 host one: offload).
+            run.grads = torch.zeros(bucket.numel, dtype=self.engine.settings.dtype, device=self.engine.device)
             for i in run.missing:
                 param, slot = group.params[i], group.layout.slots[i]
                 if param.grad is None and param not in self.engine.tied:
@@ -129,7 +130,5 @@ class GradientBuckets:
         bucket, rank = run.bucket, self.engine.dp.rank
         lo, hi = bucket.piece(rank)
         piece = run.grads[lo - bucket.start:hi - bucket.start]
-        run.group.grads[bucket.shard_start:bucket.shard_start + bucket.piece_numel].add_(
-            piece, alpha=self.engine.post_scale)
+        self.engine.accumulate_grad_piece(run.group, bucket.shard_start, piece)
         run.grads = None
-        self.engine.grad_shard_ready(run.group, bucket.shard_start, bucket.shard_start + bucket.piece_numel)

@@ -48,9 +48,10 @@ class ZeroConfig:
     # MD: activation checkpoints in one pre-allocated buffer, against fragmentation.
     contiguous_checkpointing: bool = False
     # ZeRO-Offload (stages 1-3): where the fp32 master shard and Adam's moments live. "none": on the
-    # device; "cpu": host memory (page-locked on CUDA), the Adam step on the CPU, gradient shards
-    # streamed to the host as their buckets finish; "nvme": files under nvme_path streamed through
-    # nvme_buffer_bytes of host buffers (ZeRO-Infinity), so host memory stays bounded.
+    # device; "cpu": host memory (page-locked on CUDA), the Adam step on the CPU, and at stages 2-3 the
+    # gradient shard too (each bucket's reduced piece copied down as backward produces it), as
+    # ZeRO-Offload; "nvme": files under nvme_path streamed through nvme_buffer_bytes of host buffers
+    # (ZeRO-Infinity), the gradient shard on the device, so host memory stays bounded.
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     # Stage 3: where the parameter shards live between gathers (each gather fetches them); needs
     # offload_optimizer, since the update runs where the master lives.

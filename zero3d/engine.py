@@ -107,6 +107,7 @@ class DataParallelEngine:
         self.copier = Copier(self.device)  # device <-> host copies of offloaded states (counts their bytes)
         self.groups = self._build_groups(param_groups(model))
         self.offload = None  # ZeRO-Offload: HostOffload / NvmeOffload when the master and Adam states are off the device
+        self.host_grad_groups: frozenset = frozenset()  # groups whose gradient shard lives on the host only
         if settings.zero.offload_optimizer != "none":
             self.optimizer = self._offload_optimizer()
         else:
@@ -143,16 +144,17 @@ class DataParallelEngine:
         """
         self.finish_param_sync()
         self._reduce_grads()
+        if self.offload is not None:
+            self.offload.finish_grads()  # the last gradient pieces copied to the host are added there
         master_grads = {name: self._master_grad(group) for name, group in self.groups.items()}
-        inv_scale = 1.0 / self.scaler.scale  # before update() may change the scale
-        if inv_scale != 1.0:
+        if self.scaler.scale != 1.0:
             for grad in master_grads.values():
-                grad.mul_(inv_scale)
+                grad.mul_(1.0 / self.scaler.scale)
         norm = self._global_grad_norm(master_grads)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if not overflow:
-            self._apply_update(master_grads, norm, lr, inv_scale)
+            self._apply_update(master_grads, norm, lr)
             self._publish_params()
         self.zero_grad()
         if self.offload is not None:
@@ -173,12 +175,12 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ shared pieces
 
-    def _apply_update(self, master_grads: dict, norm: float, lr: float, inv_scale: float) -> None:
+    def _apply_update(self, master_grads: dict, norm: float, lr: float) -> None:
         coef = 1.0
         if self.settings.clip_grad > 0:
             coef = min(1.0, self.settings.clip_grad / (norm + 1e-6))
         if self.offload is not None:  # clip, AdamW on the host; the parameters come back in the compute dtype
-            self.offload.step(master_grads, coef, inv_scale, lr)
+            self.offload.step(master_grads, coef, lr)
             return
         for name, group in self.groups.items():
             grad = master_grads[name]
@@ -202,16 +204,26 @@ class DataParallelEngine:
         """The master and Adam states of every group move off the device; each group's master
         becomes the host tensor (NVMe: an empty placeholder outside `materialized_states()`)."""
         zero, s = self.settings.zero, self.settings
-        specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(name))
+        on_host = zero.offload_optimizer == "cpu"  # NVMe keeps host memory bounded: its gradients stay
+        specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(name),
+                           holds_grad=on_host and self._grads_reduced_in_buckets(name))
                  for name, group in self.groups.items()]
-        if zero.offload_optimizer == "cpu":
+        if on_host:
             self.offload = HostOffload(specs, s.lr, s.betas, s.eps, self.copier)
         else:
             self.offload = NvmeOffload(specs, s.lr, s.betas, s.eps, self.copier, zero.nvme_path,
                                        zero.nvme_buffer_bytes, self.world.rank)
-        for name, group in self.groups.items():
-            group.master_pieces = ((0, self.offload.master(name)),)
+        for spec in specs:
+            group = self.groups[spec.name]
+            group.master_pieces = ((0, self.offload.master(spec.name)),)
+            if spec.holds_grad:  # the device gradient shard is freed: the host one replaces it
+                group.grads = self.offload.grad(spec.name)
+        self.host_grad_groups = frozenset(spec.name for spec in specs if spec.holds_grad)
         return self.offload.optimizer
+
+    def _grads_reduced_in_buckets(self, name: str) -> bool:
+        """Whether the group's gradients arrive as reduced bucket pieces during backward (stages 2/3)."""
+        return False
 
     def _param_pieces(self, group: GroupState) -> tuple:
         """The model-dtype parameter elements matching the group's master coordinates, as
@@ -221,11 +233,14 @@ class DataParallelEngine:
             return ((0, group.param_flat),)
         return tuple((bucket.shard_start, group.param_flat[lo:hi]) for bucket, lo, hi in group.layout.pieces(self.dp.rank))
 
-    def grad_shard_ready(self, group: GroupState, lo: int, hi: int) -> None:
-        """Stages 2/3 (zero3d/buckets.py): shard elements [lo, hi) hold this micro-batch's reduced
-        gradient; with the optimizer on the host, their copy there starts now, overlapping backward."""
-        if self.offload is not None:
-            self.offload.stream_grad(group.name, lo, hi, group.grads[lo:hi])
+    def accumulate_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
+        """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),
+        added (× post-scale) into the gradient shard, or, when that lives on the host, copied there
+        now (overlapping the rest of backward) and added on arrival."""
+        if group.name in self.host_grad_groups:
+            self.offload.accumulate_grad(group.name, lo, piece, self.post_scale)
+        else:
+            group.grads[lo:lo + piece.numel()].add_(piece, alpha=self.post_scale)
 
     def materialized_states(self):
         """Context: inside it every master and `optimizer.state` is a tensor (NVMe: read from the
@@ -261,8 +276,8 @@ class DataParallelEngine:
         local = torch.zeros(1, dtype=torch.float64, device=self.device)
         for name, group in self.groups.items():
             grad = master_grads[name]
-            for lo, hi in group.norm_ranges:
-                local += grad[lo:hi].double().pow(2).sum()
+            for lo, hi in group.norm_ranges:  # (on the host for gradient shards held there)
+                local += grad[lo:hi].double().pow(2).sum().to(local.device)
         self.world.all_reduce(local, tag="grad_norm")
         total = read_host_float(local)
         return math.sqrt(total) if math.isfinite(total) else float("inf")

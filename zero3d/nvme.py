@@ -175,11 +175,14 @@ class NvmeOffload:
 
     # ------------------------------------------------------------ gradients
 
-    def stream_grad(self, name: str, lo: int, hi: int, piece: torch.Tensor) -> None:
+    def finish_grads(self) -> None:
         """Gradients stay on the device until the step fetches them chunk by chunk (bounded host memory)."""
 
     def zero_grad(self) -> None:
         pass
+
+    def held_grad_bytes(self) -> int:
+        return 0
 
     # ------------------------------------------------------------ step
 
@@ -196,7 +199,7 @@ class NvmeOffload:
         for state, t in buf.states.items():
             self.files.write(c.name, state, c.lo, t[:c.hi - c.lo])
 
-    def step(self, master_grads: dict, coef: float, inv_scale: float, lr: float) -> None:
+    def step(self, master_grads: dict, coef: float, lr: float) -> None:
         """AdamW chunk by chunk; the I/O thread reads chunk i+1 (after writing chunk i-1 back) while
         the CPU updates chunk i. `master_grads` are the engine's, already unscaled."""
         for pg in self.optimizer.param_groups:

@@ -6,9 +6,10 @@ master coordinates), the device tensors holding the matching compute-dtype param
 From then on:
 
 - the master and Adam's moments live on the host (page-locked on CUDA, so copies are DMA);
-- the reduced gradient shard comes to the host: piece by piece while backward still runs
-  (`stream_grad`, called by stages 2/3 as each bucket's reduction lands in the shard) or, for
-  groups not streamed, whole at the step; on CUDA on a side stream ordered by stream waits;
+- the reduced gradient shard comes to the host: at stages 2/3 piece by piece while backward still
+  runs (`accumulate_grad`, as each bucket's reduction completes) into a host-only shard, as
+  ZeRO-Offload keeps it; at stage 1 (and for stage 3's persistent groups) whole at the step; on
+  CUDA on a side stream ordered by stream waits;
 - the step applies the engine's unscale and clip factors on the host, runs torch's AdamW in its
   fused CPU mode (bench/bench_offload.py measures fused against foreach and single-tensor), casts
   the updated master to the compute dtype on the host and copies that into the device pieces.
@@ -35,6 +36,7 @@ class GroupSpec:
     master: Optional[torch.Tensor]  # fp32, master coordinates: the initial values (None once copied)
     param_pieces: tuple  # ((offset in master coordinates, compute-dtype device tensor), ...)
     weight_decay: float
+    holds_grad: bool = False  # "cpu": the gradient shard lives on the host only (stages 2/3's bucketed groups)
 
     @property
     def numel(self) -> int:
@@ -141,14 +143,19 @@ class HostGroup:
 
     spec: GroupSpec
     master: torch.Tensor  # fp32
-    grad: torch.Tensor  # fp32: this step's gradient shard
-    staging: Optional[torch.Tensor] = None  # compute dtype: streamed raw gradients, then the new parameters
-    streamed: bool = False  # this step's gradient arrived through stream_grad (raw: not yet unscaled)
+    grad: torch.Tensor  # fp32: this step's gradient shard (held: accumulated here over micro-batches)
+    staging: Optional[torch.Tensor] = None  # compute dtype: gradient pieces landing, then the new parameters
 
 
 class HostOffload:
     """offload_optimizer = "cpu": every state in host memory; `optimizer` is a torch AdamW over the
-    host masters, so `optimizer.state` and the masters are ordinary tensors (checkpoints)."""
+    host masters, so `optimizer.state` and the masters are ordinary tensors (checkpoints).
+
+    Groups whose spec `holds_grad` (stages 2/3: gradients reduced bucket by bucket) keep their
+    gradient shard only here, as ZeRO-Offload does: each reduced bucket piece is copied down
+    (`accumulate_grad`) and added on the host, and the engine reads `grad(name)` as the group's
+    gradients (unscale, norm, clip). The others (stage 1, stage 3's persistent groups) keep theirs
+    on the device; the step copies them down."""
 
     placement = "cpu"
 
@@ -158,13 +165,14 @@ class HostOffload:
         self.groups = {spec.name: self._host_group(spec) for spec in specs}
         self.optimizer = cpu_adamw([g.master for g in self.groups.values()],
                                    [g.spec.weight_decay for g in self.groups.values()], lr, betas, eps)
+        self._landing = []  # (group, lo, hi, alpha): pieces copied down, not yet added into the shard
 
     def _host_group(self, spec: GroupSpec) -> HostGroup:
         n = spec.numel
         group = HostGroup(spec.released(), master=pinned_empty(n, torch.float32, self.device),
                           grad=pinned_empty(n, torch.float32, self.device).zero_())
-        if spec.dtype != torch.float32:
-            group.staging = pinned_empty(n, spec.dtype, self.device).zero_()
+        if spec.dtype != torch.float32 or spec.holds_grad:
+            group.staging = pinned_empty(n, spec.dtype, self.device)
         self.copier.to_host(group.master, spec.master)
         self.copier.wait_host()
         return group
@@ -172,34 +180,41 @@ class HostOffload:
     def master(self, name: str) -> torch.Tensor:
         return self.groups[name].master
 
+    def grad(self, name: str) -> torch.Tensor:
+        """The host fp32 gradient shard of a group whose spec holds its gradients."""
+        return self.groups[name].grad
+
     # ------------------------------------------------------------ gradients
 
-    def stream_grad(self, name: str, lo: int, hi: int, piece: torch.Tensor) -> None:
-        """Elements [lo, hi) of the group's reduced gradient shard are final for this micro-batch:
-        start their copy to the host (a later micro-batch's copy of the same range overwrites it)."""
-        group = self.groups[name]
-        self.copier.to_host((group.staging if group.staging is not None else group.grad)[lo:hi], piece)
-        group.streamed = True
+    def accumulate_grad(self, name: str, lo: int, piece: torch.Tensor, alpha: float) -> None:
+        """A reduced bucket piece for shard elements [lo, lo + n): copied down now (on CUDA behind the
+        reduction, on the side stream) and added, times `alpha`, into the host shard once it landed.
+        The pieces already in flight are added first, so a later micro-batch's copy of the same range
+        never overwrites one not yet added; the add thus trails the copy by one bucket."""
+        self.finish_grads()
+        group, hi = self.groups[name], lo + piece.numel()
+        self.copier.to_host(group.staging[lo:hi], piece)
+        self._landing.append((group, lo, hi, alpha))
 
-    def _gather_grads(self, master_grads: dict, inv_scale: float) -> None:
-        """Each group's fp32 gradient on the host, unscaled: streamed ones are converted and unscaled
-        here (as the engine does on the device), the rest copied from its unscaled master gradients."""
-        for name, group in self.groups.items():
-            if not group.streamed:
-                self.copier.to_host(group.grad, master_grads[name])
+    def finish_grads(self) -> None:
+        """Every piece copied down is added into its host shard (the engine calls it before the step)."""
+        if not self._landing:
+            return
         self.copier.wait_host()
-        for group in self.groups.values():
-            if group.streamed:
-                if group.staging is not None:
-                    group.grad.copy_(group.staging)
-                scale_(group.grad, inv_scale)
+        for group, lo, hi, alpha in self._landing:
+            group.grad[lo:hi].add_(group.staging[lo:hi], alpha=alpha)
+        self._landing = []
 
     # ------------------------------------------------------------ step
 
-    def step(self, master_grads: dict, coef: float, inv_scale: float, lr: float) -> None:
-        """Gradients to the host, unscale and clip (the engine's multiplications), AdamW on the CPU,
-        updated parameters into the device pieces in the compute dtype."""
-        self._gather_grads(master_grads, inv_scale)
+    def step(self, master_grads: dict, coef: float, lr: float) -> None:
+        """The engine's unscaled gradients (held groups: the host shards themselves; the others
+        copied down now), clipped, AdamW on the CPU, updated parameters into the device pieces in
+        the compute dtype."""
+        for name, group in self.groups.items():
+            if not group.spec.holds_grad:
+                self.copier.to_host(group.grad, master_grads[name])
+        self.copier.wait_host()
         for group in self.groups.values():
             scale_(group.grad, coef)
             group.master.grad = group.grad
@@ -214,18 +229,17 @@ class HostOffload:
         """Every host master into its device pieces, cast to the compute dtype on the host."""
         for group in self.groups.values():
             source = group.master
-            if group.staging is not None:
+            if group.spec.dtype != torch.float32:
                 source = group.staging.copy_(group.master)
             copy_into_pieces(self.copier, group.spec, 0, source)
         self.copier.wait_host()
 
     def zero_grad(self) -> None:
-        self.copier.wait_host()  # a streamed copy of a skipped step may still be landing
+        """The gradients the step copied down (the held shards are the engine's: it zeroes them)."""
+        self.finish_grads()  # pieces of a skipped step may still be landing
         for group in self.groups.values():
-            group.grad.zero_()
-            if group.staging is not None:  # it held the published parameters: not a gradient
-                group.staging.zero_()
-            group.streamed = False
+            if not group.spec.holds_grad:
+                group.grad.zero_()
 
     # ------------------------------------------------------------ checkpoints and accounting
 
@@ -246,13 +260,19 @@ class HostOffload:
                 "host_optimizer_states": moments,
                 "host_grads": sum(nbytes(g.grad) + nbytes(g.staging) for g in self.groups.values())}
 
+    def held_grad_bytes(self) -> int:
+        """Bytes of the gradient shards kept only here (the stage counts them as its `grads`)."""
+        return sum(g.grad.numel() * g.grad.element_size() for g in self.groups.values() if g.spec.holds_grad)
+
     def close(self) -> None:
         pass
 
 
 def device_state_bytes(stage_bytes: dict, offload) -> dict:
-    """The stage's accounting with the offloaded categories moved: device master/optimizer bytes are 0
-    (the keys keep their device meaning); host_*/nvme_* keys say where those bytes went."""
+    """The stage's accounting with the offloaded categories moved: device master/optimizer bytes are 0,
+    gradient shards held on the host leave `grads` (the keys keep their device meaning); host_*/nvme_*
+    keys say where those bytes went."""
     out = {k: (0 if k.endswith(("master_params", "optimizer_states")) else v) for k, v in stage_bytes.items()}
+    out["grads"] -= offload.held_grad_bytes()
     out.update(offload.state_bytes())
     return out

@@ -48,6 +48,9 @@ class GradientShardedEngine(DataParallelEngine):
     def _reduce_grads(self):
         self.buckets.wait()
 
+    def _grads_reduced_in_buckets(self, name):
+        return True
+
     def _master_grad(self, group):
         return self._as_fp32(group.grads)
 

@@ -310,6 +310,9 @@ class ParameterShardedEngine(DataParallelEngine):
         self.buckets.wait()
         all_reduce_replicated(self, self._persistent_groups())
 
+    def _grads_reduced_in_buckets(self, name):
+        return not name.startswith(PERSISTENT + "/")
+
     def _master_grad(self, group):
         return self._as_fp32(group.grads)
 

@@ -51,6 +51,11 @@ def test_offload_matches_device_fp32(tp, stage, tmp_path):
         assert r_cpu["state_bytes"]["master_params"] == r_cpu["state_bytes"]["optimizer_states"] == 0
         assert r_nvme["state_bytes"]["master_params"] == r_nvme["state_bytes"]["optimizer_states"] == 0
         assert r_cpu["state_bytes"]["host_optimizer_states"] == moved == r_nvme["state_bytes"]["nvme_optimizer_states"]
+        # "cpu" at stages 2/3 keeps the gradient shard on the host only (ZeRO-Offload); stage 1's whole
+        # gradient buffer, and NVMe's shard, stay on the device.
+        held = stage >= 2
+        assert r_cpu["state_bytes"]["grads"] == (0 if held else r_ref["state_bytes"]["grads"])
+        assert r_nvme["state_bytes"]["grads"] == r_ref["state_bytes"]["grads"]
         assert r_nvme["state_bytes"]["host_buffers"] <= 300000
     assert list(tmp_path.iterdir()) == []  # the state files are removed with the engine
 

@@ -24,15 +24,17 @@ def breakdown(stage=2, precision="fp16", **offload):
 def test_optimizer_offload_moves_k_psi_over_nd_off_the_device():
     m, cpu = breakdown(offload_optimizer="cpu", accumulation=3)
     shard = m.params_per_rank / GPUS
-    assert cpu.device.optimizer_bytes == 0 and cpu.device.grad_bytes == m.grad_bytes == pytest.approx(2 * shard)
-    assert m.total_bytes - cpu.device.total_bytes == pytest.approx(12 * shard)
+    # "cpu" at stage 2 keeps the gradient shard on the host only (zero3d's HostOffload, as ZeRO-Offload)
+    assert cpu.device.optimizer_bytes == 0 and cpu.device.grad_bytes == 0 and m.grad_bytes == pytest.approx(2 * shard)
+    assert m.total_bytes - cpu.device.total_bytes == pytest.approx(14 * shard)
     # fp32 master 4 + Adam moments 8; fp32 host gradient shard 4 + the fp16 copy that lands 2
     assert cpu.host == pytest.approx({"master_params": 4 * shard, "optimizer_states": 8 * shard, "grads": 6 * shard})
     assert cpu.nvme == {} and cpu.nvme_bytes_per_step == 0
     # each of the 3 micro-batches' reduced fp16 shard down, the updated fp16 shard up once
     assert cpu.pcie_bytes_per_step == pytest.approx((3 * 2 + 2) * shard)
     _, nvme = breakdown(offload_optimizer="nvme", nvme_buffer_bytes=32 * 2**20)
-    assert nvme.device.total_bytes == cpu.device.total_bytes
+    assert nvme.device.grad_bytes == m.grad_bytes  # NVMe keeps host memory bounded: its gradients stay
+    assert nvme.device.total_bytes == pytest.approx(cpu.device.total_bytes + 2 * shard)
     assert nvme.host == {"buffers": 32 * 2**20}
     assert nvme.nvme == pytest.approx({"master_params": 4 * shard, "optimizer_states": 8 * shard})
     assert nvme.nvme_bytes_per_step == pytest.approx(24 * shard)  # every state read and written once
@@ -49,13 +51,14 @@ def test_fp32_offload_keeps_a_host_master_and_stage1_sends_fp32_gradients():
 def test_param_offload_fetches_per_gather_and_the_paper_gradient_placement():
     m, o = breakdown(stage=3, offload_optimizer="cpu", offload_params="nvme", accumulation=2)
     shard = m.params_per_rank / GPUS
-    assert o.device.param_bytes == 0 and o.device.optimizer_bytes == 0 and o.device.grad_bytes == m.grad_bytes
+    assert o.device.param_bytes == 0 and o.device.optimizer_bytes == 0 and o.device.grad_bytes == 0
     assert o.nvme == pytest.approx({"params": 2 * shard})
     # gradients 2 × 2 down; no upload: 2 gathers × 2 micro-batches fetch the fp16 shard
     assert o.pcie_bytes_per_step == pytest.approx((2 * 2 + 4 * 2) * shard)
     assert o.nvme_bytes_per_step == pytest.approx((4 + 1) * 2 * shard)  # 4 reads + the update's write
-    _, paper = breakdown(offload_optimizer="cpu", grads_on_host=True)
-    assert paper.device.grad_bytes == 0 and paper.label == "offload optimizer→cpu, grads→host"
+    assert o.label == "offload optimizer→cpu, params→nvme, grads→host"
+    _, nvme = breakdown(stage=3, offload_optimizer="nvme")
+    assert nvme.device.grad_bytes == m.grad_bytes and nvme.label == "offload optimizer→nvme"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -64,7 +67,6 @@ def test_param_offload_fetches_per_gather_and_the_paper_gradient_placement():
     (dict(stage=3, offload_params="cpu"), "and offload_optimizer = 'cpu' or 'nvme' (got stage = 3, "
                                           "offload_optimizer = 'none')"),
     (dict(stage=2, offload_optimizer="disk"), "offload_optimizer = 'disk' is invalid; valid: 'none', 'cpu', 'nvme'"),
-    (dict(stage=1, offload_optimizer="cpu", grads_on_host=True), "grads_on_host needs stage >= 2"),
     (dict(stage=2, offload_optimizer="nvme", nvme_buffer_bytes=0), "nvme_buffer_bytes = 0 is invalid"),
     (dict(stage=2, offload_optimizer="cpu", accumulation=0), "accumulation = 0 is invalid"),
 ])
@@ -96,15 +98,15 @@ def largest_by_formula(grads_on_device):
 
 
 def test_zero_offload_anchor_13b_on_one_v100():
-    """Ren et al. 2021: stage 2 + optimizer offload trains 13B on one 32 GB V100, gradients streamed to the
-    host as produced (--grads-on-host). zero3d's own placement keeps the 2Ψ gradient shard on the device."""
-    paper = largest_offload_gpt(stage=2, offload_optimizer="cpu", grads_on_host=True)
-    assert (paper.params, paper.layers) == largest_by_formula(grads_on_device=False)
-    assert paper.offload.fits and paper.offload.device.grad_bytes == 0
-    assert PAPER_13B <= paper.params <= (1 + TOLERANCE) * PAPER_13B, paper
-    own = largest_offload_gpt(stage=2, offload_optimizer="cpu")
-    assert (own.params, own.layers) == largest_by_formula(grads_on_device=True)
-    assert own.params < paper.params / 1.9  # 4Ψ instead of 2Ψ on the device
+    """Ren et al. 2021: stage 2 + optimizer offload trains 13B on one 32 GB V100, gradients on the host.
+    zero3d's "cpu" placement keeps its gradient shard on the host too; "nvme" keeps it on the device."""
+    cpu = largest_offload_gpt(stage=2, offload_optimizer="cpu")
+    assert (cpu.params, cpu.layers) == largest_by_formula(grads_on_device=False)
+    assert cpu.offload.fits and cpu.offload.device.grad_bytes == 0
+    assert PAPER_13B <= cpu.params <= (1 + TOLERANCE) * PAPER_13B, cpu
+    nvme = largest_offload_gpt(stage=2, offload_optimizer="nvme")
+    assert (nvme.params, nvme.layers) == largest_by_formula(grads_on_device=True)
+    assert nvme.params < cpu.params / 1.9  # 4Ψ instead of 2Ψ on the device
     # without offload, stage 2 on one GPU holds 16Ψ: not even 2B fits
     assert 0 < largest_offload_gpt(stage=2, offload_optimizer="none").params < 2e9
 
@@ -119,7 +121,7 @@ def test_cli_prints_the_offload_lines(capsys):
     shard = printed["params_per_rank"] / GPUS
     assert printed["optimizer_bytes"] == 0 and printed["host_master_params_bytes"] == pytest.approx(4 * shard)
     assert printed["offload_pcie_bytes_per_step"] == pytest.approx((2 + 2) * shard)
-    assert main(["--largest", "--stage", "2", "--offload-optimizer", "cpu", "--grads-on-host",
+    assert main(["--largest", "--stage", "2", "--offload-optimizer", "cpu",
                  "--recompute", "full", "--bucket-elements", "50000000"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("largest GPT: ") and "gradients on the host" in out and ": fits" in out
@@ -139,12 +141,14 @@ def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
 
     cfg = load_config(None, ["zero.stage=2", "model.num_layers=4", "model.hidden_size=256"])
     none, _ = config_report(cfg, 2)
-    # set on the loaded config: independent of when ZeroConfig gains the zero.offload_* keys
-    cfg.zero.offload_optimizer = "cpu"
+    cfg = load_config(None, ["zero.stage=2", "model.num_layers=4", "model.hidden_size=256",
+                             "zero.offload_optimizer=cpu"])
     cpu, table = config_report(cfg, 2)
-    assert cpu.optimizer_bytes == 0 and none.total_bytes - cpu.total_bytes == none.optimizer_bytes > 0
+    # the optimizer states and (stage 2, "cpu") the gradient shard leave the device
+    assert cpu.optimizer_bytes == 0 and cpu.grad_bytes == 0
+    assert none.total_bytes - cpu.total_bytes == none.optimizer_bytes + none.grad_bytes > 0
     assert estimate_config(cfg, 2, 32 * GIB).optimizer_bytes == none.optimizer_bytes  # checkpoints still hold them
-    assert "offload optimizer→cpu: host" in table and "host master params" in table
+    assert "offload optimizer→cpu, grads→host: host" in table and "host master params" in table
     check_memory(cfg, 2, torch.device("cpu"), is_main=True)
     out = capsys.readouterr().out
     assert "host optimizer states" in out and out.rstrip().endswith("GiB)") and "CPU run: no device memory check" in out

@@ -1,4 +1,5 @@
 """The host and NVMe optimizer steps against torch's AdamW, the NVMe buffer bound, the offload config checks."""
+import dataclasses
 import re
 
 import pytest
@@ -56,7 +57,7 @@ def test_offloaded_step_is_torch_adamw_bit_for_bit(placement, tmp_path):
     if placement == "nvme":
         assert off.chunk == 4096  # 10_000 elements: three chunks through two buffers
     for step in range(3):
-        off.step(grads_at(step), coef=0.5, inv_scale=1.0, lr=HYPER["lr"])
+        off.step(grads_at(step), coef=0.5, lr=HYPER["lr"])
         off.zero_grad()
     for s in specs:
         assert torch.equal(device_params(s), ref[s.name])  # published into the "device" pieces
@@ -72,30 +73,39 @@ def test_offloaded_step_is_torch_adamw_bit_for_bit(placement, tmp_path):
         off.close()
 
 
-def test_streamed_fp16_gradients_are_unscaled_on_the_host():
-    """Stages 2/3 stream raw (scaled, compute-dtype) gradient pieces; the step unscales them exactly
-    as the engine does on the device: fp16 → fp32, times 1/scale."""
-    specs = make_specs(torch.float16)
+def test_held_fp16_gradients_accumulate_on_the_host():
+    """Stages 2/3 with the optimizer on the host: each reduced fp16 bucket piece is copied down and
+    added (× post-scale) into the host fp32 shard, over micro-batches; the engine then unscales that
+    shard in place and the step uses it. Same arithmetic as the device path's shard, in fp32."""
+    specs = [dataclasses.replace(spec, holds_grad=True) for spec in make_specs(torch.float16)]
     off = HostOffload(specs, copier=Copier(torch.device("cpu")), **HYPER)
-    scale = 1024.0
-    raw = {name: (g * 1e-3 * scale).half() for name, g in grads_at(0).items()}
+    scale, post_scale, micro_batches = 1024.0, 0.5, 2
+    raw = [{name: (g * 1e-3 * scale).half() for name, g in grads_at(m).items()} for m in range(micro_batches)]
     before = dict(off.copier.bytes)
-    for name, grad in raw.items():  # in two pieces, as two buckets would land
-        off.stream_grad(name, 0, 100, grad[:100])
-        off.stream_grad(name, 100, grad.numel(), grad[100:])
-    off.step({}, coef=1.0, inv_scale=1.0 / scale, lr=HYPER["lr"])
-    # The PCIe traffic of a step: the fp16 gradient shard down, the fp16 parameters up (2 bytes each way).
+    for pieces in raw:
+        for name, grad in pieces.items():  # in two pieces, as two buckets would land
+            off.accumulate_grad(name, 0, grad[:100], post_scale)
+            off.accumulate_grad(name, 100, grad[100:], post_scale)
+    off.finish_grads()
+    for spec in specs:
+        off.grad(spec.name).mul_(1.0 / scale)  # the engine's unscale
+    off.step({}, coef=1.0, lr=HYPER["lr"])
+    # The PCIe traffic: each micro-batch's fp16 gradient shard down, the fp16 parameters up once.
     n = sum(SIZES.values())
-    assert {k: off.copier.bytes[k] - before[k] for k in before} == {"to_host": 2 * n, "to_device": 2 * n}
+    assert {k: off.copier.bytes[k] - before[k] for k in before} == {"to_host": micro_batches * 2 * n, "to_device": 2 * n}
     masters = {s.name: s.master.clone() for s in specs}
     opt = torch.optim.AdamW([{"params": [masters[s.name]], "weight_decay": s.weight_decay} for s in specs],
                             fused=True, **HYPER)
-    for name, grad in raw.items():
-        masters[name].grad = grad.float().mul_(1.0 / scale)
+    for name in masters:
+        grad = torch.zeros(SIZES[name])
+        for pieces in raw:
+            grad.add_(pieces[name], alpha=post_scale)
+        masters[name].grad = grad.mul_(1.0 / scale)
     opt.step()
     for s in specs:
         assert torch.equal(off.master(s.name), masters[s.name])
         assert torch.equal(device_params(s), masters[s.name].half())  # back in the compute dtype
+    assert off.held_grad_bytes() == 4 * n
 
 
 def test_nvme_materialized_writes_back_what_a_load_put_there(tmp_path):

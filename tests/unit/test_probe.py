@@ -91,9 +91,9 @@ def _probe_json(capsys, *overrides):
 
 
 def test_offloaded_optimizer_leaves_the_device_and_its_traffic_is_counted(capsys):
-    """ZeRO-Offload in the probe: the master and Adam moments count as host memory, not device
-    memory; the PCIe traffic per step is the gradient shard down once per micro-batch (streamed as
-    each bucket lands) and the updated parameter shard up once."""
+    """ZeRO-Offload in the probe: the master, Adam moments and (stage 2) the gradient shard count as
+    host memory, not device memory; the PCIe traffic per step is each micro-batch's reduced gradient
+    shard down (piece by piece as its buckets reduce) and the updated parameter shard up once."""
     _, device = _probe_json(capsys)
     _, offloaded = _probe_json(capsys, "zero.offload_optimizer=cpu")
     state, micro_batches = offloaded["engine_state_bytes"], offloaded["micro_batches"]
@@ -102,7 +102,10 @@ def test_offloaded_optimizer_leaves_the_device_and_its_traffic_is_counted(capsys
     assert offloaded["model_states"]["optimizer"] == counters
     assert offloaded["host_peak_by_category"]["optimizer"] == \
         state["host_master_params"] + state["host_optimizer_states"] > 0
-    shard_bytes = state["grads"]  # fp32: the gradient shard and the parameter shard have one size
+    assert device["model_states"]["grads"] == device["engine_state_bytes"]["grads"] > 0
+    assert offloaded["model_states"]["grads"] == state["grads"] == 0
+    assert offloaded["host_peak_by_category"]["grads"] == device["engine_state_bytes"]["grads"]
+    shard_bytes = state["host_master_params"]  # fp32: gradient, master and parameter shards have one size
     assert offloaded["host_traffic_per_step"] == {"to_host": micro_batches * shard_bytes, "to_device": shard_bytes}
     assert offloaded["peak_bytes"] < device["peak_bytes"]
     assert device["host_traffic_per_step"] == {"to_host": 0, "to_device": 0}

@@ -57,9 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fp32 master + Adam moments on the host (cpu) or in files (nvme); stages 1-3")
     off.add_argument("--offload-params", choices=list(OFFLOAD_PLACEMENTS), default="none",
                      help="stage 3: parameter shards on the host or in files (needs --offload-optimizer)")
-    off.add_argument("--grads-on-host", action="store_true",
-                     help="ZeRO-Offload as published: the gradient shard leaves the device as it is produced "
-                          "(zero3d keeps it on the device)")
     off.add_argument("--nvme-buffer-bytes", type=int, default=DEFAULT_NVME_BUFFER_BYTES,
                      help="host buffers of the NVMe stream (zero.nvme_buffer_bytes)")
     off.add_argument("--largest", action="store_true",
@@ -70,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _offload_args(args) -> dict:
     return dict(offload_optimizer=args.offload_optimizer, offload_params=args.offload_params,
-                grads_on_host=args.grads_on_host, nvme_buffer_bytes=args.nvme_buffer_bytes)
+                nvme_buffer_bytes=args.nvme_buffer_bytes)
 
 
 def _largest(ap: argparse.ArgumentParser, args) -> int:
@@ -92,7 +89,7 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
     print(f"largest GPT: {found.layers} layers × hidden {found.hidden} ({found.heads} heads) = "
           f"{found.params / 1e9:.2f}B parameters on {gpus} GPU(s), tp {args.tp}, stage {args.stage}, "
           f"micro-batch {args.micro_batch}, recompute {args.recompute}, {args.precision}, "
-          f"gradients {'on the host' if args.grads_on_host else 'on the device'}")
+          f"gradients {'on the host' if o.grads_on_host else 'on the device'}")
     print(format_breakdown(o.device, "device memory:"))
     if args.offload_optimizer != "none":
         print(format_offload(o))
@@ -178,7 +175,7 @@ def main(argv: Optional[list] = None) -> int:
             precision=args.precision, tied=args.tied, prefetch_units=args.prefetch_units,
             gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction)
         offload = None
-        if args.offload_optimizer != "none" or args.offload_params != "none" or args.grads_on_host:
+        if args.offload_optimizer != "none" or args.offload_params != "none":
             offload = offload_breakdown(m, stage=args.stage, gpus=args.gpus, tp=args.tp, precision=args.precision,
                                         **_offload_args(args))
             m = offload.device

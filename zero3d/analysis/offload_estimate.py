@@ -56,8 +56,7 @@ class OffloadBreakdown:
 
 
 def validate_offload(stage: int, offload_optimizer: str, offload_params: str = "none",
-                     grads_on_host: bool = False, nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES,
-                     accumulation: int = 1) -> None:
+                     nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1) -> None:
     """Raise ValueError naming the bad offload setting and what would be valid."""
     for key, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
         if value not in OFFLOAD_PLACEMENTS:
@@ -68,9 +67,6 @@ def validate_offload(stage: int, offload_optimizer: str, offload_params: str = "
     if offload_params != "none" and (stage != 3 or offload_optimizer == "none"):
         raise ValueError(f"offload_params = {offload_params!r} needs stage = 3 and offload_optimizer = 'cpu' "
                          f"or 'nvme' (got stage = {stage}, offload_optimizer = {offload_optimizer!r})")
-    if grads_on_host and (stage < 2 or offload_optimizer == "none"):
-        raise ValueError(f"grads_on_host needs stage >= 2 and an offloaded optimizer (got stage = {stage}, "
-                         f"offload_optimizer = {offload_optimizer!r}): it streams the gradient shard")
     if nvme_buffer_bytes <= 0:
         raise ValueError(f"nvme_buffer_bytes = {nvme_buffer_bytes} is invalid; must be > 0")
     if not isinstance(accumulation, int) or accumulation <= 0:
@@ -78,22 +74,23 @@ def validate_offload(stage: int, offload_optimizer: str, offload_params: str = "
 
 
 def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1, precision: str = "fp16",
-                      offload_optimizer: str = "none", offload_params: str = "none", grads_on_host: bool = False,
+                      offload_optimizer: str = "none", offload_params: str = "none",
                       nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1) -> OffloadBreakdown:
     """Move what zero3d's `zero.offload_optimizer` / `zero.offload_params` move (docs/estimator.md, Offload).
 
     Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + Adam moments; in fp32 training the
     parameters are the master, and the host keeps its own fp32 master copy besides the moments) leave
     the device. "cpu" holds them in host memory with an fp32 gradient shard (plus a compute-dtype
-    staging copy under mixed precision); "nvme" holds them in files and only `nvme_buffer_bytes` of
-    host buffers. The gradient shard stays on the device (the global norm runs there);
-    `grads_on_host=True` models ZeRO-Offload as published (Ren et al. 2021): the device keeps only the
-    buckets. Parameter offload (stage 3) moves the compute-dtype parameter shard, 2Ψ/N_d, too.
+    staging copy the pieces land in); at stages 2-3 that host shard is the only one, as in ZeRO-Offload
+    (Ren et al. 2021): the device keeps just the bucket buffers. "nvme" holds them in files and only
+    `nvme_buffer_bytes` of host buffers, and its gradient shard stays on the device (host memory stays
+    bounded). Parameter offload (stage 3) moves the compute-dtype parameter shard, 2Ψ/N_d, too.
     PCIe per step: at stages 2-3 each micro-batch's reduced gradient shard goes down as it lands
     (stage 1: the fp32 shard once, at the step), the updated compute-dtype shard comes up once; with
     parameter offload there is no upload, but every forward and backward gather fetches the shard.
     """
-    validate_offload(stage, offload_optimizer, offload_params, grads_on_host, nvme_buffer_bytes, accumulation)
+    validate_offload(stage, offload_optimizer, offload_params, nvme_buffer_bytes, accumulation)
+    grads_on_host = offload_optimizer == "cpu" and stage >= 2  # what zero3d's HostOffload does
     p = PRECISIONS[precision]
     shard = m.params_per_rank / (gpus // tp)  # Ψ/N_d: this rank's share of every sharded state
     device = {}
@@ -105,7 +102,7 @@ def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1,
         mixed = p.param_bytes != MASTER_BYTES  # K includes the master; in fp32 K is the moments alone
         moments = (p.optimizer_bytes - (MASTER_BYTES if mixed else 0)) * shard
         states = {"master_params": MASTER_BYTES * shard, "optimizer_states": moments}
-        staging = p.grad_bytes * shard if mixed else 0.0
+        staging = p.grad_bytes * shard if mixed or grads_on_host else 0.0
         grads = {"grads": 4 * shard + staging}  # fp32 shard the optimizer reads (+ the copy that lands)
         if offload_optimizer == "cpu":
             host.update(states, **grads)
@@ -113,8 +110,6 @@ def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1,
             nvme.update(states)
             host["buffers"] = float(nvme_buffer_bytes)
             nvme_io += 2 * sum(states.values())  # every state read and written back once per step
-            if grads_on_host:
-                host.update(grads)
         pcie += p.grad_bytes * shard * accumulation if stage >= 2 else 4 * shard
         if offload_params == "none":
             pcie += p.param_bytes * shard  # the updated shard back to the device
@@ -148,7 +143,7 @@ class LargestOffload:
 def largest_offload_gpt(*, hidden_heads: tuple = OFFLOAD_SHAPES, gpus: int = 1, tp: int = 1, stage: int = 2,
                         micro_batch: int = 1, vocab: int = 50257, seq: int = 1024, recompute: str = "full",
                         bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
-                        offload_optimizer: str = "cpu", offload_params: str = "none", grads_on_host: bool = False,
+                        offload_optimizer: str = "cpu", offload_params: str = "none",
                         nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> LargestOffload:
@@ -161,7 +156,7 @@ def largest_offload_gpt(*, hidden_heads: tuple = OFFLOAD_SHAPES, gpus: int = 1, 
                                 gpu_memory_bytes=gpu_memory_bytes, margin_fraction=margin_fraction)
         return offload_breakdown(m, stage=stage, gpus=gpus, tp=tp, precision=precision,
                                  offload_optimizer=offload_optimizer, offload_params=offload_params,
-                                 grads_on_host=grads_on_host, nvme_buffer_bytes=nvme_buffer_bytes)
+                                 nvme_buffer_bytes=nvme_buffer_bytes)
 
     best = LargestOffload(0, 0, 0, 0, None)
     for hidden, heads in hidden_heads:
