@@ -293,6 +293,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     except NumericalError:  # agreed on every rank: let the last good save finish before leaving
         checkpoints.close()
         raise
+    finally:
+        engine.close()  # NVMe offload: its I/O thread and state files (a save has staged its copies already)
     checkpoints.close()
     if topo.is_main:
         logger.set_summary(summary_from_records(read_records(run_dir / "metrics.jsonl"),

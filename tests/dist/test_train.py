@@ -76,6 +76,29 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
                                                                   "steps": 5, "exit_code": 0, "error": ""}
 
 
+def test_offload_through_the_loop(tmp_path, data_cache):
+    """The training loop with the optimizer states in files (ZeRO-Infinity): the losses of the run
+    without offload, the mem/ keys split device / host / NVMe, a final checkpoint saved from the
+    files, and nothing left in zero.nvme_path."""
+    nvme_dir = tmp_path / "nvme_files"
+    nvme_dir.mkdir()
+    runs = {}
+    for name, extra in (("device", []), ("nvme", ["zero.offload_optimizer=nvme", f"zero.nvme_path={json.dumps(str(nvme_dir))}",
+                                                   "zero.nvme_buffer_bytes=300000"])):
+        run_dir = tmp_path / name
+        run_train(2, SMALL + data_cache + ["zero.stage=2", "train.steps=4", *extra,
+                                           f"logging.run_dir={json.dumps(str(run_dir))}"])
+        runs[name] = records(run_dir)
+    device, nvme = runs["device"], runs["nvme"]
+    assert [r["train/loss"] for r in nvme] == pytest.approx([r["train/loss"] for r in device], rel=1e-6)
+    last = nvme[-1]
+    assert last["mem/optimizer_states_bytes"] == 0 and last["mem/master_params_bytes"] == 0
+    assert last["mem/nvme_optimizer_states_bytes"] == device[-1]["mem/optimizer_states_bytes"] > 0
+    assert 0 < last["mem/host_buffers_bytes"] <= 300000
+    assert (tmp_path / "nvme" / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    assert list(nvme_dir.iterdir()) == []
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_resume_continues_exactly(tmp_path, data_cache, stage):
     """Stop after 3 steps and resume to 6: steps 4-6 equal an uninterrupted 6-step run."""
