@@ -1,1 +1,13 @@
 """Test tiers: unit/ (one process, seconds), dist/ (forked gloo ranks), slurm/ (a real local Slurm)."""
+from pathlib import Path
+
+import pytest
+
+SLURM_TIER = Path(__file__).parent / "slurm"
+
+
+def pytest_collection_modifyitems(config, items):
+    """The Slurm tier waits on a scheduler: all of it is `waits` (tools/run_suite.py runs it in its own lane)."""
+    for item in items:
+        if SLURM_TIER in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.waits)

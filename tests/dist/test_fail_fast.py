@@ -14,6 +14,8 @@ import ranks  # noqa: F401 - megatron imported before the forks below
 from pretrain.errors import EXIT_INPUT, EXIT_NUMERICAL, EXIT_PEER
 
 REPO = Path(__file__).resolve().parents[2]
+# Most of this module is waiting for timeouts and watchdogs to fire: `make test` runs it in the waiting lane.
+pytestmark = pytest.mark.waits
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SMALL = ["--config", "configs/tiny.toml", "model.num_layers=1", "model.hidden_size=32", "model.seq_length=16",
          "model.vocab_size=512", "train.micro_batch_size=2", "train.eval_interval=0", "logging.wandb=false",

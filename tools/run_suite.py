@@ -1,0 +1,72 @@
+"""`make test`: the suite in two concurrent pytest lanes — tests that mostly wait, and the rest.
+
+Tests marked `waits` (the Slurm tier, the fail-fast timeouts: minutes of sleeping on schedulers, heartbeats and
+collective timeouts) leave the CPU idle; run in series with the CPU-bound tiers they doubled the wall time on a
+2-core machine. Here the waiting lane runs beside the compute lane: the compute lane's output streams live, the
+waiting lane's is printed when both have ended, then one closing line with the totals. The exit code is non-zero
+when either lane failed. Arguments after `--` go to both pytest runs (e.g. `-k resume`, `-x`).
+
+    python tools/run_suite.py [--serial] [-- PYTEST_ARGS...]
+"""
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = [sys.executable, "-m", "pytest", "-q", "-rs", "--timeout", "900"]
+COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def totals(text: str) -> dict:
+    """The counts of pytest's closing line (the last line that has any)."""
+    for line in reversed(text.splitlines()):
+        found = COUNTS.findall(line)
+        if found and (" in " in line or "no tests ran" in line):
+            return {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in found}
+    return {}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serial", action="store_true", help="one pytest run over the whole suite")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (put them after --)")
+    args = parser.parse_args(argv)
+    if args.serial:
+        return subprocess.call(BASE + ["tests"] + args.pytest_args, cwd=REPO)
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as waits_log:
+        waits = subprocess.Popen(BASE + ["-m", "waits", "tests"] + args.pytest_args, cwd=REPO,
+                                 stdout=waits_log, stderr=subprocess.STDOUT, text=True)
+        # Stream the compute lane live (CI logs and terminals both want progress), keeping a copy to count.
+        proc = subprocess.Popen(BASE + ["-m", "not waits", "tests"] + args.pytest_args, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        compute_text = []
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            compute_text.append(line)
+        compute_rc = proc.wait()
+        waits_rc = waits.wait()
+        waits_log.seek(0)
+        waits_text = waits_log.read()
+    print("\n---- the waiting lane (-m waits: Slurm tier, fail-fast timeouts) ----")
+    sys.stdout.write(waits_text)
+    counts = {}
+    for lane in ("".join(compute_text), waits_text):
+        for kind, n in totals(lane).items():
+            counts[kind] = counts.get(kind, 0) + n
+    # pytest exits 5 when a lane selects nothing (e.g. `-- -k name` matching one lane only): not a failure.
+    ok = all(rc in (0, 5) for rc in (compute_rc, waits_rc)) and (compute_rc, waits_rc) != (5, 5)
+    failed = counts.get("failed", 0) + counts.get("error", 0)
+    print(f"two lanes in {time.monotonic() - started:.0f} s; pytest exit codes: compute {compute_rc}, waits {waits_rc}")
+    skipped = f", {counts['skipped']} skipped" if counts.get("skipped") else ""
+    print(f"suite: {counts.get('passed', 0)} passed, {failed} failed{skipped}")
+    return 0 if ok and not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
