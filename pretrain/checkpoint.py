@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint_files import (DCP_METADATA, MANIFEST, CheckpointError, SafeFileSystemReader,
-                                       file_record, fsync_path, read_dcp_metadata, read_json,
+from pretrain.checkpoint_files import (MANIFEST, CheckpointError, file_record, fsync_path, read_json,
                                        verify_file, write_json_durably, write_text_durably)
+from pretrain.checkpoint_read import (DCP_METADATA, FORMAT, check_listed, load_dcp, read_dcp_metadata,
+                                      read_manifest)
 from pretrain.checkpoint_tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from zero3d import state as engine_state
 
 LATEST = "latest"
-FORMAT = "zero3d-dcp-1"
 log = logging.getLogger("pretrain.checkpoint")
 
 __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
@@ -252,26 +252,20 @@ class Checkpointer:
     def verify(self, step_dir: Path) -> tuple[Optional[dict], str]:
         """Collective: (manifest, '') when every file is present, whole and unchanged; else (None, why).
         Rank r checks files r, r + world, ... so each byte is read once."""
-        def read_manifest():
+        def manifest_or_why():
             try:
-                manifest = read_json(step_dir / MANIFEST)
-                if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-                    raise CheckpointError(f"{step_dir / MANIFEST} is malformed: not a {FORMAT} manifest")
-                return manifest, ""
+                return read_manifest(step_dir), ""
             except CheckpointError as err:
                 return None, str(err)
-        manifest, why = _agree(read_manifest() if dist.get_rank() == 0 else None)
+        manifest, why = _agree(manifest_or_why() if dist.get_rank() == 0 else None)
         if manifest is None:
             return None, why
         names = sorted(manifest["files"])
         mine = names[dist.get_rank()::dist.get_world_size()]
-        try:
-            problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
-        except (KeyError, TypeError) as err:
-            problems = [f"{step_dir / MANIFEST} is malformed: {err!r}"]
+        problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
         if dist.get_rank() == 0 and not problems:
-            try:  # DCP's pickled metadata, through the restricted unpickler: nothing else gets built
-                read_dcp_metadata(step_dir)
+            try:  # DCP's metadata, allow-listed and validated; every file it names listed and so verified
+                check_listed(step_dir, manifest, read_dcp_metadata(step_dir))
             except CheckpointError as err:
                 problems.append(str(err))
         everyone = [None] * dist.get_world_size()
@@ -329,7 +323,7 @@ class Checkpointer:
             if key in state and tuple(saved[key].size) != shape:
                 raise CheckpointError(f"{step_dir}: tensor {key!r} has global shape {tuple(saved[key].size)} "
                                       f"in the checkpoint, this model needs {shape}")
-        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), process_group=self._writer_group())
+        load_dcp(state, step_dir, process_group=self._writer_group())
         engine_state.publish_loaded_state(engine)
 
     def _restore_scalars(self, manifest: dict, engine, layout: dict, seed: int, step_dir: Path) -> list[str]:
