@@ -8,6 +8,7 @@ checkpoint.json, renames the directory and then moves `latest`. See the README's
 import base64
 import hashlib
 import logging
+import re
 import shutil
 import threading
 import time
@@ -78,11 +79,32 @@ def rederive_rng(seed: int, step: int) -> None:
     model_parallel_cuda_manual_seed(seed + step)
 
 
+def _cause(err: BaseException) -> str:
+    """One line for a failed write: DCP's CheckpointException unwrapped to its ranks' causes."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(_cause(exc) for exc, _ in failures.values())
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+
+
 def _agree(value):
     """Rank 0's value (or exception) on every rank."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def latest_name(save_dir: Path) -> str:
+    """The step directory `<save_dir>/latest` names (step_<8 digits>), or a CheckpointError saying what it holds."""
+    path = save_dir / LATEST
+    try:
+        text = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror}") from None
+    name = text.decode("latin-1").strip()
+    if re.fullmatch(r"step_\d{8}", name) is None:
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not the name of a step directory (step_<8 digits>)")
+    return name
 
 
 def _step_dirs(save_dir: Path) -> list[Path]:
@@ -94,7 +116,8 @@ def _step_dirs(save_dir: Path) -> list[Path]:
 class Checkpointer:
     """Collective save/load of the model states of one run (every rank makes the same calls)."""
 
-    def __init__(self, save_dir: Path, keep: int = 0, async_save: bool = True, timeout_minutes: float = 10.0):
+    def __init__(self, save_dir: Path, keep: int = 0, async_save: bool = True, timeout_minutes: float = 10.0,
+                 max_failed_saves: int = 3):
         if keep < 0:
             raise ValueError(f"keep = {keep}: the number of checkpoints to keep must be >= 0 (0 keeps all)")
         self.save_dir, self.keep, self.async_save = Path(save_dir), keep, async_save
@@ -104,6 +127,7 @@ class Checkpointer:
         self._names = None
         self._pending = None
         self._report: dict = {}
+        self.max_failed_saves, self.failed_saves = max_failed_saves, 0  # consecutive failed saves
 
     # ------------------------------------------------------------ save
 
@@ -134,10 +158,10 @@ class Checkpointer:
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
                 (tmp / "rng").mkdir(parents=True)
             except OSError as err:
-                error = CheckpointError(f"cannot prepare {tmp}: {err}")
+                error = f"cannot prepare {tmp}: {err}"
         error = _agree(error)
         if error is not None:
-            raise error
+            return self._save_failed(tmp, error)
         templates = self._model_templates(model, engine)
         if self._names is None:  # every stage's parameter names, for the export
             everyone = [None] * dist.get_world_size()
@@ -175,8 +199,8 @@ class Checkpointer:
             if group_rank == 0:
                 names.append(DCP_METADATA)
             result["files"] = {name: file_record(tmp / name) for name in names}
-        except Exception as err:  # noqa: BLE001 - reported by wait() on every rank
-            result["error"] = f"rank {rank}: {type(err).__name__}: {err}"
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException too; reported by wait() on every rank
+            result["error"] = f"rank {rank}: {_cause(err)}"
         result["write_s"] = time.perf_counter() - t0
 
     def wait(self) -> None:
@@ -191,20 +215,40 @@ class Checkpointer:
         dist.all_gather_object(results, result)
         errors = [r["error"] for r in results if "error" in r]
         if errors:
-            raise CheckpointError(f"checkpoint {tmp} was not completed ({'; '.join(errors)}); "
-                                  f"`latest` still names the previous one")
+            return self._save_failed(tmp, "; ".join(errors))
         files = {name: record for r in results for name, record in r["files"].items()}
         error = None
         if dist.get_rank() == 0:
             try:
                 self._publish(tmp, final, {**meta, "files": files})
             except OSError as err:
-                error = CheckpointError(f"cannot complete checkpoint {final}: {err}")
+                error = f"cannot complete checkpoint {final}: {err}"
         error = _agree(error)
         if error is not None:
-            raise error
+            return self._save_failed(tmp, error)
+        self.failed_saves = 0
+        self._report["ckpt/failed_saves"] = 0
         self._report["ckpt/write_s"] = max(r["write_s"] for r in results)
         self._report["ckpt/bytes"] = sum(rec["bytes"] for rec in files.values()) + (final / MANIFEST).stat().st_size
+
+    def _save_failed(self, tmp: Path, cause: str) -> None:
+        """Collective, with the cause agreed: a failed save is logged, its partial files removed and the run
+        goes on (`latest` and older checkpoints untouched); max_failed_saves in a row stop it (exit 3)."""
+        self.failed_saves += 1
+        self._report["ckpt/failed_saves"] = self.failed_saves
+        if dist.get_rank() == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as err:
+                cause += f" (its partial files could not be removed: {err})"
+            log.warning(f"checkpoint save failed ({self.failed_saves} of train.max_failed_saves = "
+                        f"{self.max_failed_saves} in a row): {cause}; `latest` still names the previous one, "
+                        "retrying at the next save")
+        if self.failed_saves >= self.max_failed_saves:
+            raise CheckpointError(f"{self.failed_saves} checkpoint saves in a row failed, the last: {cause}",
+                                  str(self.save_dir), "free space or fix the permissions of train.save_dir, or "
+                                  "raise train.max_failed_saves; `latest` names the last complete checkpoint")
 
     def _publish(self, tmp: Path, final: Path, manifest: dict) -> None:
         """Rank 0: checkpoint.json, the directory renamed into place, `latest`, old checkpoints pruned."""
@@ -244,9 +288,11 @@ class Checkpointer:
         if not self.save_dir.is_dir():
             return []
         out = []
-        pointer = self.save_dir / LATEST
-        if pointer.is_file():
-            out.append(self.save_dir / pointer.read_text().strip())
+        if (self.save_dir / LATEST).is_file():
+            try:
+                out.append(self.save_dir / latest_name(self.save_dir))
+            except CheckpointError as err:  # a damaged pointer: the step directories themselves, newest first
+                log.warning(f"{err}; trying the complete step directories instead")
         return out + [p for p in _step_dirs(self.save_dir) if p not in out]
 
     def verify(self, step_dir: Path) -> tuple[Optional[dict], str]:
@@ -331,7 +377,19 @@ class Checkpointer:
             engine.scaler.load_state_dict(manifest["scaler"])
         saved = manifest["layout"]
         if {k: saved.get(k) for k in RNG_LAYOUT} == {k: layout.get(k) for k in RNG_LAYOUT}:
-            set_rng_state(read_json(step_dir / "rng" / f"rank_{dist.get_rank():05d}.json"))
+            path, error = step_dir / "rng" / f"rank_{dist.get_rank():05d}.json", None
+            try:
+                set_rng_state(read_json(path))
+            except CheckpointError as err:
+                error = str(err)
+            except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:  # valid JSON, wrong content
+                error = f"{path} is malformed: not this rank's generator states ({type(err).__name__}: {err})"
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, error)  # every rank stops together on any rank's bad file
+            if any(everyone):
+                raise CheckpointError("; ".join(e for e in everyone if e),
+                                      fix=f"remove {step_dir} to resume the previous checkpoint, or set "
+                                          "train.resume = false")
             return []
         rederive_rng(seed, manifest["step"])
         note = (f"RNG states re-derived from seed {seed} + step {manifest['step']}: the checkpoint's per-rank "

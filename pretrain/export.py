@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pretrain.checkpoint import LATEST
+from pretrain.checkpoint import LATEST, latest_name
 from pretrain.checkpoint_files import MANIFEST, CheckpointError
 from pretrain.checkpoint_read import load_dcp, read_checkpoint
 from pretrain.checkpoint_tensors import PREFIXES
@@ -26,7 +26,7 @@ def resolve_step_dir(path: Path) -> Path:
     if (path / MANIFEST).is_file():
         return path
     if (path / LATEST).is_file():
-        return path / (path / LATEST).read_text().strip()
+        return path / latest_name(path)
     raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a save directory (no {LATEST})")
 
 

@@ -258,7 +258,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     layout = layout_signature(cfg, topo)
     identity = checkpoint.run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     checkpoints = checkpoint.Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
-                                          timeout_minutes=t.timeout_minutes)
+                                          timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
     usable = checkpoints.find_usable(identity) if t.resume else None
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,

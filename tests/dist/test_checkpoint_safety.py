@@ -127,3 +127,54 @@ def test_retention_keeps_the_last_k_and_cleans_leftovers(tmp_path):
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000003", "step_00000004"]
     assert (save_dir / "latest").read_text() == "step_00000004\n"
     assert {"ckpt/stall_s", "ckpt/write_s", "ckpt/bytes"} <= set(out["reports"][-1])
+
+
+def _fill(path):
+    """Write zeros until the file system says it is full (ENOSPC): a real disk-full, not a simulated one."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs the test can fill (tests run as root; chmod would not stop root)."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(small_disk):
+    """Disk full during the async saves of steps 2, 4 and 5 (train.max_failed_saves = 2): save 2 fails and
+    the run goes on, save 3 succeeds once there is space, saves 4 and 5 in a row stop it with one line."""
+    save_dir, filler = small_disk / "ckpt", small_disk / "filler"
+
+    def disk_full(rank, step, when, ckpt):
+        if when == "before" and step in (2, 4):
+            ckpt.wait()  # the previous save published first (async: it completes at the next save)
+            if rank == 0:
+                _fill(filler)
+        if when == "after" and step == 2:
+            ckpt.wait()  # collective: save 2's background write fails here, on every rank
+            if rank == 0:
+                filler.unlink()
+    with pytest.raises(RuntimeError, match=r"2 checkpoint saves in a row failed, the last: rank \d: .*"
+                                           r"No space left on device"):
+        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 5, (1, 2, 3, 4, 5), False, 0, True, None, None, 2,
+                  disk_full, timeout=300)
+    assert (save_dir / "latest").read_text() == "step_00000003\n"
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000001", "step_00000003"]
+    from pretrain.checkpoint_read import read_checkpoint
+    for step in (1, 3):
+        manifest, _ = read_checkpoint(save_dir / f"step_0000000{step}")  # complete and verified
+        assert manifest["step"] == step
