@@ -217,3 +217,14 @@ def test_a_manifest_whose_step_is_not_its_directory_is_skipped(two_checkpoints, 
     assert out["resumed"]["step"] == 1
     assert out["notes"][0] == (f"checkpoint {step2} is unusable, trying the previous one: {step2}/checkpoint.json "
                                "is malformed: its step 1 is not the step of its directory step_00000002")
+
+
+def test_an_rng_file_of_valid_json_but_wrong_content_is_one_error_on_every_rank(two_checkpoints, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    step2 = save_dir / "step_00000002"
+    (step2 / "rng" / "rank_00001.json").write_text('{"cpu": 5}')
+    _rehash(step2, "rng/rank_00001.json")
+    with pytest.raises(RuntimeError, match=r"rank_00001.json is malformed: not this rank's generator states "
+                                           r"\((KeyError|TypeError): [^\n]*\); remove [^\n]*step_00000002 to resume the previous"):
+        _resume(save_dir)
