@@ -319,13 +319,13 @@ def read_manifest(step_dir: Path) -> dict:
         _check(_LISTED_NAME.fullmatch(name) is not None, path, f"lists {name!r}, not a file of a checkpoint")
         _check(type(rec) is dict and type(rec.get("bytes")) is int and type(rec.get("sha256")) is str, path,
                f"the record of {name} is {rec!r}")
-    _check(DCP_METADATA in files, path, f"{DCP_METADATA} is not listed")
     return manifest
 
 
 def check_listed(step_dir: Path, manifest: dict, metadata) -> None:
     """Every file the DCP metadata references is listed (and so verified) in the manifest."""
-    unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(manifest["files"]))
+    unlisted = sorted(({DCP_METADATA} | {info.relative_path for info in metadata.storage_data.values()})
+                      - set(manifest["files"]))
     if unlisted:
         raise CheckpointError(f"{step_dir / MANIFEST} does not list {', '.join(unlisted)}, which "
                               f"{DCP_METADATA} references (an unverified file)")
