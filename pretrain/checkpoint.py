@@ -8,7 +8,6 @@ checkpoint.json, renames the directory and then moves `latest`. See the README's
 import base64
 import hashlib
 import logging
-import re
 import shutil
 import threading
 import time
@@ -22,13 +21,12 @@ import torch.distributed.checkpoint as dcp
 
 from pretrain.checkpoint_files import (MANIFEST, CheckpointError, file_record, fsync_path, read_json,
                                        verify_file, write_json_durably, write_text_durably)
-from pretrain.checkpoint_read import (DCP_METADATA, FORMAT, check_listed, load_dcp, read_dcp_metadata,
-                                      read_manifest)
+from pretrain.checkpoint_read import (DCP_METADATA, FORMAT, LATEST, check_fields, check_identity, check_listed,
+                                      latest_name, load_dcp, read_dcp_metadata, read_manifest)
 from pretrain.checkpoint_tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from zero3d import state as engine_state
 
-LATEST = "latest"
 log = logging.getLogger("pretrain.checkpoint")
 
 __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
@@ -92,19 +90,6 @@ def _agree(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def latest_name(save_dir: Path) -> str:
-    """The step directory `<save_dir>/latest` names (step_<8 digits>), or a CheckpointError saying what it holds."""
-    path = save_dir / LATEST
-    try:
-        text = path.read_bytes()
-    except OSError as err:
-        raise CheckpointError(f"{path} cannot be read: {err.strerror}") from None
-    name = text.decode("latin-1").strip()
-    if re.fullmatch(r"step_\d{8}", name) is None:
-        raise CheckpointError(f"{path} holds {text[:40]!r}, not the name of a step directory (step_<8 digits>)")
-    return name
 
 
 def _step_dirs(save_dir: Path) -> list[Path]:
@@ -312,6 +297,7 @@ class Checkpointer:
         if dist.get_rank() == 0 and not problems:
             try:  # DCP's metadata, allow-listed and validated; every file it names listed and so verified
                 check_listed(step_dir, manifest, read_dcp_metadata(step_dir))
+                check_fields(step_dir, manifest)
             except CheckpointError as err:
                 problems.append(str(err))
         everyone = [None] * dist.get_world_size()
@@ -404,19 +390,3 @@ RNG_LAYOUT = ("world_size", "tensor", "pipeline", "data")
 
 def _layout_text(layout: dict) -> str:
     return " × ".join(f"{k} {layout.get(k)}" for k in RNG_LAYOUT[1:]) + f", stage {layout.get('stage')}"
-
-
-def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
-    """Refuse a checkpoint of another model, tokenizer or data set, naming what differs."""
-    diffs = []
-    for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
-                      if a.get(k) != b.get(k)]
-        elif a != b:
-            diffs.append(f"{key}: saved {a!r}, now {b!r}")
-    if diffs:
-        raise CheckpointError(f"checkpoint {step_dir} was written for another model, tokenizer or data: "
-                              + "; ".join(diffs) + ". Resume with the same ones, or set train.resume = false "
-                              "(or another train.save_dir).")

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from pretrain.checkpoint_files import MANIFEST, CheckpointError, read_json, verify_file
 
 DCP_METADATA = ".metadata"
+LATEST = "latest"
 _DCP = "torch.distributed.checkpoint.metadata"
 # The dataclasses a .metadata may build (NEWOBJ + BUILD): nothing else is ever instantiated.
 _RECORDS = {(_DCP, "Metadata"): Metadata, (_DCP, "TensorStorageMetadata"): TensorStorageMetadata,
@@ -331,6 +332,30 @@ def check_listed(step_dir: Path, manifest: dict, metadata) -> None:
                               f"{DCP_METADATA} references (an unverified file)")
 
 
+def _number(v) -> bool:
+    return type(v) in (int, float) and v == v and abs(v) != float("inf")
+
+
+def check_fields(step_dir: Path, manifest: dict) -> None:
+    """The manifest fields resume and export use, with their types: a wrong one is a damaged checkpoint."""
+    scaler = manifest.get("scaler")
+    identity, layout, config = manifest.get("identity"), manifest.get("layout"), manifest.get("config")
+    names = manifest.get("parameter_names")
+    consumed = manifest.get("consumed_samples")
+    problems = [
+        (type(manifest.get("adam_step")) is int and manifest["adam_step"] >= 0, "adam_step"),
+        (type(scaler) is dict and (not scaler or (set(scaler) == {"scale", "clean_steps", "overflows_left"}
+                                                  and all(_number(v) for v in scaler.values()))), "scaler"),
+        (type(identity) is dict and type(identity.get("model")) is dict, "identity"),
+        (type(layout) is dict, "layout"), (type(config) is dict and type(config.get("model")) is dict, "config"),
+        (type(names) is dict and all(type(k) is str and type(v) is str for k, v in names.items()),
+         "parameter_names"),
+        (consumed is None or (type(consumed) is int and consumed >= 0), "consumed_samples")]
+    bad = [name for ok, name in problems if not ok]
+    if bad:
+        raise CheckpointError(f"{step_dir / MANIFEST} is malformed: {', '.join(bad)} missing or of the wrong type")
+
+
 def read_checkpoint(step_dir: Path) -> tuple[dict, object]:
     """One process (the export, tools): (manifest, DCP metadata) after every listed file is verified."""
     manifest = read_manifest(step_dir)
@@ -339,4 +364,34 @@ def read_checkpoint(step_dir: Path) -> tuple[dict, object]:
         raise CheckpointError("; ".join(problems))
     metadata = read_dcp_metadata(step_dir)
     check_listed(step_dir, manifest, metadata)
+    check_fields(step_dir, manifest)
     return manifest, metadata
+
+
+def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
+    """Refuse a checkpoint of another model, tokenizer or data set, naming what differs."""
+    diffs = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                      if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{key}: saved {a!r}, now {b!r}")
+    if diffs:
+        raise CheckpointError(f"checkpoint {step_dir} was written for another model, tokenizer or data: "
+                              + "; ".join(diffs) + ". Resume with the same ones, or set train.resume = false "
+                              "(or another train.save_dir).")
+
+
+def latest_name(save_dir: Path) -> str:
+    """The step directory `<save_dir>/latest` names (step_<8 digits>), or a CheckpointError saying what it holds."""
+    path = save_dir / LATEST
+    try:
+        text = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror}") from None
+    name = text.decode("latin-1").strip()
+    if re.fullmatch(r"step_\d{8}", name) is None:
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not the name of a step directory (step_<8 digits>)")
+    return name

@@ -154,9 +154,10 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
-def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(small_disk):
-    """Disk full during the async saves of steps 2, 4 and 5 (train.max_failed_saves = 2): save 2 fails and
-    the run goes on, save 3 succeeds once there is space, saves 4 and 5 in a row stop it with one line."""
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(small_disk, async_save):
+    """Disk full during the saves of steps 2, 4 and 5 (train.max_failed_saves = 2): save 2 fails and the
+    run goes on, save 3 succeeds once there is space, saves 4 and 5 in a row stop it with one line."""
     save_dir, filler = small_disk / "ckpt", small_disk / "filler"
 
     def disk_full(rank, step, when, ckpt):
@@ -170,7 +171,7 @@ def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(sma
                 filler.unlink()
     with pytest.raises(RuntimeError, match=r"2 checkpoint saves in a row failed, the last: rank \d: .*"
                                            r"No space left on device"):
-        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 5, (1, 2, 3, 4, 5), False, 0, True, None, None, 2,
+        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 5, (1, 2, 3, 4, 5), False, 0, async_save, None, None, 2,
                   disk_full, timeout=300)
     assert (save_dir / "latest").read_text() == "step_00000003\n"
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000001", "step_00000003"]

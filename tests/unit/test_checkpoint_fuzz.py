@@ -30,7 +30,8 @@ def checkpoint(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=step_dir, no_dist=True)
-    manifest = {"format": FORMAT, "step": 3, "files": {}}
+    manifest = {"format": FORMAT, "step": 3, "files": {}, "adam_step": 3, "scaler": {}, "consumed_samples": 36,
+                "identity": {"model": {}}, "layout": {}, "config": {"model": {}}, "parameter_names": {"w": "w"}}
     for name in (".metadata", "__0_0.distcp"):
         _record(step_dir, manifest, name)
     return step_dir, state
@@ -187,7 +188,11 @@ def _manifest_changes():
             ("a ../ name", lambda m: m["files"].update({"../x": {"bytes": 1, "sha256": "0"}})),
             ("a record a list", lambda m: m["files"].update({"__0_0.distcp": [1]})),
             ("bytes a string", lambda m: m["files"]["__0_0.distcp"].update(bytes="7")),
-            ("format another", lambda m: m.update(format="other")), ("files a list", lambda m: m.update(files=[]))]
+            ("format another", lambda m: m.update(format="other")), ("files a list", lambda m: m.update(files=[])),
+            ("no identity", lambda m: m.pop("identity")), ("adam_step negative", lambda m: m.update(adam_step=-1)),
+            ("scaler of strings", lambda m: m.update(scaler={"scale": "x", "clean_steps": 0, "overflows_left": 1})),
+            ("parameter names a list", lambda m: m.update(parameter_names=[])),
+            ("config without model", lambda m: m.update(config={}))]
 
 
 def _edit_manifest(step_dir, change):
