@@ -113,6 +113,7 @@ class Checkpointer:
         self._pending = None
         self._report: dict = {}
         self.max_failed_saves, self.failed_saves = max_failed_saves, 0  # consecutive failed saves
+        self._closing = False  # the run's last save: no next interval to retry it at
 
     # ------------------------------------------------------------ save
 
@@ -230,6 +231,10 @@ class Checkpointer:
             log.warning(f"checkpoint save failed ({self.failed_saves} of train.max_failed_saves = "
                         f"{self.max_failed_saves} in a row): {cause}; `latest` still names the previous one, "
                         "retrying at the next save")
+        if self._closing:
+            raise CheckpointError(f"the run's last checkpoint save failed: {cause}", str(self.save_dir),
+                                  "free space or fix the permissions of train.save_dir and resume; `latest` names "
+                                  "the last complete checkpoint")
         if self.failed_saves >= self.max_failed_saves:
             raise CheckpointError(f"{self.failed_saves} checkpoint saves in a row failed, the last: {cause}",
                                   str(self.save_dir), "free space or fix the permissions of train.save_dir, or "
@@ -259,8 +264,13 @@ class Checkpointer:
                 shutil.rmtree(old)
 
     def close(self) -> None:
-        """Collective: wait for the last save (at the end of a run)."""
-        self.wait()
+        """Collective: wait for the last save (at the end of a run); its failure is an error, as nothing
+        would retry it."""
+        self._closing = True
+        try:
+            self.wait()
+        finally:
+            self._closing = False
 
     def report(self) -> dict:
         """ckpt/stall_s, ckpt/write_s, ckpt/bytes of the latest saves (empty before the first)."""

@@ -154,14 +154,16 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(small_disk, async_save):
-    """Disk full during the saves of steps 2, 4 and 5 (train.max_failed_saves = 2): save 2 fails and the
-    run goes on, save 3 succeeds once there is space, saves 4 and 5 in a row stop it with one line."""
+@pytest.mark.parametrize("case", ["async", "sync", "last_save"])
+def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(small_disk, case):
+    """A really full disk (train.max_failed_saves = 2): save 2 fails and the run goes on, save 3 succeeds once
+    there is space; then saves 4 and 5 in a row stop the run with one line, or (last_save) save 4 succeeds
+    and the failure of the run's final save 5 is an error, since nothing would retry it."""
     save_dir, filler = small_disk / "ckpt", small_disk / "filler"
+    fill_at = (2, 5) if case == "last_save" else (2, 4)
 
     def disk_full(rank, step, when, ckpt):
-        if when == "before" and step in (2, 4):
+        if when == "before" and step in fill_at:
             ckpt.wait()  # the previous save published first (async: it completes at the next save)
             if rank == 0:
                 _fill(filler)
@@ -169,14 +171,17 @@ def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(sma
             ckpt.wait()  # collective: save 2's background write fails here, on every rank
             if rank == 0:
                 filler.unlink()
-    with pytest.raises(RuntimeError, match=r"2 checkpoint saves in a row failed, the last: rank \d: .*"
-                                           r"No space left on device"):
-        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 5, (1, 2, 3, 4, 5), False, 0, async_save, None, None, 2,
-                  disk_full, timeout=300)
-    assert (save_dir / "latest").read_text() == "step_00000003\n"
-    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000001", "step_00000003"]
+    last = 5 if case == "last_save" else 6
+    error = "the run's last checkpoint save failed" if case == "last_save" else "2 checkpoint saves in a row failed"
+    with pytest.raises(RuntimeError, match=error + r", the last: rank \d: .*No space left on device" if case !=
+                       "last_save" else error + r": rank \d: .*No space left on device"):
+        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, last, tuple(range(1, last + 1)), False, 0, case != "sync",
+                  None, None, 2, disk_full, timeout=300)
+    complete = [1, 3, 4] if case == "last_save" else [1, 3]
+    assert (save_dir / "latest").read_text() == f"step_0000000{complete[-1]}\n"
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest"] + [f"step_0000000{s}" for s in complete]
     from pretrain.checkpoint_read import read_checkpoint
-    for step in (1, 3):
+    for step in complete:
         manifest, _ = read_checkpoint(save_dir / f"step_0000000{step}")  # complete and verified
         assert manifest["step"] == step
 
