@@ -68,6 +68,20 @@ _OPCODES = {  # data-only opcodes plus the three that build the allowed objects 
     "LONG_BINPUT", "MEMOIZE", "GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD"}
 
 
+_NONE = type(None)
+_FIELD_TYPES = {  # what BUILD may put in each field: flat values, so no shared-reference graph reaches a hash
+    Metadata: {"state_dict_metadata": (dict,), "planner_data": (dict, _NONE), "storage_data": (dict, _NONE),
+               "storage_meta": (StorageMeta, _NONE), "version": (str, _NONE)},
+    TensorStorageMetadata: {"properties": (TensorProperties,), "size": (torch.Size,), "chunks": (list,)},
+    ChunkStorageMetadata: {"offsets": (torch.Size,), "sizes": (torch.Size,)},
+    MetadataIndex: {"fqn": (str,), "offset": (torch.Size, _NONE), "index": (int, _NONE)},
+    StorageMeta: {"checkpoint_id": (str, _NONE), "save_id": (str, _NONE), "load_id": (str, _NONE),
+                  "modules": (list,)},
+    _StorageInfo: {"relative_path": (str,), "offset": (int,), "length": (int,),
+                   "transform_descriptors": (list, tuple, _NONE)}}
+MAX_TUPLE_DEPTH = 2  # torch.Size's REDUCE arguments, ((d0, d1, ...),), are the deepest DCP writes
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """Python's unpickler with an allow-list of opcodes and names: REDUCE calls only _CALLABLES, NEWOBJ
     creates only _RECORDS, BUILD fills only their instances' declared fields; anything else is refused."""
@@ -77,6 +91,30 @@ class _MetadataUnpickler(pickle._Unpickler):
     def __init__(self, data: bytes, source: Path):
         super().__init__(io.BytesIO(data))
         self.source = source
+        self.depths: dict = {}  # id(tuple) -> (tuple, depth), for the tuples this file built
+
+    def tuple_of(self, items) -> tuple:
+        """A tuple, refused when nested deeper than MAX_TUPLE_DEPTH (shared references could otherwise make
+        hashing or printing it exponential in the file's size)."""
+        t = tuple(items)
+        depth = 1 + max((self.depths.get(id(x), (None, 1))[1] for x in t if type(x) is tuple), default=0)
+        if depth > MAX_TUPLE_DEPTH:
+            self.refuse(f"nest tuples {depth} deep")
+        self.depths[id(t)] = (t, depth)
+        return t
+
+    def load_tuple(self):
+        items = self.pop_mark()  # before self.append: pop_mark switches the stack
+        self.append(self.tuple_of(items))
+
+    def load_tuple1(self):
+        self.stack[-1] = self.tuple_of(self.stack[-1:])
+
+    def load_tuple2(self):
+        self.stack[-2:] = [self.tuple_of(self.stack[-2:])]
+
+    def load_tuple3(self):
+        self.stack[-3:] = [self.tuple_of(self.stack[-3:])]
 
     def refuse(self, what: str):
         raise CheckpointError(f"{self.source} asks to {what}, which is not part of DCP's checkpoint metadata; "
@@ -112,14 +150,25 @@ class _MetadataUnpickler(pickle._Unpickler):
         if not any(type(inst) is c for c in _RECORDS.values()):
             self.refuse(f"set the state of {type(inst).__name__}")
         if type(inst) is TensorProperties:
-            if type(state) is not tuple or len(state) != 5:
-                self.refuse("set TensorProperties from something other than its 5-tuple")
+            if (type(state) is not tuple or len(state) != 5 or not any(state[0] is d for d in DTYPES.values())
+                    or state[1] is not torch.strided or type(state[3]) is not _MEM_FORMAT_ENCODING
+                    or any(type(state[i]) is not bool for i in (2, 4))):
+                self.refuse("set TensorProperties from something other than (float dtype, torch.strided, bool, "
+                            "memory format, bool)")
             inst.__setstate__(state)
             return
-        fields = set(type(inst).__dataclass_fields__)
-        if type(state) is not dict or not set(state) <= fields:
+        fields = _FIELD_TYPES[type(inst)]
+        if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
             self.refuse(f"set fields other than {sorted(fields)} of {type(inst).__name__}")
+        for key, value in state.items():
+            if type(value) not in fields[key]:
+                self.refuse(f"set {type(inst).__name__}.{key} to a {type(value).__name__}")
         inst.__dict__.update(state)
+
+    dispatch[pickle.TUPLE[0]] = load_tuple
+    dispatch[pickle.TUPLE1[0]] = load_tuple1
+    dispatch[pickle.TUPLE2[0]] = load_tuple2
+    dispatch[pickle.TUPLE3[0]] = load_tuple3
 
     dispatch[pickle.REDUCE[0]] = load_reduce
     dispatch[pickle.NEWOBJ[0]] = load_newobj

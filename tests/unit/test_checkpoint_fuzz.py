@@ -74,7 +74,10 @@ def _metadata_pickles(md, cmd):
            ("PERSID", b"\x80\x02P" + cmd.encode() + b"\n."), ("EXT1", b"\x80\x02\x82\x01."),
            ("OBJ", P(b"(" + G("os", "system") + S(cmd) + b"o")),
            ("INST", b"(S'" + cmd.encode() + b"'\nios\nsystem\n."),
-           ("empty Metadata", P(G("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81"))]
+           ("empty Metadata", P(G("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81")),
+           # t(i+1) = (t(i), t(i)) through the memo, as a dict key: hashing it takes 2**24 steps
+           ("shared-tuple hash bomb", b"\x80\x04}K\x00K\x00\x86q\x00" + b"".join(
+               b"h%ch%c\x86q%c" % (i, i, i + 1) for i in range(24)) + b"K\x01s.")]
 
     def variant(name, change):
         m = copy.deepcopy(md)
@@ -222,6 +225,7 @@ def test_fuzzed_checkpoints_run_no_code_and_fail_in_one_line(checkpoint, tmp_pat
         if name.startswith(("metadata: ", "manifest: ", "shard a torch", "shard random", "metadata random")):
             assert name in refused, f"{name} was accepted"
     assert "asks to load posix.system" in refused["metadata: os.system"]
+    assert "asks to nest tuples 3 deep" in refused["metadata: shared-tuple hash bomb"]
     assert "asks to load builtins.getattr" in refused["metadata: getattr chain"]
     assert "only tensor records are accepted" in refused["metadata: byte record"]
     assert "not a __<r>_<n>.distcp file" in refused["metadata: path ../"]
