@@ -77,7 +77,7 @@ def _metadata_pickles(md, cmd):
            ("empty Metadata", P(G("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81")),
            # t(i+1) = (t(i), t(i)) through the memo, as a dict key: hashing it takes 2**24 steps
            ("shared-tuple hash bomb", b"\x80\x04}K\x00K\x00\x86q\x00" + b"".join(
-               b"h%ch%c\x86q%c" % (i, i, i + 1) for i in range(24)) + b"K\x01s.")]
+               b"0h%ch%c\x86q%c" % (i, i, i + 1) for i in range(24)) + b"K\x01s.")]
 
     def variant(name, change):
         m = copy.deepcopy(md)
