@@ -19,15 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint_files import (DCP_METADATA, MANIFEST, CheckpointError, SafeFileSystemReader,
-                                       file_record, fsync_path, read_dcp_metadata, read_json,
+from pretrain.checkpoint_files import (MANIFEST, CheckpointError, file_record, fsync_path, read_json,
                                        verify_file, write_json_durably, write_text_durably)
+from pretrain.checkpoint_read import (DCP_METADATA, FORMAT, LATEST, check_fields, check_identity, check_listed,
+                                      latest_name, load_dcp, read_dcp_metadata, read_manifest)
 from pretrain.checkpoint_tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from zero3d import state as engine_state
 
-LATEST = "latest"
-FORMAT = "zero3d-dcp-1"
 log = logging.getLogger("pretrain.checkpoint")
 
 __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
@@ -78,6 +77,14 @@ def rederive_rng(seed: int, step: int) -> None:
     model_parallel_cuda_manual_seed(seed + step)
 
 
+def _cause(err: BaseException) -> str:
+    """One line for a failed write: DCP's CheckpointException unwrapped to its ranks' causes."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(_cause(exc) for exc, _ in failures.values())
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
+
+
 def _agree(value):
     """Rank 0's value (or exception) on every rank."""
     box = [value]
@@ -94,7 +101,8 @@ def _step_dirs(save_dir: Path) -> list[Path]:
 class Checkpointer:
     """Collective save/load of the model states of one run (every rank makes the same calls)."""
 
-    def __init__(self, save_dir: Path, keep: int = 0, async_save: bool = True, timeout_minutes: float = 10.0):
+    def __init__(self, save_dir: Path, keep: int = 0, async_save: bool = True, timeout_minutes: float = 10.0,
+                 max_failed_saves: int = 3):
         if keep < 0:
             raise ValueError(f"keep = {keep}: the number of checkpoints to keep must be >= 0 (0 keeps all)")
         self.save_dir, self.keep, self.async_save = Path(save_dir), keep, async_save
@@ -104,6 +112,8 @@ class Checkpointer:
         self._names = None
         self._pending = None
         self._report: dict = {}
+        self.max_failed_saves, self.failed_saves = max_failed_saves, 0  # consecutive failed saves
+        self._closing = False  # the run's last save: no next interval to retry it at
 
     # ------------------------------------------------------------ save
 
@@ -134,10 +144,10 @@ class Checkpointer:
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
                 (tmp / "rng").mkdir(parents=True)
             except OSError as err:
-                error = CheckpointError(f"cannot prepare {tmp}: {err}")
+                error = f"cannot prepare {tmp}: {err}"
         error = _agree(error)
         if error is not None:
-            raise error
+            return self._save_failed(tmp, error)
         templates = self._model_templates(model, engine)
         if self._names is None:  # every stage's parameter names, for the export
             everyone = [None] * dist.get_world_size()
@@ -175,8 +185,8 @@ class Checkpointer:
             if group_rank == 0:
                 names.append(DCP_METADATA)
             result["files"] = {name: file_record(tmp / name) for name in names}
-        except Exception as err:  # noqa: BLE001 - reported by wait() on every rank
-            result["error"] = f"rank {rank}: {type(err).__name__}: {err}"
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException too; reported by wait() on every rank
+            result["error"] = f"rank {rank}: {_cause(err)}"
         result["write_s"] = time.perf_counter() - t0
 
     def wait(self) -> None:
@@ -191,20 +201,44 @@ class Checkpointer:
         dist.all_gather_object(results, result)
         errors = [r["error"] for r in results if "error" in r]
         if errors:
-            raise CheckpointError(f"checkpoint {tmp} was not completed ({'; '.join(errors)}); "
-                                  f"`latest` still names the previous one")
+            return self._save_failed(tmp, "; ".join(errors))
         files = {name: record for r in results for name, record in r["files"].items()}
         error = None
         if dist.get_rank() == 0:
             try:
                 self._publish(tmp, final, {**meta, "files": files})
             except OSError as err:
-                error = CheckpointError(f"cannot complete checkpoint {final}: {err}")
+                error = f"cannot complete checkpoint {final}: {err}"
         error = _agree(error)
         if error is not None:
-            raise error
+            return self._save_failed(tmp, error)
+        self.failed_saves = 0
+        self._report["ckpt/failed_saves"] = 0
         self._report["ckpt/write_s"] = max(r["write_s"] for r in results)
         self._report["ckpt/bytes"] = sum(rec["bytes"] for rec in files.values()) + (final / MANIFEST).stat().st_size
+
+    def _save_failed(self, tmp: Path, cause: str) -> None:
+        """Collective, with the cause agreed: a failed save is logged, its partial files removed and the run
+        goes on (`latest` and older checkpoints untouched); max_failed_saves in a row stop it (exit 3)."""
+        self.failed_saves += 1
+        self._report["ckpt/failed_saves"] = self.failed_saves
+        if dist.get_rank() == 0:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            except OSError as err:
+                cause += f" (its partial files could not be removed: {err})"
+            log.warning(f"checkpoint save failed ({self.failed_saves} of train.max_failed_saves = "
+                        f"{self.max_failed_saves} in a row): {cause}; `latest` still names the previous one, "
+                        "retrying at the next save")
+        if self._closing:
+            raise CheckpointError(f"the run's last checkpoint save failed: {cause}", str(self.save_dir),
+                                  "free space or fix the permissions of train.save_dir and resume; `latest` names "
+                                  "the last complete checkpoint")
+        if self.failed_saves >= self.max_failed_saves:
+            raise CheckpointError(f"{self.failed_saves} checkpoint saves in a row failed, the last: {cause}",
+                                  str(self.save_dir), "free space or fix the permissions of train.save_dir, or "
+                                  "raise train.max_failed_saves; `latest` names the last complete checkpoint")
 
     def _publish(self, tmp: Path, final: Path, manifest: dict) -> None:
         """Rank 0: checkpoint.json, the directory renamed into place, `latest`, old checkpoints pruned."""
@@ -230,8 +264,13 @@ class Checkpointer:
                 shutil.rmtree(old)
 
     def close(self) -> None:
-        """Collective: wait for the last save (at the end of a run)."""
-        self.wait()
+        """Collective: wait for the last save (at the end of a run); its failure is an error, as nothing
+        would retry it."""
+        self._closing = True
+        try:
+            self.wait()
+        finally:
+            self._closing = False
 
     def report(self) -> dict:
         """ckpt/stall_s, ckpt/write_s, ckpt/bytes of the latest saves (empty before the first)."""
@@ -244,34 +283,31 @@ class Checkpointer:
         if not self.save_dir.is_dir():
             return []
         out = []
-        pointer = self.save_dir / LATEST
-        if pointer.is_file():
-            out.append(self.save_dir / pointer.read_text().strip())
+        if (self.save_dir / LATEST).is_file():
+            try:
+                out.append(self.save_dir / latest_name(self.save_dir))
+            except CheckpointError as err:  # a damaged pointer: the step directories themselves, newest first
+                log.warning(f"{err}; trying the complete step directories instead")
         return out + [p for p in _step_dirs(self.save_dir) if p not in out]
 
     def verify(self, step_dir: Path) -> tuple[Optional[dict], str]:
         """Collective: (manifest, '') when every file is present, whole and unchanged; else (None, why).
         Rank r checks files r, r + world, ... so each byte is read once."""
-        def read_manifest():
+        def manifest_or_why():
             try:
-                manifest = read_json(step_dir / MANIFEST)
-                if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-                    raise CheckpointError(f"{step_dir / MANIFEST} is malformed: not a {FORMAT} manifest")
-                return manifest, ""
+                return read_manifest(step_dir), ""
             except CheckpointError as err:
                 return None, str(err)
-        manifest, why = _agree(read_manifest() if dist.get_rank() == 0 else None)
+        manifest, why = _agree(manifest_or_why() if dist.get_rank() == 0 else None)
         if manifest is None:
             return None, why
         names = sorted(manifest["files"])
         mine = names[dist.get_rank()::dist.get_world_size()]
-        try:
-            problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
-        except (KeyError, TypeError) as err:
-            problems = [f"{step_dir / MANIFEST} is malformed: {err!r}"]
+        problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
         if dist.get_rank() == 0 and not problems:
-            try:  # DCP's pickled metadata, through the restricted unpickler: nothing else gets built
-                read_dcp_metadata(step_dir)
+            try:  # DCP's metadata, allow-listed and validated; every file it names listed and so verified
+                check_listed(step_dir, manifest, read_dcp_metadata(step_dir))
+                check_fields(step_dir, manifest)
             except CheckpointError as err:
                 problems.append(str(err))
         everyone = [None] * dist.get_world_size()
@@ -329,7 +365,7 @@ class Checkpointer:
             if key in state and tuple(saved[key].size) != shape:
                 raise CheckpointError(f"{step_dir}: tensor {key!r} has global shape {tuple(saved[key].size)} "
                                       f"in the checkpoint, this model needs {shape}")
-        dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), process_group=self._writer_group())
+        load_dcp(state, step_dir, process_group=self._writer_group())
         engine_state.publish_loaded_state(engine)
 
     def _restore_scalars(self, manifest: dict, engine, layout: dict, seed: int, step_dir: Path) -> list[str]:
@@ -337,7 +373,19 @@ class Checkpointer:
             engine.scaler.load_state_dict(manifest["scaler"])
         saved = manifest["layout"]
         if {k: saved.get(k) for k in RNG_LAYOUT} == {k: layout.get(k) for k in RNG_LAYOUT}:
-            set_rng_state(read_json(step_dir / "rng" / f"rank_{dist.get_rank():05d}.json"))
+            path, error = step_dir / "rng" / f"rank_{dist.get_rank():05d}.json", None
+            try:
+                set_rng_state(read_json(path))
+            except CheckpointError as err:
+                error = str(err)
+            except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as err:  # valid JSON, wrong content
+                error = f"{path} is malformed: not this rank's generator states ({type(err).__name__}: {err})"
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, error)  # every rank stops together on any rank's bad file
+            if any(everyone):
+                raise CheckpointError("; ".join(e for e in everyone if e),
+                                      fix=f"remove {step_dir} to resume the previous checkpoint, or set "
+                                          "train.resume = false")
             return []
         rederive_rng(seed, manifest["step"])
         note = (f"RNG states re-derived from seed {seed} + step {manifest['step']}: the checkpoint's per-rank "
@@ -352,19 +400,3 @@ RNG_LAYOUT = ("world_size", "tensor", "pipeline", "data")
 
 def _layout_text(layout: dict) -> str:
     return " × ".join(f"{k} {layout.get(k)}" for k in RNG_LAYOUT[1:]) + f", stage {layout.get('stage')}"
-
-
-def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
-    """Refuse a checkpoint of another model, tokenizer or data set, naming what differs."""
-    diffs = []
-    for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"model.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b))
-                      if a.get(k) != b.get(k)]
-        elif a != b:
-            diffs.append(f"{key}: saved {a!r}, now {b!r}")
-    if diffs:
-        raise CheckpointError(f"checkpoint {step_dir} was written for another model, tokenizer or data: "
-                              + "; ".join(diffs) + ". Resume with the same ones, or set train.resume = false "
-                              "(or another train.save_dir).")

@@ -101,6 +101,7 @@ class TrainConfig:
     async_save: bool = True  # write checkpoints in the background; the step waits only for the copy
     timeout_minutes: float = 10.0  # collective timeout (fractions allowed: 0.1 = 6 s); the watchdog waits 2×
     max_nonfinite_steps: int = 3  # stop (exit 4) after this many consecutive non-finite steps
+    max_failed_saves: int = 3  # a failed save is logged and retried at the next one; this many in a row: exit 3
     ignore_memory_estimate: bool = False  # run even when the start-up estimate exceeds GPU memory
 
 
@@ -109,6 +110,7 @@ class LoggingConfig:
     name: str = "run"
     run_dir: Optional[str] = None  # None: runs/<name>
     log_interval: int = 1
+    straggler_factor: float = 1.5  # a rank whose step takes this many times the median is named (perf/slowest_*)
     console: Literal["auto", "bar", "plain"] = "auto"
     wandb: bool = True
     wandb_project: str = "zero3d"
@@ -360,11 +362,15 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(t.keep_checkpoints >= 0, f"train.keep_checkpoints = {t.keep_checkpoints} must be >= 0 (0 keeps all)")
     _require(t.timeout_minutes * 60 >= 1,
              f"train.timeout_minutes = {t.timeout_minutes} is invalid; must be at least 1 second (1/60)")
+    _require(t.max_failed_saves >= 1,
+             f"train.max_failed_saves = {t.max_failed_saves} is invalid; must be >= 1")
     _require(t.max_nonfinite_steps >= 1,
              f"train.max_nonfinite_steps = {t.max_nonfinite_steps} is invalid; must be >= 1")
     _require(0 <= t.seed < 2**32 - 2**20, f"train.seed = {t.seed} is invalid; must be in [0, 2**32 - 2**20)")
     lg = cfg.logging
     _require(lg.log_interval >= 1, f"logging.log_interval = {lg.log_interval} is invalid; must be >= 1")
+    _require(math.isfinite(lg.straggler_factor) and lg.straggler_factor > 1,
+             f"logging.straggler_factor = {lg.straggler_factor} is invalid; must be a finite number > 1")
     _require(lg.summary_warmup_steps >= 0,
              f"logging.summary_warmup_steps = {lg.summary_warmup_steps} is invalid; must be >= 0")
     _require(bool(lg.name.strip()) and "/" not in lg.name,

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from pretrain.checkpoint import LATEST
-from pretrain.checkpoint_files import (MANIFEST, CheckpointError, SafeFileSystemReader, read_dcp_metadata,
-                                       read_json, verify_file)
+from pretrain.checkpoint import LATEST, latest_name
+from pretrain.checkpoint_files import MANIFEST, CheckpointError
+from pretrain.checkpoint_read import load_dcp, read_checkpoint
 from pretrain.checkpoint_tensors import PREFIXES
 
 MODEL = PREFIXES["param"]
@@ -27,20 +26,16 @@ def resolve_step_dir(path: Path) -> Path:
     if (path / MANIFEST).is_file():
         return path
     if (path / LATEST).is_file():
-        return path / (path / LATEST).read_text().strip()
+        return path / latest_name(path)
     raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a save directory (no {LATEST})")
 
 
 def read_model_tensors(step_dir: Path) -> tuple[dict, dict]:
     """(manifest, {checkpoint key: full global tensor}) of the model parameters, integrity-checked."""
-    manifest = read_json(step_dir / MANIFEST)
-    problems = [p for p in (verify_file(step_dir, n, rec) for n, rec in sorted(manifest["files"].items())) if p]
-    if problems:
-        raise CheckpointError("; ".join(problems))
-    metadata = read_dcp_metadata(step_dir)
+    manifest, metadata = read_checkpoint(step_dir)
     state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
              for key, md in metadata.state_dict_metadata.items() if key.startswith(MODEL)}
-    dcp.load(state, storage_reader=SafeFileSystemReader(step_dir), no_dist=True)
+    load_dcp(state, step_dir, no_dist=True)
     return manifest, {key[len(MODEL):]: tensor for key, tensor in state.items()}
 
 

@@ -239,9 +239,17 @@ class JsonlSink:
             self._fd = None
 
 
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "shared", "run")  # what wandb's settings accept
+
+
 def wandb_mode(environ) -> Optional[str]:
-    """None (wandb reads WANDB_MODE itself) if it is set; else online with an API key, offline without."""
+    """None (wandb reads WANDB_MODE itself) if it is set; else online with an API key, offline without.
+    A WANDB_MODE wandb would refuse is an InputError (the launch environment)."""
     if "WANDB_MODE" in environ:
+        if environ["WANDB_MODE"] not in WANDB_MODES:
+            from pretrain.errors import InputError
+            raise InputError(f"WANDB_MODE = {environ['WANDB_MODE']!r} is invalid", "environment",
+                             f"set it to one of {', '.join(WANDB_MODES)}, or unset it, or set logging.wandb=false")
         return None
     return "online" if environ.get("WANDB_API_KEY") else "offline"
 

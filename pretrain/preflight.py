@@ -37,6 +37,9 @@ def _input_file(key: str, path: str | Path, fix: str) -> None:
 def check_paths(cfg: Config) -> None:
     """Directories the run writes and input files it reads, checked before any process group starts."""
     _directory_setting("logging.run_dir", cfg.run_dir)
+    if cfg.logging.wandb:  # WANDB_MODE as wandb would read it, refused in one line before any rank starts
+        from pretrain.metrics import wandb_mode
+        wandb_mode(os.environ)
     _directory_setting("train.save_dir", cfg.train.save_dir)
     _directory_setting("data.cache_dir", cfg.data.cache_dir)
     d = cfg.data

@@ -3,6 +3,8 @@ import json
 import statistics
 from pathlib import Path
 
+from pretrain.stragglers import worst_offenders
+
 
 def read_records(path: Path) -> list:
     """metrics.jsonl rows by step; after a resume a step appears twice and the later record counts."""
@@ -48,4 +50,5 @@ def summary_from_records(records: list, warmup: int, world_size: int) -> dict:
         "summary/comm_elements_per_step": _median(measured, "comm/total/elements"),
         "summary/final_loss": records[-1].get("train/loss") if records else None,
     }
+    summary["summary/stragglers"] = worst_offenders(records) or None  # the ranks most often named slow
     return {k: v for k, v in summary.items() if v is not None}

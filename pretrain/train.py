@@ -21,6 +21,7 @@ from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
+from pretrain.stragglers import Stragglers, straggler_text
 from pretrain.status import clear_status, record_failure, write_status
 from pretrain.topology import Topology, init_topology, launcher_env
 from pretrain.watchdog import Watchdog
@@ -258,7 +259,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     layout = layout_signature(cfg, topo)
     identity = checkpoint.run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     checkpoints = checkpoint.Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
-                                          timeout_minutes=t.timeout_minutes)
+                                          timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
     usable = checkpoints.find_usable(identity) if t.resume else None
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
@@ -286,7 +287,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     batches = Batches(train_ds, cfg, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
-                    identity=identity, flops_per_step=flops_per_step, peak=peak)
+                    identity=identity, flops_per_step=flops_per_step, peak=peak,
+                    stragglers=Stragglers(cfg.logging.straggler_factor, topo.device))
     engine.train()
     try:
         step, record = run_loop(run, start, usable["path"].name if usable is not None else "none saved", progress)
@@ -319,6 +321,7 @@ class LoopParts:
     identity: dict
     flops_per_step: float
     peak: Optional[float]
+    stragglers: Stragglers
 
 
 def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple[int, dict]:
@@ -383,7 +386,9 @@ def one_step(run: LoopParts, step: int, watchdog: Watchdog):
                                            run.peak),
               **metrics.memory_report(topo.device.type, engine.state_bytes()),
               **engine.comm_stats.report(), **(run.activations.report() if run.activations else {}),
-              **run.checkpoints.report()}
+              **run.checkpoints.report(), **run.stragglers.record(step_time, engine.comm_stats.exposed_seconds)}
+    if "perf/straggler_rank" in record and topo.is_main:
+        print(f"step {step}: {straggler_text(record)}", file=sys.stderr, flush=True)
     if evaluate_now:
         watchdog.beat()
         val = evaluate(engine, run.valid_ds, cfg, topo)

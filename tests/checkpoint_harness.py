@@ -23,8 +23,10 @@ def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
 
 
 def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=(), resume=False,
-                  keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None):
-    """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at."""
+                  keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None, max_failed_saves=3,
+                  around_save=None):
+    """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at
+    (around_save(rank, step, "before" | "after", checkpointer) runs on every rank around each save)."""
     import os
     import signal
     cfg = load_config(None, CKPT_BASE + list(overrides))
@@ -35,7 +37,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
         identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
         layout = layout_signature(cfg, topo)
-        ckpt = Checkpointer(save_dir, keep=keep, async_save=async_save)
+        ckpt = Checkpointer(save_dir, keep=keep, async_save=async_save, max_failed_saves=max_failed_saves)
         out = {"loss": [], "notes": [], "reports": []}
         if resume:
             resumed = ckpt.load_latest(model, engine, identity, layout, cfg.train.seed)
@@ -46,10 +48,14 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
             engine.step(cfg.optimizer.lr)
             out["loss"].append(mean_loss(losses, topo))
             if step + 1 in save_at:
+                if around_save:
+                    around_save(rank, step + 1, "before", ckpt)
                 ckpt.save(step + 1, model, engine, {"layout": layout, "identity": identity, "config": cfg.to_dict(),
                                                     "consumed_samples": (step + 1) * cfg.train.global_batch_size})
                 if kill_rank_after_save == (step + 1, rank):
                     os.kill(os.getpid(), signal.SIGKILL)
+                if around_save:
+                    around_save(rank, step + 1, "after", ckpt)
                 out["reports"].append(ckpt.report())
         ckpt.close()
         if save_at:

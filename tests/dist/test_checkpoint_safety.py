@@ -127,3 +127,110 @@ def test_retention_keeps_the_last_k_and_cleans_leftovers(tmp_path):
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000003", "step_00000004"]
     assert (save_dir / "latest").read_text() == "step_00000004\n"
     assert {"ckpt/stall_s", "ckpt/write_s", "ckpt/bytes"} <= set(out["reports"][-1])
+
+
+def _fill(path):
+    """Write zeros until the file system says it is full (ENOSPC): a real disk-full, not a simulated one."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs the test can fill (tests run as root; chmod would not stop root)."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("case", ["async", "sync", "last_save"])
+def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(small_disk, case):
+    """A really full disk (train.max_failed_saves = 2): save 2 fails and the run goes on, save 3 succeeds once
+    there is space; then saves 4 and 5 in a row stop the run with one line, or (last_save) save 4 succeeds
+    and the failure of the run's final save 5 is an error, since nothing would retry it."""
+    save_dir, filler = small_disk / "ckpt", small_disk / "filler"
+    fill_at = (2, 5) if case == "last_save" else (2, 4)
+
+    def disk_full(rank, step, when, ckpt):
+        if when == "before" and step in fill_at:
+            ckpt.wait()  # the previous save published first (async: it completes at the next save)
+            if rank == 0:
+                _fill(filler)
+        if when == "after" and step == 2:
+            ckpt.wait()  # collective: save 2's background write fails here, on every rank
+            if rank == 0:
+                filler.unlink()
+    last = 5 if case == "last_save" else 6
+    error = "the run's last checkpoint save failed" if case == "last_save" else "2 checkpoint saves in a row failed"
+    with pytest.raises(RuntimeError, match=error + r", the last: rank \d: .*No space left on device" if case !=
+                       "last_save" else error + r": rank \d: .*No space left on device"):
+        run_ranks(train_segment, 2, LAYOUT, save_dir, 0, last, tuple(range(1, last + 1)), False, 0, case != "sync",
+                  None, None, 2, disk_full, timeout=300)
+    complete = [1, 3, 4] if case == "last_save" else [1, 3]
+    assert (save_dir / "latest").read_text() == f"step_0000000{complete[-1]}\n"
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest"] + [f"step_0000000{s}" for s in complete]
+    from pretrain.checkpoint_read import read_checkpoint
+    for step in complete:
+        manifest, _ = read_checkpoint(save_dir / f"step_0000000{step}")  # complete and verified
+        assert manifest["step"] == step
+
+
+@pytest.mark.parametrize("payload", ["getattr_chain", "byte_record"])
+def test_issue_23_payloads_run_nothing_on_resume_or_export(two_checkpoints, tmp_path, payload):
+    """The two code paths of issue 23, checkpoint.json rewritten to match: resume falls back to step 1
+    with the reason; the export refuses in one line; the payload never runs."""
+    import payloads
+    from pretrain import export
+    from pretrain.checkpoint_read import read_dcp_metadata
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    marker, step2 = tmp_path / "pwned", save_dir / "step_00000002"
+    if payload == "getattr_chain":
+        (step2 / ".metadata").write_bytes(payloads.getattr_chain(f"touch {marker}"))
+        why = "asks to load builtins.getattr, which is not part of DCP's checkpoint metadata"
+    else:
+        payloads.byte_record(step2, read_dcp_metadata(step2), f"touch {marker}")
+        _rehash(step2, "__0_0.distcp")
+        why = "declares a byte record (BytesStorageMetadata), which DCP would read with pickle"
+    _rehash(step2, ".metadata")
+    out = _resume(save_dir)
+    assert not marker.exists()
+    assert out["resumed"]["step"] == 1
+    assert out["notes"][0].startswith(f"checkpoint {step2} is unusable, trying the previous one: {step2}/.metadata")
+    assert why in out["notes"][0]
+    assert export.main([str(step2), str(tmp_path / "out")]) == 1
+    assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_manifest_whose_step_is_not_its_directory_is_skipped(two_checkpoints, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    step2 = save_dir / "step_00000002"
+    manifest = json.loads((step2 / "checkpoint.json").read_text())
+    (step2 / "checkpoint.json").write_text(json.dumps({**manifest, "step": 1}))
+    out = _resume(save_dir)
+    assert out["resumed"]["step"] == 1
+    assert out["notes"][0] == (f"checkpoint {step2} is unusable, trying the previous one: {step2}/checkpoint.json "
+                               "is malformed: its step 1 is not the step of its directory step_00000002")
+
+
+def test_an_rng_file_of_valid_json_but_wrong_content_is_one_error_on_every_rank(two_checkpoints, tmp_path):
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(two_checkpoints, save_dir)
+    step2 = save_dir / "step_00000002"
+    (step2 / "rng" / "rank_00001.json").write_text('{"cpu": 5}')
+    _rehash(step2, "rng/rank_00001.json")
+    with pytest.raises(RuntimeError, match=r"rank_00001.json is malformed: not this rank's generator states "
+                                           r"\((KeyError|TypeError): [^\n]*\); remove [^\n]*step_00000002 to resume the previous"):
+        _resume(save_dir)

@@ -220,3 +220,32 @@ def test_signal_on_one_rank_stops_all_ranks_at_one_checkpoint(tmp_path, data_cac
     run_train(4, base + [f"logging.run_dir={json.dumps(str(stopped))}"])  # the requeued job
     expected = {r["step"]: r["train/loss"] for r in records(whole)}
     assert {r["step"]: r["train/loss"] for r in records(stopped)} == expected
+
+
+def _train_with_a_slow_rank(rank, world_size, overrides):
+    """Rank 1 sleeps 0.4 s before each step's work (outside every collective): a straggler."""
+    import time
+    import pretrain.train as loop
+    if rank == 1:
+        step = loop.train_step
+        loop.train_step = lambda *args: (time.sleep(0.4), step(*args))[1]
+    _train(rank, world_size, overrides)
+
+
+def test_a_slow_rank_is_named_with_its_host(tmp_path, data_cache, capfd):
+    import socket
+    from pretrain.stragglers import worst_offenders
+    run_dir = tmp_path / "run"
+    run_ranks(_train_with_a_slow_rank, 2, SMALL + data_cache + [
+        "parallel.tensor=1", "zero.stage=1", "train.steps=4", "logging.log_interval=2", "train.eval_interval=0",
+        f"logging.run_dir={json.dumps(str(run_dir))}"], timeout=300)
+    rows = records(run_dir)
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:  # rank 1's compute is 0.4 s more than rank 0's (a tiny step is well under 0.4 s)
+        assert row["perf/slowest_rank"] == 1 and row["perf/straggler_rank"] == 1
+        assert row["perf/straggler_host"] == socket.gethostname()
+        assert row["perf/slowest_ratio"] > 1.5
+        assert row["perf/straggler_compute_s"] >= 0.4  # its sleep is compute, not time blocked on a collective
+    assert f"step 2: straggler: rank 1 on {socket.gethostname()} computes" in capfd.readouterr().err
+    assert worst_offenders(rows) == (f"rank 1 ({socket.gethostname()}): 2 of 2 intervals, "
+                                     f"worst {max(r['perf/slowest_ratio'] for r in rows):.2f}×")
