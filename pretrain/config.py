@@ -240,6 +240,11 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
     cfg = Config()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            some = sorted(path.glob("*.toml"))[:1]
+            raise ConfigError(f"config file {str(path)!r} is a directory",
+                              fix=f"give one TOML file in it, e.g. --config {some[0]}" if some else
+                              "give a TOML file")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:
