@@ -1,5 +1,6 @@
 """Submits every generated job of a paper figure (or all of them) and prints the Slurm job ids."""
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +16,11 @@ def figure_configs(figure=None, configs_dir: Path = CONFIGS) -> list:
     pattern = "fig*_*.toml" if figure is None else f"fig{figure}_*.toml"
     found = sorted(configs_dir.glob(pattern))
     if not found:
-        raise FileNotFoundError(f"no {pattern} in {configs_dir}; run configs/generate_paper.py")
+        have = sorted({int(m[1]) for p in configs_dir.glob("fig*_*.toml") if (m := re.match(r"fig(\d+)_", p.name))})
+        if have:
+            raise FileNotFoundError(f"--figure {figure} is invalid: {configs_dir} has no {pattern}; valid figures: "
+                                    + ", ".join(map(str, have)))
+        raise FileNotFoundError(f"no {pattern} in {configs_dir}; run configs/generate_paper.py --out {configs_dir}")
     return found
 
 
@@ -46,7 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch argument")
     parser.add_argument("--include-oom", action="store_true",
                         help='also submit jobs the paper reports out of memory ([paper] expected = "oom")')
-    parser.add_argument("--configs-dir", default=str(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--configs-dir", default=str(CONFIGS),
+                        help="generated configs (default configs/paper; configs/generate_paper.py --out writes others)")
     args = parser.parse_args(argv)
     try:
         paths = figure_configs(None if args.all else args.figure, Path(args.configs_dir))
