@@ -24,7 +24,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
+from pretrain.config import ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
 from pretrain.preflight import check_paths  # noqa: E402
 from pretrain.launch import check_master_resolves, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
         launch = launcher_env()
         check_master_resolves(launch)
         validate_layout(cfg, launch["world_size"])
+        if launch["rank"] == 0:
+            save_resolved(cfg)  # slurm/collect.py reads any run directory from it
         from pretrain.train import train
         training = True
         result = train(cfg, launch)  # writes status.json, failures included

@@ -1,7 +1,9 @@
 """One typed config tree, loaded from TOML with `section.key=value` overrides, validated with clear errors."""
 import dataclasses
 import difflib
+import json
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -232,6 +234,20 @@ def _parse_override(text: str) -> tuple[str, str, object]:
     except tomllib.TOMLDecodeError:
         value = raw.strip()  # bare words are strings: logging.name=foo
     return parts[0], parts[1], value
+
+
+RESOLVED_CONFIG = "config.json"  # <run_dir>/config.json: the resolved tree a run started with
+
+
+def save_resolved(cfg: "Config", run_dir: Optional[Path] = None) -> Path:
+    """Write the resolved config into the run directory (tmp + rename), for slurm/collect.py and resumes."""
+    run_dir = Path(run_dir or cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / RESOLVED_CONFIG
+    tmp = target.with_name(f"{RESOLVED_CONFIG}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    os.replace(tmp, target)
+    return target
 
 
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),

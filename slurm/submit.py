@@ -12,7 +12,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The repo's own code, not an installed copy (the container's image has one under /workspace).
 sys.path.insert(0, str(REPO_ROOT))
-from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
+from pretrain.config import Config, ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
 # SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
@@ -155,8 +155,7 @@ def preflight(config_path: str, overrides: list, world: int) -> Path:
     cfg = load_config(config_path, overrides)
     validate_layout(cfg, world)
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    save_resolved(cfg, run_dir)
     env = os.environ
     job = {"job_id": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT", 0)),
            "nodes": int(env.get("SLURM_JOB_NUM_NODES", cfg.cluster.nodes)), "world_size": world,
