@@ -110,13 +110,14 @@ def test_stop_warning_covers_a_step_and_the_checkpoint_write():
     from pretrain.config import load_config
     cfg = load_config(REPO / "configs/paper/fig2_100B_zero.toml")
     from zero3d.analysis.estimate import gpt_param_count
-    psi = gpt_param_count(125, 8192, 50257, 1024, tp=16)  # per TP rank; the estimator's own test pins it
-    # every rank: fp16 parameters (2Ψ) + its 1/N_d of the fp32 master and Adam moments (12Ψ / 25)
-    assert submit.checkpoint_bytes(cfg, 400) == pytest.approx(400 * (2 * psi + 12 * psi / 25), rel=1e-12)
+    psi = 16 * gpt_param_count(125, 8192, 50257, 1024, tp=16)  # the whole model (16 TP slices)
+    psi -= 15 * (125 * 6 * 8192 + 2 * 8192 + 1024 * 8192)  # per-layer biases and norms, final norm, positions: whole on every TP rank
+    # each element once: fp16 parameters (2Ψ) + the fp32 master and Adam moments (12Ψ), any layout
+    assert submit.checkpoint_bytes(cfg) == 14 * psi
     tokens, h = 800 * 1024, 8192
     flops = 96 * tokens * 125 * h * h * (1 + 1024 / (6 * h)) + 6 * tokens * h * 50257
     assert submit.step_seconds(cfg, 400) == flops / (400 * 10e12)
-    write = submit.checkpoint_bytes(cfg, 400) / 5e9  # cluster.checkpoint_write_gbps default
+    write = submit.checkpoint_bytes(cfg) / 5e9  # cluster.checkpoint_write_gbps default
     assert submit.warning_seconds(cfg, 400) == math.ceil(2 * (write + submit.step_seconds(cfg, 400)) + 60)
     faster = load_config(REPO / "configs/paper/fig2_100B_zero.toml", ["cluster.checkpoint_write_gbps=1000"])
     assert submit.warning_seconds(faster, 400) < submit.warning_seconds(cfg, 400)
