@@ -67,6 +67,7 @@ def run_status(run_dir: Path, records: list, total_steps: int) -> tuple:
     if status_file.is_file():
         data = json.loads(status_file.read_text())
         status, reason = data.get("status", "unknown"), data.get("reason", "")
+        oom = oom or next((t for t in (reason, data.get("error", "")) if t and OOM.search(t)), None)
         if status != "ok" and oom:
             return "oom", oom[:200]
         return status, reason

@@ -10,6 +10,7 @@ from pretrain.config import ConfigError, load_config  # noqa: E402
 from slurm.submit import build_job, launch_preview, submit  # noqa: E402
 
 CONFIGS = REPO_ROOT / "configs/paper"
+OOM_OVERRIDE = "train.ignore_memory_estimate=true"  # --include-oom: let the paper's out-of-memory jobs run out
 
 
 def figure_configs(figure=None, configs_dir: Path = CONFIGS) -> list:
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (local test cluster)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch argument")
     parser.add_argument("--include-oom", action="store_true",
-                        help='also submit jobs the paper reports out of memory ([paper] expected = "oom")')
+                        help='also submit jobs the paper reports out of memory ([paper] expected = "oom"), with '
+                             f'{OOM_OVERRIDE} so they really run out of memory; collect.py marks them oom')
     parser.add_argument("--configs-dir", default=str(CONFIGS),
                         help="generated configs (default configs/paper; configs/generate_paper.py --out writes others)")
     args = parser.parse_args(argv)
@@ -65,6 +67,10 @@ def main(argv=None) -> int:
                             requeue=args.requeue, extra_sbatch=args.sbatch)
             if job.cfg.paper.expected == "oom" and not args.include_oom:
                 skipped.append(job)
+            elif job.cfg.paper.expected == "oom":
+                # the start-up guard would refuse it (exit 2) before the OOM the paper reports could happen
+                jobs.append(build_job(str(path), overrides + [OOM_OVERRIDE], cpu=args.cpu, container=args.container,
+                                      requeue=args.requeue, extra_sbatch=args.sbatch))
             else:
                 jobs.append(job)
     except (ConfigError, FileNotFoundError) as err:
