@@ -135,6 +135,10 @@ def main(argv=None) -> int:
         if training:
             from pretrain.topology import destroy_topology
             destroy_topology()
+    if result["stopped_early"] and rank == 0:  # one line from rank 0, not only torchrun's FAILED block
+        print(f"stopped by a signal (SIGUSR1/SIGTERM) after step {result['end_step']} of {cfg.train.steps}: "
+              f"checkpoint step_{result['end_step']:08d} saved, status.json \"interrupted\"; run the same command "
+              "to resume", file=sys.stderr, flush=True)
     # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint. slurm/launch.sbatch sets
     # ZERO3D_INTERRUPTED_EXIT=0 (it decides from status.json; a 75 would fire srun's --kill-on-bad-exit).
     return int(os.environ.get("ZERO3D_INTERRUPTED_EXIT", EXIT_REQUEUE)) if result["stopped_early"] else EXIT_OK
