@@ -212,11 +212,16 @@ def validate_text(name: str, text: str, scratch: Path) -> None:
         raise GeneratorError(f"generated {name} is invalid: {err}") from None
 
 
+def _shown(path: Path) -> str:
+    """A path as the user would type it from the repository root."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--csv", default=str(DEFAULT_CSV), help="reproduction-configs.csv")
     parser.add_argument("--out", help="directory for the .toml files (required to write; --check compares "
-                        f"against {DEFAULT_OUT.relative_to(REPO_ROOT)} unless given)")
+                        f"against {_shown(DEFAULT_OUT)} unless given)")
     parser.add_argument("--gpus-per-node", type=int, default=16, help="16 = DGX-2 as in the paper")
     parser.add_argument("--dtype", default="fp16", choices=["bf16", "fp16"],
                         help="fp16 (default): the paper's mixed precision, the only one V100s have")
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.out is None and not args.check:
         parser.error(f"--out is required to write: a new directory, e.g. --out configs/paper{args.gpus_per_node}gpn "
-                     f"({DEFAULT_OUT.relative_to(REPO_ROOT)} is the committed set; --check compares against it)")
+                     f"({_shown(DEFAULT_OUT)} is the committed set; --check compares against it)")
     import tempfile
     try:
         files = generate(args.csv, args.gpus_per_node, args.dtype, args.gpu, args.gpu_memory_gb)

@@ -1,4 +1,5 @@
 """Messages that name what is wrong and what is valid: sweep figures, generator output, relative paths, the stop line."""
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -22,11 +23,14 @@ def test_sweep_names_the_valid_figures(capsys):
 def test_generator_writes_only_where_told(tmp_path, capsys, monkeypatch):
     sys.path.insert(0, str(REPO / "configs"))
     import generate_paper
-    committed = {p: p.stat().st_mtime_ns for p in (REPO / "configs/paper").glob("*.toml")}
+    committed = tmp_path / "paper"  # a copy stands in for configs/paper: a regression must not rewrite the repo
+    shutil.copytree(REPO / "configs/paper", committed)
+    monkeypatch.setattr(generate_paper, "DEFAULT_OUT", committed)
+    before = {p.name: p.read_text() for p in committed.glob("*.toml")}
     with pytest.raises(SystemExit) as exit_:
         generate_paper.main(["--gpus-per-node", "8"])
     assert exit_.value.code == 2 and "--out is required" in capsys.readouterr().err
-    assert {p: p.stat().st_mtime_ns for p in (REPO / "configs/paper").glob("*.toml")} == committed
+    assert {p.name: p.read_text() for p in committed.glob("*.toml")} == before
     assert generate_paper.main(["--check"]) == 0  # the committed set still matches
     assert generate_paper.main(["--gpus-per-node", "8", "--out", str(tmp_path / "p8")]) == 0
     assert len(list((tmp_path / "p8").glob("fig*.toml"))) == 56
