@@ -1,6 +1,9 @@
 """Extracts the commands the docs mark runnable (`<!-- doc-test: ... -->` before a fenced block)."""
+import os
 import re
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,3 +93,23 @@ def extract(source: str, text: str) -> list:
 
 def documented_commands(root: Path = REPO) -> list:
     return [c for name in DOCS for c in extract(name, (root / name).read_text())]
+
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_NODELIST", "ZERO3D_DEBUG")
+
+
+def run(cmd: DocCommand, cwd: Path) -> subprocess.CompletedProcess:
+    """The command as written, from `cwd`; `python` is this interpreter, launcher variables unset."""
+    argv = list(cmd.argv)
+    if argv[0] in ("python", "python3", ".venv/bin/python"):
+        argv[0] = sys.executable
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"WANDB_MODE": "offline"}
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def check(cmd: DocCommand, out: subprocess.CompletedProcess) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode == cmd.exit, f"{cmd.id}: `{cmd.text}` exited {out.returncode}, the doc says {cmd.exit}\n{text[-3000:]}"
+    for line in cmd.expect:
+        assert line in text, f"{cmd.id}: `{cmd.text}` did not print {line!r}\n{text[-3000:]}"
