@@ -90,10 +90,12 @@ class CollectError(Exception):
 
 
 def load_run_config(run_dir: Path, config_path=None) -> dict:
-    """The resolved config: <run_dir>/config.json (every run writes it at start), else the given TOML."""
-    if not run_dir.is_dir():
-        raise CollectError(f"run directory {str(run_dir)!r} does not exist"
-                           if not run_dir.exists() else f"run directory {str(run_dir)!r} is not a directory")
+    """The resolved config: <run_dir>/config.json (every run writes it at start), else the given TOML
+    (a figure's job that never ran has no directory: its row says "missing")."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CollectError(f"run directory {str(run_dir)!r} is not a directory")
+    if not run_dir.exists() and config_path is None:
+        raise CollectError(f"run directory {str(run_dir)!r} does not exist")
     if (run_dir / RESOLVED_CONFIG).is_file():
         return json.loads((run_dir / RESOLVED_CONFIG).read_text())
     if config_path is None:
@@ -257,6 +259,11 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="the TOML the given run directories ran with, for a run without config.json")
     args = parser.parse_args(argv)
     runs = [(Path(d), args.config) for d in args.run_dirs]
+    for d in args.run_dirs:  # named on the command line: it must be there
+        if not Path(d).is_dir():
+            print(f"error: run directory {d!r} does not exist" if not Path(d).exists() else
+                  f"error: run directory {d!r} is not a directory", file=sys.stderr)
+            return 2
     if args.figure is not None or args.all:
         runs += figure_runs(args.figure)
     if not runs:

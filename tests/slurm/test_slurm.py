@@ -72,7 +72,8 @@ def test_collector_rows_for_ok_oom_failed_and_missing_runs(tmp_path):
     assert rows["ok"]["pflops"] == pytest.approx(4.0) and rows["ok"]["gpus"] == 400
     assert (rows["ok"]["model"], rows["ok"]["system"], rows["ok"]["config"], rows["ok"]["mp"]) == \
         ("100B", "zero", "C4", 16)
-    assert rows["ok"]["params_B"] == pytest.approx(12 * 125 * 8192**2 / 1e9 + (50257 + 1024) * 8192 / 1e9, abs=1e-3)
+    h, padded = 8192, 51200  # 50257 padded to a multiple of 128 × TP 16; every weight and bias, untied output
+    assert rows["ok"]["params"] == 125 * (12 * h * h + 13 * h) + 2 * h + 2 * padded * h + 1024 * h
     assert rows["oom"]["status"] == "oom" and "CUDA out of memory" in rows["oom"]["reason"]
     assert (rows["oom"]["system"], rows["oom"]["config"], rows["oom"]["gpus"]) == ("baseline", "Megatron", 384)
     assert rows["crash"]["status"] == "failed" and "2/100 steps" in rows["crash"]["reason"]

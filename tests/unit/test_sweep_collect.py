@@ -38,3 +38,10 @@ def test_run_dir_without_config_json_asks_for_config(tmp_path, capsys):
     assert collect.main([str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no config.json" in err and "--config FILE.toml" in err
+
+
+def test_a_figure_job_that_never_ran_is_a_missing_row(tmp_path):
+    """--figure N names runs/<name> of every config: one not run yet is a row, not an error."""
+    row = collect.collect_run(tmp_path / "never", REPO / "configs/paper/fig2_100B_zero.toml")
+    h, padded = 8192, 51200  # 50257 padded to a multiple of 128 × TP 16
+    assert (row["status"], row["params"]) == ("missing", 125 * (12 * h * h + 13 * h) + 2 * h + 2 * padded * h + 1024 * h)
