@@ -94,7 +94,7 @@ class TrainConfig:
     global_batch_size: int = 16
     seed: int = 1234
     eval_interval: int = 20  # 0 disables validation
-    eval_iters: int = 2
+    eval_iters: int = 2  # global batches per evaluation (Megatron: eval_iters × global batch samples)
     save_interval: int = 0  # 0: save only at the end (and on a stop signal)
     save_final: bool = True  # false for throughput runs: no multi-TB checkpoint at the last step
     save_dir: Optional[str] = None  # None: <run_dir>/checkpoints
