@@ -16,7 +16,7 @@ demo: install  ## tiny GPT on 4 CPU ranks, TP=2 x DP=2, ZeRO stage 2
 	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
 		-m pretrain --config configs/tiny.toml $(ARGS)
 
-test: install  ## the whole suite: unit, dist (gloo ranks) and slurm tiers, in two lanes (tools/run_suite.py)
+test: install  ## the whole suite: unit, docs (the commands the docs mark), dist (gloo ranks) and slurm tiers, in two lanes (tools/run_suite.py)
 	$(PY) tools/run_suite.py -- $(PYTEST_ARGS)
 
 slurm-setup:  ## slurm-wlm for the slurm tier (root + apt-get); a no-op where slurmctld exists or apt is absent

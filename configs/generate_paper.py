@@ -212,10 +212,16 @@ def validate_text(name: str, text: str, scratch: Path) -> None:
         raise GeneratorError(f"generated {name} is invalid: {err}") from None
 
 
+def _shown(path: Path) -> str:
+    """A path as the user would type it from the repository root."""
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--csv", default=str(DEFAULT_CSV), help="reproduction-configs.csv")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="directory for the .toml files")
+    parser.add_argument("--out", help="directory for the .toml files (required to write; --check compares "
+                        f"against {_shown(DEFAULT_OUT)} unless given)")
     parser.add_argument("--gpus-per-node", type=int, default=16, help="16 = DGX-2 as in the paper")
     parser.add_argument("--dtype", default="fp16", choices=["bf16", "fp16"],
                         help="fp16 (default): the paper's mixed precision, the only one V100s have")
@@ -223,6 +229,9 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-gb", type=float, default=32.0, help="cluster.gpu_memory_gb, in GiB")
     parser.add_argument("--check", action="store_true", help="exit 1 if --out differs from what would be written")
     args = parser.parse_args(argv)
+    if args.out is None and not args.check:
+        parser.error(f"--out is required to write: a new directory, e.g. --out configs/paper{args.gpus_per_node}gpn "
+                     f"({_shown(DEFAULT_OUT)} is the committed set; --check compares against it)")
     import tempfile
     try:
         files = generate(args.csv, args.gpus_per_node, args.dtype, args.gpu, args.gpu_memory_gb)
@@ -232,7 +241,7 @@ def main(argv=None) -> int:
     except (GeneratorError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = Path(args.out) if args.out is not None else DEFAULT_OUT
     existing = {p.name: p.read_text() for p in out.glob("*.toml")} if out.is_dir() else {}
     if args.check:
         stale = sorted(n for n in files if existing.get(n) != files[n])
@@ -242,7 +251,7 @@ def main(argv=None) -> int:
         for n in extra:
             print(f"{out / n}: not produced by the generator")
         if stale or extra:
-            print("run: python configs/generate_paper.py", file=sys.stderr)
+            print(f"run: python configs/generate_paper.py --out {out}", file=sys.stderr)
             return 1
         print(f"{len(files)} files in {out} match the generator")
         return 0

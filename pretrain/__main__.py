@@ -24,13 +24,25 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
+from pretrain.config import ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
 from pretrain.preflight import check_paths  # noqa: E402
 from pretrain.launch import check_master_resolves, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
-from pretrain.status import record_failure, report, write_status  # noqa: E402
+from pretrain.status import finished, record_failure, report, write_status  # noqa: E402
 
-EXIT_ESTIMATE_TOO_BIG = 1  # --estimate: the layout does not fit the GPU memory
+# --estimate: the layout does not fit the GPU memory, as the start-up guard refuses it (a config error)
+EXIT_ESTIMATE_TOO_BIG = EXIT_CONFIG
+
+
+def read_only(args) -> bool:
+    """--print-config and --estimate only read: they never write into a run directory."""
+    return args.print_config or args.estimate
+
+
+def config_hint(args) -> str:
+    """`python -m pretrain configs/tiny.toml`: a TOML file given where an override belongs."""
+    files = [o for o in args.overrides if "=" not in o and o.endswith(".toml")]
+    return f"; did you mean --config {files[0]}?" if files and args.config is None else ""
 
 
 def parse_args(argv=None):
@@ -54,12 +66,13 @@ def launch_rank() -> "int | None":
 
 def record_config_error(args, err: ConfigError) -> None:
     """A config that does not validate still ends with status.json "failed" (exit 2) in its run_dir,
-    when that directory already exists: a requeued job must not read a previous run's status."""
+    when that directory already exists: a requeued job must not read a previous run's status. A
+    finished run's status ("ok") is never replaced (its record stays what it was)."""
     try:
         cfg = load_config(args.config, args.overrides, check=False)
     except ConfigError:
         return
-    if cfg.run_dir.is_dir() and launch_rank() == 0:
+    if cfg.run_dir.is_dir() and launch_rank() == 0 and not finished(cfg.run_dir):
         write_status(cfg.run_dir, "failed", f"ConfigError: {err}", 0, 0, EXIT_CONFIG, err.line())
 
 
@@ -97,15 +110,21 @@ def main(argv=None) -> int:
         launch = launcher_env()
         check_master_resolves(launch)
         validate_layout(cfg, launch["world_size"])
+        if launch["rank"] == 0:
+            save_resolved(cfg)  # slurm/collect.py reads any run directory from it
         from pretrain.train import train
         training = True
         result = train(cfg, launch)  # writes status.json, failures included
     except BaseException as err:  # noqa: BLE001 - every failure becomes one line and an exit code
         if isinstance(err, KeyboardInterrupt):
             raise
-        if cfg is None and isinstance(err, ConfigError):
+        if isinstance(err, ConfigError) and (hint := config_hint(args)):
+            err = ConfigError(err.what, err.where, (err.fix + hint) if err.fix else hint.lstrip("; "))
+        if read_only(args):
+            pass  # nothing is written anywhere
+        elif cfg is None and isinstance(err, ConfigError):
             record_config_error(args, err)
-        elif cfg is not None and not training:
+        elif cfg is not None and not training and not finished(cfg.run_dir):
             record_failure(err, cfg.run_dir, rank, launch_world_size(), 0, timeout_s)
         code = report(err, rank, timeout_s, debug, sys.stderr)
         if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
@@ -116,6 +135,10 @@ def main(argv=None) -> int:
         if training:
             from pretrain.topology import destroy_topology
             destroy_topology()
+    if result["stopped_early"] and rank == 0:  # one line from rank 0, not only torchrun's FAILED block
+        print(f"stopped by a signal (SIGUSR1/SIGTERM) after step {result['end_step']} of {cfg.train.steps}: "
+              f"checkpoint step_{result['end_step']:08d} saved, status.json \"interrupted\"; run the same command "
+              "to resume", file=sys.stderr, flush=True)
     # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint. slurm/launch.sbatch sets
     # ZERO3D_INTERRUPTED_EXIT=0 (it decides from status.json; a 75 would fire srun's --kill-on-bad-exit).
     return int(os.environ.get("ZERO3D_INTERRUPTED_EXIT", EXIT_REQUEUE)) if result["stopped_early"] else EXIT_OK

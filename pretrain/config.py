@@ -1,7 +1,9 @@
 """One typed config tree, loaded from TOML with `section.key=value` overrides, validated with clear errors."""
 import dataclasses
 import difflib
+import json
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -92,7 +94,7 @@ class TrainConfig:
     global_batch_size: int = 16
     seed: int = 1234
     eval_interval: int = 20  # 0 disables validation
-    eval_iters: int = 2
+    eval_iters: int = 2  # global batches per evaluation (Megatron: eval_iters × global batch samples)
     save_interval: int = 0  # 0: save only at the end (and on a stop signal)
     save_final: bool = True  # false for throughput runs: no multi-TB checkpoint at the last step
     save_dir: Optional[str] = None  # None: <run_dir>/checkpoints
@@ -236,12 +238,31 @@ def _parse_override(text: str) -> tuple[str, str, object]:
     return parts[0], parts[1], value
 
 
+RESOLVED_CONFIG = "config.json"  # <run_dir>/config.json: the resolved tree a run started with
+
+
+def save_resolved(cfg: "Config", run_dir: Optional[Path] = None) -> Path:
+    """Write the resolved config into the run directory (tmp + rename), for slurm/collect.py and resumes."""
+    run_dir = Path(run_dir or cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / RESOLVED_CONFIG
+    tmp = target.with_name(f"{RESOLVED_CONFIG}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),
                 check: bool = True) -> Config:
     """Defaults ← TOML file ← `section.key=value` overrides; then validate() (unless check=False)."""
     cfg = Config()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            some = sorted(path.glob("*.toml"))[:1]
+            raise ConfigError(f"config file {str(path)!r} is a directory",
+                              fix=f"give one TOML file in it, e.g. --config {some[0]}" if some else
+                              "give a TOML file")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         try:

@@ -28,10 +28,15 @@ def _directory_setting(key: str, value: Optional[str | Path]) -> None:
                           fix=f"set {key} to a writable location")
 
 
+def _relative_note(path: str | Path) -> str:
+    """Relative paths in a config resolve against the working directory, not the config file's."""
+    return "" if Path(path).is_absolute() else f" (relative to the working directory {os.getcwd()})"
+
+
 def _input_file(key: str, path: str | Path, fix: str) -> None:
     if not Path(path).is_file():
         what = "is a directory" if Path(path).is_dir() else "does not exist"
-        raise InputError(f"{key} = {str(path)!r} {what}", "input files", fix)
+        raise InputError(f"{key} = {str(path)!r} {what}{_relative_note(path)}", "input files", fix)
 
 
 def check_paths(cfg: Config) -> None:
@@ -59,6 +64,7 @@ def check_paths(cfg: Config) -> None:
         fix = 'point data.corpus at JSONL files ({"text": ...} a line; .gz/.zst too) or a glob'
         if glob.has_magic(d.corpus):
             if not glob.glob(d.corpus, recursive=True):
-                raise InputError(f"data.corpus = {d.corpus!r} matches no file", "input files", fix)
+                raise InputError(f"data.corpus = {d.corpus!r} matches no file{_relative_note(d.corpus)}",
+                                 "input files", fix)
         else:
             _input_file("data.corpus", d.corpus, fix)

@@ -3,7 +3,7 @@ fake tensors and a fake process group (or, with --real, on real tensors of the l
 reports its memory peak per category and phase beside zero3d's estimate.
 
     python -m pretrain.probe --config configs/paper/fig2_100B_zero.toml [section.key=value ...]
-        [--world 400] [--rank 17] [--steps 2] [--memory-gb 32] [--real] [--json]
+        [--world 400] [--rank 17] [--steps 2] [--memory-gb GiB (default cluster.gpu_memory_gb)] [--real] [--json]
     python -m pretrain.probe --max-model [--verify] [--memory-gb 32] [--json]
 
 Device semantics (fake mode): tensors are CPU fake tensors that hold no data; every storage the rank
@@ -17,6 +17,8 @@ from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.probe_commands import max_model_command, probe_command
 from pretrain.probe_rank import refuse_file_offload_on_fake_tensors
 
+MAX_MODEL_MEMORY_GB = 32.0  # --max-model studies the paper's C1-C5 on its 32 GB V100s
+
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pretrain.probe", description=__doc__,
@@ -27,8 +29,9 @@ def parse_args(argv=None):
     ap.add_argument("--rank", type=int, default=0, help="which rank to probe (default 0)")
     ap.add_argument("--steps", type=int, default=2, help="training steps (default 2: optimizer states exist "
                     "from the second step's start)")
-    ap.add_argument("--memory-gb", type=float, default=32.0,
-                    help="device memory in GB as GPUs are labelled (32 = a V100-32GB's 32 GiB)")
+    ap.add_argument("--memory-gb", type=float, default=None,
+                    help="device memory in GiB as GPUs are labelled (32 = a V100-32GB); default: the config's "
+                         f"cluster.gpu_memory_gb (--max-model: {MAX_MODEL_MEMORY_GB:g}, the paper's V100)")
     ap.add_argument("--real", action="store_true", help="real tensors on the local device (collectives "
                     "still fake): CUDA peak, phase times, TFLOP/s, predicted job step time")
     ap.add_argument("--max-model", action="store_true",
@@ -44,10 +47,11 @@ def main(argv=None) -> int:
     if args.steps < 1:
         print(f"probe error: --steps {args.steps} is invalid; must be >= 1", file=sys.stderr)
         return 2
-    if args.memory_gb <= 0:
+    if args.memory_gb is not None and args.memory_gb <= 0:
         print(f"probe error: --memory-gb {args.memory_gb} is invalid; must be > 0", file=sys.stderr)
         return 2
     if args.max_model:
+        args.memory_gb = MAX_MODEL_MEMORY_GB if args.memory_gb is None else args.memory_gb
         return max_model_command(args)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -56,6 +60,8 @@ def main(argv=None) -> int:
         if not 0 <= args.rank < world:
             raise ConfigError(f"--rank {args.rank} is invalid; valid ranks: 0 .. {world - 1}")
         refuse_file_offload_on_fake_tensors(cfg, fake=not args.real)
+        if args.memory_gb is None:  # the budget --estimate and the start-up guard use
+            args.memory_gb = cfg.cluster.gpu_memory_gb
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -43,6 +43,14 @@ def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps
         return False
 
 
+def finished(run_dir: Path) -> bool:
+    """The run in run_dir completed (status.json "ok"): an error before a later start must not replace it."""
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def clear_status(run_dir: Path) -> None:
     """Rank 0 at start: a previous run's status must not be read as this run's."""
     try:

@@ -169,10 +169,13 @@ def mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
 
 @torch.no_grad()
 def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
+    """Mean loss over eval_iters global batches (Megatron's evaluation): the first eval_iters × G
+    validation samples, each DP rank its share, so the value does not depend on the layout."""
     engine.eval()
-    n = cfg.train.micro_batch_size
-    micro_batches = [torch.stack([valid.sample((i * topo.dp + topo.dp_rank) * n + j) for j in range(n)])
-                     .to(topo.device) for i in range(cfg.train.eval_iters)]
+    n, per_rank = cfg.train.micro_batch_size, cfg.train.global_batch_size // topo.dp
+    micro_batches = [torch.stack([valid.sample(k * cfg.train.global_batch_size + topo.dp_rank * per_rank + m * n + j)
+                                  for j in range(n)]).to(topo.device)
+                     for k in range(cfg.train.eval_iters) for m in range(per_rank // n)]
     losses = run_micro_batches(engine, micro_batches, cfg, topo, forward_only=True)
     engine.train()
     return mean_loss(losses, topo)
@@ -263,7 +266,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     usable = checkpoints.find_usable(identity) if t.resume else None
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
-                                          valid_samples=t.eval_iters * t.micro_batch_size * topo.dp
+                                          valid_samples=t.eval_iters * t.global_batch_size
                                           if t.eval_interval else 0)
 
     model, engine, activations = build_and_wrap(cfg, topo)

@@ -10,6 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 sys.path.insert(0, str(REPO_ROOT))
 
+from pretrain.config import RESOLVED_CONFIG  # noqa: E402
 from pretrain.summary import read_records, summary_from_records  # noqa: E402
 
 DEFAULT_WARMUP = 10  # steps left out of the medians: allocator growth, NCCL set-up, first-step compiles
@@ -31,13 +32,18 @@ EXCEPTION = re.compile(r"\b[\w.]*(Error|Exception): ")  # a Python exception lin
 ERROR = re.compile(r"\berror:", re.IGNORECASE)  # srun/slurmstepd errors: the symptom
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes each rank's traceback
 COLUMNS = ["run", "figure", "model", "system", "config", "gpus", "mp", "batch_per_gpu", "global_batch",
-           "params_B", "tflops_per_gpu", "pflops", "peak_mem_GB", "comm_elements_per_step", "steps",
+           "params", "params_B", "tflops_per_gpu", "pflops", "peak_mem_GB", "comm_elements_per_step", "steps",
            "measured_steps", "status", "reason"]
 
 
-def param_count(layers: int, hidden: int, vocab: int, seq: int) -> int:
-    """Ψ ≈ 12·L·h² + embeddings (token + position), the paper's size convention (facts §4.5)."""
-    return 12 * layers * hidden * hidden + (vocab + seq) * hidden
+def param_count(cfg: dict) -> int:
+    """Ψ of the whole model as trained and exported (python -m pretrain.export): every weight and bias,
+    the vocabulary padded as at the run's TP size, the output layer unless tied (the estimator's count)."""
+    from zero3d.analysis.estimate import gpt_param_count
+    m = cfg["model"]
+    return gpt_param_count(m["num_layers"], m["hidden_size"], m["vocab_size"], m["seq_length"], tp=1,
+                           tied=m["tie_embeddings"], ffn_hidden=m["ffn_hidden_size"],
+                           vocab_divisible_by=m["make_vocab_size_divisible_by"] * cfg["parallel"]["tensor"])
 
 
 def system_of(cfg: dict) -> tuple:
@@ -61,6 +67,7 @@ def run_status(run_dir: Path, records: list, total_steps: int) -> tuple:
     if status_file.is_file():
         data = json.loads(status_file.read_text())
         status, reason = data.get("status", "unknown"), data.get("reason", "")
+        oom = oom or next((t for t in (reason, data.get("error", "")) if t and OOM.search(t)), None)
         if status != "ok" and oom:
             return "oom", oom[:200]
         return status, reason
@@ -78,14 +85,27 @@ def run_status(run_dir: Path, records: list, total_steps: int) -> tuple:
     return "failed", f"no status.json; {len(records)}/{total_steps} steps logged{last}"
 
 
+class CollectError(Exception):
+    """A run directory that cannot be collected; the message names it and what to do."""
+
+
 def load_run_config(run_dir: Path, config_path=None) -> dict:
-    """The resolved config: <run_dir>/config.json (written by launch.sbatch), else the given TOML."""
-    if (run_dir / "config.json").is_file():
-        return json.loads((run_dir / "config.json").read_text())
+    """The resolved config: <run_dir>/config.json (every run writes it at start), else the given TOML
+    (a figure's job that never ran has no directory: its row says "missing")."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CollectError(f"run directory {str(run_dir)!r} is not a directory")
+    if not run_dir.exists() and config_path is None:
+        raise CollectError(f"run directory {str(run_dir)!r} does not exist")
+    if (run_dir / RESOLVED_CONFIG).is_file():
+        return json.loads((run_dir / RESOLVED_CONFIG).read_text())
     if config_path is None:
-        raise FileNotFoundError(f"{run_dir}: no config.json and no config given")
-    from pretrain.config import load_config
-    return load_config(config_path).to_dict()
+        raise CollectError(f"{run_dir} has no {RESOLVED_CONFIG} (a run from before configs were saved); "
+                           "pass the config it ran with: --config FILE.toml")
+    from pretrain.config import ConfigError, load_config
+    try:
+        return load_config(config_path).to_dict()
+    except ConfigError as err:
+        raise CollectError(f"--config {config_path}: {err}") from None
 
 
 def collect_run(run_dir, config_path=None, warmup: int = DEFAULT_WARMUP) -> dict:
@@ -108,13 +128,13 @@ def collect_run(run_dir, config_path=None, warmup: int = DEFAULT_WARMUP) -> dict
     system, config = system_of(cfg)
     name = cfg["logging"]["name"]
     match = re.fullmatch(r"fig(\d+)_([0-9p]+B)_.*", name)
-    params = param_count(m["num_layers"], m["hidden_size"], m["vocab_size"], m["seq_length"])
+    params = param_count(cfg)
     peak = summary.get("summary/peak_mem_bytes")
     row = {"run": name, "figure": int(match.group(1)) if match else "",
            "model": match.group(2).replace("p", ".") if match else _size(params),
            "system": system, "config": config, "gpus": world, "mp": cfg["parallel"]["tensor"],
            "batch_per_gpu": t["micro_batch_size"], "global_batch": t["global_batch_size"],
-           "params_B": round(params / 1e9, 3), "tflops_per_gpu": summary.get("summary/tflops_per_gpu"),
+           "params": params, "params_B": round(params / 1e9, 3), "tflops_per_gpu": summary.get("summary/tflops_per_gpu"),
            "pflops": summary.get("summary/pflops"), "peak_mem_GB": peak / 1e9 if peak is not None else None,
            "comm_elements_per_step": summary.get("summary/comm_elements_per_step"),
            "steps": summary["summary/steps"], "measured_steps": summary["summary/measured_steps"],
@@ -236,13 +256,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results", help="directory for table.csv, table.md, scaling.png")
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="steps left out of the medians")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--config", help="the TOML the given run directories ran with, for a run without config.json")
     args = parser.parse_args(argv)
-    runs = [(Path(d), None) for d in args.run_dirs]
+    runs = [(Path(d), args.config) for d in args.run_dirs]
+    for d in args.run_dirs:  # named on the command line: it must be there
+        if not Path(d).is_dir():
+            print(f"error: run directory {d!r} does not exist" if not Path(d).exists() else
+                  f"error: run directory {d!r} is not a directory", file=sys.stderr)
+            return 2
     if args.figure is not None or args.all:
         runs += figure_runs(args.figure)
     if not runs:
         parser.error("give run directories, --figure N or --all")
-    rows = [collect_run(d, cfg, args.warmup) for d, cfg in runs]
+    try:
+        rows = [collect_run(d, cfg, args.warmup) for d, cfg in runs]
+    except CollectError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     rows.sort(key=lambda r: (str(r["figure"]), r["params_B"], r["gpus"], r["config"], r["system"]))
     out = Path(args.out)
     written = write_tables(rows, out)

@@ -12,7 +12,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The repo's own code, not an installed copy (the container's image has one under /workspace).
 sys.path.insert(0, str(REPO_ROOT))
-from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
+from pretrain.config import Config, ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
 # SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
@@ -45,12 +45,17 @@ class Job:
         return (env + " " if env else "") + shlex.join(self.sbatch)
 
 
-def checkpoint_bytes(cfg: Config, world: int) -> float:
-    """Bytes one checkpoint writes: every rank saves its parameters and its optimizer shard (fp32
-    master + Adam moments), as pretrain/checkpoint.py does; from zero3d's memory estimator."""
-    from pretrain.memory_check import config_budget_bytes, estimate_config
-    m = estimate_config(cfg, world, config_budget_bytes(cfg))
-    return world * (m.param_bytes + m.optimizer_bytes)
+def checkpoint_bytes(cfg: Config) -> float:
+    """Bytes one checkpoint writes, whatever the world size and ZeRO stage: each element once
+    (pretrain/checkpoint.py), the model in its training dtype plus the fp32 master and Adam's two
+    moments: 2Ψ + 12Ψ (fp16/bf16), 4Ψ + 12Ψ (fp32), Ψ the whole model's parameters (the estimator's
+    count, vocabulary padded as at this TP size); the headers (manifest, DCP metadata) are negligible."""
+    from zero3d.analysis.estimate import PRECISIONS, gpt_param_count
+    m = cfg.model
+    psi = gpt_param_count(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length, tp=1, tied=m.tie_embeddings,
+                          ffn_hidden=m.ffn_hidden_size,
+                          vocab_divisible_by=m.make_vocab_size_divisible_by * cfg.parallel.tensor)
+    return (PRECISIONS[cfg.precision.dtype].param_bytes + 12) * psi
 
 
 def step_seconds(cfg: Config, world: int) -> float:
@@ -65,7 +70,7 @@ def step_seconds(cfg: Config, world: int) -> float:
 def warning_seconds(cfg: Config, world: int) -> int:
     """--signal=USR1@T: T covers one step plus the checkpoint's write at cluster.checkpoint_write_gbps,
     times WARNING_SAFETY, plus slack; at least WARNING_FLOOR_S."""
-    write = checkpoint_bytes(cfg, world) / (cfg.cluster.checkpoint_write_gbps * 1e9)
+    write = checkpoint_bytes(cfg) / (cfg.cluster.checkpoint_write_gbps * 1e9)
     needed = WARNING_SAFETY * (write + step_seconds(cfg, world)) + WARNING_SLACK_S
     return int(min(WARNING_MAX_S, max(WARNING_FLOOR_S, -(-needed // 1))))
 
@@ -117,7 +122,7 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     limit = time_limit_seconds(c.time_limit)
     if warning >= limit:
         notes.append(f"the stop warning (USR1 {warning} s before the limit, for a "
-                     f"{checkpoint_bytes(cfg, world) / 1e9:.0f} GB checkpoint at cluster.checkpoint_write_gbps = "
+                     f"{checkpoint_bytes(cfg) / 1e9:.0f} GB checkpoint at cluster.checkpoint_write_gbps = "
                      f"{c.checkpoint_write_gbps:g}) is longer than cluster.time_limit = {c.time_limit}: "
                      "the run stops at its first step")
     if cfg.parallel.tensor > c.gpus_per_node and cfg.zero.stage > 0:  # baselines cross nodes on purpose
@@ -155,8 +160,7 @@ def preflight(config_path: str, overrides: list, world: int) -> Path:
     cfg = load_config(config_path, overrides)
     validate_layout(cfg, world)
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    save_resolved(cfg, run_dir)
     env = os.environ
     job = {"job_id": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT", 0)),
            "nodes": int(env.get("SLURM_JOB_NUM_NODES", cfg.cluster.nodes)), "world_size": world,

@@ -1,5 +1,6 @@
 """Submits every generated job of a paper figure (or all of them) and prints the Slurm job ids."""
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -9,13 +10,18 @@ from pretrain.config import ConfigError, load_config  # noqa: E402
 from slurm.submit import build_job, launch_preview, submit  # noqa: E402
 
 CONFIGS = REPO_ROOT / "configs/paper"
+OOM_OVERRIDE = "train.ignore_memory_estimate=true"  # --include-oom: let the paper's out-of-memory jobs run out
 
 
 def figure_configs(figure=None, configs_dir: Path = CONFIGS) -> list:
     pattern = "fig*_*.toml" if figure is None else f"fig{figure}_*.toml"
     found = sorted(configs_dir.glob(pattern))
     if not found:
-        raise FileNotFoundError(f"no {pattern} in {configs_dir}; run configs/generate_paper.py")
+        have = sorted({int(m[1]) for p in configs_dir.glob("fig*_*.toml") if (m := re.match(r"fig(\d+)_", p.name))})
+        if have:
+            raise FileNotFoundError(f"--figure {figure} is invalid: {configs_dir} has no {pattern}; valid figures: "
+                                    + ", ".join(map(str, have)))
+        raise FileNotFoundError(f"no {pattern} in {configs_dir}; run configs/generate_paper.py --out {configs_dir}")
     return found
 
 
@@ -45,8 +51,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (local test cluster)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch argument")
     parser.add_argument("--include-oom", action="store_true",
-                        help='also submit jobs the paper reports out of memory ([paper] expected = "oom")')
-    parser.add_argument("--configs-dir", default=str(CONFIGS), help=argparse.SUPPRESS)
+                        help='also submit jobs the paper reports out of memory ([paper] expected = "oom"), with '
+                             f'{OOM_OVERRIDE} so they really run out of memory; collect.py marks them oom')
+    parser.add_argument("--configs-dir", default=str(CONFIGS),
+                        help="generated configs (default configs/paper; configs/generate_paper.py --out writes others)")
     args = parser.parse_args(argv)
     try:
         paths = figure_configs(None if args.all else args.figure, Path(args.configs_dir))
@@ -59,6 +67,10 @@ def main(argv=None) -> int:
                             requeue=args.requeue, extra_sbatch=args.sbatch)
             if job.cfg.paper.expected == "oom" and not args.include_oom:
                 skipped.append(job)
+            elif job.cfg.paper.expected == "oom":
+                # the start-up guard would refuse it (exit 2) before the OOM the paper reports could happen
+                jobs.append(build_job(str(path), overrides + [OOM_OVERRIDE], cpu=args.cpu, container=args.container,
+                                      requeue=args.requeue, extra_sbatch=args.sbatch))
             else:
                 jobs.append(job)
     except (ConfigError, FileNotFoundError) as err:

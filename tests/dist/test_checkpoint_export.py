@@ -44,6 +44,6 @@ def test_export_refuses_a_damaged_checkpoint(tmp_path, capsys):
     run_ranks(train_segment, 1, [], save_dir, 0, 1, (1,), timeout=300)
     part = save_dir / "step_00000001" / "__0_0.distcp"
     part.write_bytes(part.read_bytes()[:-1])
-    assert main([str(save_dir), str(tmp_path / "export")]) == 1
+    assert main([str(save_dir), str(tmp_path / "export")]) == 3  # input: the checkpoint (docs/exit-codes.md)
     assert f"export: {part} has" in capsys.readouterr().err
     assert not (tmp_path / "export").exists()

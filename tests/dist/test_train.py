@@ -44,17 +44,22 @@ def run_train(world, overrides):
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_loss_agrees_across_tp_dp_layouts(tmp_path, data_cache, stage):
-    """(TP, DP) = (1,1), (2,1), (1,2), (2,2), same data and global batch: the same 10 losses."""
-    losses = {}
+    """(TP, DP) = (1,1), (2,1), (1,2), (2,2), same data and global batch: the same 10 losses, and the
+    same val/loss (eval_iters × global batch, as Megatron; not × micro-batch × DP)."""
+    losses, val = {}, {}
     for tp, dp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
         run_dir = tmp_path / f"tp{tp}dp{dp}"
         run_train(tp * dp, SMALL + data_cache + [f"parallel.tensor={tp}", f"zero.stage={stage}", "train.steps=10",
                                                  f"logging.run_dir={json.dumps(str(run_dir))}"])
         losses[(tp, dp)] = [r["train/loss"] for r in records(run_dir)]
+        val[(tp, dp)] = [r["val/loss"] for r in records(run_dir) if "val/loss" in r]
     ref = losses[(1, 1)]
     assert len(ref) == 10 and ref[-1] < ref[0]
     for layout, values in losses.items():
         assert values == pytest.approx(ref, rel=1e-4), layout
+    assert len(val[(1, 1)]) == 2
+    for layout, values in val.items():
+        assert values == pytest.approx(val[(1, 1)], rel=1e-4), layout
 
 
 def test_metrics_file_has_every_field(tmp_path, data_cache):

@@ -72,7 +72,8 @@ def test_collector_rows_for_ok_oom_failed_and_missing_runs(tmp_path):
     assert rows["ok"]["pflops"] == pytest.approx(4.0) and rows["ok"]["gpus"] == 400
     assert (rows["ok"]["model"], rows["ok"]["system"], rows["ok"]["config"], rows["ok"]["mp"]) == \
         ("100B", "zero", "C4", 16)
-    assert rows["ok"]["params_B"] == pytest.approx(12 * 125 * 8192**2 / 1e9 + (50257 + 1024) * 8192 / 1e9, abs=1e-3)
+    h, padded = 8192, 51200  # 50257 padded to a multiple of 128 × TP 16; every weight and bias, untied output
+    assert rows["ok"]["params"] == 125 * (12 * h * h + 13 * h) + 2 * h + 2 * padded * h + 1024 * h
     assert rows["oom"]["status"] == "oom" and "CUDA out of memory" in rows["oom"]["reason"]
     assert (rows["oom"]["system"], rows["oom"]["config"], rows["oom"]["gpus"]) == ("baseline", "Megatron", 384)
     assert rows["crash"]["status"] == "failed" and "2/100 steps" in rows["crash"]["reason"]
@@ -110,13 +111,14 @@ def test_stop_warning_covers_a_step_and_the_checkpoint_write():
     from pretrain.config import load_config
     cfg = load_config(REPO / "configs/paper/fig2_100B_zero.toml")
     from zero3d.analysis.estimate import gpt_param_count
-    psi = gpt_param_count(125, 8192, 50257, 1024, tp=16)  # per TP rank; the estimator's own test pins it
-    # every rank: fp16 parameters (2Ψ) + its 1/N_d of the fp32 master and Adam moments (12Ψ / 25)
-    assert submit.checkpoint_bytes(cfg, 400) == pytest.approx(400 * (2 * psi + 12 * psi / 25), rel=1e-12)
+    psi = 16 * gpt_param_count(125, 8192, 50257, 1024, tp=16)  # the whole model (16 TP slices)
+    psi -= 15 * (125 * 6 * 8192 + 2 * 8192 + 1024 * 8192)  # per-layer biases and norms, final norm, positions: whole on every TP rank
+    # each element once: fp16 parameters (2Ψ) + the fp32 master and Adam moments (12Ψ), any layout
+    assert submit.checkpoint_bytes(cfg) == 14 * psi
     tokens, h = 800 * 1024, 8192
     flops = 96 * tokens * 125 * h * h * (1 + 1024 / (6 * h)) + 6 * tokens * h * 50257
     assert submit.step_seconds(cfg, 400) == flops / (400 * 10e12)
-    write = submit.checkpoint_bytes(cfg, 400) / 5e9  # cluster.checkpoint_write_gbps default
+    write = submit.checkpoint_bytes(cfg) / 5e9  # cluster.checkpoint_write_gbps default
     assert submit.warning_seconds(cfg, 400) == math.ceil(2 * (write + submit.step_seconds(cfg, 400)) + 60)
     faster = load_config(REPO / "configs/paper/fig2_100B_zero.toml", ["cluster.checkpoint_write_gbps=1000"])
     assert submit.warning_seconds(faster, 400) < submit.warning_seconds(cfg, 400)

@@ -115,3 +115,14 @@ def test_nvme_offload_is_refused_on_fake_tensors(capsys, tmp_path):
     assert probe.main(["--config", "configs/tiny.toml", "zero.stage=2", "zero.offload_optimizer=nvme",
                        f"zero.nvme_path={tmp_path}"]) == 2
     assert "the NVMe placements do file I/O, which fake tensors cannot do" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gib,flag,fits", [(0.01, None, False), (0.01, 32, True)])
+def test_budget_is_the_configs_gpu_memory_unless_the_flag_says(gib, flag, fits, capsys):
+    """The tiny rank peaks at a few MB: under a 0.01 GiB card it cannot fit, under 32 GiB (the flag) it does;
+    --estimate judges the same cluster.gpu_memory_gb."""
+    args = ["--config", "configs/tiny.toml", f"cluster.gpu_memory_gb={gib}", "--steps", "1", "--json"]
+    code = probe.main(args + (["--memory-gb", str(flag)] if flag else []))
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"]["device_bytes"] == int((flag or gib) * 2**30)
+    assert (code, out["verdict"]["fits"]) == ((0, True) if fits else (1, False))

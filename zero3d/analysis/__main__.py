@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--top", type=int, default=10, help="--plan rank: how many layouts to print")
     mode.add_argument("--csv", help="reproduction-configs.csv for --plan (default: repo or shared copy)")
     mode.add_argument("--params", type=float, help="bare parameter count: model states per stage only")
-    for name in ("layers", "hidden", "heads", "vocab", "seq", "gpus", "dp"):
+    for name in ("layers", "hidden", "heads", "vocab", "seq", "gpus"):
         ap.add_argument(f"--{name}", type=int)
+    ap.add_argument("--dp", type=int, help="N_d: with --params, the DP size; with a shape, gpus = dp × tp")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU memory in GiB, as cards are labelled and as cluster.gpu_memory_gb is read "
                          "(docs/estimator.md, Budget); default 32 = a V100-32GB")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table (not with --plan)")
     off = ap.add_argument_group("offload (ZeRO-Offload / ZeRO-Infinity; docs/estimator.md, Offload)")
     off.add_argument("--offload-optimizer", choices=list(OFFLOAD_PLACEMENTS), default="none",
                      help="fp32 master + Adam moments on the host (cpu) or in files (nvme); stages 1-3")
@@ -82,10 +83,18 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
             gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction, **_offload_args(args))
     except ValueError as err:
         ap.error(str(err))
+    o = found.offload
+    if args.json:
+        out = {"layers": found.layers, "hidden": found.hidden, "heads": found.heads, "params": found.params,
+               "gpus": gpus, "tp": args.tp, "stage": args.stage, "micro_batch": args.micro_batch}
+        if found.layers:
+            out.update(grads_on_host=o.grads_on_host, device=o.device.to_dict(), offload_host_bytes=o.host_bytes,
+                       offload_nvme_bytes=o.nvme_bytes, offload_pcie_bytes_per_step=o.pcie_bytes_per_step)
+        print(json.dumps(out, indent=2))
+        return 0
     if not found.layers:
         print(f"no GPT of the shapes (hidden, heads) {', '.join(map(str, shapes))} fits")
         return 0
-    o = found.offload
     print(f"largest GPT: {found.layers} layers × hidden {found.hidden} ({found.heads} heads) = "
           f"{found.params / 1e9:.2f}B parameters on {gpus} GPU(s), tp {args.tp}, stage {args.stage}, "
           f"micro-batch {args.micro_batch}, recompute {args.recompute}, {args.precision}, "
@@ -144,6 +153,12 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
     if args.gpu_memory_gb <= 0:
         ap.error(f"--gpu-memory-gb {args.gpu_memory_gb} is invalid; must be > 0")
+    if args.plan and args.json:
+        ap.error(f"--json is not available with --plan {args.plan} (its report is text); "
+                 "--json works with --table1/--table2, --params, --largest and a shape")
+    if args.dp is not None and (args.plan or args.largest):
+        ap.error(f"--dp {args.dp} is not used by {'--plan' if args.plan else '--largest'}; "
+                 "give --gpus (and --tp) instead")
     if args.plan == "rank":
         return _rank(ap, args)
     if args.largest:
@@ -162,6 +177,14 @@ def main(argv: Optional[list] = None) -> int:
                   for s in range(4)}
         print(json.dumps(states) if args.json else _format_states(args.params, args.dp, args.precision))
         return 0
+    if args.dp is not None:  # shape mode: N_d = gpus / tp, so --dp gives the GPUs or must agree with them
+        if args.dp < 1:
+            ap.error(f"--dp {args.dp} is invalid; must be >= 1")
+        if args.gpus is None:
+            args.gpus = args.dp * args.tp
+        elif args.gpus != args.dp * args.tp:
+            ap.error(f"--dp {args.dp} disagrees with --gpus {args.gpus} / --tp {args.tp} = {args.gpus / args.tp:g}; "
+                     "give --gpus or --dp, or values with gpus = dp × tp")
     missing = [f"--{n}" for n in ("layers", "hidden", "heads", "vocab", "seq", "gpus")
                if getattr(args, n) is None]
     if missing:

@@ -81,3 +81,22 @@ def predicted_step_seconds(compute_seconds: float, collectives: list, links: Lin
     """Measured compute + every collective's α-β time, none overlapped (an upper bound: stage 2
     reduces during backward, which the paper overlaps)."""
     return compute_seconds + sum(comm_breakdown(collectives, links).values())
+
+
+def dp_passes(stage: int, accumulation: int = 1) -> int:
+    """Ψ(N_d−1)/N_d-element DP collectives per step with `accumulation` micro-batches per step.
+
+    Stages 0 and 1 reduce the accumulated gradients once per step (all-reduce = reduce-scatter +
+    all-gather; stage 1 reduce-scatter + parameter all-gather): 2. Stage 2 reduce-scatters each
+    micro-batch's gradients during its backward, then all-gathers the parameters once: A + 1.
+    Stage 3 gathers the parameters in each micro-batch's forward and backward and reduce-scatters its
+    gradients: 3A.
+    """
+    if stage not in (0, 1, 2, 3) or accumulation < 1:
+        raise ValueError(f"stage {stage} / accumulation {accumulation} is invalid; stage 0-3, accumulation >= 1")
+    return {0: 2, 1: 2, 2: accumulation + 1, 3: 3 * accumulation}[stage]
+
+
+def dp_elements_per_step(stage: int, psi: int, dp: int, accumulation: int = 1) -> float:
+    """Elements each rank sends per step over the DP group (ring collectives): dp_passes × Ψ(N_d−1)/N_d."""
+    return dp_passes(stage, accumulation) * psi * (dp - 1) / dp

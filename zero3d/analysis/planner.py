@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from zero3d.analysis.comm_model import dp_passes
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
@@ -152,15 +153,19 @@ def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: Z
     ring = (dp - 1) / dp  # each DP collective moves Ψ·(N_d − 1)/N_d elements per rank
     one_pass = params_per_rank * PRECISIONS[precision].grad_bytes * ring / dp_bw
     backward = micro_compute * (3 / 4 if recompute == "full" else 2 / 3)
+    passes = dp_passes(zero.stage, accumulation)  # one_pass each (comm_model.dp_passes)
     if zero.stage == 3:
         # every micro-batch gathers parameters twice and reduce-scatters once, prefetched under compute
-        dp_exposed = accumulation * max(0.0, 3 * one_pass - micro_compute)
+        dp_exposed = accumulation * max(0.0, passes // accumulation * one_pass - micro_compute)
     elif zero.stage == 0:
-        # bucketed all-reduce (reduce-scatter + all-gather) overlaps the last backward
-        dp_exposed = max(0.0, 2 * one_pass - backward)
+        # bucketed all-reduce (reduce-scatter + all-gather) of the accumulated gradients overlaps the last backward
+        dp_exposed = max(0.0, passes * one_pass - backward)
+    elif zero.stage == 1:
+        # the accumulated gradients' reduce-scatter overlaps the last backward; the parameter all-gather does not
+        dp_exposed = max(0.0, one_pass - backward) + (passes - 1) * one_pass
     else:
-        # gradient reduce-scatter overlaps the last backward; the post-step parameter all-gather does not
-        dp_exposed = max(0.0, one_pass - backward) + one_pass
+        # a reduce-scatter per micro-batch, each under its own backward; the parameter all-gather is not
+        dp_exposed = accumulation * max(0.0, one_pass - backward) + (passes - accumulation) * one_pass
     pcie = pcie_bytes / cluster.pcie_bandwidth  # ZeRO-Offload; the CPU optimizer's own time is not modelled
     step = compute + mp + pa + offload + dp_exposed + pcie
     return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,

@@ -1,0 +1,41 @@
+"""`python -m zero3d.analysis`: every flag is honoured or refused (--json with --largest / --plan, --dp with a shape)."""
+import json
+
+import pytest
+
+from zero3d.analysis.__main__ import main
+
+SHAPE = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--seq", "64", "--stage", "2"]
+
+
+def test_largest_honours_json(capsys):
+    """ZeRO-Offload's anchor (docs/estimator.md): 71 layers × 4096 on one 32 GB V100."""
+    assert main(["--largest", "--stage", "2", "--gpus", "1", "--offload-optimizer", "cpu", "--recompute", "full",
+                 "--bucket-elements", "50000000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    L, h, V, s = out["layers"], out["hidden"], 50304, 1024  # 50257 padded to a multiple of 128
+    assert (L, h) == (71, 4096)
+    assert out["params"] == L * (12 * h * h + 13 * h) + 2 * h + 2 * V * h + s * h
+    assert out["device"]["fits"] and out["device"]["total_bytes"] <= 32 * 2**30  # margin included
+
+
+@pytest.mark.parametrize("plan", ["paper", "csv", "rank"])
+def test_plan_refuses_json(plan, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--plan", plan, "--json"])
+    assert exit_.value.code == 2 and f"--json is not available with --plan {plan}" in capsys.readouterr().err
+
+
+def test_dp_in_shape_mode_gives_the_gpus(capsys):
+    assert main(SHAPE + ["--tp", "2", "--dp", "4", "--json"]) == 0
+    with_dp = json.loads(capsys.readouterr().out)
+    assert main(SHAPE + ["--tp", "2", "--gpus", "8", "--json"]) == 0
+    assert with_dp == json.loads(capsys.readouterr().out)
+    assert main(SHAPE + ["--tp", "2", "--gpus", "2", "--json"]) == 0  # dp 1: another answer
+    assert with_dp != json.loads(capsys.readouterr().out)
+
+
+def test_dp_disagreeing_with_gpus_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(SHAPE + ["--gpus", "8", "--dp", "2"])
+    assert exit_.value.code == 2 and "--dp 2 disagrees with --gpus 8 / --tp 1 = 8" in capsys.readouterr().err
