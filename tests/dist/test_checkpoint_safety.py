@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from checkpoint_harness import train_segment
+from pretrain.errors import EXIT_INPUT
 from ranks import run_ranks
 
 LAYOUT = ["zero.stage=1"]  # DP 2 on 2 ranks
@@ -209,7 +210,7 @@ def test_issue_23_payloads_run_nothing_on_resume_or_export(two_checkpoints, tmp_
     assert out["resumed"]["step"] == 1
     assert out["notes"][0].startswith(f"checkpoint {step2} is unusable, trying the previous one: {step2}/.metadata")
     assert why in out["notes"][0]
-    assert export.main([str(step2), str(tmp_path / "out")]) == 1
+    assert export.main([str(step2), str(tmp_path / "out")]) == EXIT_INPUT  # a damaged checkpoint: input error
     assert not marker.exists() and not (tmp_path / "out" / "model.safetensors").exists()
 
 
