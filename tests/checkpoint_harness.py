@@ -24,8 +24,9 @@ def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
 
 
 def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=(), resume=False,
-                  keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None):
-    """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at."""
+                  keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None, seed_for_rng=None):
+    """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at;
+    with `seed_for_rng`, also the generators start-up would make from that seed (out["seeded"])."""
     import os
     import signal
     cfg = load_config(None, CKPT_BASE + list(overrides))
@@ -63,6 +64,8 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         out["params"] = {n: p.detach().clone() for n, p in full_params(engine).items()}
         out["tp_dims"], out["global_names"] = tp_dims_and_global_names(model)
         out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
+        if seed_for_rng is not None:
+            out["seeded"] = seeded_rng_snapshot(seed_for_rng)
         dist.barrier()
         return out
     finally:

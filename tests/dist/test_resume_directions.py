@@ -54,7 +54,8 @@ def test_resume_at_tp2_rederives_the_generators_from_seed_and_step(stage3_run):
     """TP 1 × DP 2 → TP 2 × DP 1, stage 1: the generators are those start-up makes from seed + step
     (docs), the weights are the saved ones split over TP, and the fp16 scale carries on."""
     save_dir, ref = stage3_run
-    out = run_ranks(_resume_and_seed, 2, TRAINING + ["parallel.tensor=2", "zero.stage=1"], save_dir, timeout=300)
+    out = run_ranks(train_segment, 2, TRAINING + ["parallel.tensor=2", "zero.stage=1"], save_dir, SAVE_AT,
+                    SAVE_AT + 1, (), True, 0, True, None, None, SEED + SAVE_AT, timeout=300)
     saved = ref[0]["saved_params"][SAVE_AT]
     for r in out:
         assert any(n.startswith(f"RNG states re-derived from seed {SEED} + step {SAVE_AT}") for n in r["notes"])
@@ -66,26 +67,6 @@ def test_resume_at_tp2_rederives_the_generators_from_seed_and_step(stage3_run):
             expected = whole if dim is None else whole.chunk(2, dim=dim)[r["tp_rank"]]
             assert torch.equal(p, expected), name
         assert r["loss_scale"] == ref[0]["loss_scale"][SAVE_AT:SAVE_AT + 1]  # 262144 carried on
-
-
-def _resume_and_seed(rank, world_size, overrides, save_dir):
-    """Resume, one step; then what seeding with seed + step gives, for comparison."""
-    from checkpoint_harness import seeded_rng_snapshot
-    out = train_segment(rank, world_size, overrides, save_dir, SAVE_AT, SAVE_AT + 1, (), True)
-    out["seeded"] = _seeded(overrides, seeded_rng_snapshot)
-    return out
-
-
-def _seeded(overrides, seeded_rng_snapshot):
-    from checkpoint_harness import CKPT_BASE
-    from pretrain.config import load_config
-    from pretrain.topology import destroy_topology, init_topology
-    cfg = load_config(None, CKPT_BASE + list(overrides))
-    init_topology(cfg)  # megatron's TP-rank offsets need the groups
-    try:
-        return seeded_rng_snapshot(SEED + SAVE_AT)
-    finally:
-        destroy_topology()
 
 
 def test_checkpoint_from_pp2_stage0_resumes_at_one_rank_and_holds_16_bytes_a_parameter(tmp_path):
