@@ -75,7 +75,8 @@ def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float,
     if proc.returncode == 0:
         return "survived", seconds, tail
     if proc.returncode in (1, 2):  # tests failed, or collection broke under the mutant
-        return "killed", seconds, tail
+        failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        return "killed", seconds, (failed or [tail.strip().splitlines()[-1] if tail.strip() else ""])[0][:200]
     return f"error (pytest exit {proc.returncode})", seconds, tail
 
 
@@ -123,8 +124,7 @@ def main(argv=None) -> int:
                 path.write_text(original)
             rows.append((m, outcome, seconds))
             print(f"[{i}/{len(mutants)}] {m['name']}: {outcome} ({seconds:.0f} s)", flush=True)
-            if outcome != "killed":
-                print(tail, flush=True)
+            print(f"    {tail}" if outcome == "killed" else tail, flush=True)  # what failed, or why not
     total = time.monotonic() - began
     width = max(len(m["name"]) for m, _, _ in rows)
     print(f"\n| {'mutant'.ljust(width)} | result   | s    | promise |")
