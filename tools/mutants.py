@@ -61,9 +61,10 @@ def copy_tree(dest: Path) -> None:
 
 
 def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
-    """(outcome, seconds, output tail): 'killed' when a named test fails, 'survived' when all pass."""
+    """(outcome, seconds, detail): 'killed' when a named test fails (every named test runs, and the
+    detail names those that failed), 'survived' when all pass."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+    cmd = [str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
            "--timeout", str(int(timeout)), *tests]
     start = time.monotonic()
     try:
@@ -75,8 +76,10 @@ def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float,
     if proc.returncode == 0:
         return "survived", seconds, tail
     if proc.returncode in (1, 2):  # tests failed, or collection broke under the mutant
-        failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(("FAILED ", "ERROR "))]
-        return "killed", seconds, (failed or [tail.strip().splitlines()[-1] if tail.strip() else ""])[0][:200]
+        failed = [line.split(" - ")[0] for line in (proc.stdout + proc.stderr).splitlines()
+                  if line.startswith(("FAILED ", "ERROR "))]
+        summary = (proc.stdout + proc.stderr).strip().splitlines()[-1:]  # "2 failed, 1 passed in 9.1s"
+        return "killed", seconds, "\n    ".join(failed + summary)
     return f"error (pytest exit {proc.returncode})", seconds, tail
 
 

@@ -1,4 +1,6 @@
 """Resume with dropout and fp16 from a stage 3 checkpoint (same layout bitwise, stage 0, TP 1 → 2), and from PP + stage 0."""
+import math
+
 import pytest
 import torch
 
@@ -83,12 +85,15 @@ def test_checkpoint_from_pp2_stage0_resumes_at_one_rank_and_holds_16_bytes_a_par
 
 
 def assert_checkpoint_bytes(step_dir, psi: int, param_bytes: int) -> None:
-    """Files on disk: param_bytes·Ψ (model) + 12Ψ (fp32 master, Adam's two moments), plus per-item
-    headers (torch.save zip records) under 4 KiB each and the small JSON files."""
+    """Tensor bytes as DCP recorded them (each stored chunk's elements × its dtype's size):
+    param_bytes·Ψ (model) + 12Ψ (fp32 master, Adam's two moments); the files on disk hold those plus
+    per-item headers (torch.save zip records) under 4 KiB each."""
+    md = read_dcp_metadata(step_dir)
+    payload = sum(math.prod(chunk.sizes) * torch.empty((), dtype=meta.properties.dtype).element_size()
+                  for meta in md.state_dict_metadata.values() for chunk in meta.chunks)
     on_disk = sum(p.stat().st_size for p in step_dir.iterdir() if p.suffix == ".distcp")
-    items = len(read_dcp_metadata(step_dir).storage_data)
-    expected = (param_bytes + 12) * psi
-    assert expected <= on_disk < expected + 4096 * items, (on_disk, expected, items)
+    assert payload == (param_bytes + 12) * psi, (payload, psi)
+    assert 0 <= on_disk - payload < 4096 * len(md.storage_data)
 
 
 def test_fp16_checkpoint_holds_14_bytes_a_parameter(stage3_run):
