@@ -29,7 +29,10 @@ slurm-setup:  ## slurm-wlm for the slurm tier (root + apt-get); a no-op where sl
 test-fast: install  ## the unit tier only: single-process, under a minute
 	$(VENV)/bin/pytest -q --timeout 300 tests/unit $(PYTEST_ARGS)
 
+mutants: install  ## curated one-line bugs (tests/mutants.toml), each against its tests; all must be killed (docs/testing.md)
+	$(PY) tools/mutants.py $(ARGS)
+
 gpu-check:  ## on a GPU machine (torch+CUDA; megatron-core from .whl/ if missing): runs/gpu-check/report.md
 	$${PYTHON_GPU:-python3} tools/gpu_check.py $(ARGS)
 
-.PHONY: install demo test test-fast gpu-check slurm-setup
+.PHONY: install demo test test-fast gpu-check slurm-setup mutants

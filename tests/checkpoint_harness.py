@@ -1,4 +1,5 @@
 """Shared body of the checkpoint tests: train a segment of steps, optionally resuming and saving."""
+import torch
 import torch.distributed as dist
 
 import zero3d
@@ -24,30 +25,36 @@ def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
 
 def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=(), resume=False,
                   keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None, max_failed_saves=3,
-                  around_save=None):
+                  around_save=None, seed_for_rng=None):
     """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at
-    (around_save(rank, step, "before" | "after", checkpointer) runs on every rank around each save)."""
+    (around_save(rank, step, "before" | "after", checkpointer) runs on every rank around each save);
+    with `seed_for_rng`, also the generators start-up would make from that seed (out["seeded"])."""
     import os
     import signal
     cfg = load_config(None, CKPT_BASE + list(overrides))
     topo = init_topology(cfg)
     try:
         model = build_model(cfg, topo.device)
+        psi = sum(p.numel() for p in model.parameters())  # before stage 3 frees them
         engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
         identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
         layout = layout_signature(cfg, topo)
         ckpt = Checkpointer(save_dir, keep=keep, async_save=async_save, max_failed_saves=max_failed_saves)
-        out = {"loss": [], "notes": [], "reports": []}
+        out = {"loss": [], "notes": [], "reports": [], "loss_scale": [], "saved_params": {}, "psi": psi}
         if resume:
             resumed = ckpt.load_latest(model, engine, identity, layout, cfg.train.seed)
             out["resumed"] = None if resumed is None else {k: v for k, v in resumed.items() if k != "path"}
             out["notes"] = resumed["notes"] if resumed else []
+            out["rng_at_resume"] = rng_snapshot()
+            out["params_at_resume"] = {n: p.detach().clone() for n, p in full_params(engine).items()}
         for step in range(first, last):
             losses = forward_backward(engine, batches, step, cfg, topo)
-            engine.step(cfg.optimizer.lr)
+            result = engine.step(cfg.optimizer.lr)
             out["loss"].append(mean_loss(losses, topo))
+            out["loss_scale"].append(result.loss_scale)
             if step + 1 in save_at:
+                out["saved_params"][step + 1] = {n: p.detach().clone() for n, p in full_params(engine).items()}
                 if around_save:
                     around_save(rank, step + 1, "before", ckpt)
                 ckpt.save(step + 1, model, engine, {"layout": layout, "identity": identity, "config": cfg.to_dict(),
@@ -63,10 +70,26 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         out["params"] = {n: p.detach().clone() for n, p in full_params(engine).items()}
         out["tp_dims"], out["global_names"] = tp_dims_and_global_names(model)
         out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
+        if seed_for_rng is not None:
+            out["seeded"] = seeded_rng_snapshot(seed_for_rng)
         dist.barrier()
         return out
     finally:
         destroy_topology()
+
+
+def rng_snapshot() -> dict:
+    """This rank's CPU generator and megatron's tracker states, as tensors (for comparing)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    return {"cpu": torch.get_rng_state(), **{k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+
+
+def seeded_rng_snapshot(seed: int) -> dict:
+    """The generators as start-up seeds them from `seed` (torch, then megatron's TP-rank offsets)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return rng_snapshot()
 
 
 def full_params(engine):

@@ -66,7 +66,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
         activations.record_into(engine.comm_stats)
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
     out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
-           "param_checksum": []}
+           "param_checksum": [], "params_init": {n: p.detach().float().clone() for n, p in full_params(engine).items()}}
     for step in range(steps):
         engine.comm_stats.reset()
         losses = forward_backward(engine, batches, step, cfg, topo)

@@ -12,6 +12,7 @@ import pytest
 
 import ranks  # noqa: F401 - megatron imported before the forks below
 from pretrain.errors import EXIT_INPUT, EXIT_NUMERICAL, EXIT_PEER
+from pretrain.status import write_status
 
 REPO = Path(__file__).resolve().parents[2]
 # Most of this module is waiting for timeouts and watchdogs to fire: `make test` runs it in the waiting lane.
@@ -277,8 +278,11 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
 
 @pytest.mark.timeout(400)
 def test_rank_stuck_outside_collectives_is_ended_by_the_watchdog(tmp_path, data):
-    """Rank 1's data loader hangs: its peers time out in their collectives; the watchdog ends rank 1 itself."""
+    """Rank 1's data loader hangs: its peers time out in their collectives; the watchdog ends rank 1 itself.
+    A previous run's status.json (failed, exit 4) is cleared by rank 0 at the start: this run's failure
+    is recorded first-come (not agreed), so a stale file would otherwise stand."""
     run_dir = tmp_path / "run"
+    write_status(run_dir, "failed", "a previous run", 4, 7, EXIT_NUMERICAL, "error: a previous run's")
     launcher = torchrun(SMALL + data["overrides"] + ["train.steps=100000", "train.save_final=false"], run_dir,
                         tmp_path / "logs", env={"STUCK_RANK": "1", "STUCK_STEP": "3"},
                         script="tests/dist/stuck_loader_entry.py")
@@ -293,7 +297,8 @@ def test_rank_stuck_outside_collectives_is_ended_by_the_watchdog(tmp_path, data)
     assert stuck_gone_after < 3 * TIMEOUT_S
     (line,) = error_lines(rank_logs(tmp_path / "logs", "stderr")[1])
     assert line.startswith("error: no training progress for ") and "(rank 1, watchdog)" in line
-    assert json.loads((run_dir / "status.json").read_text())["exit_code"] == EXIT_PEER
+    status = json.loads((run_dir / "status.json").read_text())
+    assert (status["exit_code"], status["status"]) == (EXIT_PEER, "failed") and status["reason"] != "a previous run"
 
 
 @pytest.mark.timeout(400)

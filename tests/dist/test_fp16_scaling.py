@@ -53,3 +53,14 @@ def test_sum_then_divide_skips_more_at_dp3(single_rank):
     _, skipped = single_rank
     _, skipped_dp3 = run_ranks(_scale_trajectory, 3, 0, 1.0)[0]
     assert sum(skipped_dp3) > sum(skipped)
+
+
+def test_predivide_factor_2_at_dp4_sums_like_one_rank_doubling_its_gradient():
+    """grad_predivide_factor = 2 at DP 4 with the same batch everywhere: the fp16 sum is 4·g/2 = 2g, then
+    ÷2. One rank with factor 1/2 forms the same 2g (÷0.5, then ×0.5), so it overflows on the same
+    steps: the same loss-scale and skip sequence. The default (÷4 first, the sum g) follows another."""
+    default = run_ranks(_scale_trajectory, 1, 0, 0.0)[0]
+    doubled = run_ranks(_scale_trajectory, 1, 0, 0.5)[0]
+    assert doubled != default and sum(doubled[1]) > sum(default[1])  # the factor matters here
+    for rank_out in run_ranks(_scale_trajectory, 4, 1, 2.0):
+        assert rank_out == doubled

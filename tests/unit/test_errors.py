@@ -182,3 +182,23 @@ def test_watchdog_fires_without_beats_and_not_while_beating():
             time.sleep(0.1)
         assert not fired.is_set()
         assert fired.wait(5.0)
+
+
+def test_unexpected_error_exits_1_with_its_traceback_then_the_line():
+    """docs/exit-codes.md: code 1 is an unexpected error, and its traceback is always shown (no debug)."""
+    import io
+
+    from pretrain.status import report
+
+    def buggy():
+        raise KeyError("no such key")
+
+    try:
+        buggy()
+    except KeyError as err:
+        stream = io.StringIO()
+        code = report(err, rank=2, timeout_s=60.0, debug=False, stream=stream)
+    lines = stream.getvalue().splitlines()
+    assert code == 1
+    assert lines[0] == "Traceback (most recent call last):" and any("in buggy" in line for line in lines)
+    assert lines[-1].startswith("error: unexpected KeyError: 'no such key' (rank 2): this is a bug")

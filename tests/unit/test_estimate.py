@@ -140,23 +140,50 @@ def test_bad_shapes_raise(bad, message):
         estimate_from_shape(**args)
 
 
+def megatron_params(layers: int, h: int, tp: int, vocab: int = 50257, seq: int = 1024) -> int:
+    """One TP rank of megatron's GPT (untied, learned positions, biases), written out: per layer QKV
+    3h²/tp + 3h/tp, projection h²/tp + h, MLP 8h²/tp + 4h/tp + h, two layer norms 4h; the vocabulary
+    padded to a multiple of 128·tp in the embedding and the output layer; final layer norm 2h."""
+    v = -(-vocab // (128 * tp)) * 128 * tp
+    return layers * (12 * h * h // tp + 7 * h // tp + 6 * h) + 2 * v * h // tp + seq * h + 2 * h
+
+
+def fitting_boundary(hidden: int, heads: int, **shape) -> int:
+    """The layer count L with the estimate fitting at L and not at L + 1, found by walking up."""
+    fits = lambda n: estimate_from_shape(layers=n, hidden=hidden, heads=heads, vocab=50257, seq=1024,  # noqa: E731
+                                         recompute="full", gpu_memory_bytes=planner.PAPER_CLUSTER.gpu_memory_bytes,
+                                         **shape).fits
+    layers = 0
+    while fits(layers + 1):
+        layers += 1
+    return layers
+
+
 def test_dp_only_limits():
     ddp = planner.dp_only_limit(0)
     zero_dp = planner.dp_only_limit(2)
-    assert (ddp.hidden, ddp.layers, round(ddp.params / 1e9, 2)) == (1536, 48, 1.52)
-    assert (zero_dp.hidden, zero_dp.layers, round(zero_dp.params / 1e9, 2)) == (4096, 67, 13.91)
+    for stage, m in ((0, ddp), (2, zero_dp)):
+        bucket = None if stage == 0 else planner.DEFAULT_BUCKET_ELEMENTS
+        shape = dict(gpus=128, tp=1, stage=stage, micro_batch=1, bucket_elements=bucket)
+        # the largest model over the Figure 7 shapes, each at its own largest fitting layer count
+        each = {h: fitting_boundary(h, a, **shape) for h, a in planner.DP_ONLY_SHAPES}
+        best = max(each, key=lambda h: megatron_params(each[h], h, tp=1))
+        assert (m.hidden, m.layers, m.params) == (best, each[best], megatron_params(each[best], best, tp=1))
     assert 0 <= ddp.params / 1.4e9 - 1 < TOLERANCE and 0 <= zero_dp.params / 13e9 - 1 < TOLERANCE
 
 
 def test_c1_to_c5_maxima():
     limits = planner.config_limits()
-    layers = {name: m.layers for name, m in limits.items()}
-    assert layers == {"C1": 57, "C2": 116, "C3": 71, "C4": 195, "C5": 220}
+    for name, z in planner.PAPER_CONFIGS.items():  # each the estimator's boundary: L fits, L + 1 does not
+        m = limits[name]
+        layers = fitting_boundary(8192, 64, gpus=400, tp=16, stage=z.stage, micro_batch=16, pa=z.pa, pa_cpu=z.pa_cpu,
+                                  bucket_elements=planner.DEFAULT_BUCKET_ELEMENTS)
+        assert (m.layers, m.params) == (layers, megatron_params(layers, 8192, tp=1)), name  # the whole model
     billions = {name: m.params / 1e9 for name, m in limits.items()}
     for name, paper in (("C1", 40), ("C3", 50), ("C4", 140), ("C5", 150)):
         assert 0 <= billions[name] / paper - 1 < TOLERANCE, name
-    # C2 is the documented gap (docs/estimator.md): 94.3B against the paper's 60B
-    assert round(billions["C2"], 1) == 94.3
+    # C2 is the documented gap (docs/estimator.md): well above the paper's 60B
+    assert billions["C2"] / 60 - 1 > TOLERANCE
     assert billions["C1"] < billions["C3"] < billions["C2"] < billions["C4"] < billions["C5"]
 
 

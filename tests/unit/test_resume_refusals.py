@@ -1,0 +1,35 @@
+"""A checkpoint's identity (pretrain.checkpoint.run_identity) refuses another padded vocabulary, model shape or data prefix."""
+import pytest
+
+from gpt_harness import BASE
+from pretrain.checkpoint import check_identity, run_identity
+from pretrain.config import load_config
+from pretrain.checkpoint_files import CheckpointError
+
+
+def identity(tmp_path, overrides=(), tp=1, prefix="data/a"):
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"the same tokenizer")
+    return run_identity(load_config(None, BASE + ["model.make_vocab_size_divisible_by=64", *overrides]), tp,
+                        tokenizer, prefix)
+
+
+def test_the_same_run_is_accepted(tmp_path):
+    check_identity(tmp_path, identity(tmp_path), identity(tmp_path))
+
+
+def test_tp_that_pads_the_vocabulary_differently_is_refused_naming_padded_vocab_size(tmp_path):
+    """vocab 128, padded to a multiple of 64 × TP: 128 at TP 1 and 2, 256 at TP 4."""
+    check_identity(tmp_path, identity(tmp_path, tp=1), identity(tmp_path, tp=2))
+    with pytest.raises(CheckpointError, match=r"model\.padded_vocab_size: saved 128, now 256"):
+        check_identity(tmp_path, identity(tmp_path, tp=1), identity(tmp_path, tp=4))
+
+
+@pytest.mark.parametrize("overrides,prefix,diff", [
+    (["model.hidden_size=64"], "data/a", r"model\.hidden_size: saved 32, now 64"),
+    (["model.num_layers=3"], "data/a", r"model\.num_layers: saved 2, now 3"),
+    ([], "data/b", r"data_prefix: saved 'data/a', now 'data/b'"),
+], ids=["hidden", "layers", "data_prefix"])
+def test_another_model_shape_or_data_prefix_is_refused(tmp_path, overrides, prefix, diff):
+    with pytest.raises(CheckpointError, match="written for another model, tokenizer or data: .*" + diff):
+        check_identity(tmp_path, identity(tmp_path), identity(tmp_path, overrides, prefix=prefix))
