@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoint_harness import train_segment
-from pretrain.checkpoint_files import read_dcp_metadata
+from pretrain.checkpoint_read import read_dcp_metadata
 from ranks import run_ranks
 
 SEED, SAVE_AT, STEPS = 1234, 4, 7
@@ -57,7 +57,7 @@ def test_resume_at_tp2_rederives_the_generators_from_seed_and_step(stage3_run):
     (docs), the weights are the saved ones split over TP, and the fp16 scale carries on."""
     save_dir, ref = stage3_run
     out = run_ranks(train_segment, 2, TRAINING + ["parallel.tensor=2", "zero.stage=1"], save_dir, SAVE_AT,
-                    SAVE_AT + 1, (), True, 0, True, None, None, SEED + SAVE_AT, timeout=300)
+                    SAVE_AT + 1, (), True, 0, True, None, None, 3, None, SEED + SAVE_AT, timeout=300)
     saved = ref[0]["saved_params"][SAVE_AT]
     for r in out:
         assert any(n.startswith(f"RNG states re-derived from seed {SEED} + step {SAVE_AT}") for n in r["notes"])
