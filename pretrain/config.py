@@ -29,6 +29,9 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     recompute: Literal["none", "full"] = "none"  # full: every transformer layer recomputed
+    # Core attention (pretrain/attention.py): auto = Transformer Engine on GPU where importable, else
+    # torch's scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing.
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule: pad the vocabulary to a multiple of divisible_by × TP."""

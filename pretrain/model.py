@@ -71,20 +71,24 @@ def activation_checkpointing(cfg: Config, tp_group) -> Optional[ActivationCheckp
 
 
 def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None):
-    """The decoder's spec: Transformer Engine's layers on GPU when importable, else megatron's local
-    layers with `TorchLayerNorm` where apex is missing; ZeRO-R layers when `activations` is given."""
+    """The decoder's spec: Transformer Engine's layers when `model.attention` resolves to "te", else
+    megatron's local layers (with `TorchLayerNorm` where apex is missing) whose core attention is
+    `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    if on_cuda and activations is None:
-        try:
-            import transformer_engine  # noqa: F401
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+
+    from pretrain.attention import SDPAttention, resolve
+    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None)
+    if attention == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
     layer = specs.get_gpt_layer_local_spec()
     norm = specs.LNImpl if specs.HAVE_APEX else TorchLayerNorm
+    self_attention = layer.submodules.self_attention
+    if attention == "sdpa":
+        self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
+            self_attention.submodules, core_attention=SDPAttention))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention))
     if activations is not None:
         layer = dataclasses.replace(layer, module=_zero_recompute_layer_class(),
                                     params={**(layer.params or {}), "activations": activations})
