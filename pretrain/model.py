@@ -124,21 +124,26 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
-    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it."""
+    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; with
+    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/loss.py)."""
     import contextlib
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron_patches import tied_embeddings_stay_on_cpu
+
+    from pretrain.loss import ChunkedLossGPTModel
     on_cuda = device.type == "cuda"
     with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
-        model = GPTModel(config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
+        chunked = {"chunk_tokens": cfg.model.loss_chunk_tokens} if cfg.model.loss_chunk_tokens else {}
+        model = (ChunkedLossGPTModel if chunked else GPTModel)(
+                         config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
                          transformer_layer_spec=layer_spec(cfg, on_cuda, activations),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                          max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
-                         post_process=parallel_state.is_pipeline_last_stage())
+                         post_process=parallel_state.is_pipeline_last_stage(), **chunked)
     if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
         model.decoder.register_forward_pre_hook(
             lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),
