@@ -39,16 +39,24 @@ def counting_syncs(counts: Counter, phase: list):
         return wrapper
     for (owner, name), fn in originals.items():
         setattr(owner, name, counted(owner, name, fn))
-    debug = torch.cuda.is_available()
-    if debug:
-        torch.cuda.set_sync_debug_mode("error")  # any other implicit sync raises
     try:
         yield
     finally:
         for (owner, name), fn in originals.items():
             setattr(owner, name, fn)
-        if debug:
-            torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
+def no_cuda_syncs():
+    """On a GPU, any synchronizing CUDA call (implicit ones too) raises inside; nothing on CPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def syncs_rank(rank, world_size, steps=2):
@@ -72,7 +80,8 @@ def syncs_rank(rank, world_size, steps=2):
                 phase[0] = "data"  # synthetic tokens drawn on the host: not the step's business
                 micro_batches = [batches.get(step, i) for i in range(topo.grad_accum)]
                 phase[0] = "forward_backward" if step else "warm-up"
-                losses = run_micro_batches(engine, micro_batches, cfg, topo)
+                with no_cuda_syncs() if step else contextlib.nullcontext():
+                    losses = run_micro_batches(engine, micro_batches, cfg, topo)
                 phase[0] = "engine.step" if step else "warm-up"
                 engine.step(cfg.optimizer.lr)
                 phase[0] = "mean_loss" if step else "warm-up"
