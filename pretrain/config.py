@@ -34,6 +34,8 @@ class ModelConfig:
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     # Output layer + cross-entropy this many tokens at a time (pretrain/loss.py); 0: megatron's, in one piece.
     loss_chunk_tokens: int = 1024
+    # torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet.
+    compile: bool = False
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule: pad the vocabulary to a multiple of divisible_by × TP."""
@@ -310,6 +312,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              f"model.ffn_hidden_size = {m.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
     _require(m.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens = {m.loss_chunk_tokens} is invalid; must be "
              ">= 0 (0: the loss over all tokens at once)")
+    _require(not (m.compile and z.stage == 3),
+             "model.compile = true with zero.stage = 3 is refused: stage 3 swaps each parameter's storage around "
+             "its gathers, which the compiled layers' saved tensors do not survive; use stage 0-2 or model.compile = false")
     _require(m.init_method_std > 0, f"model.init_method_std = {m.init_method_std} is invalid; must be > 0")
     for key in ("hidden_dropout", "attention_dropout"):
         _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} = {getattr(m, key)} must be in [0, 1)")

@@ -13,6 +13,7 @@ from pretrain.config import Config
 from zero3d.checkpointing import ActivationCheckpointing, checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
 
 
 def _importable(module: str) -> bool:
@@ -144,6 +145,9 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
                          post_process=parallel_state.is_pipeline_last_stage(), **chunked)
+    if cfg.model.compile:  # each layer's forward through torch.compile
+        for layer in model.decoder.layers:
+            layer.compile(backend=COMPILE_BACKEND)
     if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
         model.decoder.register_forward_pre_hook(
             lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),
