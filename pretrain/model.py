@@ -189,8 +189,9 @@ def gather_units(model) -> list[tuple]:
 
 def gpt_inputs(tokens: torch.Tensor):
     """(inputs, positions, attention_mask, labels) of a [batch, seq+1] token block. The causal mask
-    (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda"; on
-    GPU it is None and megatron's fused causal kernels apply it."""
+    (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda" (only
+    `model.attention = "local"` reads it: SDPA applies `is_causal` without a mask); on GPU it is None
+    and the fused causal kernels apply it."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
     positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
