@@ -70,7 +70,9 @@ class PlainGPT(torch.nn.Module):
 
 
 def padded_vocab(vocab: int) -> int:
-    return -(-vocab // 128) * 128  # megatron's rule at TP 1 (model.make_vocab_size_divisible_by = 128)
+    """The embedding width pretrain builds at TP 1 (megatron's padding rule, pretrain/config.py)."""
+    from pretrain.config import ModelConfig
+    return ModelConfig(vocab_size=vocab).padded_vocab_size(1)
 
 
 def tokens_batch(shape: dict, device) -> torch.Tensor:

@@ -30,7 +30,7 @@ def counting_syncs(counts: Counter, phase: list):
     originals = {(torch.Tensor, n): getattr(torch.Tensor, n) for n in ("item", "cpu", "tolist")}
     originals[(torch.cuda, "synchronize")] = torch.cuda.synchronize
 
-    def counted(owner, name, fn):
+    def counted(name, fn):
         def wrapper(*args, **kwargs):
             # torch's CPU AdamW (single-tensor) reads its host step counter, once per parameter tensor
             in_adamw = any("/torch/optim/" in f.filename for f in traceback.extract_stack()[:-1])
@@ -38,7 +38,7 @@ def counting_syncs(counts: Counter, phase: list):
             return fn(*args, **kwargs)
         return wrapper
     for (owner, name), fn in originals.items():
-        setattr(owner, name, counted(owner, name, fn))
+        setattr(owner, name, counted(name, fn))
     try:
         yield
     finally:
