@@ -124,6 +124,13 @@ def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dic
                losses[-1].item())
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:  # the kernel picks an unused port: runs beside other jobs do not collide
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def zero3d_row(shape: dict, device, steps: int) -> dict:
     """One rank of `pretrain`: megatron GPTModel (model.attention auto, chunked loss) under the ZeRO engine."""
     import zero3d
@@ -133,7 +140,7 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
     from pretrain.topology import init_topology
     from pretrain.train import engine_settings, mean_loss, run_micro_batches
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
+                      MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     cfg = load_config(None, [f"model.num_layers={shape['layers']}", f"model.hidden_size={shape['hidden']}",
                              f"model.num_attention_heads={shape['heads']}", f"model.seq_length={shape['seq']}",
                              f"model.vocab_size={shape['vocab']}", f"train.micro_batch_size={shape['micro']}",
