@@ -31,6 +31,13 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     recompute: Literal["none", "full"] = "none"  # full: every transformer layer recomputed
+    # Core attention (pretrain/attention.py): auto = Transformer Engine on GPU where importable, else
+    # torch's scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing.
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    # Output layer + cross-entropy this many tokens at a time (pretrain/loss.py); 0: megatron's, in one piece.
+    loss_chunk_tokens: int = 1024
+    # torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet.
+    compile: bool = False
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule: pad the vocabulary to a multiple of divisible_by × TP."""
@@ -326,6 +333,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              f"{m.num_attention_heads}; choose a head count that divides the hidden size")
     _require(m.ffn_hidden_size is None or m.ffn_hidden_size > 0,
              f"model.ffn_hidden_size = {m.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
+    _require(m.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens = {m.loss_chunk_tokens} is invalid; must be "
+             ">= 0 (0: the loss over all tokens at once)")
+    _require(not (m.compile and z.stage == 3),
+             "model.compile = true with zero.stage = 3 is refused: stage 3 swaps each parameter's storage around "
+             "its gathers, which the compiled layers' saved tensors do not survive; use stage 0-2 or model.compile = false")
     _require(m.init_method_std > 0, f"model.init_method_std = {m.init_method_std} is invalid; must be > 0")
     for key in ("hidden_dropout", "attention_dropout"):
         _require(0.0 <= getattr(m, key) < 1.0, f"model.{key} = {getattr(m, key)} must be in [0, 1)")

@@ -23,7 +23,8 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, pa=z.partition_activations,
         pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
         tied=m.tie_embeddings, prefetch_units=z.prefetch_units, ffn_hidden=m.ffn_hidden_size,
-        vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes)
+        vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes,
+        loss_chunk_tokens=m.loss_chunk_tokens)
 
 
 def offload_settings(cfg: Config) -> dict:

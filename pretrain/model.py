@@ -13,6 +13,7 @@ from pretrain.config import Config
 from zero3d.checkpointing import ActivationCheckpointing, checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
 
 
 def _importable(module: str) -> bool:
@@ -71,20 +72,24 @@ def activation_checkpointing(cfg: Config, tp_group) -> Optional[ActivationCheckp
 
 
 def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None):
-    """The decoder's spec: Transformer Engine's layers on GPU when importable, else megatron's local
-    layers with `TorchLayerNorm` where apex is missing; ZeRO-R layers when `activations` is given."""
+    """The decoder's spec: Transformer Engine's layers when `model.attention` resolves to "te", else
+    megatron's local layers (with `TorchLayerNorm` where apex is missing) whose core attention is
+    `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    if on_cuda and activations is None:
-        try:
-            import transformer_engine  # noqa: F401
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+
+    from pretrain.attention import SDPAttention, resolve
+    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None)
+    if attention == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
     layer = specs.get_gpt_layer_local_spec()
     norm = specs.LNImpl if specs.HAVE_APEX else TorchLayerNorm
+    self_attention = layer.submodules.self_attention
+    if attention == "sdpa":
+        self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
+            self_attention.submodules, core_attention=SDPAttention))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention))
     if activations is not None:
         layer = dataclasses.replace(layer, module=_zero_recompute_layer_class(),
                                     params={**(layer.params or {}), "activations": activations})
@@ -120,21 +125,29 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
-    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it."""
+    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; with
+    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/loss.py)."""
     import contextlib
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron_patches import tied_embeddings_stay_on_cpu
+
+    from pretrain.loss import ChunkedLossGPTModel
     on_cuda = device.type == "cuda"
     with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
-        model = GPTModel(config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
+        chunked = {"chunk_tokens": cfg.model.loss_chunk_tokens} if cfg.model.loss_chunk_tokens else {}
+        model = (ChunkedLossGPTModel if chunked else GPTModel)(
+                         config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
                          transformer_layer_spec=layer_spec(cfg, on_cuda, activations),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                          max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
-                         post_process=parallel_state.is_pipeline_last_stage())
+                         post_process=parallel_state.is_pipeline_last_stage(), **chunked)
+    if cfg.model.compile:  # each layer's forward through torch.compile
+        for layer in model.decoder.layers:
+            layer.compile(backend=COMPILE_BACKEND)
     if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
         model.decoder.register_forward_pre_hook(
             lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),
@@ -176,8 +189,9 @@ def gather_units(model) -> list[tuple]:
 
 def gpt_inputs(tokens: torch.Tensor):
     """(inputs, positions, attention_mask, labels) of a [batch, seq+1] token block. The causal mask
-    (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda"; on
-    GPU it is None and megatron's fused causal kernels apply it."""
+    (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda" (only
+    `model.attention = "local"` reads it: SDPA applies `is_causal` without a mask); on GPU it is None
+    and the fused causal kernels apply it."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
     positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)

@@ -3,7 +3,8 @@
 Rows: NCCL world 1 (and world N when N > 1 GPUs) training of configs/tiny.toml for ZeRO stages 0-3
 in fp16 and bf16; Pa+cpu (pinned host memory, side-stream copies) with MD; the Transformer Engine
 layer spec when importable; `python -m pretrain.probe --real` of the 8B, 60B and 100B paper rank
-slices under a 32 GB cap (a slice that does not fit is a verdict, not a crash).
+slices under a 32 GB cap (a slice that does not fit is a verdict, not a crash); then
+bench/bench_gpu.py's throughput table (zero3d beside a plain-PyTorch GPT; the slices in bf16 and fp16).
 
 The machine may lack megatron-core and a package index: wheels in `.whl/` (git-ignored) are
 installed with `pip install --no-index --no-deps --target /tmp/site` and put on PYTHONPATH.
@@ -98,11 +99,12 @@ def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, st
     return row
 
 
-def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float) -> dict:
+def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, overrides=()) -> dict:
     """`probe --real` of the paper rank slice under a 32 GB cap (dry run: fake tensors, 2 layers)."""
     cmd = [sys.executable, "-W", "ignore", "-m", "pretrain.probe", "--config", config, "--json",
-           "--memory-gb", "32", "--steps", "2"]
+           "--memory-gb", "32", "--steps", "2", *overrides]
     cmd += ["model.num_layers=2"] if dry else ["--real"]
+    name = " ".join([name, *overrides])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     row = {"row": f"probe {name}" + (" (dry run: fake, 2 layers)" if dry else " --real, 32 GB cap"),
@@ -128,7 +130,18 @@ def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def write_report(path: Path, info: dict, rows: list, skipped: list, started: float) -> None:
+def bench_table(env: dict, dry: bool, quick: bool, timeout: float) -> str:
+    """bench/bench_gpu.py's table (zero3d beside the plain-PyTorch GPT, the rank slices in bf16 and fp16)."""
+    cmd = [sys.executable, "-W", "ignore", "bench/bench_gpu.py"] + (["--cpu-dry-run", "--steps", "1"] if dry else []) \
+        + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        return f"bench/bench_gpu.py failed (rc {proc.returncode}): " + \
+            ((proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"])[0] + "\n"
+    return proc.stdout
+
+
+def write_report(path: Path, info: dict, rows: list, skipped: list, started: float, bench: str = "") -> None:
     lines = ["# GPU check", "",
              f"GPU: **{info['gpu']}** × {info['gpus']}; torch {info['torch']}, CUDA {info['cuda']}, "
              f"NCCL {info['nccl']}, megatron-core {info['megatron_core']}, Transformer Engine "
@@ -156,6 +169,8 @@ def write_report(path: Path, info: dict, rows: list, skipped: list, started: flo
         lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} |||||||||")
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
+    if bench:
+        lines += ["", "## Throughput per rank: zero3d beside plain PyTorch (bench/bench_gpu.py)", "", bench.rstrip()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
@@ -220,7 +235,15 @@ def main(argv=None) -> int:
             skipped.append(f"{label}: did not finish inside the time budget")
             continue
         print(json.dumps(results[-1], default=str), flush=True)
-    write_report(Path(args.out), info, results, skipped, started)
+    bench, left = "", args.budget_s - (time.perf_counter() - started)
+    if left >= 60:
+        try:
+            bench = bench_table(env, args.cpu_dry_run, args.quick, timeout=left)
+        except subprocess.TimeoutExpired:
+            skipped.append("bench/bench_gpu.py: did not finish inside the time budget")
+    else:
+        skipped.append("bench/bench_gpu.py: time budget")
+    write_report(Path(args.out), info, results, skipped, started, bench)
     print(f"wrote {args.out}")
     return 0 if all(r["rc"] in (0, 1) if r["row"].startswith("probe") else r["rc"] == 0 for r in results) else 1
 

@@ -185,8 +185,10 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
                         precision: str = "fp16", tied: bool = False, prefetch_units: int = 1,
                         ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
-                        margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> MemoryBreakdown:
-    """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md)."""
+                        margin_fraction: float = DEFAULT_MARGIN_FRACTION,
+                        loss_chunk_tokens: int = 0) -> MemoryBreakdown:
+    """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
+    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py)."""
     validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
                    pa_cpu, precision, bucket_elements, prefetch_units)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
@@ -202,8 +204,11 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
 
     e = prec.activation_bytes
     layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden)
-    # the loss is computed on fp32 logits of this rank's vocabulary slice
-    logits = micro_batch * seq * vocab_pad // tp * 4
+    # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
+    if loss_chunk_tokens < 0:
+        raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
+    tokens = micro_batch * seq
+    logits = (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * vocab_pad // tp * 4
     host = 0.0
     if recompute == "none":
         checkpoints, working = 0.0, float(layers * layer_bytes)

@@ -1,0 +1,231 @@
+"""Per-rank GPU throughput: zero3d beside a plain-PyTorch GPT (SDPA, fused AdamW, eager and compiled), plus the paper's rank slices.
+
+    python bench/bench_gpu.py [--steps 10] [--json]      # on one GPU (docs/gpu-check.md)
+    python bench/bench_gpu.py --cpu-dry-run              # tiny versions of every row on CPU (a suite test)
+
+Rows: the 1.3B shape (24 layers × 2048 hidden × 16 heads, seq 2048, vocab 50257) in bf16 at TP 1 trained
+through zero3d (`pretrain` model + engine, one rank) and through `PlainGPT` below, eager and
+`torch.compile`d; then `python -m pretrain.probe --real` of the 8B (TP 4), 60B and 100B (TP 16) rank
+slices in bf16 and fp16 under a 32 GB cap. Each row: tokens/s, TFLOP/s (Megatron's model-FLOPs formula,
+pretrain/metrics.py), MFU (against the GPU's dense peak), peak CUDA memory. The dry run shrinks the shape
+to 2 layers × 64 hidden in fp32, compiles with the `aot_eager` backend (inductor's C++ codegen costs
+~40 s on a CPU: the GPU run uses inductor), and runs the probes in fake mode with 2 layers.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pretrain.metrics import device_peak_tflops, gpt_flops_per_step, throughput_metrics  # noqa: E402
+
+SHAPE = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
+DRY_SHAPE = dict(layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
+PROBES = [("8B", "configs/paper/fig2_8B_zero.toml"), ("60B", "configs/paper/fig2_60B_zero.toml"),
+          ("100B", "configs/paper/fig2_100B_zero.toml")]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Block(torch.nn.Module):
+    """Pre-LN GPT block: causal SDPA attention and a 4h GELU MLP (megatron's local layer, in plain PyTorch)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainGPT(torch.nn.Module):
+    """The reference: learned positions, `layers` blocks, final LN, untied output layer, fp32 cross-entropy."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, seq: int, vocab: int):
+        super().__init__()
+        self.tok, self.pos = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(seq, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f, self.head = torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        x = self.tok(inputs) + self.pos(torch.arange(inputs.shape[1], device=inputs.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def padded_vocab(vocab: int) -> int:
+    """The embedding width pretrain builds at TP 1 (megatron's padding rule, pretrain/config.py)."""
+    from pretrain.config import ModelConfig
+    return ModelConfig(vocab_size=vocab).padded_vocab_size(1)
+
+
+def tokens_batch(shape: dict, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, shape["vocab"], (shape["micro"], shape["seq"] + 1), generator=g).to(device)
+
+
+def timed(step, steps: int, warmup: int, device) -> float:
+    """Mean seconds per `step()` over `steps` after `warmup` (compilation, allocator, optimizer states)."""
+    for _ in range(warmup):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def row(label: str, step_s: float, shape: dict, device, loss: float) -> dict:
+    tokens = shape["micro"] * shape["seq"]
+    flops = gpt_flops_per_step(shape["layers"], shape["hidden"], shape["seq"], padded_vocab(shape["vocab"]),
+                               shape["micro"], recompute=False)
+    perf = throughput_metrics(step_s, tokens, 1, flops, device_peak_tflops(device.type, shape["dtype"]))
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return {"row": label, "step_s": step_s, "tokens_per_s": perf["perf/tokens_per_s"],
+            "tflops": perf["perf/tflops_per_gpu"], "mfu": perf.get("perf/mfu"), "peak_bytes": peak, "loss": loss}
+
+
+def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = PlainGPT(shape["layers"], shape["hidden"], shape["heads"], shape["seq"], padded_vocab(shape["vocab"]))
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    forward = torch.compile(model, backend="aot_eager" if dry else "inductor") if compiled else model
+    tokens, losses = tokens_batch(shape, device), []
+    autocast = torch.autocast(device.type, dtype=DTYPES[shape["dtype"]], enabled=shape["dtype"] != "fp32")
+
+    def step():
+        with autocast:
+            loss = forward(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    step_s = timed(step, steps, warmup=2, device=device)
+    return row(f"plain PyTorch GPT, {'compiled' if compiled else 'eager'}", step_s, shape, device,
+               losses[-1].item())
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:  # the kernel picks an unused port: runs beside other jobs do not collide
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def zero3d_row(shape: dict, device, steps: int) -> dict:
+    """One rank of `pretrain`: megatron GPTModel (model.attention auto, chunked loss) under the ZeRO engine."""
+    import zero3d
+    from megatron.core import parallel_state
+    from pretrain.config import load_config
+    from pretrain.model import build_model, parallel_groups
+    from pretrain.topology import init_topology
+    from pretrain.train import engine_settings, mean_loss, run_micro_batches
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+    cfg = load_config(None, [f"model.num_layers={shape['layers']}", f"model.hidden_size={shape['hidden']}",
+                             f"model.num_attention_heads={shape['heads']}", f"model.seq_length={shape['seq']}",
+                             f"model.vocab_size={shape['vocab']}", f"train.micro_batch_size={shape['micro']}",
+                             f"train.global_batch_size={shape['micro']}", f"precision.dtype={shape['dtype']}",
+                             "zero.stage=2", "logging.wandb=false"])
+    topo = init_topology(cfg)
+    model = build_model(cfg, topo.device)
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+    tokens, losses = tokens_batch(shape, topo.device), []
+
+    def step():
+        micro = run_micro_batches(engine, [tokens], cfg, topo)
+        engine.step(cfg.optimizer.lr)
+        losses.append(mean_loss(micro, topo))
+    try:
+        step_s = timed(step, steps, warmup=2, device=topo.device)
+        return row(f"zero3d (attention {cfg.model.attention}, stage 2)", step_s, shape, topo.device, losses[-1])
+    finally:
+        engine.close()
+        parallel_state.destroy_model_parallel()
+
+
+def probe_rows(dry: bool, timeout: float, quick: bool = False) -> list:
+    """`probe --real` (dry run: fake, 2 layers) of each paper rank slice in bf16 and fp16: tools/gpu_check.py's row."""
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return [gpu_check.probe_row(name, config, env, dry, timeout, overrides=[f"precision.dtype=\"{dtype}\""])
+            for name, config in (PROBES[-1:] if quick else PROBES) for dtype in (("bf16",) if quick else ("bf16", "fp16"))]
+
+
+def fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def table(rows: list, title: str) -> str:
+    lines = [f"{title}", "", "| row | tokens/s | TFLOP/s | MFU | peak GiB | step s | loss |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "tokens_per_s" not in r:  # a probe row
+            peak = r.get("peak_bytes")
+            verdict = (r.get("verdict") or f"error: {r.get('error')}").split(" — ")[0]  # e.g. "verdict: FITS"
+            lines.append(f"| {r['row']} (rc {r['rc']}, {verdict}) | — | "
+                         f"{fmt(r.get('tflops'), '.1f')} | {fmt(r.get('mfu'), '.1%')} | "
+                         f"{fmt(peak / 2**30 if peak else None, '.2f')} | {fmt(r.get('step_s'), '.3f')} | — |")
+            continue
+        peak = r["peak_bytes"] / 2**30 if r["peak_bytes"] else None
+        lines.append(f"| {r['row']} | {r['tokens_per_s']:.0f} | {r['tflops']:.3g} | {fmt(r['mfu'], '.1%')} | "
+                     f"{fmt(peak, '.2f')} | {r['step_s']:.4f} | {r['loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python bench/bench_gpu.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny versions of every row on CPU")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per training row (default 10)")
+    ap.add_argument("--no-probes", action="store_true", help="skip the paper rank-slice probes")
+    ap.add_argument("--quick", action="store_true", help="probe only the 100B slice, in bf16")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps} is invalid; must be >= 1")
+    dry = args.cpu_dry_run
+    if not dry and not torch.cuda.is_available():
+        ap.error("no CUDA device visible: run on a GPU machine, or use --cpu-dry-run")
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    shape = DRY_SHAPE if dry else SHAPE
+    rows = []
+    for make in (lambda: zero3d_row(shape, device, args.steps),
+                 lambda: plain_row(shape, device, False, dry, args.steps),
+                 lambda: plain_row(shape, device, True, dry, args.steps)):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        rows.append(make())
+    if not args.no_probes:
+        rows += probe_rows(dry, timeout=300, quick=args.quick)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run: tiny shapes, no GPU figure)"
+    if args.json:
+        print(json.dumps({"device": gpu, "shape": shape, "rows": rows}, default=str))
+    else:
+        print(table(rows, f"{gpu}; shape {shape}"))
+    return 0 if all(r.get("rc", 0) in (0, 1) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Core attention through torch's `scaled_dot_product_attention`, as megatron-core's core-attention submodule.
+
+`SDPAttention` takes `DotProductAttention`'s constructor and forward (megatron-core 0.16.1: query, key,
+value [s, b, heads, head_dim]; returns [s, b, heads·head_dim]) and replaces the baddbmm + masked softmax
+over a materialized [b·h, s, s] score tensor with one SDPA call (flash / memory-efficient / cuDNN on GPU).
+Causal attention uses `is_causal` and ignores `attention_mask` (no mask is needed or built); padding /
+arbitrary masks are passed to SDPA (megatron's convention, True = masked, inverted). GQA repeats key/value
+heads as megatron does. What it cannot honour is refused at construction or call: packed sequences,
+attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
+Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
+"""
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
+
+CHOICES = ("auto", "sdpa", "local", "te")
+
+
+class SDPAttention(DotProductAttention):
+    """megatron's DotProductAttention contract computed by `torch.nn.functional.scaled_dot_product_attention`."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"model.attention = 'sdpa' supports softmax_type 'vanilla', not {config.softmax_type!r}")
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+            raise ValueError(f"model.attention = 'sdpa' has no sliding window (window_size = {config.window_size}); "
+                             "use 'local' or 'te'")
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        # DotProductAttention divides the scale by layer_number under query-key layer scaling and multiplies
+        # the scores back in the softmax: the net scale is the unscaled one.
+        self.sdpa_scale = self.softmax_scale * (self.layer_number if config.apply_query_key_layer_scaling else 1)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("model.attention = 'sdpa' does not take packed sequences (packed_seq_params); use 'te'")
+        if attention_bias is not None:
+            raise ValueError("model.attention = 'sdpa' does not take an attention_bias; use 'local'")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups > 1:  # GQA: each key/value head serves `groups` query heads (megatron's layout)
+            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+        causal = mask_type == AttnMaskType.causal
+        if causal and query.shape[0] != key.shape[0]:
+            raise ValueError(f"model.attention = 'sdpa': causal attention needs equal query and key lengths, got "
+                             f"{query.shape[0]} and {key.shape[0]}")
+        mask = None
+        if not causal and mask_type != AttnMaskType.no_mask and attention_mask is not None:
+            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attends
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout = self.attention_dropout.p if self.training else 0.0
+        if dropout > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                context = self._sdpa(q, k, v, mask, causal, dropout)
+        else:
+            context = self._sdpa(q, k, v, mask, causal, dropout)
+        # [b, h, s, d] -> [s, b, h·d]
+        return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], self.hidden_size_per_partition)
+
+    def _sdpa(self, q, k, v, mask, causal, dropout):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                                is_causal=causal, scale=self.sdpa_scale)
+
+
+def resolve(choice: str, on_cuda: bool, zero_recompute: bool) -> str:
+    """The attention `model.attention` = `choice` runs: "te", "sdpa" or "local". `auto` is Transformer Engine
+    on GPU where importable (and no ZeRO-R layer class is needed), else SDPA; `te` is refused where it can't run."""
+    if choice not in CHOICES:
+        raise ValueError(f"model.attention = {choice!r} is invalid; valid values: {', '.join(map(repr, CHOICES))}")
+    te = on_cuda and not zero_recompute and _te_importable()
+    if choice == "te" and not te:
+        why = ("Transformer Engine is not importable" if not _te_importable() else
+               "it needs a CUDA device" if not on_cuda else
+               "ZeRO-R's recomputed layers (zero.partition_activations / cpu / contiguous) use megatron's local layers")
+        raise ValueError(f"model.attention = 'te' cannot run here: {why}; use 'auto', 'sdpa' or 'local'")
+    if choice == "auto":
+        return "te" if te else "sdpa"
+    return choice
+
+
+def _te_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None

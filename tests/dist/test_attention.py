@@ -1,0 +1,76 @@
+"""SDPA core attention trains like megatron's local attention (fp32, 10 steps), one run per attention and
+layout: TP 1; TP 2 × DP 2 with Pa+cpu (stage 2); TP 2 × PP 2 with SP (Pa and SP are mutually exclusive)."""
+import pytest
+import torch
+
+from ranks import run_ranks
+
+STEPS = 10
+LAYOUTS = {
+    "tp1": (1, ["train.global_batch_size=4"]),
+    "tp2_dp2_pa_cpu": (4, ["parallel.tensor=2", "model.recompute=full", "zero.partition_activations=true",
+                           "zero.cpu_checkpointing=true", "zero.stage=2", "train.global_batch_size=4"]),
+    "tp2_pp2_sp": (4, ["parallel.tensor=2", "parallel.pipeline=2", "parallel.sequence_parallel=true",
+                       "zero.stage=1", "train.global_batch_size=4"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sdpa_trains_like_local_attention(layout, gpt_run):
+    world, overrides = LAYOUTS[layout]
+    overrides = overrides + ["optimizer.lr=1e-2", "optimizer.min_lr=1e-2"]  # visible progress in 10 steps
+    local = gpt_run(world, overrides + ["model.attention=local"], STEPS)
+    sdpa = gpt_run(world, overrides + ["model.attention=sdpa"], STEPS)
+    assert local[0]["loss"][-1] < local[0]["loss"][0]  # it trains
+    # Losses and gradient norms (the acceptance); parameters are not compared: the key bias's gradient is
+    # zero up to rounding (softmax is shift-invariant), and Adam turns that rounding noise into ±lr steps.
+    for r_local, r_sdpa in zip(local, sdpa):
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(r_sdpa[key]), torch.tensor(r_local[key]), rtol=1e-5, atol=0)
+
+
+def contract_rank(rank, world_size):
+    """SDPAttention against megatron's DotProductAttention on the same q, k, v: causal (SDPA given no mask,
+    local given the explicit one), GQA, a padding mask; and what it refuses."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from gpt_harness import BASE
+    from pretrain.attention import SDPAttention
+    from pretrain.config import load_config
+    from pretrain.topology import init_topology
+    init_topology(load_config(None, BASE + ["train.global_batch_size=2"]))
+    s, b, heads, d = 7, 2, 4, 8
+    g = torch.Generator().manual_seed(0)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
+    padding = torch.rand(b, 1, s, s, generator=g) < 0.4
+    padding &= ~torch.eye(s, dtype=torch.bool)  # every query attends at least to itself
+    out = {}
+    for name, groups, mask_type, local_mask, sdpa_mask in [
+            ("causal", heads, AttnMaskType.causal, causal, None), ("gqa", 2, AttnMaskType.causal, causal, None),
+            ("padding", heads, AttnMaskType.padding, padding, padding)]:
+        config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                                   num_query_groups=groups, attention_dropout=0.0, use_cpu_initialization=True)
+        q = torch.randn(s, b, heads, d, generator=g)
+        k, v = torch.randn(2, s, b, groups, d, generator=g)
+        args = (config, 1, mask_type, "self")
+        out[name] = (SDPAttention(*args)(q, k, v, sdpa_mask), DotProductAttention(*args)(q, k, v, local_mask))
+    sdpa = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    refusals = []
+    for kwargs in (dict(packed_seq_params=PackedSeqParams()), dict(attention_bias=torch.zeros(1))):
+        try:
+            sdpa(q, k, v, None, **kwargs)
+        except ValueError as err:
+            refusals.append(str(err))
+    return out, refusals
+
+
+def test_sdpa_module_matches_megatron_dot_product_attention():
+    out, refusals = run_ranks(contract_rank, 1, timeout=60)[0]
+    for name, (sdpa, local) in out.items():
+        assert sdpa.shape == local.shape == (7, 2, 32), name
+        torch.testing.assert_close(sdpa, local, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert [r.split(";")[0].split("(")[0].strip() for r in refusals] == [
+        "model.attention = 'sdpa' does not take packed sequences", "model.attention = 'sdpa' does not take an attention_bias"]

@@ -1,0 +1,107 @@
+"""Host syncs per training step (docs/metrics.md, "Host syncs per step"): a counting shim over Tensor.item / .cpu /
+.tolist and torch.cuda.synchronize (and CUDA's sync debug mode where a GPU is present), over every ZeRO stage,
+fp16 loss scaling, Pa+cpu and a 2-stage pipeline: none in forward/backward, one in engine.step (the all-reduced
+gradient norm: overflow, clip and norm decided from it), one for the step's mean loss; on CPU torch's single-tensor
+AdamW also reads its host step counter once per optimizer tensor (a host tensor: no device wait)."""
+import contextlib
+import traceback
+from collections import Counter
+
+import torch
+
+from gpt_harness import BASE, SyntheticTokens
+from ranks import run_ranks
+
+CASES = {  # 2 ranks each
+    "stage0": ["zero.stage=0"],
+    "stage1_bf16": ["zero.stage=1", "precision.dtype=bf16"],
+    "stage2_fp16": ["zero.stage=2", "precision.dtype=fp16"],
+    "stage3": ["zero.stage=3"],
+    "tp2_pa_cpu": ["parallel.tensor=2", "zero.stage=2", "model.recompute=full", "zero.partition_activations=true",
+                   "zero.cpu_checkpointing=true"],
+    "pp2": ["parallel.pipeline=2", "zero.stage=1"],
+}
+EXPECTED = {"forward_backward": 0, "engine.step": 1, "mean_loss": 1}  # per step; docs/metrics.md
+
+
+@contextlib.contextmanager
+def counting_syncs(counts: Counter, phase: list):
+    """Counts every call of the host-reading methods under the current `phase[0]`."""
+    originals = {(torch.Tensor, n): getattr(torch.Tensor, n) for n in ("item", "cpu", "tolist")}
+    originals[(torch.cuda, "synchronize")] = torch.cuda.synchronize
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            # torch's CPU AdamW (single-tensor) reads its host step counter, once per parameter tensor
+            in_adamw = any("/torch/optim/" in f.filename for f in traceback.extract_stack()[:-1])
+            counts[(phase[0], "adamw step counter" if in_adamw else name)] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    for (owner, name), fn in originals.items():
+        setattr(owner, name, counted(name, fn))
+    try:
+        yield
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def no_cuda_syncs():
+    """On a GPU, any synchronizing CUDA call (implicit ones too) raises inside; nothing on CPU."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def syncs_rank(rank, world_size, steps=2):
+    import zero3d
+    from megatron.core import parallel_state
+    from pretrain.config import load_config
+    from pretrain.model import activation_checkpointing, build_model, parallel_groups
+    from pretrain.topology import init_topology
+    from pretrain.train import Batches, engine_settings, mean_loss, run_micro_batches
+    out = {}
+    for name, overrides in CASES.items():
+        cfg = load_config(None, BASE + ["train.global_batch_size=4", *overrides])
+        topo = init_topology(cfg)
+        activations = activation_checkpointing(cfg, topo.tp_group)
+        model = build_model(cfg, topo.device, activations)
+        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        counts, phase = Counter(), ["warm-up"]
+        with counting_syncs(counts, phase):
+            for step in range(1 + steps):  # step 0: warm-up (optimizer states, stage 3's recorded order)
+                phase[0] = "data"  # synthetic tokens drawn on the host: not the step's business
+                micro_batches = [batches.get(step, i) for i in range(topo.grad_accum)]
+                phase[0] = "forward_backward" if step else "warm-up"
+                with no_cuda_syncs() if step else contextlib.nullcontext():
+                    losses = run_micro_batches(engine, micro_batches, cfg, topo)
+                phase[0] = "engine.step" if step else "warm-up"
+                engine.step(cfg.optimizer.lr)
+                phase[0] = "mean_loss" if step else "warm-up"
+                mean_loss(losses, topo)
+        out[name] = dict(counts={k: v for k, v in counts.items() if k[0] not in ("warm-up", "data")},
+                         optimizer_tensors=sum(len(g["params"]) for g in engine.optimizer.param_groups),
+                         fused=engine.optimizer.defaults.get("fused") or False)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_host_syncs_per_step_hold_the_documented_numbers():
+    steps = 2
+    for rank_out in run_ranks(syncs_rank, 2, timeout=240):
+        for case, out in rank_out.items():
+            counts = out["counts"]
+            adamw = counts.pop(("engine.step", "adamw step counter"), 0)
+            per_phase = Counter()
+            for (phase, _), n in counts.items():
+                per_phase[phase] += n
+            assert dict(per_phase) == {p: n * steps for p, n in EXPECTED.items() if n}, (case, counts)
+            # CPU: one host read of the step counter per optimizer tensor; CUDA's fused AdamW keeps it on the device
+            assert adamw == (0 if out["fused"] else steps * out["optimizer_tensors"]), (case, adamw)
