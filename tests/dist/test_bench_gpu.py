@@ -16,7 +16,7 @@ def test_bench_gpu_cpu_dry_run_rows():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["row"]: r for r in out["rows"]}
     assert list(rows) == ["zero3d (attention auto, stage 2)", "plain PyTorch GPT, eager", "plain PyTorch GPT, compiled",
-                          'probe 100B precision.dtype="bf16" (dry run: fake, 2 layers)']
+                          'probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)']
     s = out["shape"]
     b, seq, L, h, v = s["micro"], s["seq"], s["layers"], s["hidden"], 512  # vocab 512: already a multiple of 128
     flops = 72 * b * seq * L * h * h * (1 + seq / (6 * h)) + 6 * b * seq * h * v
@@ -29,5 +29,5 @@ def test_bench_gpu_cpu_dry_run_rows():
     # the same weights, data and optimizer: compilation must not change the math
     assert math.isclose(rows["plain PyTorch GPT, compiled"]["loss"], rows["plain PyTorch GPT, eager"]["loss"],
                         rel_tol=1e-5)
-    probe = rows['probe 100B precision.dtype="bf16" (dry run: fake, 2 layers)']
+    probe = rows['probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)']
     assert probe["rc"] == 0 and probe["verdict"].startswith("verdict: FITS"), probe
