@@ -12,7 +12,7 @@ import pytest
 
 import ranks  # noqa: F401 - megatron imported before the forks below
 from pretrain.errors import EXIT_INPUT, EXIT_NUMERICAL, EXIT_PEER
-from pretrain.status import write_status
+from pretrain.runtime.status import write_status
 
 REPO = Path(__file__).resolve().parents[2]
 # Most of this module is waiting for timeouts and watchdogs to fire: `make test` runs it in the waiting lane.
@@ -33,7 +33,7 @@ def q(path) -> str:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Tokenizer and .bin/.idx built once; overrides that use them."""
-    from pretrain.data import prepare_files
+    from pretrain.data.datasets import prepare_files
     cache = tmp_path_factory.mktemp("data")
     from pretrain.config import DataConfig
     files = prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(cache)), 512)
