@@ -212,3 +212,30 @@ def test_cuda_mode_patches_nothing_and_cpu_mode_is_undone():
     finally:
         if was_applied:
             megatron_patches.apply("cpu")
+
+
+def readme_tree_paths() -> list[Path]:
+    """Every file or folder the README's tree table names; a bare `name.py` is in the folder named before it."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## The tree"):].split("\n## ")[0]
+    paths = []
+    for row in (line for line in table.splitlines() if line.startswith("| ") and "`" in line):
+        where = row.split(" | ")[1]
+        folder = None
+        for token in where.split("`")[1::2]:
+            if "/" in token:
+                path = REPO / token
+                folder = path if token.endswith("/") else path.parent
+            else:
+                path = folder / token if token.endswith(".py") and folder else REPO / token
+            paths.append(path)
+    return paths
+
+
+def test_readme_tree_names_files_that_exist_and_every_pretrain_module():
+    named = readme_tree_paths()
+    missing = [str(p.relative_to(REPO)) for p in named if not p.exists()]
+    assert missing == []
+    unnamed = [str(p.relative_to(REPO)) for p in sorted((REPO / "pretrain").rglob("*.py"))
+               if p.name != "__init__.py" and p not in named and p.parent not in named]
+    assert unnamed == [], "add these to the README's tree table"
