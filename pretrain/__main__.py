@@ -14,9 +14,14 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     import os as _os
     import warnings as _warnings
+
+    from pretrain.runtime.kernels import MEGATRON_FALLBACK_WARNINGS
+    # megatron-core warns at import about absent Apex/Transformer Engine: rank 0's start-up summary
+    # states each fallback once instead (pretrain/runtime/kernels.py).
+    _warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS, module="megatron")
     if (_os.environ.get("RANK") or _os.environ.get("SLURM_PROCID") or "0") != "0":
-        # megatron-core warns at import about absent Apex/Transformer Engine and deprecated options:
-        # the same lines from every rank. Rank 0 prints them, once each.
+        # its other import-time warnings (deprecated options) are the same lines from every rank:
+        # rank 0 prints them, once each.
         _warnings.filterwarnings("ignore", module="megatron")
 
 import argparse  # noqa: E402

@@ -17,6 +17,7 @@ from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import agree, on_main_then_share
+from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
 from pretrain.memory_check import check_memory
@@ -232,6 +233,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
+    if topo.is_main and (kernels := fallbacks_line()):
+        print(kernels, flush=True)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
     d, m, t = cfg.data, cfg.model, cfg.train
