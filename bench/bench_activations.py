@@ -43,7 +43,7 @@ def bench_rank(rank, world_size, args):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from pretrain.config import load_config
     from pretrain.model import activation_checkpointing, build_model, gpt_loss
-    from pretrain.topology import init_topology
+    from pretrain.runtime.topology import init_topology
     from pretrain.train import Batches, engine_settings
 
     base = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", "model.num_attention_heads=8",

@@ -32,10 +32,10 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
     import torch.distributed as dist
 
     import zero3d
-    from pretrain.checkpoint import Checkpointer
+    from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.config import load_config
     from pretrain.model import build_model, gpt_loss
-    from pretrain.topology import destroy_topology, init_topology
+    from pretrain.runtime.topology import destroy_topology, init_topology
     from pretrain.train import engine_settings, layout_signature
 
     cfg = load_config(None, [f"model.num_layers={layers}", f"model.hidden_size={hidden}",

@@ -41,7 +41,7 @@ MB = 2**20
 def build(args, system):
     from pretrain.config import load_config
     from pretrain.model import build_model
-    from pretrain.topology import init_topology
+    from pretrain.runtime.topology import init_topology
     overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
                  f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
                  f"model.vocab_size={args.vocab}", f"train.micro_batch_size={args.micro}",

@@ -1,4 +1,4 @@
-"""Preprocessing throughput (tokens/s): pretrain.preprocess with 1, 2 and all cores against today's code.
+"""Preprocessing throughput (tokens/s): pretrain.data.preprocess with 1, 2 and all cores against today's code.
 
     python bench/bench_preprocess.py [--size-mb 200] [--vocab 1024] [--baseline-commit b96830b]
 
@@ -8,7 +8,7 @@ one tokenizer on the shipped corpus, then tokenizes the big corpus:
 
     baseline  the single-process pretrain/data.py preprocess() of --baseline-commit, taken from git
               (`git show`) into the temporary directory: the code this module replaced
-    workers=N pretrain.preprocess.tokenize_corpus with N worker processes (1: in-process)
+    workers=N pretrain.data.preprocess.tokenize_corpus with N worker processes (1: in-process)
 
 Every row must write the same .bin bytes as the baseline. Throughput is tokens written per second of
 wall time, read + tokenize + write; ratios are against the baseline in the same run.
@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pretrain.preprocess import tokenize_corpus  # noqa: E402
-from pretrain.indexed import token_dtype  # noqa: E402
-from pretrain.tokenizer import train_tokenizer  # noqa: E402
+from pretrain.data.preprocess import tokenize_corpus  # noqa: E402
+from pretrain.data.indexed import token_dtype  # noqa: E402
+from pretrain.data.tokenizer import train_tokenizer  # noqa: E402
 
 CORPUS = REPO / "data" / "corpus.jsonl"
 
@@ -88,7 +88,7 @@ def main() -> int:
             stats = tokenize_corpus([corpus], model, tmp / f"w{workers}", workers=workers)
             if digest(str(tmp / f"w{workers}.bin")) != expected:
                 raise SystemExit(f"workers={workers} wrote other tokens than the baseline")
-            rows.append((f"pretrain.preprocess --workers {workers}", stats.seconds, stats.tokens))
+            rows.append((f"pretrain.data.preprocess --workers {workers}", stats.seconds, stats.tokens))
             os.remove(tmp / f"w{workers}.bin")
         base_rate = rows[0][2] / rows[0][1]
         print(f"\n| run | seconds | tokens | tokens/s | vs baseline |\n| --- | ---: | ---: | ---: | ---: |")

@@ -14,9 +14,14 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     import os as _os
     import warnings as _warnings
+
+    from pretrain.runtime.kernels import MEGATRON_FALLBACK_WARNINGS
+    # megatron-core warns at import about absent Apex/Transformer Engine: rank 0's start-up summary
+    # states each fallback once instead (pretrain/runtime/kernels.py).
+    _warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS, module="megatron")
     if (_os.environ.get("RANK") or _os.environ.get("SLURM_PROCID") or "0") != "0":
-        # megatron-core warns at import about absent Apex/Transformer Engine and deprecated options:
-        # the same lines from every rank. Rank 0 prints them, once each.
+        # its other import-time warnings (deprecated options) are the same lines from every rank:
+        # rank 0 prints them, once each.
         _warnings.filterwarnings("ignore", module="megatron")
 
 import argparse  # noqa: E402
@@ -25,10 +30,10 @@ import os  # noqa: E402
 import sys  # noqa: E402
 
 from pretrain.config import ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
-from pretrain.preflight import check_paths  # noqa: E402
-from pretrain.launch import check_master_resolves, launcher_env  # noqa: E402
+from pretrain.runtime.preflight import check_paths  # noqa: E402
+from pretrain.runtime.launch import check_master_resolves, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
-from pretrain.status import finished, record_failure, report, write_status  # noqa: E402
+from pretrain.runtime.status import finished, record_failure, report, write_status  # noqa: E402
 
 # --estimate: the layout does not fit the GPU memory, as the start-up guard refuses it (a config error)
 EXIT_ESTIMATE_TOO_BIG = EXIT_CONFIG
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
         return code
     finally:
         if training:
-            from pretrain.topology import destroy_topology
+            from pretrain.runtime.topology import destroy_topology
             destroy_topology()
     if result["stopped_early"] and rank == 0:  # one line from rank 0, not only torchrun's FAILED block
         print(f"stopped by a signal (SIGUSR1/SIGTERM) after step {result['end_step']} of {cfg.train.steps}: "

@@ -12,19 +12,22 @@ import torch
 import torch.distributed as dist
 
 import zero3d
-from pretrain import checkpoint, metrics
+from pretrain import metrics
+from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
-from pretrain.loader import Batches  # noqa: F401 - also imported from here by the tests
-from pretrain.preflight import check_paths
+from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
+from pretrain.runtime.agreement import agree, on_main_then_share
+from pretrain.runtime.kernels import fallbacks_line
+from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
-from pretrain.stragglers import Stragglers, straggler_text
-from pretrain.status import clear_status, record_failure, write_status
-from pretrain.topology import Topology, init_topology, launcher_env
-from pretrain.watchdog import Watchdog
+from pretrain.runtime.stragglers import Stragglers, straggler_text
+from pretrain.runtime.status import clear_status, record_failure, write_status
+from pretrain.runtime.topology import Topology, init_topology, launcher_env
+from pretrain.runtime.watchdog import Watchdog
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -35,21 +38,6 @@ def lr_at(step: int, cfg: Config) -> float:
     decay_steps = o.decay_steps or cfg.train.steps
     progress = min(1.0, (step - o.warmup_steps) / max(1, decay_steps - o.warmup_steps))
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def on_main_then_share(topo: Topology, fn):
-    """Run fn on rank 0 and hand its result (or its error, raised everywhere) to every rank."""
-    box = [None]
-    if topo.is_main:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            box[0] = ("error", err)
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise value
-    return value
 
 
 def engine_settings(cfg: Config) -> zero3d.EngineSettings:
@@ -114,13 +102,6 @@ class StopRequest:
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def agree(topo: Topology, *flags: bool) -> list[bool]:
-    """Each flag true on any rank is true on every rank (one all-reduce for all of them)."""
-    values = torch.tensor([float(f) for f in flags], device=topo.device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]
 
 
 class NonfiniteGuard:
@@ -201,7 +182,7 @@ def train(cfg: Config, launch: Optional[dict] = None) -> dict:
     """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}.
 
     status.json: rank 0 clears a previous run's at the start; a failure is recorded by the rank it
-    happens on (see pretrain.status); the final status is written between two barriers, after every
+    happens on (see pretrain.runtime.status); the final status is written between two barriers, after every
     rank has finished saving and before any rank leaves, so a launcher that kills the others when
     the first rank exits still finds it complete.
     """
@@ -249,9 +230,11 @@ def start_watchdog(cfg: Config, topo: Topology, progress: dict) -> Watchdog:
 
 
 def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
-    from pretrain.data import open_datasets, prepare_files
+    from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
+    if topo.is_main and (kernels := fallbacks_line()):
+        print(kernels, flush=True)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
     d, m, t = cfg.data, cfg.model, cfg.train
@@ -260,9 +243,9 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
     files = on_main_then_share(topo, lambda: prepare_files(d, m.vocab_size))
     layout = layout_signature(cfg, topo)
-    identity = checkpoint.run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
-    checkpoints = checkpoint.Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
-                                          timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
+    identity = run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
+    checkpoints = Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
+                               timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
     usable = checkpoints.find_usable(identity) if t.resume else None
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
@@ -319,7 +302,7 @@ class LoopParts:
     valid_ds: object
     activations: object
     logger: object
-    checkpoints: checkpoint.Checkpointer
+    checkpoints: Checkpointer
     layout: dict
     identity: dict
     flops_per_step: float

@@ -47,7 +47,7 @@ class Job:
 
 def checkpoint_bytes(cfg: Config) -> float:
     """Bytes one checkpoint writes, whatever the world size and ZeRO stage: each element once
-    (pretrain/checkpoint.py), the model in its training dtype plus the fp32 master and Adam's two
+    (pretrain/checkpoint/checkpointer.py), the model in its training dtype plus the fp32 master and Adam's two
     moments: 2Ψ + 12Ψ (fp16/bf16), 4Ψ + 12Ψ (fp32), Ψ the whole model's parameters (the estimator's
     count, vocabulary padded as at this TP size); the headers (manifest, DCP metadata) are negligible."""
     from zero3d.analysis.estimate import PRECISIONS, gpt_param_count

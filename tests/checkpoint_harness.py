@@ -4,10 +4,10 @@ import torch.distributed as dist
 
 import zero3d
 from gpt_harness import BASE, SyntheticTokens
-from pretrain.checkpoint import Checkpointer
+from pretrain.checkpoint.checkpointer import Checkpointer
 from pretrain.config import load_config
 from pretrain.model import build_model, parallel_groups
-from pretrain.topology import destroy_topology, init_topology
+from pretrain.runtime.topology import destroy_topology, init_topology
 from pretrain.train import Batches, engine_settings, forward_backward, layout_signature, mean_loss
 
 # 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import zero3d
 from pretrain.config import load_config
 from pretrain.model import activation_checkpointing, build_model, parallel_groups
-from pretrain.topology import init_topology
+from pretrain.runtime.topology import init_topology
 from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
 
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",

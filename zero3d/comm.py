@@ -8,6 +8,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+# The single-tensor collectives by the name the installed torch offers: torch 2.13 calls them
+# all_gather_single / reduce_scatter_single and warns (FutureWarning, every call) on the older names.
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -166,7 +171,7 @@ class Comm:
                 piece.copy_(full)
             return None
         if not self._gloo:
-            return self._issue(dist.reduce_scatter_tensor, async_op, output=piece, input=full)
+            return self._issue(REDUCE_SCATTER, async_op, output=piece, input=full)
         size = piece.numel()
         works = [dist.reduce(full[owner * size:(owner + 1) * size], dst=self._global_ranks[owner],
                              group=self.group, async_op=True) for owner in range(self.size)]
@@ -186,7 +191,7 @@ class Comm:
             if not same_memory(full, piece):
                 full.copy_(piece)
             return None
-        return self._issue(dist.all_gather_into_tensor, async_op, output_tensor=full, input_tensor=piece)
+        return self._issue(ALL_GATHER, async_op, output_tensor=full, input_tensor=piece)
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

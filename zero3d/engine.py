@@ -374,7 +374,7 @@ def is_decay_group(name: str) -> bool:
 
 def read_host_float(value: torch.Tensor) -> float:
     """The engine's one device-to-host read (the all-reduced squared gradient norm). A seam: the
-    rank-local probe (pretrain/probe.py) runs the engine on fake tensors, which hold no values, and
+    rank-local probe (pretrain/probe/cli.py) runs the engine on fake tensors, which hold no values, and
     answers this read with a fixed finite number instead."""
     return value.item()
 

@@ -40,7 +40,7 @@ def contract_rank(rank, world_size):
     from gpt_harness import BASE
     from pretrain.attention import SDPAttention
     from pretrain.config import load_config
-    from pretrain.topology import init_topology
+    from pretrain.runtime.topology import init_topology
     init_topology(load_config(None, BASE + ["train.global_batch_size=2"]))
     s, b, heads, d = 7, 2, 4, 8
     g = torch.Generator().manual_seed(0)

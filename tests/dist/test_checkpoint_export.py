@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_harness import train_segment
-from pretrain.export import main
+from pretrain.checkpoint.export import main
 from ranks import run_ranks
 
 

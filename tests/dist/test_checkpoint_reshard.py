@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from checkpoint_harness import train_segment
-from pretrain.checkpoint_files import read_json
-from pretrain.checkpoint_read import read_dcp_metadata
+from pretrain.checkpoint.files import read_json
+from pretrain.checkpoint.read import read_dcp_metadata
 from ranks import run_ranks
 
 SAVED = ["parallel.tensor=2", "zero.stage=2"]

@@ -181,7 +181,7 @@ def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(sma
     complete = [1, 3, 4] if case == "last_save" else [1, 3]
     assert (save_dir / "latest").read_text() == f"step_0000000{complete[-1]}\n"
     assert sorted(p.name for p in save_dir.iterdir()) == ["latest"] + [f"step_0000000{s}" for s in complete]
-    from pretrain.checkpoint_read import read_checkpoint
+    from pretrain.checkpoint.read import read_checkpoint
     for step in complete:
         manifest, _ = read_checkpoint(save_dir / f"step_0000000{step}")  # complete and verified
         assert manifest["step"] == step
@@ -192,8 +192,8 @@ def test_issue_23_payloads_run_nothing_on_resume_or_export(two_checkpoints, tmp_
     """The two code paths of issue 23, checkpoint.json rewritten to match: resume falls back to step 1
     with the reason; the export refuses in one line; the payload never runs."""
     import payloads
-    from pretrain import export
-    from pretrain.checkpoint_read import read_dcp_metadata
+    from pretrain.checkpoint import export
+    from pretrain.checkpoint.read import read_dcp_metadata
     save_dir = tmp_path / "ckpt"
     shutil.copytree(two_checkpoints, save_dir)
     marker, step2 = tmp_path / "pwned", save_dir / "step_00000002"

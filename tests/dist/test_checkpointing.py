@@ -11,7 +11,7 @@ from ranks import run_ranks
 from gpt_harness import BASE, SyntheticTokens
 from pretrain.config import load_config
 from pretrain.model import activation_checkpointing, build_model, gpt_loss
-from pretrain.topology import init_topology
+from pretrain.runtime.topology import init_topology
 from pretrain.train import Batches, engine_settings, mean_loss
 from zero3d.checkpointing import ActivationCheckpointing, checkpoint
 

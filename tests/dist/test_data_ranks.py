@@ -13,8 +13,8 @@ SEQ = 32
 @pytest.fixture(scope="module")
 def blend_files(tmp_path_factory):
     """Two prefixes written with the shipped corpus's tokenizer (trained once here)."""
-    from pretrain.indexed import IndexedWriter
-    from pretrain.tokenizer import train_tokenizer
+    from pretrain.data.indexed import IndexedWriter
+    from pretrain.data.tokenizer import train_tokenizer
     root = tmp_path_factory.mktemp("blend")
     model = train_tokenizer(REPO / "data/corpus.jsonl", root / "tok", 400)
     rng = numpy.random.default_rng(1)
@@ -30,7 +30,7 @@ def blend_files(tmp_path_factory):
 def _open(rank, world_size, root, model, cache, split):
     import torch.distributed as dist
     from pretrain.config import DataConfig
-    from pretrain.data import open_datasets, prepare_files
+    from pretrain.data.datasets import open_datasets, prepare_files
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     config = DataConfig(blend=f"0.25 {root}/low 0.75 {root}/high", tokenizer_model=model, cache_dir=str(cache),
                         split=split)

@@ -1,4 +1,5 @@
 """Fail fast and loud: bad data/tokenizer/checkpoint inputs, non-finite training, stuck peers (torchrun, CPU)."""
+import importlib.util
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import pytest
 
 import ranks  # noqa: F401 - megatron imported before the forks below
 from pretrain.errors import EXIT_INPUT, EXIT_NUMERICAL, EXIT_PEER
-from pretrain.status import write_status
+from pretrain.runtime.status import write_status
 
 REPO = Path(__file__).resolve().parents[2]
 # Most of this module is waiting for timeouts and watchdogs to fire: `make test` runs it in the waiting lane.
@@ -22,6 +23,9 @@ SMALL = ["--config", "configs/tiny.toml", "model.num_layers=1", "model.hidden_si
          "model.vocab_size=512", "train.micro_batch_size=2", "train.eval_interval=0", "logging.wandb=false",
          "logging.console=plain"]
 ONE_RANK = SMALL + ["parallel.tensor=1", "train.global_batch_size=2", "train.steps=2"]
+# torch's FutureWarning on the older collective names; megatron-core's import-time fallback warnings
+CONSOLE_NOISE = ("all_gather_into_tensor", "reduce_scatter_tensor", "Apex is not installed",
+                 "Transformer Engine and Apex are not installed")
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "ZERO3D_DEBUG")
 
@@ -33,7 +37,7 @@ def q(path) -> str:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Tokenizer and .bin/.idx built once; overrides that use them."""
-    from pretrain.data import prepare_files
+    from pretrain.data.datasets import prepare_files
     cache = tmp_path_factory.mktemp("data")
     from pretrain.config import DataConfig
     files = prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(cache)), 512)
@@ -274,6 +278,15 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
         if rank != victim:
             (line,) = error_lines(stderr[rank])
             assert f"(rank {rank})" in line and "Traceback" not in stderr[rank]
+    # A readable console: no rank warns about torch's older collective names (zero3d calls the ones the
+    # installed torch offers) or megatron's Apex/TE fallbacks; rank 0 states those once, as a fact.
+    noise = {rank: [n for n in CONSOLE_NOISE if n in text] for rank, text in stderr.items()}
+    assert noise == {rank: [] for rank in procs}
+    stdout = rank_logs(tmp_path / "logs", "stdout")
+    missing = [m for m in ("apex", "transformer_engine") if importlib.util.find_spec(m) is None]
+    assert [text.count("kernels: ") for _, text in sorted(stdout.items())] == [int(bool(missing)), 0, 0, 0]
+    assert ("Apex not installed" in stdout[0], "Transformer Engine not installed" in stdout[0]) == \
+        ("apex" in missing, "transformer_engine" in missing)
 
 
 @pytest.mark.timeout(400)

@@ -64,7 +64,7 @@ def syncs_rank(rank, world_size, steps=2):
     from megatron.core import parallel_state
     from pretrain.config import load_config
     from pretrain.model import activation_checkpointing, build_model, parallel_groups
-    from pretrain.topology import init_topology
+    from pretrain.runtime.topology import init_topology
     from pretrain.train import Batches, engine_settings, mean_loss, run_micro_batches
     out = {}
     for name, overrides in CASES.items():

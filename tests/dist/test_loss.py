@@ -15,7 +15,7 @@ def loss_rank(rank, world_size):
 
     from pretrain.config import load_config
     from pretrain.model import build_model, gpt_inputs
-    from pretrain.topology import init_topology
+    from pretrain.runtime.topology import init_topology
     out = []
     for tp, extra in CASES:
         runs = {}

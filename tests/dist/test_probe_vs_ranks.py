@@ -9,8 +9,8 @@ import torch
 
 from gpt_harness import BASE
 from pretrain.config import load_config
-from pretrain.probe_rank import probe_rank, run_rank_steps
-from pretrain.topology import init_topology
+from pretrain.probe.rank import probe_rank, run_rank_steps
+from pretrain.runtime.topology import init_topology
 from ranks import run_ranks
 
 TP, DP = 2, 2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoint_harness import train_segment
-from pretrain.checkpoint_read import read_dcp_metadata
+from pretrain.checkpoint.read import read_dcp_metadata
 from ranks import run_ranks
 
 SEED, SAVE_AT, STEPS = 1234, 4, 7

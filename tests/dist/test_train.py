@@ -17,7 +17,7 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 def data_cache(tmp_path_factory):
     """Tokenizer and .bin/.idx built once for the module (what rank 0 does at the start of a run)."""
     from pretrain.config import DataConfig
-    from pretrain.data import prepare_files
+    from pretrain.data.datasets import prepare_files
     cache = tmp_path_factory.mktemp("data")
     prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(cache)), vocab_size=512)
     return [f"data.corpus={json.dumps(str(REPO / 'data/corpus.jsonl'))}",
@@ -26,7 +26,7 @@ def data_cache(tmp_path_factory):
 
 def _train(rank, world_size, overrides):
     from pretrain.config import load_config
-    from pretrain.topology import destroy_topology
+    from pretrain.runtime.topology import destroy_topology
     from pretrain.train import train
     try:
         train(load_config(REPO / "configs/tiny.toml", overrides))
@@ -239,7 +239,7 @@ def _train_with_a_slow_rank(rank, world_size, overrides):
 
 def test_a_slow_rank_is_named_with_its_host(tmp_path, data_cache, capfd):
     import socket
-    from pretrain.stragglers import worst_offenders
+    from pretrain.summary import worst_offenders
     run_dir = tmp_path / "run"
     run_ranks(_train_with_a_slow_rank, 2, SMALL + data_cache + [
         "parallel.tensor=1", "zero.stage=1", "train.steps=4", "logging.log_interval=2", "train.eval_interval=0",

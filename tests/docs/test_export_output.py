@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from pretrain.export import main
+from pretrain.checkpoint.export import main
 
 
 def test_existing_output_file_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):

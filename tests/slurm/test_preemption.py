@@ -68,7 +68,7 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
 
     # Tokenizer and token files built once here, so the two jobs below read the same ones.
     from pretrain.config import DataConfig
-    from pretrain.data import prepare_files
+    from pretrain.data.datasets import prepare_files
     prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(REPO / "runs/data")), 1024)
     # (1) the reference: container mode, never interrupted; (2) the same run, requeueable, signalled mid-run
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"

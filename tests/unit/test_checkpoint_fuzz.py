@@ -13,9 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from pretrain.checkpoint_files import CheckpointError
-from pretrain.checkpoint_read import FORMAT, read_dcp_metadata
-from pretrain.export import read_model_tensors
+from pretrain.checkpoint.files import CheckpointError
+from pretrain.checkpoint.read import FORMAT, read_dcp_metadata
+from pretrain.checkpoint.export import read_model_tensors
 
 STEP = "step_00000003"
 
@@ -247,7 +247,7 @@ def test_an_unchanged_checkpoint_loads_its_tensors(checkpoint):
 
 
 def test_latest_with_a_nul_byte_and_a_bogus_wandb_mode_are_one_line_errors(tmp_path, checkpoint):
-    from pretrain.checkpoint import Checkpointer, latest_name
+    from pretrain.checkpoint.checkpointer import Checkpointer, latest_name
     from pretrain.errors import EXIT_INPUT, InputError
     from pretrain.metrics import wandb_mode
     (tmp_path / "step_00000001").mkdir()

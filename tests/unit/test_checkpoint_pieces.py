@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pretrain.checkpoint_files import CheckpointError, read_json, verify_file
-from pretrain.checkpoint_read import read_dcp_metadata
-from pretrain.checkpoint_tensors import flat_index, flat_range_boxes, is_main_replica
+from pretrain.checkpoint.files import CheckpointError, read_json, verify_file
+from pretrain.checkpoint.read import read_dcp_metadata
+from pretrain.checkpoint.tensors import flat_index, flat_range_boxes, is_main_replica
 from zero3d.flat import FlatLayout
 from zero3d.state import owned_pieces
 

@@ -10,11 +10,11 @@ import torch
 import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from pretrain import preprocess as preprocess_cli
-from pretrain.corpus import DataError, read_documents
-from pretrain.indexed import check_indexed_dataset, check_token_ids
-from pretrain.preprocess import tokenize_corpus
-from pretrain.tokenizer import Tokenizer, TokenizerError, sample_sentences, train_tokenizer
+from pretrain.data import preprocess as preprocess_cli
+from pretrain.data.corpus import DataError, read_documents
+from pretrain.data.indexed import check_indexed_dataset, check_token_ids
+from pretrain.data.preprocess import tokenize_corpus
+from pretrain.data.tokenizer import Tokenizer, TokenizerError, sample_sentences, train_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 VOCAB = 400  # byte fallback (256) + 3 specials + this corpus's characters need 350; the rest are merges
@@ -165,7 +165,7 @@ def test_an_interrupted_preprocess_leaves_no_complete_looking_file(tmp_path, bui
         calls.append(1)
         if len(calls) == 100:
             raise KeyboardInterrupt
-    monkeypatch.setattr("pretrain.indexed.IndexedWriter.add_document", interrupt)
+    monkeypatch.setattr("pretrain.data.indexed.IndexedWriter.add_document", interrupt)
     with pytest.raises(KeyboardInterrupt):
         tokenize_corpus([CORPUS], built[0].model_path, tmp_path / "out" / "stopped")
     assert list((tmp_path / "out").iterdir()) == []

@@ -13,11 +13,11 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.core.datasets.utils import get_blend_from_list
 
 from pretrain.config import ConfigError, DataConfig, load_config
-from pretrain.corpus import DataError, read_documents
-from pretrain.data import DataFiles, TokenBlocks, open_datasets, prepare_files
-from pretrain.indexed import IndexedWriter
-from pretrain.loader import Batches
-from pretrain.tokenizer import Tokenizer, train_tokenizer
+from pretrain.data.corpus import DataError, read_documents
+from pretrain.data.datasets import DataFiles, TokenBlocks, open_datasets, prepare_files
+from pretrain.data.indexed import IndexedWriter
+from pretrain.data.loader import Batches
+from pretrain.data.tokenizer import Tokenizer, train_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 VOCAB, SEQ = 400, 32

@@ -9,8 +9,8 @@ import pytest
 
 from pretrain.errors import (EXIT_CONFIG, EXIT_INPUT, EXIT_NUMERICAL, EXIT_PEER, ConfigError, InputError,
                              NumericalError, PeerTimeoutError, peer_error)
-from pretrain.status import write_status
-from pretrain.watchdog import Watchdog
+from pretrain.runtime.status import write_status
+from pretrain.runtime.watchdog import Watchdog
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.num_layers=1", "logging.wandb=false", "logging.console=plain", "train.steps=2"]
@@ -188,7 +188,7 @@ def test_unexpected_error_exits_1_with_its_traceback_then_the_line():
     """docs/exit-codes.md: code 1 is an unexpected error, and its traceback is always shown (no debug)."""
     import io
 
-    from pretrain.status import report
+    from pretrain.runtime.status import report
 
     def buggy():
         raise KeyError("no such key")

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from pretrain import probe
+from pretrain.probe import cli as probe
 from zero3d.analysis.comm_model import Links, collective_seconds, comm_breakdown, ring_kind
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION
-from zero3d.analysis.probe_report import GIB, extrapolate_layers, judge, relative_gap
+from pretrain.probe.report import GIB, extrapolate_layers, judge, relative_gap
 
 
 def test_allreduce_inside_a_node_is_nvswitch_alpha_beta():
@@ -77,7 +77,7 @@ def test_real_mode_on_cpu_times_phases_and_models_the_collectives(capsys):
 
 
 def test_phase_lines_pick_the_phase_that_limits_first():
-    from zero3d.analysis.probe_report import extrapolate_phases
+    from pretrain.probe.report import extrapolate_phases
     # backward grows 2 000 per layer from 1 000; the optimizer step 3 000 per layer from 0.
     phase, fit = extrapolate_phases(4, {"backward": 9_000, "optimizer step": 12_000},
                                     16, {"backward": 33_000, "optimizer step": 48_000}, usable_bytes=60_000)

@@ -1,10 +1,10 @@
-"""A checkpoint's identity (pretrain.checkpoint.run_identity) refuses another padded vocabulary, model shape or data prefix."""
+"""A checkpoint's identity (pretrain.checkpoint.checkpointer.run_identity) refuses another padded vocabulary, model shape or data prefix."""
 import pytest
 
 from gpt_harness import BASE
-from pretrain.checkpoint import check_identity, run_identity
+from pretrain.checkpoint.checkpointer import check_identity, run_identity
 from pretrain.config import load_config
-from pretrain.checkpoint_files import CheckpointError
+from pretrain.checkpoint.files import CheckpointError
 
 
 def identity(tmp_path, overrides=(), tp=1, prefix="data/a"):

@@ -1,6 +1,7 @@
-"""The tree's import rules, read from the source (ast): no cycles, the engine model-agnostic, megatron's
-internals reached only through megatron_patches/ and pretrain/model.py, nothing patched on CUDA."""
+"""The tree's import rules, read from the source (ast): no cycles, the engine model-agnostic, pretrain's floors
+and wings, megatron's internals reached only through megatron_patches/ and pretrain/model.py, nothing patched on CUDA."""
 import ast
+import tomllib
 from pathlib import Path
 
 import torch
@@ -74,6 +75,99 @@ def test_engine_imports_no_analysis_pretrain_or_megatron():
         assert bad == [], f"{path.relative_to(REPO)} imports {bad}"
 
 
+# pretrain's floors, lowest first: a module imports pretrain modules of its own floor or of floors below it.
+# Ground: what every floor reads (the config tree and the blend grammar it validates, errors, metrics sinks,
+# the run summary). Wings by concern, each a package. The loop and the model above them; the probe runs the
+# loop's own step, so it stands above the loop; the command-line entry modules on top, imported by nothing.
+PRETRAIN_FLOORS = (
+    ("ground", ("pretrain", "pretrain.config", "pretrain.errors", "pretrain.metrics", "pretrain.summary",
+                "pretrain.blend")),
+    ("data wing", ("pretrain.data",)),
+    ("runtime wing", ("pretrain.runtime",)),
+    ("checkpoint wing", ("pretrain.checkpoint",)),
+    ("loop", ("pretrain.train", "pretrain.model", "pretrain.attention", "pretrain.loss", "pretrain.pipeline",
+              "pretrain.memory_check")),
+    ("probe wing", ("pretrain.probe",)),
+    ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.preprocess", "pretrain.probe.__main__")),
+)
+WINGS = ("data", "runtime", "checkpoint", "probe")
+
+
+def floor_of(name: str) -> int | None:
+    """Index in PRETRAIN_FLOORS of the most specific entry naming the module (itself, or the wing holding it)."""
+    wings = tuple(f"pretrain.{w}" for w in WINGS)
+    best, best_len = None, -1
+    for i, (_, members) in enumerate(PRETRAIN_FLOORS):
+        for member in members:
+            named = name == member or (member in wings and name.startswith(member + "."))
+            if named and len(member) > best_len:
+                best, best_len = i, len(member)
+    return best
+
+
+def pretrain_imports(known: dict) -> list[tuple[str, str]]:
+    """(importer, imported) for every import of one pretrain module by another, through either spelling."""
+    out = []
+    for m, path in known.items():
+        if not m.startswith("pretrain"):
+            continue
+        for module, names in imports(path):
+            for target in [module] + [f"{module}.{n}" for n in names]:
+                t = own_module(target, known)
+                if t and t.startswith("pretrain") and t != m and (m, t) not in out:
+                    out.append((m, t))
+    return out
+
+
+def test_no_relative_imports():
+    """The floor rules read absolute imports; a relative one would walk past them unseen."""
+    relative = [f"{path.relative_to(REPO)}:{node.lineno}" for path in modules().values()
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level > 0]
+    assert relative == []
+
+
+def test_every_pretrain_module_has_a_floor():
+    unplaced = [m for m in modules() if m.startswith("pretrain") and floor_of(m) is None]
+    assert unplaced == [], f"add each to PRETRAIN_FLOORS: {unplaced}"
+
+
+def test_pretrain_imports_only_its_own_floor_or_below():
+    upward = [f"{m} ({PRETRAIN_FLOORS[floor_of(m)][0]}) imports {t} ({PRETRAIN_FLOORS[floor_of(t)][0]})"
+              for m, t in pretrain_imports(modules()) if floor_of(t) > floor_of(m)]
+    assert upward == []
+
+
+def test_entry_modules_are_imported_by_nothing():
+    entries = PRETRAIN_FLOORS[-1][1]
+    known = modules()
+    importers = [f"{path.relative_to(REPO)} imports {t}" for m, path in known.items() for module, names in imports(path)
+                 for t in [module] + [f"{module}.{n}" for n in names] if t in entries]
+    assert importers == []
+
+
+def test_wings_are_packages_with_a_one_line_docstring():
+    for wing in WINGS:
+        init = REPO / "pretrain" / wing / "__init__.py"
+        tree = ast.parse(init.read_text())
+        assert len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr), f"{init}: only a docstring"
+        assert len(init.read_text().strip().splitlines()) == 1, f"{init}: a one-line docstring"
+
+
+def test_setuptools_ships_every_package():
+    """A non-editable install copies only the packages pyproject.toml lists: every folder with an __init__.py."""
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    present = {".".join(p.parent.relative_to(REPO).parts) for top in ("zero3d", "pretrain", "megatron_patches")
+               for p in (REPO / top).rglob("__init__.py")}
+    assert present - listed == set()
+
+
+def test_zero3d_and_its_analysis_import_no_pretrain():
+    bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items() if name.startswith("zero3d")
+           for m, _ in imports(path) if m == "pretrain" or m.startswith("pretrain.")]
+    assert bad == []
+
+
 def test_megatron_internals_only_in_patches_and_model():
     offenders = []
     for name, path in modules().items():
@@ -119,3 +213,30 @@ def test_cuda_mode_patches_nothing_and_cpu_mode_is_undone():
     finally:
         if was_applied:
             megatron_patches.apply("cpu")
+
+
+def readme_tree_paths() -> list[Path]:
+    """Every file or folder the README's tree table names; a bare `name.py` is in the folder named before it."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## The tree"):].split("\n## ")[0]
+    paths = []
+    for row in (line for line in table.splitlines() if line.startswith("| ") and "`" in line):
+        where = row.split(" | ")[1]
+        folder = None
+        for token in where.split("`")[1::2]:
+            if "/" in token:
+                path = REPO / token
+                folder = path if token.endswith("/") else path.parent
+            else:
+                path = folder / token if token.endswith(".py") and folder else REPO / token
+            paths.append(path)
+    return paths
+
+
+def test_readme_tree_names_files_that_exist_and_every_pretrain_module():
+    named = readme_tree_paths()
+    missing = [str(p.relative_to(REPO)) for p in named if not p.exists()]
+    assert missing == []
+    unnamed = [str(p.relative_to(REPO)) for p in sorted((REPO / "pretrain").rglob("*.py"))
+               if p.name != "__init__.py" and p not in named and p.parent not in named]
+    assert unnamed == [], "add these to the README's tree table"

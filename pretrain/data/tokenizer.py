@@ -8,7 +8,7 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from pretrain.corpus import read_documents
+from pretrain.data.corpus import read_documents
 
 MAX_SENTENCES = 2_000_000  # sentences a tokenizer trains on, sampled from a bigger corpus
 SAMPLE_SEED = 1234

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from pretrain.checkpoint_files import MANIFEST, CheckpointError, read_json, verify_file
-from pretrain.dcp_metadata_unpickler import DTYPES, unpickle_metadata
+from pretrain.checkpoint.files import MANIFEST, CheckpointError, read_json, verify_file
+from pretrain.checkpoint.unpickler import DTYPES, unpickle_metadata
 
 DCP_METADATA = ".metadata"
 LATEST = "latest"

@@ -49,15 +49,3 @@ class Stragglers:
         record["perf/straggler_gather_s"] = time.perf_counter() - t0
         return record
 
-
-def worst_offenders(records: list, top: int = 3) -> str:
-    """The summary's line: the ranks most often named a straggler, with how often and their worst ratio."""
-    named: dict = {}
-    for r in records:
-        if "perf/straggler_rank" in r:
-            key = f"rank {r['perf/straggler_rank']} ({r.get('perf/straggler_host', '?')})"
-            count, worst = named.get(key, (0, 0.0))
-            named[key] = (count + 1, max(worst, r["perf/slowest_ratio"]))
-    checked = sum(1 for r in records if "perf/slowest_ratio" in r)
-    ranked = sorted(named.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))[:top]
-    return "; ".join(f"{key}: {n} of {checked} intervals, worst {w:.2f}×" for key, (n, w) in ranked)

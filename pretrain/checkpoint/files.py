@@ -1,4 +1,4 @@
-"""Checkpoint files on disk: durable JSON and a SHA-256 manifest (DCP's files are read by pretrain.checkpoint_read)."""
+"""Checkpoint files on disk: durable JSON and a SHA-256 manifest (DCP's files are read by pretrain.checkpoint.read)."""
 import hashlib
 import json
 import os

@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint_files import (MANIFEST, CheckpointError, file_record, fsync_path, read_json,
+from pretrain.checkpoint.files import (MANIFEST, CheckpointError, file_record, fsync_path, read_json,
                                        verify_file, write_json_durably, write_text_durably)
-from pretrain.checkpoint_read import (DCP_METADATA, FORMAT, LATEST, check_fields, check_identity, check_listed,
+from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields, check_identity, check_listed,
                                       latest_name, load_dcp, read_dcp_metadata, read_manifest)
-from pretrain.checkpoint_tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
+from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
+from pretrain.runtime.agreement import rank0_value
 from zero3d import state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -85,13 +86,6 @@ def _cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
 
 
-def _agree(value):
-    """Rank 0's value (or exception) on every rank."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _step_dirs(save_dir: Path) -> list[Path]:
     """Complete step directories, newest first."""
     return sorted((p for p in save_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
@@ -145,7 +139,7 @@ class Checkpointer:
                 (tmp / "rng").mkdir(parents=True)
             except OSError as err:
                 error = f"cannot prepare {tmp}: {err}"
-        error = _agree(error)
+        error = rank0_value(error)
         if error is not None:
             return self._save_failed(tmp, error)
         templates = self._model_templates(model, engine)
@@ -209,7 +203,7 @@ class Checkpointer:
                 self._publish(tmp, final, {**meta, "files": files})
             except OSError as err:
                 error = f"cannot complete checkpoint {final}: {err}"
-        error = _agree(error)
+        error = rank0_value(error)
         if error is not None:
             return self._save_failed(tmp, error)
         self.failed_saves = 0
@@ -298,7 +292,7 @@ class Checkpointer:
                 return read_manifest(step_dir), ""
             except CheckpointError as err:
                 return None, str(err)
-        manifest, why = _agree(manifest_or_why() if dist.get_rank() == 0 else None)
+        manifest, why = rank0_value(manifest_or_why() if dist.get_rank() == 0 else None)
         if manifest is None:
             return None, why
         names = sorted(manifest["files"])
@@ -328,7 +322,7 @@ class Checkpointer:
         A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
         before it; one written for another model, tokenizer or data is refused.
         """
-        candidates = _agree(self.candidates() if dist.get_rank() == 0 else None)
+        candidates = rank0_value(self.candidates() if dist.get_rank() == 0 else None)
         notes, reasons = [], []
         for step_dir in candidates:
             manifest, why = self.verify(step_dir)

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import megatron_patches
 import zero3d.engine
 from pretrain.config import Config, ConfigError, validate_layout
-from pretrain.topology import Topology
+from pretrain.runtime.topology import Topology
 from pretrain.train import Batches, build_and_wrap, forward_backward, lr_at
-from zero3d.analysis.rank_memory import PHASES, PhaseMemTracker, StepPhases, _MemRefType
+from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, _MemRefType
 
 # Fake tensors hold no values; the engine's one host read (the squared gradient norm) gets this
 # finite value, so every step takes the non-overflow path (clip, optimizer step, publish).

@@ -14,7 +14,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.checkpointable import (CheckpointableShardedTensor,
                                                                         LocalShardsContainer)
 
-from pretrain.checkpoint_files import CheckpointError
+from pretrain.checkpoint.files import CheckpointError
 
 PREFIXES = {"param": "model/", "master": "optim/master/", "exp_avg": "optim/exp_avg/",
             "exp_avg_sq": "optim/exp_avg_sq/"}

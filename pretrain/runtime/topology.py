@@ -10,7 +10,7 @@ import torch.distributed as dist
 import megatron_patches
 from pretrain.config import Config, validate_layout
 from pretrain.errors import InputError
-from pretrain.launch import expand_nodelist, launcher_env  # noqa: F401 - the launcher's view, re-exported
+from pretrain.runtime.launch import expand_nodelist, launcher_env  # noqa: F401 - the launcher's view, re-exported
 
 
 @dataclass

@@ -14,8 +14,8 @@ import argparse
 import sys
 
 from pretrain.config import ConfigError, load_config, validate_layout
-from pretrain.probe_commands import max_model_command, probe_command
-from pretrain.probe_rank import refuse_file_offload_on_fake_tensors
+from pretrain.probe.commands import max_model_command, probe_command
+from pretrain.probe.rank import refuse_file_offload_on_fake_tensors
 
 MAX_MODEL_MEMORY_GB = 32.0  # --max-model studies the paper's C1-C5 on its 32 GB V100s
 
@@ -67,6 +67,3 @@ def main(argv=None) -> int:
         return 2
     return probe_command(cfg, world, args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

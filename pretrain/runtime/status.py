@@ -64,8 +64,8 @@ def as_project_error(err: BaseException, rank: Optional[int], timeout_s: float) 
     failure as a peer timeout; None for an unexpected error."""
     if isinstance(err, ProjectError):
         return err
-    from pretrain.data import DataError
-    from pretrain.tokenizer import TokenizerError
+    from pretrain.data.datasets import DataError
+    from pretrain.data.tokenizer import TokenizerError
     for kind, where, fix in ((DataError, "data", "fix the file, or point data.corpus / data.blend at another"),
                              (TokenizerError, "tokenizer", "fix data.tokenizer_model or model.vocab_size")):
         if isinstance(err, kind):  # a message "<what>; <how to fix>" brings its own fix

@@ -22,10 +22,10 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from pretrain.blend import parse_blend
 from pretrain.config import DataConfig
-from pretrain.corpus import DataError, expand_inputs
-from pretrain.indexed import check_indexed_dataset, check_token_ids
-from pretrain.preprocess import tokenize_corpus
-from pretrain.tokenizer import Tokenizer, train_tokenizer
+from pretrain.data.corpus import DataError, expand_inputs
+from pretrain.data.indexed import check_indexed_dataset, check_token_ids
+from pretrain.data.preprocess import tokenize_corpus
+from pretrain.data.tokenizer import Tokenizer, train_tokenizer
 
 Blend = tuple[list[str], Optional[list[float]]]  # megatron-core's (prefixes, weights or None)
 

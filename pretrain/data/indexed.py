@@ -13,7 +13,7 @@ import numpy
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from pretrain.corpus import DataError
+from pretrain.data.corpus import DataError
 
 # The .idx layout of megatron-core's _IndexWriter: magic, <Q version (1), <B dtype code, <Q sequence
 # count, <Q document count, then int32 lengths and int64 pointers per sequence, int64 document indices.
@@ -129,7 +129,7 @@ def check_token_ids(prefix: str | os.PathLike, vocab_size: int, limit: Optional[
     """Refuse a .bin holding a token id >= vocab_size, scanning its first `limit` tokens (None: all).
 
     A .bin made with a larger tokenizer is caught here, before training; a bad id past the limit is
-    caught when its sample is read (pretrain.data.TokenBlocks).
+    caught when its sample is read (pretrain.data.datasets.TokenBlocks).
     """
     index = check_indexed_dataset(prefix)
     count = index.num_tokens if limit is None else min(limit, index.num_tokens)

@@ -6,11 +6,11 @@ import time
 from pretrain import metrics
 from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, device_estimate
-from pretrain.probe_rank import probe_rank, rss_bytes
+from pretrain.probe.rank import probe_rank, rss_bytes
 from zero3d.analysis.comm_model import PAPER_LINKS, comm_breakdown
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
 from zero3d.analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
-from zero3d.analysis.probe_report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
+from pretrain.probe.report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
                                           format_comparison, judge)
 from zero3d.analysis.paper_configs import PAPER_TARGETS_B
 

@@ -1,0 +1,131 @@
+"""`python -m pretrain.export <step_dir | save_dir> <out_dir> [--overwrite]`: the whole model, TP/PP merged, as safetensors.
+
+Exit codes: 0 written; 2 the output exists (a file, or an export without --overwrite), refused before
+anything is loaded; 3 the checkpoint is missing, incomplete or altered; 1 unexpected (traceback).
+
+Writes <out_dir>/model.safetensors (parameter names as a TP 1 × PP 1 megatron GPTModel names them,
+in the training dtype) and <out_dir>/config.json (the model section of the run's config, the
+vocabulary sizes, the tokenizer's SHA-256 and the step). One process, no process group: DCP reads
+only the "model/" tensors, after every file has been checked against the checkpoint's manifest.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pretrain.checkpoint.checkpointer import LATEST, latest_name
+from pretrain.checkpoint.files import MANIFEST, CheckpointError
+from pretrain.checkpoint.read import load_dcp, read_checkpoint
+from pretrain.checkpoint.tensors import PREFIXES
+from pretrain.errors import EXIT_CONFIG, EXIT_INPUT
+
+MODEL = PREFIXES["param"]
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """A step directory as given, or the one a save directory's `latest` names."""
+    if (path / MANIFEST).is_file():
+        return path
+    if (path / LATEST).is_file():
+        return path / latest_name(path)
+    raise CheckpointError(f"{path} is neither a checkpoint (no {MANIFEST}) nor a save directory (no {LATEST})")
+
+
+def read_model_tensors(step_dir: Path) -> tuple[dict, dict]:
+    """(manifest, {checkpoint key: full global tensor}) of the model parameters, integrity-checked."""
+    manifest, metadata = read_checkpoint(step_dir)
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for key, md in metadata.state_dict_metadata.items() if key.startswith(MODEL)}
+    load_dcp(state, step_dir, no_dist=True)
+    return manifest, {key[len(MODEL):]: tensor for key, tensor in state.items()}
+
+
+def consolidated(tensors: dict, names: dict) -> dict:
+    """{parameter name: tensor}: stacked decoder layers split into one tensor per layer."""
+    out = {}
+    for key, tensor in tensors.items():
+        name = names.get(key)
+        if name is None:
+            raise CheckpointError(f"checkpoint tensor {key!r} has no parameter name in {MANIFEST}")
+        if "{layer}" in name:
+            out.update({name.format(layer=i): tensor[i].clone() for i in range(tensor.shape[0])})
+        else:
+            out[name] = tensor
+    return dict(sorted(out.items()))
+
+
+OUTPUTS = ("model.safetensors", "config.json")
+
+
+def check_output(out_dir: Path, overwrite: bool) -> None:
+    """Before anything is loaded: out_dir is a new (or empty) directory, or with --overwrite one whose
+    model.safetensors and config.json are replaced; an existing file is refused."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportUsageError(f"output {str(out_dir)!r} is an existing file, not a directory; "
+                               "give a directory path for model.safetensors and config.json")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if held and not overwrite:
+        raise ExportUsageError(f"output directory {str(out_dir)!r} already exists and holds {', '.join(held[:3])}"
+                               f"{' ...' if len(held) > 3 else ''}; pass --overwrite to replace "
+                               f"{' and '.join(OUTPUTS)} in it, or give a new directory")
+
+
+class ExportUsageError(Exception):
+    """The command line asks for something export refuses (exit 2)."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Give a finished temporary file the mode a new file gets (0666 & ~umask), then rename it in place."""
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, target)
+
+
+def export(checkpoint: Path, out_dir: Path, overwrite: bool = False) -> dict:
+    check_output(out_dir, overwrite)
+    step_dir = resolve_step_dir(Path(checkpoint))
+    manifest, tensors = read_model_tensors(step_dir)
+    params = consolidated(tensors, manifest["parameter_names"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".model.safetensors.tmp{os.getpid()}"
+    save_file({k: v.contiguous() for k, v in params.items()}, str(tmp),
+              metadata={"format": "pt", "source": str(step_dir)})
+    _publish(tmp, out_dir / "model.safetensors")
+    config = {"model": manifest["config"]["model"], "dtype": manifest["layout"]["dtype"],
+              "padded_vocab_size": manifest["identity"]["model"]["padded_vocab_size"],
+              "vocab_size": manifest["identity"]["vocab_size"],
+              "tokenizer_sha256": manifest["identity"]["tokenizer_sha256"], "step": manifest["step"],
+              "parameters": {k: list(v.shape) for k, v in params.items()}}
+    tmp = out_dir / f".config.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(config, indent=1) + "\n")
+    _publish(tmp, out_dir / "config.json")
+    return params
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path, help="a step_<N> directory, or a save directory (its `latest`)")
+    parser.add_argument("out_dir", type=Path, help="a new directory (an existing export only with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace model.safetensors and config.json in out_dir")
+    args = parser.parse_args(argv)
+    try:
+        params = export(args.checkpoint, args.out_dir, args.overwrite)
+    except ExportUsageError as err:
+        print(f"export: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (CheckpointError, OSError) as err:  # missing, incomplete or unreadable checkpoint files
+        print(f"export: {err}", file=sys.stderr)
+        return EXIT_INPUT
+    print(f"wrote {len(params)} tensors, {sum(p.numel() for p in params.values())} parameters, "
+          f"to {args.out_dir / 'model.safetensors'}")
+    return 0
+

@@ -1,0 +1,1 @@
+"""Runtime wing: launch variables, preflight checks, process groups, status.json, watchdog, stragglers, rank agreement."""
