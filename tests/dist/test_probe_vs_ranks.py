@@ -22,13 +22,17 @@ GLOO_STAGING_SLACK = 16 * 1024  # bytes of temporaries whose lifetime is gloo's 
 
 class SavedTensorCensus:
     """Independent of the probe's tracker: the bytes of distinct storages autograd holds for backward
-    (parameters excluded), counted as they are packed and released (saved_tensors_hooks), and their peak."""
+    (parameters excluded), counted as they are packed and released (saved_tensors_hooks), and their peak.
+
+    A parameter is excluded whether saved as itself (megatron's linear Functions) or as a view of it: the
+    chunked loss's `matmul(hidden, weight.t())` saves `weight.t()`, whose storage is the whole flat
+    parameter buffer under ZeRO — parameter bytes (the probe's "params"), not a byte of activation."""
 
     def __init__(self):
         self.refs, self.live, self.peak = {}, 0, 0
 
     def pack(self, t):
-        if isinstance(t, torch.nn.Parameter):
+        if isinstance(t if t._base is None else t._base, torch.nn.Parameter):
             return t
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
@@ -91,7 +95,9 @@ def test_fake_probe_equals_real_cpu_ranks(overrides):
         # Activations against a measurement that does not go through the tracker: everything autograd
         # saves for backward is an activation (a lower bound); on top of it, at the peak, only forward
         # transients, at most one fp32 copy of a micro-batch's logits slice (the vocab-parallel cross
-        # entropy's). Measured: 265,856 + 27,428 (bf16), 108,864 + 9,268 (fp16 Pa), 430,976 + 19,236 B.
+        # entropy's). Measured (SDPA attention, the default): 216,704 + 20,260 (bf16), 84,800 + 2,660 (fp16 Pa),
+        # 398,208 + 3,876 B; with model.attention = "local" (which saves the [b·h, s, s] scores and softmax):
+        # 265,856 + 27,428, 108,864 + 9,268, 430,976 + 19,236 B.
         logits_fp32 = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.padded_vocab_size(TP) // TP * 4
         assert measured.saved_tensor_peak <= probed.category_peaks["activations"] \
             <= measured.saved_tensor_peak + logits_fp32, (probed.category_peaks["activations"], measured.saved_tensor_peak)
