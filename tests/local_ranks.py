@@ -1,9 +1,14 @@
 """Run a function on N local gloo ranks in forked processes; fail, never hang, on timeout."""
+import faulthandler
 import io
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -14,7 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, queue):
+def _rank_main(fn, rank, world_size, port, args, queue, stacks_dir):
+    # On a timeout the parent sends SIGUSR2: every thread's Python stack goes to a file it reads back.
+    stack_file = open(Path(stacks_dir) / f"rank_{rank}.txt", "w")
+    faulthandler.register(signal.SIGUSR2, file=stack_file, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
@@ -31,6 +39,17 @@ def _rank_main(fn, rank, world_size, port, args, queue):
             dist.destroy_process_group()
 
 
+def _stacks_of(procs, ranks, stacks_dir) -> str:
+    """Where each hung rank is: its threads' Python stacks (faulthandler, on SIGUSR2)."""
+    import time
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR2)
+    time.sleep(1.0)
+    return "".join(f"\n--- rank {r} stacks ---\n" + (Path(stacks_dir) / f"rank_{r}.txt").read_text()[-6000:]
+                   for r in ranks if (Path(stacks_dir) / f"rank_{r}.txt").exists())
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     """Run fn(rank, world_size, *args) on `world_size` forked ranks; return the results by rank.
 
@@ -41,7 +60,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue), daemon=True)
+    stacks_dir = tempfile.mkdtemp(prefix="ranks-")
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, queue, stacks_dir), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -60,11 +80,12 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                 break
             if remaining <= 0:
                 missing = [r for r in range(world_size) if r not in results and r not in errors]
+                stacks = _stacks_of(procs, missing, stacks_dir)
                 for p in procs:
                     p.kill()
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s "
-                                   f"(finished: {sorted(results)}, failed: {sorted(errors)})\n"
-                                   + "\n".join(errors.values()))
+                                   f"(finished: {sorted(results)}, failed: {sorted(errors)}, port {port})\n"
+                                   + "\n".join(errors.values()) + stacks)
             continue
         (results if status == "ok" else errors)[rank] = payload
         if errors:  # one failure usually strands the others in a collective: stop them now
@@ -77,6 +98,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
+    shutil.rmtree(stacks_dir, ignore_errors=True)
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]
