@@ -25,6 +25,13 @@ def test_shape_without_bucket_flag_counts_one_bucket_and_no_cb_the_fused_buffer(
     assert json.loads(capsys.readouterr().out)["buffer_bytes"] == 4 * psi
 
 
+def test_bucket_elements_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main("--largest --stage 3 --gpus 64 --bucket-elements 0".split())
+    assert exit_info.value.code == 2
+    assert "--bucket-elements 0 is invalid; must be > 0 (--no-cb: no CB)" in capsys.readouterr().err
+
+
 def stage3_device_bytes(layers, hidden, heads, gpus):
     """Stage 3, fp16, s = 1024, V = 50257 (padded 50304), micro-batch 1, full recompute, CB 5e7, 32 GiB."""
     psi = gpt_param_count(layers, hidden, 50257, 1024)

@@ -157,6 +157,8 @@ def main(argv: Optional[list] = None) -> int:
     args = ap.parse_args(argv)
     if args.no_cb:
         args.bucket_elements = None
+    elif args.bucket_elements <= 0:
+        ap.error(f"--bucket-elements {args.bucket_elements} is invalid; must be > 0 (--no-cb: no CB)")
     if args.table1 or args.table2:
         return _print_tables(args)
     if not 0 <= args.margin_fraction < 1:
