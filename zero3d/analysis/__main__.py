@@ -8,8 +8,13 @@ from typing import Optional
 
 from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, V100_MEMORY_BYTES,
                                      estimate_from_shape, format_breakdown, model_state_bytes, padded_vocab)
-from zero3d.analysis.offload_estimate import (DEFAULT_NVME_BUFFER_BYTES, OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES,
-                                              format_offload, largest_offload_gpt, offload_breakdown)
+from zero3d.analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
+                                              offload_breakdown)
+from zero3d.config import ZeroConfig
+
+# The engine's [zero] defaults are the CLI's; precision, micro-batch, GPU memory and the loss chunk live
+# only in pretrain's config (which zero3d never imports), so the flags below keep the paper's V100 set-up.
+ZERO = ZeroConfig()
 
 
 def _format_states(params: float, dp: int, precision: str) -> str:
@@ -38,31 +43,33 @@ def build_parser() -> argparse.ArgumentParser:
         ap.add_argument(f"--{name}", type=int)
     ap.add_argument("--dp", type=int, help="N_d: with --params, the DP size; with a shape, gpus = dp × tp")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--stage", type=int, default=0, choices=[0, 1, 2, 3])
+    ap.add_argument("--stage", type=int, default=ZERO.stage, choices=[0, 1, 2, 3])
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--recompute", choices=["none", "full"], default="none")
     ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")
     ap.add_argument("--pa-cpu", action="store_true", help="Pa + offload the slices to host (implies --pa)")
-    ap.add_argument("--bucket-elements", type=int,
-                    help="CB: constant buffer size in elements (default: no CB, a 4Ψ fused fp32 buffer)")
+    ap.add_argument("--bucket-elements", type=int, default=ZERO.bucket_elements,
+                    help=f"CB: constant buffer size in elements (default: zero.bucket_elements = {ZERO.bucket_elements:_})")
+    ap.add_argument("--no-cb", action="store_true", help="no CB: one 4Ψ fused fp32 gradient buffer instead")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
     ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
-    ap.add_argument("--prefetch-units", type=int, default=1, help="stage 3 units gathered ahead")
+    ap.add_argument("--prefetch-units", type=int, default=ZERO.prefetch_units, help="stage 3 units gathered ahead")
     ap.add_argument("--gpu-memory-gb", type=float, default=V100_MEMORY_BYTES / GIB,
                     help="GPU memory in GiB, as cards are labelled and as cluster.gpu_memory_gb is read "
                          "(docs/estimator.md, Budget); default 32 = a V100-32GB")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table (not with --plan)")
     off = ap.add_argument_group("offload (ZeRO-Offload / ZeRO-Infinity; docs/estimator.md, Offload)")
-    off.add_argument("--offload-optimizer", choices=list(OFFLOAD_PLACEMENTS), default="none",
+    off.add_argument("--offload-optimizer", choices=list(OFFLOAD_PLACEMENTS), default=ZERO.offload_optimizer,
                      help="fp32 master + Adam moments on the host (cpu) or in files (nvme); stages 1-3")
-    off.add_argument("--offload-params", choices=list(OFFLOAD_PLACEMENTS), default="none",
+    off.add_argument("--offload-params", choices=list(OFFLOAD_PLACEMENTS), default=ZERO.offload_params,
                      help="stage 3: parameter shards on the host or in files (needs --offload-optimizer)")
-    off.add_argument("--nvme-buffer-bytes", type=int, default=DEFAULT_NVME_BUFFER_BYTES,
+    off.add_argument("--nvme-buffer-bytes", type=int, default=ZERO.nvme_buffer_bytes,
                      help="host buffers of the NVMe stream (zero.nvme_buffer_bytes)")
     off.add_argument("--largest", action="store_true",
                      help="the largest GPT whose device memory fits: bisects layers at --hidden/--heads, or at "
-                          "the Figure 7 shapes and 5120 × 40; --gpus/--vocab/--seq default 1/50257/1024")
+                          "the Figure 7 shapes, 5120 × 40, then hidden + 1024 (heads = hidden / 128) until not "
+                          "one layer fits; --gpus/--vocab/--seq default 1/50257/1024")
     return ap
 
 
@@ -73,7 +80,7 @@ def _offload_args(args) -> dict:
 
 def _largest(ap: argparse.ArgumentParser, args) -> int:
     """--largest: the biggest GPT whose device memory fits with the requested offload."""
-    shapes = ((args.hidden, args.heads),) if args.hidden and args.heads else OFFLOAD_SHAPES
+    shapes = ((args.hidden, args.heads),) if args.hidden and args.heads else None
     gpus = args.gpus or 1
     try:
         found = largest_offload_gpt(
@@ -93,7 +100,8 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     if not found.layers:
-        print(f"no GPT of the shapes (hidden, heads) {', '.join(map(str, shapes))} fits")
+        print(f"no GPT of the shape (hidden, heads) {shapes[0]} fits" if shapes else
+              f"no GPT fits: not one layer at (hidden, heads) {OFFLOAD_SHAPES[0]} or any larger shape")
         return 0
     print(f"largest GPT: {found.layers} layers × hidden {found.hidden} ({found.heads} heads) = "
           f"{found.params / 1e9:.2f}B parameters on {gpus} GPU(s), tp {args.tp}, stage {args.stage}, "
@@ -147,6 +155,10 @@ def main(argv: Optional[list] = None) -> int:
     """CLI entry point; see build_parser() and docs/estimator.md."""
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.no_cb:
+        args.bucket_elements = None
+    elif args.bucket_elements <= 0:
+        ap.error(f"--bucket-elements {args.bucket_elements} is invalid; must be > 0 (--no-cb: no CB)")
     if args.table1 or args.table2:
         return _print_tables(args)
     if not 0 <= args.margin_fraction < 1:

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
+from zero3d.config import ZeroConfig
+
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
 GIB = 2**30
 # The budget convention, one for the planner, `--plan`, `python -m pretrain --estimate` and the guard:
@@ -16,7 +18,7 @@ V100_MEMORY_BYTES = 32 * GIB
 # 4.6-5.1 GB of the card, so a larger margin would refuse jobs the paper ran (docs/zero-paper-facts.md
 # §4.10, §4.11).
 DEFAULT_MARGIN_FRACTION = 0.10
-DEFAULT_BUCKET_ELEMENTS = 50_000_000  # CB bucket, the project's zero.bucket_elements default
+DEFAULT_BUCKET_ELEMENTS = ZeroConfig.bucket_elements  # CB: the engine's zero.bucket_elements default
 VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
 
 
@@ -180,14 +182,16 @@ def validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_bat
 
 
 def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, gpus: int,
-                        tp: int = 1, stage: int = 0, micro_batch: int = 1, recompute: str = "none",
-                        pa: bool = False, pa_cpu: bool = False, bucket_elements: Optional[int] = None,
-                        precision: str = "fp16", tied: bool = False, prefetch_units: int = 1,
+                        tp: int = 1, stage: int = ZeroConfig.stage, micro_batch: int = 1, recompute: str = "none",
+                        pa: bool = False, pa_cpu: bool = False,
+                        bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
+                        tied: bool = False, prefetch_units: int = ZeroConfig.prefetch_units,
                         ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION,
                         loss_chunk_tokens: int = 0) -> MemoryBreakdown:
     """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
+    ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py)."""
     validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
                    pa_cpu, precision, bucket_elements, prefetch_units)

@@ -1,7 +1,8 @@
 """ZeRO-Offload / ZeRO-Infinity in the estimator: device, host and NVMe bytes and PCIe traffic per step."""
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
@@ -11,8 +12,18 @@ from zero3d.config import ZeroConfig
 
 DEFAULT_NVME_BUFFER_BYTES = ZeroConfig.nvme_buffer_bytes  # the NVMe stream's two host buffers, as the engine defaults them
 MASTER_BYTES = 4  # the fp32 master copy, per parameter
-# --largest without --hidden/--heads: the Figure 7 hidden sizes and GPT-3 13B's 5120 × 40
+# --largest without --hidden/--heads: the Figure 7 hidden sizes and GPT-3 13B's 5120 × 40, then
+# hidden grown by HIDDEN_STEP at GPT-3's head size (heads = hidden / HEAD_DIM) until not one layer fits
 OFFLOAD_SHAPES = ((1536, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (5120, 40))
+HIDDEN_STEP = 1024
+HEAD_DIM = 128
+
+
+def growing_shapes() -> Iterator[tuple]:
+    """OFFLOAD_SHAPES, then (5120 + k·HIDDEN_STEP, hidden / HEAD_DIM) for k = 1, 2, ... without end."""
+    last = OFFLOAD_SHAPES[-1][0]
+    grown = ((h, h // HEAD_DIM) for h in itertools.count(last + HIDDEN_STEP, HIDDEN_STEP))
+    return itertools.chain(OFFLOAD_SHAPES, grown)
 
 
 @dataclass(frozen=True)
@@ -140,14 +151,20 @@ class LargestOffload:
     offload: Optional[OffloadBreakdown]
 
 
-def largest_offload_gpt(*, hidden_heads: tuple = OFFLOAD_SHAPES, gpus: int = 1, tp: int = 1, stage: int = 2,
+def largest_offload_gpt(*, hidden_heads: Optional[tuple] = None, gpus: int = 1, tp: int = 1, stage: int = 2,
                         micro_batch: int = 1, vocab: int = 50257, seq: int = 1024, recompute: str = "full",
                         bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
                         offload_optimizer: str = "cpu", offload_params: str = "none",
                         nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> LargestOffload:
-    """Bisect the layer count at each (hidden, heads); the shape with the most parameters wins."""
+    """Bisect the layer count at each (hidden, heads); the shape with the most parameters wins.
+
+    `hidden_heads` None: growing_shapes(), skipping those tp does not divide, up to the first shape where
+    not one layer fits (memory at one layer grows with hidden, so no larger shape fits either).
+    """
+    if not isinstance(tp, int) or tp <= 0 or gpus % tp:
+        raise ValueError(f"gpus = {gpus} is not divisible by tp = {tp}; tp must be a positive divisor of gpus")
 
     def at(layers: int, hidden: int, heads: int) -> OffloadBreakdown:
         m = estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus, tp=tp,
@@ -159,8 +176,13 @@ def largest_offload_gpt(*, hidden_heads: tuple = OFFLOAD_SHAPES, gpus: int = 1, 
                                  nvme_buffer_bytes=nvme_buffer_bytes)
 
     best = LargestOffload(0, 0, 0, 0, None)
-    for hidden, heads in hidden_heads:
+    grow = hidden_heads is None
+    for hidden, heads in growing_shapes() if grow else hidden_heads:
+        if grow and (heads % tp or hidden % tp):
+            continue
         layers = largest_fitting_layers(lambda n: at(n, hidden, heads).fits)
+        if grow and not layers:
+            break
         params = gpt_param_count(layers, hidden, vocab, seq) if layers else 0
         if params > best.params:
             best = LargestOffload(layers, hidden, heads, params, at(layers, hidden, heads))
