@@ -21,6 +21,11 @@ class CommStats:
     all-reduce of n elements over N ranks: 2n(N-1)/N; reduce-scatter, all-gather and reduce
     (to one owner): n(N-1)/N, n being the full (unsharded) size. Fractions keep it exact.
 
+    Per link (only for collectives issued with a node topology; none given: nothing is split): the
+    bytes a rank sends are intra-node or inter-node by `ring_link_split`'s model for ring
+    collectives, and exactly per peer for all-to-alls; reported as comm/intra_node_bytes,
+    comm/inter_node_bytes and per (collective, purpose).
+
     Time: a collective's span runs from its launch to its completion — seen by `poll()` (called
     from the engine's forward/backward hooks, so on the compute timeline) or by its wait. The
     exposed part is what the training thread spent blocked in waits and synchronous calls;
@@ -34,11 +39,26 @@ class CommStats:
     seconds: float = 0.0  # summed launch → completion spans
     exposed_seconds: float = 0.0  # summed time the caller was blocked on communication
     in_flight: list = field(default_factory=list)
+    link_bytes: dict = field(default_factory=lambda: defaultdict(Fraction))  # (op, tag, "intra"|"inter")
 
-    def add(self, op: str, tag: str, volume: Fraction, element_size: int) -> None:
-        self.elements[(op, tag)] += volume
-        self.bytes[(op, tag)] += volume * element_size
+    def add(self, op: str, tag: str, volume: Fraction, element_size: int, nodes: Optional[list] = None) -> None:
+        """A ring collective sending `volume` elements of `element_size` bytes; `nodes`: the node of
+        each group rank in ring (group-rank) order, to split its bytes per link."""
+        nbytes = volume * element_size
+        split = ring_link_split(nbytes, nodes) if nodes is not None else None
+        self.record(op, tag, volume, nbytes, split)
+
+    def record(self, op: str, tag: str, elements: Fraction, nbytes: Fraction,
+               link: Optional[tuple[Fraction, Fraction]] = None) -> None:
+        """One call: `elements` logical elements, `nbytes` on the wire, `link` its (intra, inter) bytes."""
+        self.elements[(op, tag)] += elements
+        self.bytes[(op, tag)] += nbytes
         self.calls[(op, tag)] += 1
+        if link is not None:
+            if sum(link) != nbytes:
+                raise ValueError(f"link bytes {link} do not add up to the {nbytes} bytes sent")
+            self.link_bytes[(op, tag, "intra")] += link[0]
+            self.link_bytes[(op, tag, "inter")] += link[1]
 
     def total(self, tags: Optional[tuple[str, ...]] = None) -> Fraction:
         return sum((v for (op, tag), v in self.elements.items() if tags is None or tag in tags),
@@ -69,6 +89,12 @@ class CommStats:
         out["comm/total/elements"] = float(self.total())
         out["comm/total/bytes"] = float(sum(self.bytes.values(), Fraction(0)))
         out["comm/total/calls"] = sum(self.calls.values())
+        if self.link_bytes:
+            for (op, tag, link), v in self.link_bytes.items():
+                out[f"comm/{op}/{tag}/{link}_node_bytes"] = float(v)
+            for link in ("intra", "inter"):
+                out[f"comm/{link}_node_bytes"] = float(sum((v for (_, _, lk), v in self.link_bytes.items()
+                                                            if lk == link), Fraction(0)))
         hidden = self.hidden_fraction()
         if hidden is not None:
             out["comm/time/seconds"] = self.seconds
@@ -81,7 +107,26 @@ class CommStats:
         self.elements.clear()
         self.bytes.clear()
         self.calls.clear()
+        self.link_bytes.clear()
         self.seconds = self.exposed_seconds = 0.0
+
+
+def ring_link_split(nbytes: Fraction, nodes: list) -> tuple[Fraction, Fraction]:
+    """(intra-node, inter-node) share of the `nbytes` a rank sends in a ring collective over ranks on
+    `nodes` (each group rank's node, in ring = group-rank order).
+
+    Model: a ring of n ranks has n edges; the c edges whose two ends are on different nodes cross
+    (c = k for a group spanning k > 1 nodes in consecutive blocks, c = n when every rank is on its own
+    node, 0 inside one node). Every edge carries the same bytes, and the rings of the node's GPUs
+    (NCCL's channels, one per NIC) spread the crossings over the ranks, so each rank counts c/n of
+    what it sends as inter-node and the rest as intra-node. Summed over a node's m = n/k ranks of a
+    k-node group: m·(c/n) = 1 rank's full send volume crosses its NICs, e.g. an all-gather of S bytes
+    puts S(n−1)/n on each node's inter-node links.
+    """
+    n = len(nodes)
+    crossings = sum(nodes[r] != nodes[(r + 1) % n] for r in range(n)) if n > 1 else 0
+    inter = Fraction(nbytes) * crossings / n if n else Fraction(0)
+    return Fraction(nbytes) - inter, inter
 
 
 class PendingCollective:
@@ -126,19 +171,22 @@ class WorkGroup:
 class Comm:
     """Collectives over one process group; each call is recorded in a shared CommStats."""
 
-    def __init__(self, group, stats: CommStats):
+    def __init__(self, group, stats: CommStats, gpus_per_node: Optional[int] = None):
+        """`gpus_per_node`: global rank g is on node g // gpus_per_node (topology.NodeTopology's
+        rule), and every call's bytes are split per link; None: counted as before, no split."""
         self.group = group
         self.stats = stats
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)] \
             if group is not None else list(range(self.size))
+        self._nodes = [g // gpus_per_node for g in self._global_ranks] if gpus_per_node else None
         self._gloo = is_gloo(group)
 
     def _record(self, op: str, tag: str, tensor: torch.Tensor, factor: int = 1) -> None:
         if self.size > 1:
             volume = Fraction(factor * tensor.numel() * (self.size - 1), self.size)
-            self.stats.add(op, tag, volume, tensor.element_size())
+            self.stats.add(op, tag, volume, tensor.element_size(), self._nodes)
 
     def _issue(self, collective, async_op: bool, **kwargs) -> Optional[PendingCollective]:
         """Run a torch collective: async → a PendingCollective; sync → timed as fully exposed."""

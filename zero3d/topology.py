@@ -1,0 +1,153 @@
+"""Node topology of the data-parallel group: which DP ranks share a node, and its intra-/inter-node sub-groups."""
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+
+class TopologyError(ValueError):
+    """The node layout is unknown or the DP group does not split evenly into nodes."""
+
+
+def launcher_gpus_per_node(env: Mapping[str, str] = os.environ) -> Optional[int]:
+    """Ranks per node as the launcher states it: SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE
+    ("8(x4)" or "8,8"; uneven counts are refused), else torchrun's LOCAL_WORLD_SIZE; None if none is set."""
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        counts = set()
+        for part in value.split(","):
+            m = re.fullmatch(r"(\d+)(?:\(x\d+\))?", part.strip())
+            if not m:
+                raise TopologyError(f"{name} = {value!r} is invalid; expected counts like '8', '8(x4)' or '8,8'")
+            counts.add(int(m.group(1)))
+        if len(counts) != 1 or min(counts) < 1:
+            raise TopologyError(f"{name} = {value!r}: nodes run different numbers of ranks; "
+                                "zero3d needs the same count on every node (or give gpus_per_node)")
+        return counts.pop()
+    return None
+
+
+def resolve_gpus_per_node(gpus_per_node: Optional[int] = None, env: Mapping[str, str] = os.environ) -> int:
+    """The explicit `gpus_per_node` wins (4 CPU ranks as 2 nodes × 2); else the launcher's count."""
+    if gpus_per_node is not None:
+        if type(gpus_per_node) is not int or gpus_per_node < 1:
+            raise TopologyError(f"gpus_per_node = {gpus_per_node!r} is invalid; must be an integer >= 1")
+        return gpus_per_node
+    found = launcher_gpus_per_node(env)
+    if found is None:
+        raise TopologyError("ranks per node unknown: none of SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE, "
+                            "LOCAL_WORLD_SIZE is set; give gpus_per_node")
+    return found
+
+
+def node_layout(dp_global_ranks: Sequence[int], gpus_per_node: int) -> list[list[int]]:
+    """The DP ranks (indices into `dp_global_ranks`) of each node the group touches, nodes in order.
+
+    A global rank g lives on node g // gpus_per_node (launchers place ranks node by node; megatron's
+    TP-consecutive order then leaves gpus_per_node / tp DP ranks of a DP group on each node). Refused
+    unless every node holds the same number of the group's ranks as one consecutive run of DP ranks
+    (the hierarchical collectives index a rank as node × ranks_per_node + local).
+    """
+    if gpus_per_node < 1:
+        raise TopologyError(f"gpus_per_node = {gpus_per_node} is invalid; must be >= 1")
+    nodes: dict[int, list[int]] = {}
+    for dp_rank, g in enumerate(dp_global_ranks):
+        nodes.setdefault(g // gpus_per_node, []).append(dp_rank)
+    layout = [nodes[n] for n in sorted(nodes)]
+    per_node = len(layout[0])
+    uneven = any(len(ranks) != per_node for ranks in layout)
+    scattered = any(ranks != list(range(i * per_node, (i + 1) * per_node)) for i, ranks in enumerate(layout))
+    if uneven or scattered:
+        raise TopologyError(
+            f"the DP group (global ranks {list(dp_global_ranks)}) does not split evenly into nodes of "
+            f"{gpus_per_node} ranks: DP ranks per node {[r for r in layout]}; valid: the same number of "
+            "consecutive DP ranks on every node (check gpus_per_node and the TP size)")
+    return layout
+
+
+@dataclass
+class NodeTopology:
+    """Where this rank's DP group lives: `nodes` nodes of `per_node` DP ranks each.
+
+    DP rank d is on node d // per_node at local index d % per_node. `intra_group` holds this rank's
+    node's DP ranks, `inter_group` the DP ranks of the same local index on every node (None when a
+    group would hold one rank only, or before `build_node_topology` made them).
+    """
+
+    dp_rank: int
+    dp_size: int
+    per_node: int
+    dp_global_ranks: tuple
+    gpus_per_node: int
+    intra_group: object = field(default=None, repr=False)
+    inter_group: object = field(default=None, repr=False)
+
+    @property
+    def nodes(self) -> int:
+        return self.dp_size // self.per_node
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.dp_rank)
+
+    @property
+    def local(self) -> int:
+        return self.dp_rank % self.per_node
+
+    def node_of(self, dp_rank: int) -> int:
+        return dp_rank // self.per_node
+
+    def intra_ranks(self, node: Optional[int] = None) -> list[int]:
+        """DP ranks on `node` (this rank's node by default)."""
+        node = self.node if node is None else node
+        return list(range(node * self.per_node, (node + 1) * self.per_node))
+
+    def inter_ranks(self, local: Optional[int] = None) -> list[int]:
+        """DP ranks at local index `local` (this rank's by default) on every node."""
+        local = self.local if local is None else local
+        return [n * self.per_node + local for n in range(self.nodes)]
+
+
+def topology_of(dp_rank: int, dp_global_ranks: Sequence[int], gpus_per_node: int) -> NodeTopology:
+    """The rank arithmetic alone (no groups): validated by `node_layout`."""
+    layout = node_layout(dp_global_ranks, gpus_per_node)
+    return NodeTopology(dp_rank=dp_rank, dp_size=len(dp_global_ranks), per_node=len(layout[0]),
+                        dp_global_ranks=tuple(dp_global_ranks), gpus_per_node=gpus_per_node)
+
+
+def build_node_topology(dp_group, gpus_per_node: Optional[int] = None, timeout: Optional[timedelta] = None,
+                        env: Mapping[str, str] = os.environ) -> NodeTopology:
+    """This rank's NodeTopology with its intra- and inter-node sub-groups of `dp_group`, built once.
+
+    Collective over the world: every rank calls it together. The DP groups of all ranks are learnt
+    with one all_gather_object, validated (every rank refuses the same bad layout), and every
+    sub-group of every DP group is created by every rank in one agreed order with `timeout`.
+    """
+    gpn = resolve_gpus_per_node(gpus_per_node, env)
+    mine = tuple(dist.get_process_group_ranks(dp_group))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mine, gpn))
+    if len({g for _, g in everyone}) != 1:
+        raise TopologyError(f"ranks disagree on gpus_per_node: {sorted({g for _, g in everyone})}; "
+                            "give the same value (or launcher environment) to every rank")
+    groups = sorted(set(ranks for ranks, _ in everyone))
+    topo = topology_of(mine.index(dist.get_rank()), mine, gpn)
+    for ranks in groups:  # validate every DP group before creating anything, so all ranks refuse alike
+        node_layout(ranks, gpn)
+    intra_lists, inter_lists = [], []
+    for ranks in groups:
+        t = topology_of(0, ranks, gpn)
+        intra_lists += [[ranks[d] for d in t.intra_ranks(n)] for n in range(t.nodes)]
+        inter_lists += [[ranks[d] for d in t.inter_ranks(j)] for j in range(t.per_node)]
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    for name, lists in (("intra_group", intra_lists), ("inter_group", inter_lists)):
+        for ranks in lists:  # same order on every rank; each rank keeps the one it belongs to
+            group = dist.new_group(ranks, **kwargs) if len(ranks) > 1 else None
+            if dist.get_rank() in ranks:
+                setattr(topo, name, group)
+    return topo
