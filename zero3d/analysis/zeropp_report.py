@@ -1,0 +1,120 @@
+"""`python -m zero3d.analysis --zeropp`: α-β step time per link for stage 3 and its ZeRO++ modes on the paper's rows."""
+from dataclasses import dataclass
+
+from zero3d.analysis.comm_model import (H100_LINKS, PAPER_LINKS, ZEROPP_MODES, Links, link_bytes, link_seconds,
+                                        zeropp_collectives)
+from zero3d.analysis.estimate import PRECISIONS, V100_MEMORY_BYTES, estimate_from_shape, gpt_param_count, GB
+from zero3d.analysis.paper_configs import load_paper_runs
+from zero3d.analysis.planner import PAPER_CLUSTER, PAPER_SEQ, GPT2_VOCAB, megatron_flops
+
+H100_PEAK_FLOPS = 989e12  # dense bf16 tensor cores, H100 SXM data sheet
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A GPU cluster for the prediction: its links, peak FLOP/s and memory per GPU."""
+
+    name: str
+    links: Links
+    peak_flops: float
+    gpu_memory_bytes: float
+
+
+DGX2 = Machine("DGX-2: 16 V100 per node, NVSwitch, 8 × 100 Gb/s IB per node", PAPER_LINKS,
+               PAPER_CLUSTER.peak_flops, V100_MEMORY_BYTES)
+H100 = Machine("H100: 8 per node, NVLink 4, 8 × 400 Gb/s IB per node", H100_LINKS, H100_PEAK_FLOPS, 80 * GIB)
+# Sustained share of peak: the planner's (Megatron-LM's single-V100 39 of 125 TFLOP/s); for the H100
+# the same share is an assumption, not a measurement.
+EFFICIENCY = PAPER_CLUSTER.efficiency
+
+
+def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16") -> float:
+    """Per-GPU bytes a mode adds over stage 3: hpZ's secondary copy Ψb/m of the parameters; hybrid's
+    model states sharded over m instead of N ranks: (b_p + b_g + K)Ψ(1/m − 1/N)."""
+    p = PRECISIONS[precision]
+    if mode in ("+hpZ", "qwZ+hpZ+qgZ"):
+        return psi * p.param_bytes / per_node
+    if mode == "+hybrid":
+        return psi * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * (1 / per_node - 1 / dp)
+    return 0.0
+
+
+def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int, tp: int, micro_batch: int,
+            global_batch: int, grad_bits: int = 4, block: int = 256) -> dict:
+    """Per mode: bytes per link per rank, the α-β communication time per step, and the step time with
+    communication not overlapped (serial) and fully overlapped with compute (max of the two)."""
+    links = machine.links
+    if tp > links.gpus_per_node or links.gpus_per_node % tp:
+        raise ValueError(f"tp = {tp} does not fit a node of {links.gpus_per_node} GPUs; valid: a divisor of it")
+    dp, per_node = gpus // tp, links.gpus_per_node // tp
+    accumulation = global_batch // (micro_batch * dp)
+    if accumulation < 1 or global_batch % (micro_batch * dp):
+        raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = {micro_batch} × {dp}")
+    psi = gpt_param_count(layers, hidden, GPT2_VOCAB, PAPER_SEQ, tp)
+    compute = megatron_flops(global_batch, PAPER_SEQ, layers, hidden, GPT2_VOCAB, True) / (
+        gpus * machine.peak_flops * EFFICIENCY)
+    memory = estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=GPT2_VOCAB, seq=PAPER_SEQ,
+                                 gpus=gpus, tp=tp, stage=3, micro_batch=micro_batch, recompute="full",
+                                 pa=tp > 1, gpu_memory_bytes=machine.gpu_memory_bytes)
+    rows = []
+    for mode in ZEROPP_MODES:
+        colls = zeropp_collectives(mode, psi, dp, per_node, grad_bits=grad_bits, block=block,
+                                   accumulation=accumulation)
+        intra, inter = link_bytes(colls)
+        comm = sum(link_seconds(c, links) for c in colls)
+        extra = extra_state_bytes(mode, psi, dp, per_node)
+        rows.append(dict(mode=mode, intra_bytes=float(intra), inter_bytes=float(inter), comm_s=comm,
+                         serial_s=compute + comm, overlapped_s=max(compute, comm), extra_bytes=extra,
+                         fits=memory.total_bytes + extra <= machine.gpu_memory_bytes))
+    base = rows[0]
+    for r in rows:
+        r["gain_serial"] = base["serial_s"] / r["serial_s"]
+        r["gain_overlapped"] = base["overlapped_s"] / r["overlapped_s"]
+    return dict(psi=psi, dp=dp, per_node=per_node, accumulation=accumulation, compute_s=compute,
+                stage3_total_bytes=memory.total_bytes, rows=rows)
+
+
+def format_prediction(title: str, p: dict) -> str:
+    lines = [title,
+             f"  Ψ = {p['psi'] / 1e9:.2f}B per TP slice, N = {p['dp']} DP ranks, {p['per_node']} per node, "
+             f"{p['accumulation']} micro-batch(es); compute {p['compute_s']:.3f} s/step; stage 3 needs "
+             f"{p['stage3_total_bytes'] / GB:.1f} GB per GPU (estimator)",
+             f"  {'mode':<13}{'intra GB':>10}{'inter GB':>10}{'comm s':>9}{'step s':>9}{'gain':>7}"
+             f"{'overlap s':>11}{'gain':>7}{'extra GB':>10}  memory"]
+    for r in p["rows"]:
+        lines.append(f"  {r['mode']:<13}{r['intra_bytes'] / GB:10.2f}{r['inter_bytes'] / GB:10.2f}{r['comm_s']:9.3f}"
+                     f"{r['serial_s']:9.3f}{r['gain_serial']:7.2f}{r['overlapped_s']:11.3f}{r['gain_overlapped']:7.2f}"
+                     f"{r['extra_bytes'] / GB:10.2f}  {'fits' if r['fits'] else 'does not fit'}")
+    return "\n".join(lines)
+
+
+def zeropp_report(models=("100B", "170B"), grad_bits: int = 4, block: int = 256) -> str:
+    """The paper's 400-GPU ZeRO rows of Figure 2 (as the CSV lays them out, and with TP 1 at one sample
+    per GPU, the layout ZeRO++ evaluates) on DGX-2 and H100 nodes."""
+    header = ("ZeRO++ modes at stage 3, α-β per link (bytes and seconds per rank per step; 'step s': compute + "
+              "communication, 'overlap s': the larger of the two; gain against stage 3). qwZ int8, qgZ "
+              f"int{grad_bits}, {block}-element blocks with fp32 scales. Compute at {EFFICIENCY:.0%} of peak "
+              "(Megatron-LM's V100 share; assumed for the H100). 'extra GB': hpZ's secondary parameter copy, "
+              "hybrid's node-only sharding; 'memory': the stage-3 estimate (full recompute, Pa where tp > 1) plus it, "
+              "against the GPU.")
+    out = [header]
+    runs = {r.model: r for r in load_paper_runs() if r.figure == 2 and r.system == "zero"}
+    for model in models:
+        if model not in runs:
+            raise ValueError(f"model {model!r} has no Figure 2 ZeRO row; valid: {', '.join(runs)}")
+        r = runs[model]
+        batch = r.batch_per_gpu * (r.gpus // r.mp)
+        shape = dict(layers=r.layers, hidden=r.hidden, heads=r.heads, gpus=r.gpus)
+        for machine in (DGX2, H100):
+            tp = min(r.mp, machine.links.gpus_per_node)
+            layouts = [(tp, batch // (r.gpus // tp), batch, "paper's layout" if tp == r.mp else
+                        f"tp {tp} (the paper's {r.mp} exceeds a node), same global batch"),
+                       (1, 1, r.gpus, "tp 1, one sample per GPU")]
+            for tp_, mb, gb, what in layouts:
+                p = predict(machine, tp=tp_, micro_batch=mb, global_batch=gb, grad_bits=grad_bits, block=block,
+                            **shape)
+                out.append(format_prediction(f"\n{model} ({r.layers} layers × {r.hidden}) on {r.gpus} GPUs, "
+                                             f"{machine.name}; {what}: tp {tp_}, micro-batch {mb}, "
+                                             f"global batch {gb}", p))
+    return "\n".join(out)
