@@ -70,7 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the largest GPT whose device memory fits: bisects layers at --hidden/--heads, or at "
                           "the Figure 7 shapes, 5120 × 40, then hidden + 1024 (heads = hidden / 128) until not "
                           "one layer fits; --gpus/--vocab/--seq default 1/50257/1024")
+    zpp = ap.add_argument_group("ZeRO++ (node-aware stage 3; docs/estimator.md, ZeRO++)")
+    zpp.add_argument("--zeropp", nargs="*", metavar="MODEL",
+                     help="α-β step time per link for stage 3, +hpZ, +hybrid, +qwZ, +qgZ and all three on "
+                          "Figure 2's 400-GPU rows (default: 100B 170B), DGX-2 and H100 nodes")
+    zpp.add_argument("--grad-bits", type=int, choices=[4, 8], default=4, help="--zeropp: qgZ's bits")
+    zpp.add_argument("--quant-block", type=int, default=256, help="--zeropp: elements per quantization scale")
     return ap
+
+
+def _zeropp(ap: argparse.ArgumentParser, args) -> int:
+    """--zeropp: the predicted step time of the ZeRO++ modes (zeropp_report)."""
+    from zero3d.analysis.zeropp_report import zeropp_report
+    if args.quant_block < 2 or args.quant_block % 2:
+        ap.error(f"--quant-block {args.quant_block} is invalid; must be an even integer >= 2")
+    try:
+        print(zeropp_report(tuple(args.zeropp) or ("100B", "170B"), args.grad_bits, args.quant_block))
+    except ValueError as err:
+        ap.error(str(err))
+    return 0
 
 
 def _offload_args(args) -> dict:
@@ -161,6 +179,8 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"--bucket-elements {args.bucket_elements} is invalid; must be > 0 (--no-cb: no CB)")
     if args.table1 or args.table2:
         return _print_tables(args)
+    if args.zeropp is not None:
+        return _zeropp(ap, args)
     if not 0 <= args.margin_fraction < 1:
         ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
     if args.gpu_memory_gb <= 0:

@@ -1,0 +1,148 @@
+"""ZeRO++ foundations on 4 gloo ranks as 2 nodes × 2: node sub-groups, qwZ / qgZ against the exact fp32 collectives,
+and every mode's bytes per link against comm_model's formulas."""
+from datetime import timedelta
+from fractions import Fraction
+
+import pytest
+import torch
+
+from ranks import run_ranks
+from zero3d.analysis.comm_model import ZEROPP_MODES, link_bytes, zeropp_collectives
+
+WORLD, GPN, C, BLOCK = 4, 2, 256, 64  # C: elements per DP rank's chunk; Ψ = 4·C
+PSI = WORLD * C
+
+
+def randn(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def representable(seed: int, n: int, levels: int) -> torch.Tensor:
+    """Odd integers in [−levels, levels] with `levels` at every block start: scale 1 in a rank's blocks,
+    2 in a node's sum of two (even, maximum 2·levels), so every quantization is exact."""
+    x = torch.randint(-(levels // 2) - 1, levels // 2 + 1, (n,), generator=torch.Generator().manual_seed(seed))
+    x = (2 * x + 1).clamp(-levels, levels).float()
+    x[::BLOCK] = levels
+    return x
+
+
+def _ranks(rank, world):
+    import torch.distributed as dist
+
+    from zero3d.comm import Comm, CommStats
+    from zero3d.quantize import QuantSpec, p2p_all_to_all, quantized_all_gather, quantized_reduce_scatter
+    from zero3d.topology import TopologyError, build_node_topology
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    out = {}
+    try:  # 3 ranks per node does not divide 4: every rank refuses, before any group is made
+        build_node_topology(dist.group.WORLD, gpus_per_node=3)
+    except TopologyError as err:
+        out["refused"] = str(err)
+    topo = build_node_topology(dist.group.WORLD, gpus_per_node=GPN, timeout=timedelta(seconds=60))
+    ranks_of = dist.get_process_group_ranks
+    out["topo"] = (topo.node, topo.local, ranks_of(topo.intra_group), ranks_of(topo.inter_group))
+    # TP 2 × DP 2 (TP-consecutive): each DP group has one rank on each node
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_topo = build_node_topology(dp_groups[rank % 2], gpus_per_node=GPN)
+    out["tp_topo"] = (tp_topo.node, tp_topo.per_node, tp_topo.intra_group, ranks_of(tp_topo.inter_group))
+
+    for bits in (8, 4):
+        spec = QuantSpec(bits, BLOCK)
+        full = torch.empty(PSI)
+        quantized_all_gather(full, randn(rank, C), spec=spec)
+        out[f"qwz{bits}"] = full.clone()
+        quantized_all_gather(full, representable(rank, C, 127 if bits == 8 else 7), spec=spec)
+        out[f"qwz{bits}_exact"] = full.clone()
+        piece = torch.empty(C)
+        quantized_reduce_scatter(piece, randn(100 + rank, PSI), topo, spec)
+        out[f"qgz{bits}"] = piece.clone()
+        quantized_reduce_scatter(piece, representable(100 + rank, PSI, 127 if bits == 8 else 7), topo, spec)
+        out[f"qgz{bits}_exact"] = piece.clone()
+    a2a_in, a2a_out = torch.arange(8.0) + 10 * rank, torch.empty(8)
+    p2p_all_to_all(a2a_out, a2a_in, None)  # the fallback of backends without all_to_all_single
+    out["p2p"] = a2a_out
+
+    # one stage-3 step's collectives per mode, counted per link (fp32 values: 4 bytes)
+    spec_w, spec_g = QuantSpec(8, BLOCK), QuantSpec(4, BLOCK)
+    for mode in ZEROPP_MODES:
+        stats = CommStats()
+        dp, intra, inter = (Comm(g, stats, gpus_per_node=GPN) for g in (None, topo.intra_group, topo.inter_group))
+        full, piece, node_piece = torch.randn(PSI), torch.randn(C), torch.randn(PSI // GPN)
+        hpz, qwz, qgz = "hpZ" in mode, "qwZ" in mode, "qgZ" in mode
+        if mode == "+hybrid":
+            intra.all_gather(full, node_piece, "params")
+            intra.all_gather(full, node_piece, "params_bwd")
+            intra.reduce_scatter(node_piece, full, "grads")
+            inter.all_reduce(node_piece, "grads")
+        else:
+            for tag in ("params", "params_bwd"):
+                if tag == "params_bwd" and hpz:
+                    intra.all_gather(full, node_piece, tag)
+                elif qwz:
+                    quantized_all_gather(full, piece, spec=spec_w, stats=stats, tag=tag, topology=topo)
+                else:
+                    dp.all_gather(full, piece, tag)
+            if qgz:
+                quantized_reduce_scatter(piece, full, topo, spec_g, stats=stats)
+            else:
+                dp.reduce_scatter(piece, full, "grads")
+        out[mode] = stats.report()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_ranks, WORLD, timeout=120)
+
+
+def test_node_groups(results):
+    for rank, r in enumerate(results):
+        assert "does not split evenly into nodes of 3" in r["refused"]
+        node, local = rank // 2, rank % 2
+        assert r["topo"] == (node, local, [2 * node, 2 * node + 1], [local, local + 2])
+        assert r["tp_topo"] == (node, 1, None, [rank % 2, rank % 2 + 2])
+        assert r["p2p"].tolist() == [2 * rank + 10 * s + j for s in range(4) for j in range(2)]
+
+
+def _block_max(x):
+    return x.abs().view(-1, BLOCK).amax(1).repeat_interleave(BLOCK)
+
+
+@pytest.mark.parametrize("bits,levels", [(8, 127), (4, 7)])
+def test_quantized_all_gather_within_bound(results, bits, levels):
+    exact = torch.cat([randn(r, C) for r in range(WORLD)])
+    for r in results:
+        assert ((r[f"qwz{bits}"] - exact).abs() <= _block_max(exact) / levels / 2 * (1 + 1e-6)).all()
+        assert not torch.equal(r[f"qwz{bits}"], exact)  # it did quantize
+        assert torch.equal(r[f"qwz{bits}_exact"], torch.cat([representable(q, C, levels) for q in range(WORLD)]))
+
+
+@pytest.mark.parametrize("bits,levels", [(8, 127), (4, 7)])
+def test_quantized_reduce_scatter_within_bound(results, bits, levels):
+    fulls = [randn(100 + r, PSI) for r in range(WORLD)]
+    exact = torch.stack(fulls).double().sum(0)
+    # QuantSpec's bound summed over the senders: every rank's block maxima in step 1, every node's partial
+    # sums in step 2 (their maxima raised by step 1's error); scales are at most the whole tensor's max / levels
+    m = [f.abs().max().item() for f in fulls]
+    step1 = sum(m) / levels / 2
+    partial = [(fulls[2 * i] + fulls[2 * i + 1]).abs().max().item() + step1 for i in range(2)]
+    bound = (step1 + sum(partial) / levels / 2) * (1 + 1e-6)
+    for rank, r in enumerate(results):
+        mine = exact[rank * C:(rank + 1) * C]
+        err = (r[f"qgz{bits}"].double() - mine).abs()
+        assert err.max() <= bound and err.max() > 0
+        exact_rep = sum(representable(100 + q, PSI, levels) for q in range(WORLD))[rank * C:(rank + 1) * C]
+        assert torch.equal(r[f"qgz{bits}_exact"], exact_rep)
+
+
+def test_bytes_per_link_match_the_formulas(results):
+    for mode in ZEROPP_MODES:
+        intra, inter = link_bytes(zeropp_collectives(mode, PSI, WORLD, GPN, value_bytes=4, block=BLOCK))
+        for r in results:
+            report = r[mode]
+            assert Fraction(report["comm/inter_node_bytes"]) == inter, mode
+            assert Fraction(report["comm/intra_node_bytes"]) == intra, mode
+            assert report["comm/intra_node_bytes"] + report["comm/inter_node_bytes"] == report["comm/total/bytes"]
+    plain = results[0]["stage 3"]["comm/inter_node_bytes"]
+    assert plain == 3 * PSI * 4 * Fraction(3, 4) / 2  # 3Ψb(N−1)/N per node, half of it per rank (2 per node)
+    assert results[0]["qwZ+hpZ+qgZ"]["comm/inter_node_bytes"] <= plain / 4

@@ -1,0 +1,92 @@
+"""Node topology of the DP group: the rank arithmetic against a brute-force placement, and the launcher's counts."""
+import itertools
+
+import pytest
+
+from zero3d.topology import TopologyError, node_layout, resolve_gpus_per_node, topology_of
+
+
+def megatron_dp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
+    """megatron-core's order tp-cp-ep-dp-pp (cp = ep = 1), by coordinates: rank = t + tp·(d + dp·p)."""
+    return [[t + tp * (d + dp * p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
+def launcher_nodes(world: int, gpus_per_node: int) -> list[list[int]]:
+    """Ranks dealt to nodes one node at a time, as torchrun and Slurm's block distribution do."""
+    ranks = list(range(world))
+    return [ranks[i:i + gpus_per_node] for i in range(0, world, gpus_per_node)]
+
+
+def brute_force(group: list[int], gpus_per_node: int):
+    """(node index, local index) of each DP rank by searching the launcher's node lists, or None when the
+    group's ranks are not spread evenly and consecutively over the nodes it touches."""
+    hosts = launcher_nodes(max(group) + 1, gpus_per_node)
+    on = [next(i for i, host in enumerate(hosts) if g in host) for g in group]
+    touched = sorted(set(on))
+    members = {h: [d for d, n in enumerate(on) if n == h] for h in touched}
+    sizes = {len(v) for v in members.values()}
+    consecutive = all(v == list(range(v[0], v[0] + len(v))) for v in members.values())
+    ordered = [members[h][0] for h in touched] == sorted(members[h][0] for h in touched)
+    if len(sizes) != 1 or not consecutive or not ordered:
+        return None
+    return [(touched.index(on[d]), members[on[d]].index(d)) for d in range(len(group))]
+
+
+LAYOUTS = [(tp, dp, pp, gpn) for tp, dp, pp, gpn in itertools.product((1, 2, 4, 8), (1, 2, 3, 4, 6, 8), (1, 2),
+                                                                      (1, 2, 4, 8, 16))]
+
+
+@pytest.mark.parametrize("tp,dp,pp,gpn", LAYOUTS)
+def test_rank_arithmetic_matches_brute_force(tp, dp, pp, gpn):
+    for group in megatron_dp_groups(tp, dp, pp):
+        expected = brute_force(group, gpn)
+        if expected is None:
+            with pytest.raises(TopologyError, match="does not split evenly into nodes"):
+                node_layout(group, gpn)
+            continue
+        nodes = max(n for n, _ in expected) + 1
+        for d in range(dp):
+            t = topology_of(d, group, gpn)
+            assert (t.node, t.local) == expected[d]
+            assert t.nodes == nodes and t.per_node * nodes == dp
+            assert t.intra_ranks() == [e for e in range(dp) if expected[e][0] == expected[d][0]]
+            assert t.inter_ranks() == [e for e in range(dp) if expected[e][1] == expected[d][1]]
+
+
+def test_tp_takes_its_share_of_each_node():
+    # 16 ranks, 8 per node, TP 2: every DP group has 4 ranks on each of the 2 nodes
+    for group in megatron_dp_groups(2, 8, 1):
+        t = topology_of(0, group, 8)
+        assert (t.nodes, t.per_node) == (2, 4)
+    # TP filling the node: one DP rank per node
+    t = topology_of(3, megatron_dp_groups(8, 4, 1)[5], 8)
+    assert (t.nodes, t.per_node, t.node, t.local) == (4, 1, 3, 0)
+
+
+def test_uneven_and_scattered_groups_are_refused():
+    with pytest.raises(TopologyError, match=r"global ranks \[0, 1, 2\]"):
+        node_layout([0, 1, 2], 2)  # 2 + 1
+    with pytest.raises(TopologyError, match="does not split evenly"):
+        node_layout([0, 2, 1, 3], 2)  # node 0's DP ranks 0 and 2 are not consecutive
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"SLURM_NTASKS_PER_NODE": "4", "LOCAL_WORLD_SIZE": "2"}, 4),
+    ({"SLURM_TASKS_PER_NODE": "8(x4)"}, 8),
+    ({"SLURM_TASKS_PER_NODE": "2,2", "LOCAL_WORLD_SIZE": "4"}, 2),
+    ({"LOCAL_WORLD_SIZE": "3"}, 3),
+])
+def test_launcher_counts(env, expected):
+    assert resolve_gpus_per_node(None, env) == expected
+    assert resolve_gpus_per_node(2, env) == 2  # the explicit value wins
+
+
+@pytest.mark.parametrize("env,gpn,message", [
+    ({"SLURM_TASKS_PER_NODE": "8(x2),4"}, None, "different numbers of ranks"),
+    ({"SLURM_NTASKS_PER_NODE": "eight"}, None, "SLURM_NTASKS_PER_NODE = 'eight' is invalid"),
+    ({}, None, "ranks per node unknown"),
+    ({}, 0, "gpus_per_node = 0 is invalid"),
+])
+def test_launcher_refusals(env, gpn, message):
+    with pytest.raises(TopologyError, match=message):
+        resolve_gpus_per_node(gpn, env)
