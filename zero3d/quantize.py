@@ -66,7 +66,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec()) -> tuple[torch.Tens
                              "use scale_dtype torch.float32")
         half = scales.half()
         low = half.float() < scales  # rounded down: step up one fp16 value so every code fits
-        half[low] = torch.nextafter(half[low].float(), torch.tensor(float("inf"))).half()
+        up = half[low].float()
+        half[low] = torch.nextafter(up, torch.full_like(up, float("inf"))).half()
         scales = half
     divisor = scales.float().clone()
     divisor[divisor == 0] = 1.0  # an all-zero block: codes 0, scale 0
