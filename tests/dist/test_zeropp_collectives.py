@@ -114,6 +114,7 @@ def test_quantized_all_gather_within_bound(results, bits, levels):
     for r in results:
         assert ((r[f"qwz{bits}"] - exact).abs() <= _block_max(exact) / levels / 2 * (1 + 1e-6)).all()
         assert not torch.equal(r[f"qwz{bits}"], exact)  # it did quantize
+        assert torch.equal(r[f"qwz{bits}"], results[0][f"qwz{bits}"])  # every rank computes with the same weights
         assert torch.equal(r[f"qwz{bits}_exact"], torch.cat([representable(q, C, levels) for q in range(WORLD)]))
 
 
