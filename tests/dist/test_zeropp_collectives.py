@@ -40,6 +40,8 @@ def _ranks(rank, world):
         out["refused"] = str(err)
     topo = build_node_topology(dist.group.WORLD, gpus_per_node=GPN, timeout=timedelta(seconds=60))
     ranks_of = dist.get_process_group_ranks
+    launcher = build_node_topology(dist.group.WORLD)  # run_ranks sets LOCAL_WORLD_SIZE = 4: one node
+    out["launcher"] = (launcher.nodes, launcher.per_node, ranks_of(launcher.intra_group), launcher.inter_group)
     out["topo"] = (topo.node, topo.local, ranks_of(topo.intra_group), ranks_of(topo.inter_group))
     # TP 2 × DP 2 (TP-consecutive): each DP group has one rank on each node
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -58,6 +60,9 @@ def _ranks(rank, world):
         out[f"qgz{bits}"] = piece.clone()
         quantized_reduce_scatter(piece, representable(100 + rank, PSI, 127 if bits == 8 else 7), topo, spec)
         out[f"qgz{bits}_exact"] = piece.clone()
+    full = torch.empty(PSI)  # fp16 scales: the bound holds with the stored (rounded-up) scale
+    quantized_all_gather(full, randn(rank, C), spec=QuantSpec(8, BLOCK, torch.float16))
+    out["qwz8_fp16_scales"] = full
     a2a_in, a2a_out = torch.arange(8.0) + 10 * rank, torch.empty(8)
     p2p_all_to_all(a2a_out, a2a_in, None)  # the fallback of backends without all_to_all_single
     out["p2p"] = a2a_out
@@ -100,6 +105,7 @@ def test_node_groups(results):
         assert "does not split evenly into nodes of 3" in r["refused"]
         node, local = rank // 2, rank % 2
         assert r["topo"] == (node, local, [2 * node, 2 * node + 1], [local, local + 2])
+        assert r["launcher"] == (1, 4, [0, 1, 2, 3], None)
         assert r["tp_topo"] == (node, 1, None, [rank % 2, rank % 2 + 2])
         assert r["p2p"].tolist() == [2 * rank + 10 * s + j for s in range(4) for j in range(2)]
 
@@ -116,6 +122,13 @@ def test_quantized_all_gather_within_bound(results, bits, levels):
         assert not torch.equal(r[f"qwz{bits}"], exact)  # it did quantize
         assert torch.equal(r[f"qwz{bits}"], results[0][f"qwz{bits}"])  # every rank computes with the same weights
         assert torch.equal(r[f"qwz{bits}_exact"], torch.cat([representable(q, C, levels) for q in range(WORLD)]))
+
+
+def test_quantized_all_gather_with_fp16_scales(results):
+    exact = torch.cat([randn(r, C) for r in range(WORLD)])
+    for r in results:  # an fp16 scale is at most one fp16 step (2^-10 relative) above max / 127
+        err = (r["qwz8_fp16_scales"] - exact).abs()
+        assert (err <= _block_max(exact) / 127 / 2 * (1 + 2**-10 + 1e-6)).all() and err.max() > 0
 
 
 @pytest.mark.parametrize("bits,levels", [(8, 127), (4, 7)])
