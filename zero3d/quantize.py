@@ -198,7 +198,7 @@ def quantized_reduce_scatter(piece: torch.Tensor, full: torch.Tensor, topology, 
     node's partial sum of chunk (i, j) quantized and sums them. Error per element ≤ Σ over the m·k
     senders of (1) of their block scale / 2 + Σ over the k senders of (2) of theirs (QuantSpec's
     bound; a rank's own contribution is never quantized). Inter-node bytes per rank:
-    (k − 1) · wire_bytes(k·c / k); per node: (k−1)/k of one quantized copy of `full`.
+    (k − 1) · wire_bytes(c); per node (m ranks): (k − 1)/k of one quantized copy of `full`.
     """
     k, m = topology.nodes, topology.per_node
     if full.numel() % topology.dp_size or piece.numel() != full.numel() // topology.dp_size:
