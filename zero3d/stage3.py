@@ -94,6 +94,9 @@ class ParameterShardedEngine(DataParallelEngine):
         threshold = self.settings.zero.param_persistence_threshold
         decays_of = {p: decays for decays, named in named_groups.items() for _, p in named}
         name_of = {p: name for name, p in self.model.named_parameters()}
+        # Decided before any shard empties its parameters (their numel is 0 after).
+        persistent = {decays: [(name, p) for name, p in named if p.numel() <= threshold]
+                      for decays, named in named_groups.items()}
         out = {}
         for unit in self.units:
             for decays in named_groups:
@@ -102,8 +105,7 @@ class ParameterShardedEngine(DataParallelEngine):
                     name = f"{unit.name}/{DECAY_NAMES[decays]}"
                     out[name] = group = self._sharded_group(name, named, decays)
                     unit.groups.append(group)
-        for decays, named in named_groups.items():
-            kept = [(name, p) for name, p in named if p.numel() <= threshold]
+        for decays, kept in persistent.items():
             if kept:
                 name = f"{PERSISTENT}/{DECAY_NAMES[decays]}"
                 out[name] = group = self._replicated_group(name, kept, decays)

@@ -3,7 +3,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import zero3d
@@ -60,14 +59,6 @@ def test_pretrain_embeds_zero3d_sections_and_passes_them_through():
     assert settings.optimizer is cfg.optimizer and settings.loss_scale is cfg.precision
     assert settings.optimizer.betas == (0.9, 0.95) and settings.loss_scale.hysteresis == 3
     assert engine_settings(load_config("configs/tiny.toml")).loss_scale is None  # fp32: no scaler
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage", [0, 2])
