@@ -95,7 +95,8 @@ class DataParallelEngine:
     """Template: backward() → step(lr) → [grads reduced, unscaled, clipped, optimizer, params published].
 
     Subclasses fill in what is stored and communicated: `_build_group`, `_reduce_grads`,
-    `_master_grad`, `_publish_params`, `zero_grad`, `_state_bytes`.
+    `_publish_params`; `_master_grad`, `zero_grad` and `_state_bytes` have defaults (whole gradient
+    tensors, counted by zero3d/accounting.py). The update runs wherever `placement` keeps the masters.
     """
 
     stage: int = -1
