@@ -14,7 +14,8 @@ from typing import Literal, Optional
 
 from pretrain.blend import parse_blend, parse_split
 from pretrain.errors import ConfigError
-from zero3d.config import ZeroConfig, ZeroConfigError  # the [zero] section: zero3d's own dataclass
+from zero3d import config as engine_config  # [zero], [optimizer], [precision]: zero3d's own dataclasses
+from zero3d.config import ZeroConfig, ZeroConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,26 +60,22 @@ class ParallelConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    lr: float = 1e-3
+class OptimizerConfig(engine_config.OptimizerConfig):
+    """[optimizer]: zero3d's AdamW settings (validated there) with this recipe's defaults, plus the schedule."""
+
+    weight_decay: float = 0.1
+    beta2: float = 0.95
+    clip_grad: float = 1.0
     min_lr: float = 1e-4
     warmup_steps: int = 5
     decay_steps: Optional[int] = None  # None: train.steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
 
 
 @dataclass
-class PrecisionConfig:
+class PrecisionConfig(engine_config.LossScaleConfig):
+    """[precision]: the compute dtype, plus zero3d's fp16 loss-scale settings (validated there)."""
+
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    initial_loss_scale: float = 2.0**16  # fp16 dynamic loss scaling
-    min_loss_scale: float = 1.0
-    growth_interval: int = 1000  # clean steps before the scale doubles
-    backoff_factor: float = 0.5
-    hysteresis: int = 2  # overflows tolerated before backing off
 
 
 @dataclass
@@ -295,7 +292,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-FP16_ONLY = ("initial_loss_scale", "min_loss_scale", "growth_interval", "backoff_factor", "hysteresis")
+FP16_ONLY = tuple(f.name for f in dataclasses.fields(engine_config.LossScaleConfig))
 
 
 def _check_finite(cfg: Config) -> None:
@@ -321,8 +318,11 @@ def _check_fp16_only(pr: PrecisionConfig) -> None:
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Checks that need no process group; with `world_size`, also the layout's divisibility."""
-    try:  # the [zero] keys were set one by one: build the dataclass again so it checks itself
+    try:  # the keys were set one by one: build zero3d's sections again so they check themselves
         cfg.zero = ZeroConfig(**dataclasses.asdict(cfg.zero))
+        cfg.optimizer = OptimizerConfig(**dataclasses.asdict(cfg.optimizer))
+        _check_fp16_only(cfg.precision)
+        cfg.precision = PrecisionConfig(**dataclasses.asdict(cfg.precision))
     except ZeroConfigError as err:
         raise ConfigError(str(err)) from None
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
@@ -373,22 +373,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(not (z.partition_activations or z.contiguous_checkpointing) or m.recompute == "full",
              "zero.partition_activations / zero.contiguous_checkpointing need model.recompute = "
              f"\"full\" (they store the recomputation checkpoints); got model.recompute = {m.recompute!r}")
-    _require(o.lr > 0, f"optimizer.lr = {o.lr} must be > 0")
     _require(0 <= o.min_lr <= o.lr, f"optimizer.min_lr = {o.min_lr} must be in [0, optimizer.lr = {o.lr}]")
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps = {o.warmup_steps} must be >= 0")
-    _require(o.clip_grad >= 0, f"optimizer.clip_grad = {o.clip_grad} must be >= 0 (0 disables)")
-    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)")
-    _require(o.eps > 0, f"optimizer.eps = {o.eps} is invalid; must be > 0")
-    _require(o.weight_decay >= 0, f"optimizer.weight_decay = {o.weight_decay} is invalid; must be >= 0")
     _require(o.decay_steps is None or o.decay_steps >= 1,
              f"optimizer.decay_steps = {o.decay_steps} is invalid; must be >= 1 (or unset: train.steps)")
-    pr = cfg.precision
-    _check_fp16_only(pr)
-    _require(pr.initial_loss_scale >= pr.min_loss_scale > 0,
-             "precision.initial_loss_scale must be >= precision.min_loss_scale > 0")
-    _require(0 < pr.backoff_factor < 1, f"precision.backoff_factor = {pr.backoff_factor} must be in (0, 1)")
-    _require(pr.growth_interval >= 1 and pr.hysteresis >= 1,
-             "precision.growth_interval and precision.hysteresis must be >= 1")
     validate_data(cfg)
     for key in ("steps", "micro_batch_size", "global_batch_size", "eval_iters"):
         _require(getattr(t, key) > 0, f"train.{key} = {getattr(t, key)} must be > 0")

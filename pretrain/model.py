@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from pretrain.config import Config
-from zero3d.checkpointing import ActivationCheckpointing, checkpoint
+from zero3d.activations import ActivationCheckpointing, checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend

@@ -40,14 +40,12 @@ def lr_at(step: int, cfg: Config) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def engine_settings(cfg: Config) -> zero3d.EngineSettings:
-    o, pr = cfg.optimizer, cfg.precision
-    loss_scale = zero3d.LossScaleConfig(
-        initial_scale=pr.initial_loss_scale, min_scale=pr.min_loss_scale, growth_interval=pr.growth_interval,
-        backoff_factor=pr.backoff_factor, hysteresis=pr.hysteresis) if pr.dtype == "fp16" else None
-    return zero3d.EngineSettings(
-        zero=cfg.zero, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
-        clip_grad=o.clip_grad, dtype=DTYPES[pr.dtype], loss_scale=loss_scale, units=gather_units)
+def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
+    """The engine's settings: the config's own zero3d sections, the dtype and megatron's gather units;
+    `seams` (the probe's optimizer_factory / read_host_float) pass through."""
+    fp16 = cfg.precision.dtype == "fp16"
+    return zero3d.EngineSettings(zero=cfg.zero, optimizer=cfg.optimizer, dtype=DTYPES[cfg.precision.dtype],
+                                 loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
 
 
 def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, forward_only=False) -> list:
@@ -162,11 +160,11 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     return mean_loss(losses, topo)
 
 
-def build_and_wrap(cfg: Config, topo: Topology):
+def build_and_wrap(cfg: Config, topo: Topology, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats."""
     activations = activation_checkpointing(cfg, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg, **seams), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     return model, engine, activations

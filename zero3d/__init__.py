@@ -2,29 +2,31 @@
 
 Glossary (the paper's names → the code):
 - Pos (stage 1): optimizer states and fp32 master partitioned — `OptimizerShardedEngine`
-  (zero3d/stage1.py); each rank's `GroupState.master_pieces` and Adam moments cover its shard.
+  (zero3d/stage1.py; `WholeParamsEngine`, whole_params.py, is what it shares with stage 2); each rank's
+  `GroupState.master_pieces` and Adam moments cover its shard.
 - Pos+g (stage 2): + gradients — `GradientShardedEngine` (stage2.py); `GradientBuckets`
   (buckets.py) reduce-scatters each bucket during backward into the rank's gradient shard.
 - Pos+g+p (stage 3): + parameters — `ParameterShardedEngine` (stage3.py); parameters gathered per
   unit (gather.py) around its forward and backward.
-- Pa: partitioned activation checkpoints across the TP group (zero3d/checkpointing.py);
+- Pa: partitioned activation checkpoints across the TP group (zero3d/activations.py);
   Pa+cpu: those slices in host memory (`ZeroConfig.cpu_checkpointing`).
 - CB: constant-size buckets — `ZeroConfig.bucket_elements`, `flat.Bucket`: one reduce-scatter and
   one all-gather each.
 - MD: memory defragmentation — contiguous buffers: `flat.flatten_params/flatten_grads` (one
   allocation per group) and `ZeroConfig.contiguous_checkpointing` (checkpoints in one buffer).
-- ZeRO-Offload / ZeRO-Infinity: `ZeroConfig.offload_optimizer` ("cpu": zero3d/offload.py,
-  "nvme": zero3d/nvme.py) and stage 3's `offload_params`; see docs/offload.md.
+- ZeRO-Offload / ZeRO-Infinity: `ZeroConfig.offload_optimizer`, the engine's `placement`
+  (zero3d/placement.py: "none" on the device; "cpu": offload.py; "nvme": nvme.py) and stage 3's
+  `offload_params`; see docs/offload.md. Byte accounting: accounting.py.
 - N_d, Ψ: data-parallel size (`engine.dp.size`), parameters per TP rank.
 """
 import dataclasses
 from typing import Callable, Optional
 
 from zero3d.comm import CommStats
-from zero3d.config import ZeroConfig, ZeroConfigError
+from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig, ZeroConfigError
 from zero3d.engine import DataParallelEngine, EngineSettings, ParallelGroups, StepResult
 from zero3d.flat import FlatLayout
-from zero3d.precision import LossScaleConfig, LossScaler
+from zero3d.precision import LossScaler
 from zero3d.stage0 import ReplicatedEngine
 from zero3d.stage1 import OptimizerShardedEngine
 from zero3d.stage2 import GradientShardedEngine
@@ -52,4 +54,4 @@ def wrap_model(model, stage: int, settings: EngineSettings, groups: ParallelGrou
 
 
 __all__ = ["wrap_model", "STAGES", "DataParallelEngine", "EngineSettings", "ParallelGroups", "StepResult",
-           "LossScaleConfig", "LossScaler", "CommStats", "FlatLayout", "ZeroConfig", "ZeroConfigError"]
+           "LossScaleConfig", "LossScaler", "OptimizerConfig", "CommStats", "FlatLayout", "ZeroConfig", "ZeroConfigError"]

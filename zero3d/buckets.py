@@ -1,11 +1,11 @@
 """Backward-time gradient reduction (stages 2 and 3): one reduce-scatter per bucket, straight from its buffer."""
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from zero3d.comm import same_memory
+from zero3d.comm import Comm, same_memory
 from zero3d.engine import GroupState
 from zero3d.flat import Bucket
 
@@ -27,15 +27,21 @@ class GradientBuckets:
     """Gradients land in their bucket's buffer: once a bucket's buffer exists, the bucket's other
     parameters get `param.grad` as views of it, so autograd accumulates there in place (only the
     gradient that opens a bucket, and tied ones summed elsewhere, are copied in). A complete bucket
-    is pre-divided, reduce-scattered in place (asynchronously when `overlap`, on `stream` when
-    given) and, on completion, this rank's piece is added (× post-scale) into the group's gradient
-    shard at the piece's shard offset, so micro-batches accumulate.
+    is pre-divided (× `pre_scale`), reduce-scattered in place over `dp` (asynchronously when
+    `overlap`, on `stream` when given) and, on completion, this rank's piece is handed to
+    `deliver(group, shard offset, piece)`, which adds it into the group's gradient shard, so
+    micro-batches accumulate. Parameters in `held_elsewhere` (tied weights, summed over their own
+    group before they are added here) never get a `.grad` view of a bucket buffer.
 
     A launched bucket is replaced by a fresh one at once, so a bucket may complete once per
     micro-batch inside a pipeline schedule that launches the rest only at the end of the step."""
 
-    def __init__(self, engine, groups: list[GroupState], overlap: bool, stream=None):
-        self.engine, self.groups, self.overlap, self.stream = engine, groups, overlap, stream
+    def __init__(self, groups: list[GroupState], dp: Comm, deliver: Callable[[GroupState, int, torch.Tensor], None],
+                 *, dtype: torch.dtype, device: torch.device, pre_scale: float, held_elsewhere: frozenset,
+                 overlap: bool, stream=None):
+        self.groups, self.dp, self.deliver = groups, dp, deliver
+        self.dtype, self.device, self.pre_scale, self.held_elsewhere = dtype, device, pre_scale, held_elsewhere
+        self.overlap, self.stream = overlap, stream
         self.location = {}  # param -> (group name, slot index, bucket index)
         for group in groups:
             for bucket in group.buckets:
@@ -51,7 +57,7 @@ class GradientBuckets:
 
     def add(self, param: torch.Tensor) -> None:
         """`param.grad` is in: add it to its bucket's buffer unless it already lives there, drop it."""
-        self.engine.comm_stats.poll()
+        self.dp.stats.poll()
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
         view = self._slot_view(run, slot_index)
@@ -86,10 +92,10 @@ class GradientBuckets:
         if run.grads is None:
             group, bucket = run.group, run.bucket
             # The compute dtype on the device (the shard it lands in may be an fp32 host one: offload).
-            run.grads = torch.zeros(bucket.numel, dtype=self.engine.settings.dtype, device=self.engine.device)
+            run.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
             for i in run.missing:
                 param, slot = group.params[i], group.layout.slots[i]
-                if param.grad is None and param not in self.engine.tied:
+                if param.grad is None and param not in self.held_elsewhere:
                     param.grad = run.grads[slot.start - bucket.start:slot.end - bucket.start].view(slot.shape)
             live = sum(open_run.grads.numel() * open_run.grads.element_size()
                        for runs in self.runs.values() for open_run in runs if open_run.grads is not None)
@@ -98,18 +104,18 @@ class GradientBuckets:
         return run.grads
 
     def _launch(self, run: BucketRun) -> None:
-        group, bucket, engine = run.group, run.bucket, self.engine
+        group, bucket = run.group, run.bucket
         buffer = self._buffer(run)
         for i in bucket.slot_indices:  # views handed out but never filled (unused parameters)
             param = group.params[i]
-            if param.grad is not None and param not in engine.tied:
+            if param.grad is not None and param not in self.held_elsewhere:
                 param.grad = None
-        lo, hi = bucket.piece(engine.dp.rank)
+        lo, hi = bucket.piece(self.dp.rank)
         with self._on_stream(buffer):
-            if engine.pre_scale != 1.0:
-                buffer.mul_(engine.pre_scale)
+            if self.pre_scale != 1.0:
+                buffer.mul_(self.pre_scale)
             piece = buffer[lo - bucket.start:hi - bucket.start]  # reduced in place
-            run.handle = engine.dp.reduce_scatter(piece, buffer, tag="grads", async_op=self.overlap)
+            run.handle = self.dp.reduce_scatter(piece, buffer, tag="grads", async_op=self.overlap)
         self.in_flight.append(run)
         while len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish(self.in_flight.pop(0))
@@ -127,8 +133,7 @@ class GradientBuckets:
             run.handle.wait()
         if self.stream is not None:
             torch.cuda.current_stream(run.grads.device).wait_stream(self.stream)
-        bucket, rank = run.bucket, self.engine.dp.rank
-        lo, hi = bucket.piece(rank)
-        piece = run.grads[lo - bucket.start:hi - bucket.start]
-        self.engine.accumulate_grad_piece(run.group, bucket.shard_start, piece)
+        bucket = run.bucket
+        lo, hi = bucket.piece(self.dp.rank)
+        self.deliver(run.group, bucket.shard_start, run.grads[lo - bucket.start:hi - bucket.start])
         run.grads = None

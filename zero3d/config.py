@@ -1,4 +1,5 @@
-"""The ZeRO settings as one dataclass that checks itself once, when it is built."""
+"""The engine's settings — ZeRO, optimizer, loss scaling — as dataclasses that check themselves when built."""
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -7,7 +8,20 @@ PLACEMENTS = ("none", "cpu", "nvme")
 
 
 class ZeroConfigError(ValueError):
-    """A ZeRO setting is invalid; the message names the key, the value and what is valid."""
+    """A zero3d setting is invalid; the message names the key, the value and what is valid."""
+
+
+def _raise_first(checks) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ZeroConfigError(message)
+
+
+def _finite(section: str, obj) -> tuple:
+    """(ok, message) per float field: inf or nan is never a valid setting (optimizer.lr = inf trains NaNs)."""
+    return tuple((not isinstance(value, float) or math.isfinite(value),
+                  f"{section}.{key} = {value} is invalid; must be a finite number")
+                 for key, value in vars(obj).items())
 
 
 @dataclass
@@ -78,9 +92,7 @@ class ZeroConfig:
              "the partitioned checkpoints)"),
             *self._offload_checks(),
         )
-        for ok, message in checks:
-            if not ok:
-                raise ZeroConfigError(message)
+        _raise_first(checks)
 
     def _offload_checks(self) -> tuple:
         z, nvme = self, "nvme" in (self.offload_optimizer, self.offload_params)
@@ -110,3 +122,68 @@ class ZeroConfig:
     def predivide(self, dp_size: int) -> float:
         """The factor gradients are divided by before the data-parallel sum."""
         return float(dp_size) if self.grad_predivide_factor == 0 else self.grad_predivide_factor
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW's settings; the TOML `[optimizer]` section's engine keys, key for key (pretrain's section
+    adds the learning-rate schedule). Validated in `__post_init__`."""
+
+    # Peak learning rate (the loop passes each step's value to `engine.step(lr)`).
+    lr: float = 1e-3
+    # Decoupled weight decay, applied to the "decay" groups only (matrices; not biases or norms).
+    weight_decay: float = 0.0
+    # Adam's first-moment decay.
+    beta1: float = 0.9
+    # Adam's second-moment decay.
+    beta2: float = 0.999
+    # Added to the denominator for numerical stability.
+    eps: float = 1e-8
+    # Gradients are scaled so their global norm is at most this; 0 disables clipping.
+    clip_grad: float = 0.0
+
+    def __post_init__(self):
+        _raise_first((
+            *_finite("optimizer", self),
+            (self.lr > 0, f"optimizer.lr = {self.lr} must be > 0"),
+            (self.clip_grad >= 0, f"optimizer.clip_grad = {self.clip_grad} must be >= 0 (0 disables)"),
+            (0 <= self.beta1 < 1, f"optimizer.beta1 = {self.beta1} is invalid; must be in [0, 1)"),
+            (0 <= self.beta2 < 1, f"optimizer.beta2 = {self.beta2} is invalid; must be in [0, 1)"),
+            (self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0"),
+            (self.weight_decay >= 0, f"optimizer.weight_decay = {self.weight_decay} is invalid; must be >= 0"),
+        ))
+
+    @property
+    def betas(self) -> tuple:
+        return (self.beta1, self.beta2)
+
+
+@dataclass
+class LossScaleConfig:
+    """fp16 dynamic loss scaling; the TOML `[precision]` section's loss-scale keys, key for key (pretrain's
+    section adds the dtype). The engine's LossScaler (zero3d/precision.py) runs on these values."""
+
+    # The scale of the first step.
+    initial_loss_scale: float = 2.0**16
+    # The scale never backs off below this.
+    min_loss_scale: float = 1.0
+    # Clean (non-overflow) steps before the scale grows by growth_factor.
+    growth_interval: int = 1000
+    # The scale is multiplied by this when it backs off.
+    backoff_factor: float = 0.5
+    # Overflows tolerated before backing off.
+    hysteresis: int = 2
+    # The scale is multiplied by this after growth_interval clean steps.
+    growth_factor: float = 2.0
+
+    def __post_init__(self):
+        _raise_first((
+            *_finite("precision", self),
+            (self.initial_loss_scale >= self.min_loss_scale > 0,
+             f"precision.initial_loss_scale = {self.initial_loss_scale} must be >= precision.min_loss_scale = "
+             f"{self.min_loss_scale} > 0"),
+            (0 < self.backoff_factor < 1, f"precision.backoff_factor = {self.backoff_factor} must be in (0, 1)"),
+            (self.growth_factor > 1, f"precision.growth_factor = {self.growth_factor} must be > 1"),
+            (self.growth_interval >= 1, f"precision.growth_interval = {self.growth_interval} must be >= 1"),
+            (self.hysteresis >= 1, f"precision.hysteresis = {self.hysteresis} must be >= 1"),
+        ))

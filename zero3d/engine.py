@@ -1,5 +1,4 @@
 """The data-parallel interface the training loop uses; each ZeRO stage is one small subclass."""
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -7,30 +6,39 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from zero3d.comm import Comm, CommStats
-from zero3d.config import ZeroConfig
-from zero3d.flat import FlatLayout, param_groups
+from zero3d.accounting import model_state_bytes
+from zero3d.comm import Comm, CommStats, wait_all
+from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig
+from zero3d.flat import DECAY_NAMES, FlatLayout, flatten_grads, flatten_params, param_groups
 from zero3d.nvme import NvmeOffload
-from zero3d.offload import Copier, GroupSpec, HostOffload, device_state_bytes
+from zero3d.offload import Copier, GroupSpec, HostOffload
 from zero3d.optim import make_optimizer
-from zero3d.precision import LossScaleConfig, make_scaler
+from zero3d.placement import DevicePlacement, Placement
+from zero3d.precision import make_scaler
+
+
+def read_host_float(value: torch.Tensor) -> float:
+    """The engine's one device-to-host read (the all-reduced squared gradient norm); the default of
+    `EngineSettings.read_host_float`."""
+    return value.item()
 
 
 @dataclass
 class EngineSettings:
-    """What the engine needs from the config (plain values, so zero3d stays model-agnostic)."""
+    """What the engine needs (zero3d's own sections and plain values, so zero3d stays model-agnostic)."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 0.0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     dtype: torch.dtype = torch.float32
     loss_scale: Optional[LossScaleConfig] = None  # fp16 only: the engine builds its scaler from it
     # Stage 3: model -> [(name, module)] gathered as units (pretrain passes megatron's layers);
     # None: the model's top-level children.
     units: Optional[Callable[[nn.Module], list]] = None
+    # Seams for the rank-local probe (pretrain/probe/rank.py), which runs the engine on fake tensors
+    # standing in for a GPU: how the on-device optimizer is built ([(fp32 tensor, weight decay)], lr,
+    # betas, eps -> torch optimizer), and the one device-to-host read (fake tensors hold no values).
+    optimizer_factory: Callable = make_optimizer
+    read_host_float: Callable[[torch.Tensor], float] = read_host_float
 
 
 @dataclass
@@ -56,11 +64,14 @@ class StepResult:
 
 @dataclass
 class GroupState:
-    """One parameter group (decay / no_decay): its layout and the tensors a stage keeps for it."""
+    """One parameter group: its layout and the tensors a stage keeps for it."""
 
     name: str
     layout: FlatLayout
     params: list
+    decays: bool  # weight decay applies (matrices; not biases or norms)
+    # Its gradients arrive as reduced bucket pieces during backward (stage 2, stage 3's sharded groups).
+    bucketed: bool = False
     param_flat: Optional[torch.Tensor] = None  # model dtype: full (stages 0-2) or shard (stage 3)
     grads: Optional[torch.Tensor] = None  # model dtype: full buffer (stages 0-1) or shard (2-3)
     # fp32 tensors the optimizer updates, as (offset in master coordinates, tensor): one contiguous
@@ -84,7 +95,8 @@ class DataParallelEngine:
     """Template: backward() → step(lr) → [grads reduced, unscaled, clipped, optimizer, params published].
 
     Subclasses fill in what is stored and communicated: `_build_group`, `_reduce_grads`,
-    `_master_grad`, `_publish_params`, `zero_grad`, `_state_bytes`.
+    `_publish_params`; `_master_grad`, `zero_grad` and `_state_bytes` have defaults (whole gradient
+    tensors, counted by zero3d/accounting.py). The update runs wherever `placement` keeps the masters.
     """
 
     stage: int = -1
@@ -106,15 +118,8 @@ class DataParallelEngine:
         self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
         self.copier = Copier(self.device)  # device <-> host copies of offloaded states (counts their bytes)
         self.groups = self._build_groups(param_groups(model))
-        self.offload = None  # ZeRO-Offload: HostOffload / NvmeOffload when the master and Adam states are off the device
-        self.host_grad_groups: frozenset = frozenset()  # groups whose gradient shard lives on the host only
-        if settings.zero.offload_optimizer != "none":
-            self.optimizer = self._offload_optimizer()
-        else:
-            self.optimizer = make_optimizer(
-                [(piece, self._weight_decay(name)) for name, group in self.groups.items()
-                 for _, piece in group.master_pieces],
-                lr=settings.lr, betas=settings.betas, eps=settings.eps)
+        self.placement = self._build_placement()  # where the masters and Adam states live
+        self.optimizer = self.placement.optimizer
 
     # ------------------------------------------------------------ loop-facing interface
 
@@ -144,8 +149,7 @@ class DataParallelEngine:
         """
         self.finish_param_sync()
         self._reduce_grads()
-        if self.offload is not None:
-            self.offload.finish_grads()  # the last gradient pieces copied to the host are added there
+        self.placement.finish_grads()  # e.g. the last gradient pieces copied to the host are added there
         master_grads = {name: self._master_grad(group) for name, group in self.groups.items()}
         if self.scaler.scale != 1.0:
             for grad in master_grads.values():
@@ -154,11 +158,11 @@ class DataParallelEngine:
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if not overflow:
-            self._apply_update(master_grads, norm, lr)
+            clip = self.settings.optimizer.clip_grad
+            self.placement.step(master_grads, min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0, lr)
             self._publish_params()
         self.zero_grad()
-        if self.offload is not None:
-            self.offload.zero_grad()
+        self.placement.zero_grad()
         return StepResult(grad_norm=norm, skipped=overflow, loss_scale=self.scaler.scale)
 
     def finish_param_sync(self) -> None:
@@ -175,55 +179,30 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ shared pieces
 
-    def _apply_update(self, master_grads: dict, norm: float, lr: float) -> None:
-        coef = 1.0
-        if self.settings.clip_grad > 0:
-            coef = min(1.0, self.settings.clip_grad / (norm + 1e-6))
-        if self.offload is not None:  # clip, AdamW on the host; the parameters come back in the compute dtype
-            self.offload.step(master_grads, coef, lr)
-            return
-        for name, group in self.groups.items():
-            grad = master_grads[name]
-            if coef < 1.0:
-                grad.mul_(coef)
-            for offset, piece in group.master_pieces:
-                piece.grad = grad[offset:offset + piece.numel()]
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = lr
-        self.optimizer.step()
-        for group in self.groups.values():
-            for _, piece in group.master_pieces:
-                piece.grad = None
+    def _weight_decay(self, group: GroupState) -> float:
+        return self.settings.optimizer.weight_decay if group.decays else 0.0
 
-    def _weight_decay(self, name: str) -> float:
-        return self.settings.weight_decay if is_decay_group(name) else 0.0
-
-    # ------------------------------------------------------------ ZeRO-Offload (zero3d/offload.py, nvme.py)
-
-    def _offload_optimizer(self):
-        """The master and Adam states of every group move off the device; each group's master
-        becomes the host tensor (NVMe: an empty placeholder outside `materialized_states()`)."""
-        zero, s = self.settings.zero, self.settings
+    def _build_placement(self) -> Placement:
+        """The optimizer on the device over the groups' master pieces, or (ZeRO-Offload) the master and
+        Adam states of every group moved off it: each group's master becomes the host tensor (NVMe:
+        an empty placeholder outside `materialized_states()`)."""
+        zero, opt = self.settings.zero, self.settings.optimizer
+        if zero.offload_optimizer == "none":
+            return DevicePlacement(self.groups, self.settings.optimizer_factory(
+                [(piece, self._weight_decay(group)) for group in self.groups.values()
+                 for _, piece in group.master_pieces], lr=opt.lr, betas=opt.betas, eps=opt.eps))
         on_host = zero.offload_optimizer == "cpu"  # NVMe keeps host memory bounded: its gradients stay
-        specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(name),
-                           holds_grad=on_host and self._grads_reduced_in_buckets(name))
-                 for name, group in self.groups.items()]
-        if on_host:
-            self.offload = HostOffload(specs, s.lr, s.betas, s.eps, self.copier)
-        else:
-            self.offload = NvmeOffload(specs, s.lr, s.betas, s.eps, self.copier, zero.nvme_path,
-                                       zero.nvme_buffer_bytes, self.world.rank)
+        specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(group),
+                           holds_grad=on_host and group.bucketed) for name, group in self.groups.items()]
+        placement = HostOffload(specs, opt.lr, opt.betas, opt.eps, self.copier) if on_host else \
+            NvmeOffload(specs, opt.lr, opt.betas, opt.eps, self.copier, zero.nvme_path, zero.nvme_buffer_bytes,
+                        self.world.rank)
         for spec in specs:
             group = self.groups[spec.name]
-            group.master_pieces = ((0, self.offload.master(spec.name)),)
+            group.master_pieces = ((0, placement.master(spec.name)),)
             if spec.holds_grad:  # the device gradient shard is freed: the host one replaces it
-                group.grads = self.offload.grad(spec.name)
-        self.host_grad_groups = frozenset(spec.name for spec in specs if spec.holds_grad)
-        return self.offload.optimizer
-
-    def _grads_reduced_in_buckets(self, name: str) -> bool:
-        """Whether the group's gradients arrive as reduced bucket pieces during backward (stages 2/3)."""
-        return False
+                group.grads = placement.grad(spec.name)
+        return placement
 
     def _param_pieces(self, group: GroupState) -> tuple:
         """The model-dtype parameter elements matching the group's master coordinates, as
@@ -233,31 +212,25 @@ class DataParallelEngine:
             return ((0, group.param_flat),)
         return tuple((bucket.shard_start, group.param_flat[lo:hi]) for bucket, lo, hi in group.layout.pieces(self.dp.rank))
 
-    def accumulate_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
+    def _deliver_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
         """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),
-        added (× post-scale) into the gradient shard, or, when that lives on the host, copied there
-        now (overlapping the rest of backward) and added on arrival."""
-        if group.name in self.host_grad_groups:
-            self.offload.accumulate_grad(group.name, lo, piece, self.post_scale)
-        else:
-            group.grads[lo:lo + piece.numel()].add_(piece, alpha=self.post_scale)
+        added (× post-scale) into the gradient shard wherever the placement keeps it."""
+        self.placement.accumulate_grad(group, lo, piece, self.post_scale)
 
     def materialized_states(self):
         """Context: inside it every master and `optimizer.state` is a tensor (NVMe: read from the
         files, written back on exit). Checkpoint code reads and writes them only inside it."""
-        return self.offload.materialized() if self.offload is not None else contextlib.nullcontext()
+        return self.placement.materialized()
 
     def masters_loaded(self) -> None:
         """After the masters (and Adam states) were overwritten, e.g. by a checkpoint load: the
         model-dtype parameters follow. NVMe: call inside `materialized_states()`."""
-        if self.offload is not None:
-            self.offload.after_load()  # host masters into the device parameter pieces
+        self.placement.after_load()  # offloaded: host masters into the device parameter pieces
         self._publish_params()
 
     def close(self) -> None:
-        """Releases the offload's files and I/O thread (also done when the process ends)."""
-        if self.offload is not None:
-            self.offload.close()
+        """Releases the placement's files and I/O thread (also done when the process ends)."""
+        self.placement.close()
 
     def _sum_tied_grads(self) -> None:
         """Stages keeping whole gradients (0, 1) sum tied ones over their group once per step;
@@ -279,31 +252,12 @@ class DataParallelEngine:
             for lo, hi in group.norm_ranges:  # (on the host for gradient shards held there)
                 local += grad[lo:hi].double().pow(2).sum().to(local.device)
         self.world.all_reduce(local, tag="grad_norm")
-        total = read_host_float(local)
+        total = self.settings.read_host_float(local)
         return math.sqrt(total) if math.isfinite(total) else float("inf")
 
     def _as_fp32(self, grad: torch.Tensor) -> torch.Tensor:
         """The optimizer works in fp32: a view when grads already are, else a temporary copy."""
         return grad if grad.dtype == torch.float32 else grad.float()
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of the optimizer's per-element states (Adam's two moments); scalar step counters excluded."""
-        total = 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    total += value.numel() * value.element_size()
-        return total
-
-    def _master_bytes(self) -> int:
-        """fp32 master bytes that are not shared with the model's own parameter storage."""
-        total = 0
-        for group in self.groups.values():
-            for _, piece in group.master_pieces:
-                # Storage identity, not data_ptr(): fake tensors (the rank-local probe) all report 0.
-                if group.param_flat is None or piece.untyped_storage() is not group.param_flat.untyped_storage():
-                    total += piece.numel() * piece.element_size()
-        return total
 
     def state_bytes(self) -> dict:
         """Model-state bytes per category on the device; with offload also host_* / nvme_* keys."""
@@ -311,73 +265,65 @@ class DataParallelEngine:
         placement = self.settings.zero.offload_params
         if placement != "none":  # stage 3's parameter shards live on the host or in files
             out[("host_" if placement == "cpu" else "nvme_") + "params"], out["params"] = out["params"], 0
-        return device_state_bytes(out, self.offload) if self.offload is not None else out
+        return self.placement.state_bytes(out)
 
     def _state_bytes(self) -> dict:
-        raise NotImplementedError
+        return model_state_bytes(self.groups.values(), self.optimizer)
 
-    def state_dict(self) -> dict:
-        self.finish_param_sync()
-        with self.materialized_states():  # detached copies outlive an NVMe read-in
-            return {"stage": self.stage, "optimizer": self.optimizer.state_dict(),
-                    "master": {name: group.master().detach().clone() for name, group in self.groups.items()},
-                    "scaler": self.scaler.state_dict()}
+    # ------------------------------------------------------------ replicated groups (stage 0, stage 3's small ones)
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["stage"] != self.stage:
-            raise ValueError(f"checkpoint was written by ZeRO stage {state['stage']}, this run uses "
-                             f"stage {self.stage}; resume with zero.stage = {state['stage']}")
-        with self.materialized_states():  # NVMe: written back to the files on exit
-            for name, group in self.groups.items():
-                saved = state["master"][name]
-                size = sum(piece.numel() for _, piece in group.master_pieces)
-                if tuple(saved.shape) != (size,):
-                    raise ValueError(f"checkpoint master shard for group {name!r} has shape "
-                                     f"{tuple(saved.shape)}, this layout needs {(size,)}: "
-                                     "resume with the same model, data- and tensor-parallel sizes")
-                for offset, piece in group.master_pieces:
-                    piece.data.copy_(saved[offset:offset + piece.numel()])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.masters_loaded()
-        self.scaler.load_state_dict(state["scaler"])
-        self.finish_param_sync()
+    def _replicated_group(self, name: str, named_params: list, decays: bool) -> GroupState:
+        """Full parameters, gradients, master and optimizer states on every rank."""
+        layout = self._layout(named_params)
+        params = [p for _, p in named_params]
+        dtype = self.settings.dtype
+        group = GroupState(name, layout, params, decays)
+        group.param_flat = flatten_params(layout, params, dtype, self.device)
+        group.grads = flatten_grads(layout, params, dtype, self.device)
+        # fp32 models train their own storage; fp16/bf16 ones get a full fp32 master copy.
+        master = group.param_flat if dtype == torch.float32 else group.param_flat.float()
+        group.master_pieces = ((0, master),)
+        # Each DP rank counts its own pieces, so the norm sums every element once.
+        group.norm_ranges = self._norm_ranges(layout, flat=True)
+        return group
+
+    def _all_reduce_replicated(self, groups: list) -> None:
+        """One all-reduce per bucket of replicated groups' gradients, pre/post-divided."""
+        for group in groups:
+            if self.pre_scale != 1.0:
+                group.grads.mul_(self.pre_scale)
+        wait_all([self.dp.all_reduce(group.grads[bucket.start:bucket.end], tag="grads", async_op=True)
+                  for group in groups for bucket in group.buckets])
+        for group in groups:
+            if self.post_scale != 1.0:
+                group.grads.mul_(self.post_scale)
 
     # ------------------------------------------------------------ stage hooks
 
     def _build_groups(self, named_groups: dict) -> dict:
-        """{name: GroupState}; stages 0-2 keep one group per decay class ("decay", "no_decay")."""
-        return {name: self._build_group(name, named) for name, named in named_groups.items()}
+        """{name: GroupState}; stages 0-2 keep one group per weight-decay class ("decay", "no_decay")."""
+        return {DECAY_NAMES[decays]: self._build_group(DECAY_NAMES[decays], named, decays)
+                for decays, named in named_groups.items()}
 
     def _layout(self, named_params: list) -> FlatLayout:
         return FlatLayout(named_params, self.dp.size, self.settings.zero.bucket_elements)
 
-    def _build_group(self, name: str, named_params: list) -> GroupState:
+    def _build_group(self, name: str, named_params: list, decays: bool) -> GroupState:
         raise NotImplementedError
 
     def _reduce_grads(self) -> None:
         raise NotImplementedError
 
     def _master_grad(self, group: GroupState) -> torch.Tensor:
-        raise NotImplementedError
+        """The group's reduced gradient in master coordinates, fp32 (default: its whole gradient tensor)."""
+        return self._as_fp32(group.grads)
 
     def _publish_params(self) -> None:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
-        raise NotImplementedError
+        for group in self.groups.values():
+            group.grads.zero_()
 
 
-def is_decay_group(name: str) -> bool:
-    """Weight decay applies to groups named "decay" or "<anything>/decay" (stage 3: "<unit>/decay")."""
-    return name.rsplit("/", 1)[-1] == "decay"
-
-
-def read_host_float(value: torch.Tensor) -> float:
-    """The engine's one device-to-host read (the all-reduced squared gradient norm). A seam: the
-    rank-local probe (pretrain/probe/cli.py) runs the engine on fake tensors, which hold no values, and
-    answers this read with a fixed finite number instead."""
-    return value.item()
-
-
-__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "is_decay_group",
-           "read_host_float"]
+__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "read_host_float"]

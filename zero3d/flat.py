@@ -144,12 +144,15 @@ def bucket_members(numels: list[int], bucket_elements: int) -> list[list[int]]:
     return buckets
 
 
-def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Trainable parameters split by weight decay: matrices decay, biases and norms do not."""
-    groups: dict[str, list] = {"decay": [], "no_decay": []}
+DECAY_NAMES = {True: "decay", False: "no_decay"}  # a group's name part for its weight-decay class
+
+
+def param_groups(model: nn.Module) -> dict[bool, list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters by whether weight decay applies to them: matrices decay, biases and norms do not."""
+    groups: dict[bool, list] = {True: [], False: []}
     for name, p in model.named_parameters():  # deduplicated: tied weights appear once
         if p.requires_grad:
-            groups["decay" if p.dim() > 1 else "no_decay"].append((name, p))
+            groups[p.dim() > 1].append((name, p))
     dtypes = {p.dtype for ps in groups.values() for _, p in ps}
     if len(dtypes) > 1:
         raise ValueError(f"zero3d needs one parameter dtype per model, found {sorted(map(str, dtypes))}")

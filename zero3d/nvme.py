@@ -24,6 +24,7 @@ import torch
 
 from zero3d.offload import (Copier, GroupSpec, adamw_step, copy_into_pieces, cpu_adamw, keep_cpu_mode, pinned_empty,
                             scale_)
+from zero3d.placement import OffDevicePlacement
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 CHUNK_ALIGN = 4096  # elements: chunk boundaries stay aligned for the vectorised Adam kernel
@@ -140,10 +141,10 @@ class Chunk:
     hi: int
 
 
-class NvmeOffload:
+class NvmeOffload(OffDevicePlacement):
     """offload_optimizer = "nvme": the same interface as HostOffload (zero3d/offload.py)."""
 
-    placement = "nvme"
+    name = "nvme"
 
     def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier,
                  nvme_path: str, buffer_bytes: int, rank: int):
@@ -173,16 +174,7 @@ class NvmeOffload:
             self.copier.wait_host()
             self.files.write(spec.name, "master", lo, buf[:hi - lo])
 
-    # ------------------------------------------------------------ gradients
-
-    def finish_grads(self) -> None:
-        """Gradients stay on the device until the step fetches them chunk by chunk (bounded host memory)."""
-
-    def zero_grad(self) -> None:
-        pass
-
-    def held_grad_bytes(self) -> int:
-        return 0
+    # Gradients stay on the device (the Placement defaults) until the step fetches them chunk by chunk.
 
     # ------------------------------------------------------------ step
 
@@ -276,7 +268,7 @@ class NvmeOffload:
             copy_into_pieces(self.copier, spec, 0, master.data.to(spec.dtype))
         self.copier.wait_host()
 
-    def state_bytes(self) -> dict:
+    def off_device_bytes(self) -> dict:
         numel = sum(s.numel for s in self.specs.values())
         return {"nvme_master_params": numel * FP32, "nvme_optimizer_states": 2 * numel * FP32,
                 "host_buffers": sum(b.nbytes() for b in self.buffers)}

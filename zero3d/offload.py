@@ -17,13 +17,15 @@ From then on:
 NVMe placement (zero3d/nvme.py) keeps the same interface with the states in files. The step order
 and the overflow decision stay the engine's: `step` is called only when the engine updates.
 """
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch.optim.adamw import adamw as functional_adamw
+
+from zero3d.accounting import nbytes, optimizer_state_bytes
+from zero3d.placement import OffDevicePlacement
 
 CPU_ADAM_MODE = {"fused": True}  # the fastest CPU mode, measured by bench/bench_offload.py
 
@@ -147,7 +149,7 @@ class HostGroup:
     staging: Optional[torch.Tensor] = None  # compute dtype: gradient pieces landing, then the new parameters
 
 
-class HostOffload:
+class HostOffload(OffDevicePlacement):
     """offload_optimizer = "cpu": every state in host memory; `optimizer` is a torch AdamW over the
     host masters, so `optimizer.state` and the masters are ordinary tensors (checkpoints).
 
@@ -157,7 +159,7 @@ class HostOffload:
     gradients (unscale, norm, clip). The others (stage 1, stage 3's persistent groups) keep theirs
     on the device; the step copies them down."""
 
-    placement = "cpu"
+    name = "cpu"
 
     def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier):
         self.device = copier.device
@@ -186,15 +188,20 @@ class HostOffload:
 
     # ------------------------------------------------------------ gradients
 
-    def accumulate_grad(self, name: str, lo: int, piece: torch.Tensor, alpha: float) -> None:
-        """A reduced bucket piece for shard elements [lo, lo + n): copied down now (on CUDA behind the
-        reduction, on the side stream) and added, times `alpha`, into the host shard once it landed.
-        The pieces already in flight are added first, so a later micro-batch's copy of the same range
-        never overwrites one not yet added; the add thus trails the copy by one bucket."""
+    def accumulate_grad(self, group, lo: int, piece: torch.Tensor, alpha: float) -> None:
+        """A reduced bucket piece for shard elements [lo, lo + n) of the engine's `group`. Held groups:
+        copied down now (on CUDA behind the reduction, on the side stream) and added, times `alpha`,
+        into the host shard once it landed. The pieces already in flight are added first, so a later
+        micro-batch's copy of the same range never overwrites one not yet added; the add thus trails
+        the copy by one bucket. Other groups keep their gradients on the device."""
+        host = self.groups[group.name]
+        if not host.spec.holds_grad:
+            super().accumulate_grad(group, lo, piece, alpha)
+            return
         self.finish_grads()
-        group, hi = self.groups[name], lo + piece.numel()
-        self.copier.to_host(group.staging[lo:hi], piece)
-        self._landing.append((group, lo, hi, alpha))
+        hi = lo + piece.numel()
+        self.copier.to_host(host.staging[lo:hi], piece)
+        self._landing.append((host, lo, hi, alpha))
 
     def finish_grads(self) -> None:
         """Every piece copied down is added into its host shard (the engine calls it before the step)."""
@@ -243,36 +250,15 @@ class HostOffload:
 
     # ------------------------------------------------------------ checkpoints and accounting
 
-    def materialized(self):
-        """The masters and optimizer.state are always ordinary host tensors here."""
-        return contextlib.nullcontext()
-
     def after_load(self) -> None:
         keep_cpu_mode(self.optimizer)
         self.publish()
 
-    def state_bytes(self) -> dict:
-        def nbytes(tensor):
-            return 0 if tensor is None else tensor.numel() * tensor.element_size()
-        moments = sum(nbytes(v) for state in self.optimizer.state.values() for v in state.values()
-                      if torch.is_tensor(v) and v.dim() > 0)
+    def off_device_bytes(self) -> dict:
         return {"host_master_params": sum(nbytes(g.master) for g in self.groups.values()),
-                "host_optimizer_states": moments,
+                "host_optimizer_states": optimizer_state_bytes(self.optimizer),
                 "host_grads": sum(nbytes(g.grad) + nbytes(g.staging) for g in self.groups.values())}
 
     def held_grad_bytes(self) -> int:
         """Bytes of the gradient shards kept only here (the stage counts them as its `grads`)."""
-        return sum(g.grad.numel() * g.grad.element_size() for g in self.groups.values() if g.spec.holds_grad)
-
-    def close(self) -> None:
-        pass
-
-
-def device_state_bytes(stage_bytes: dict, offload) -> dict:
-    """The stage's accounting with the offloaded categories moved: device master/optimizer bytes are 0,
-    gradient shards held on the host leave `grads` (the keys keep their device meaning); host_*/nvme_*
-    keys say where those bytes went."""
-    out = {k: (0 if k.endswith(("master_params", "optimizer_states")) else v) for k, v in stage_bytes.items()}
-    out["grads"] -= offload.held_grad_bytes()
-    out.update(offload.state_bytes())
-    return out
+        return sum(nbytes(g.grad) for g in self.groups.values() if g.spec.holds_grad)

@@ -1,53 +1,36 @@
 """fp16 dynamic loss scaling: the same decision on every rank because it is fed the same overflow flag."""
-from dataclasses import dataclass
 from typing import Optional
 
-
-@dataclass(frozen=True)
-class LossScaleConfig:
-    """fp16 dynamic loss scaling settings (the engine builds its own LossScaler from them)."""
-
-    initial_scale: float = 2.0**16
-    min_scale: float = 1.0
-    growth_interval: int = 1000  # clean steps before the scale grows
-    backoff_factor: float = 0.5
-    hysteresis: int = 2  # overflows tolerated before backing off
-    growth_factor: float = 2.0
+from zero3d.config import LossScaleConfig
 
 
-@dataclass
 class LossScaler:
     """Scale the loss by `scale`; back off on overflow (after `hysteresis` of them), grow when clean.
 
+    The settings are the `LossScaleConfig` it is built from; it holds only the state that changes.
     `update(found_overflow)` must be called with a flag all ranks agree on (the engine derives it
     from the globally all-reduced gradient norm), so every rank's scaler stays identical.
     """
 
-    scale: float = 2.0**16
-    min_scale: float = 1.0
-    growth_interval: int = 1000
-    backoff_factor: float = 0.5
-    hysteresis: int = 2
-    growth_factor: float = 2.0
-    clean_steps: int = 0
-    overflows_left: int = -1  # set from hysteresis on first use
-
-    def __post_init__(self):
-        if self.overflows_left < 0:
-            self.overflows_left = self.hysteresis
+    def __init__(self, config: LossScaleConfig):
+        self.config = config
+        self.scale = config.initial_loss_scale
+        self.clean_steps = 0
+        self.overflows_left = config.hysteresis
 
     def update(self, found_overflow: bool) -> None:
+        c = self.config
         if found_overflow:
             self.clean_steps = 0
             self.overflows_left -= 1
             if self.overflows_left <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-                self.overflows_left = self.hysteresis
+                self.scale = max(self.scale * c.backoff_factor, c.min_loss_scale)
+                self.overflows_left = c.hysteresis
             return
         self.clean_steps += 1
-        if self.clean_steps % self.growth_interval == 0:
-            self.scale *= self.growth_factor
-            self.overflows_left = self.hysteresis
+        if self.clean_steps % c.growth_interval == 0:
+            self.scale *= c.growth_factor
+            self.overflows_left = c.hysteresis
 
     def state_dict(self) -> dict:
         return dict(scale=self.scale, clean_steps=self.clean_steps, overflows_left=self.overflows_left)
@@ -75,8 +58,4 @@ class NoScaler:
 
 def make_scaler(config: Optional[LossScaleConfig]):
     """A fresh LossScaler for fp16 (`config` given), else NoScaler."""
-    if config is None:
-        return NoScaler()
-    return LossScaler(scale=config.initial_scale, min_scale=config.min_scale,
-                      growth_interval=config.growth_interval, backoff_factor=config.backoff_factor,
-                      hysteresis=config.hysteresis, growth_factor=config.growth_factor)
+    return NoScaler() if config is None else LossScaler(config)

@@ -1,38 +1,33 @@
 """Stage 1 (Pos): optimizer states and fp32 master weights partitioned over the DP group."""
-from zero3d.engine import DataParallelEngine
-from zero3d.shard import (model_state_bytes, publish_params, reduce_scatter_in_place, register_param_sync_hooks,
-                          sharded_group)
+from zero3d.comm import wait_all
+from zero3d.whole_params import WholeParamsEngine
 
 
-class OptimizerShardedEngine(DataParallelEngine):
+class OptimizerShardedEngine(WholeParamsEngine):
     """Full parameters and gradients on every rank; master weights and Adam moments for one shard.
 
     Per step: one reduce-scatter per bucket of the gradient buffer (in place), the optimizer on
-    this rank's pieces, one all-gather per bucket of the parameters, left in flight until the
-    next forward reaches the bucket's first module (`zero.overlap_param_gather`)."""
+    this rank's pieces, one all-gather per bucket of the parameters (zero3d/whole_params.py)."""
 
     stage = 1
-
-    def __init__(self, model, settings, groups):
-        super().__init__(model, settings, groups)
-        register_param_sync_hooks(self)
-
-    def _build_group(self, name, named_params):
-        return sharded_group(self, name, named_params, full_grads=True)
+    full_grads = True
 
     def _reduce_grads(self):
+        """One reduce-scatter per bucket of the whole gradient buffer, each rank's piece reduced where
+        it lies (no copy); then the pieces are post-divided."""
         self._sum_tied_grads()
-        reduce_scatter_in_place(self, list(self.groups.values()))
+        handles = []
+        for group in self.groups.values():
+            if self.pre_scale != 1.0:
+                group.grads.mul_(self.pre_scale)
+            for bucket, lo, hi in group.layout.pieces(self.dp.rank):
+                handles.append(self.dp.reduce_scatter(group.grads[lo:hi], group.grads[bucket.start:bucket.end],
+                                                      tag="grads", async_op=True))
+        wait_all(handles)
+        if self.post_scale != 1.0:
+            for group in self.groups.values():
+                for _, lo, hi in group.layout.pieces(self.dp.rank):
+                    group.grads[lo:hi].mul_(self.post_scale)
 
     def _master_grad(self, group):
         return self._as_fp32(group.layout.shard_of(group.grads, self.dp.rank))
-
-    def _publish_params(self):
-        publish_params(self, overlap=self.settings.zero.overlap_param_gather)
-
-    def zero_grad(self):
-        for group in self.groups.values():
-            group.grads.zero_()
-
-    def _state_bytes(self):
-        return model_state_bytes(self)

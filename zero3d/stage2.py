@@ -2,25 +2,23 @@
 import torch
 
 from zero3d.buckets import GradientBuckets
-from zero3d.engine import DataParallelEngine
-from zero3d.shard import model_state_bytes, publish_params, register_param_sync_hooks, sharded_group
+from zero3d.whole_params import WholeParamsEngine
 
 
-class GradientShardedEngine(DataParallelEngine):
+class GradientShardedEngine(WholeParamsEngine):
     """Parameters whole; gradients and optimizer states partitioned; reduction overlaps backward."""
 
     stage = 2
+    full_grads = False
 
     def __init__(self, model, settings, groups):
         super().__init__(model, settings, groups)
-        self.buckets = GradientBuckets(self, list(self.groups.values()), overlap=settings.zero.overlap_comm)
+        self.buckets = GradientBuckets(list(self.groups.values()), self.dp, self._deliver_grad_piece,
+                                       dtype=settings.dtype, device=self.device, pre_scale=self.pre_scale,
+                                       held_elsewhere=frozenset(self.tied), overlap=settings.zero.overlap_comm)
         self._tied_grads = {}  # tied weight -> its gradient of this step, summed over copies at the end
         for param in self.buckets.location:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        register_param_sync_hooks(self)
-
-    def _build_group(self, name, named_params):
-        return sharded_group(self, name, named_params, full_grads=False)
 
     @property
     def staging_bytes_peak(self) -> int:
@@ -48,20 +46,8 @@ class GradientShardedEngine(DataParallelEngine):
     def _reduce_grads(self):
         self.buckets.wait()
 
-    def _grads_reduced_in_buckets(self, name):
-        return True
-
-    def _master_grad(self, group):
-        return self._as_fp32(group.grads)
-
-    def _publish_params(self):
-        publish_params(self, overlap=self.settings.zero.overlap_param_gather)
-
     def zero_grad(self):
+        super().zero_grad()
         for group in self.groups.values():
-            group.grads.zero_()
             for param in group.params:
                 param.grad = None
-
-    def _state_bytes(self):
-        return model_state_bytes(self)

@@ -42,14 +42,14 @@ from functools import partial
 
 import torch
 
+from zero3d.accounting import model_state_bytes
 from zero3d.buckets import GradientBuckets
 from zero3d.comm import wait_all
 from zero3d.engine import DataParallelEngine, GroupState
-from zero3d.flat import flatten_params
+from zero3d.flat import DECAY_NAMES, flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
 from zero3d.offload import host_copy
-from zero3d.shard import all_reduce_replicated, replicated_group
 
 PERSISTENT = "persistent"
 
@@ -68,11 +68,14 @@ class ParameterShardedEngine(DataParallelEngine):
         self._live = 0
         self.peak_gathered_elements = 0
         self._fetched = {}  # unit index -> device copies of host shards that its in-flight gathers read
+        self._persistent = []  # the replicated groups of small parameters (set by _build_groups)
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
         self.stream = torch.cuda.Stream(self.device) \
             if self.device.type == "cuda" and settings.zero.overlap_comm else None
-        self.buckets = GradientBuckets(self, [group for unit in self.units for group in unit.groups],
+        self.buckets = GradientBuckets([group for unit in self.units for group in unit.groups], self.dp,
+                                       self._deliver_grad_piece, dtype=settings.dtype, device=self.device,
+                                       pre_scale=self.pre_scale, held_elsewhere=frozenset(),
                                        overlap=settings.zero.overlap_comm, stream=self.stream)
         self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}
         for p in self._unit_of:
@@ -89,26 +92,30 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _build_groups(self, named_groups):
         threshold = self.settings.zero.param_persistence_threshold
-        decay_of = {p: decay for decay, named in named_groups.items() for _, p in named}
+        decays_of = {p: decays for decays, named in named_groups.items() for _, p in named}
         name_of = {p: name for name, p in self.model.named_parameters()}
-        persistent = {decay: [(name, p) for name, p in named if p.numel() <= threshold]
-                      for decay, named in named_groups.items()}
+        # Decided before any shard empties its parameters (their numel is 0 after).
+        persistent = {decays: [(name, p) for name, p in named if p.numel() <= threshold]
+                      for decays, named in named_groups.items()}
         out = {}
         for unit in self.units:
-            for decay in named_groups:
-                named = [(name_of[p], p) for p in unit.params if decay_of.get(p) == decay and p.numel() > threshold]
+            for decays in named_groups:
+                named = [(name_of[p], p) for p in unit.params if decays_of.get(p) == decays and p.numel() > threshold]
                 if named:
-                    out[f"{unit.name}/{decay}"] = group = self._sharded_group(f"{unit.name}/{decay}", named)
+                    name = f"{unit.name}/{DECAY_NAMES[decays]}"
+                    out[name] = group = self._sharded_group(name, named, decays)
                     unit.groups.append(group)
-        for decay, kept in persistent.items():
+        for decays, kept in persistent.items():
             if kept:
-                out[f"{PERSISTENT}/{decay}"] = replicated_group(self, f"{PERSISTENT}/{decay}", kept)
+                name = f"{PERSISTENT}/{DECAY_NAMES[decays]}"
+                out[name] = group = self._replicated_group(name, kept, decays)
+                self._persistent.append(group)
         return out
 
-    def _sharded_group(self, name, named):
+    def _sharded_group(self, name, named, decays):
         layout = self._layout(named)
         params = [p for _, p in named]
-        group = GroupState(name, layout, params)
+        group = GroupState(name, layout, params, decays, bucketed=True)
         full = flatten_params(layout, params, self.settings.dtype, self.device)
         group.param_flat = layout.shard_of(full, self.dp.rank)
         group.grads = torch.zeros(layout.shard_numel, dtype=self.settings.dtype, device=self.device)
@@ -123,9 +130,6 @@ class ParameterShardedEngine(DataParallelEngine):
         for p in params:
             p.data = self._empty()
         return group
-
-    def _persistent_groups(self):
-        return [g for name, g in self.groups.items() if name.startswith(PERSISTENT + "/")]
 
     def _empty(self):
         return torch.empty(0, dtype=self.settings.dtype, device=self.device)
@@ -287,7 +291,7 @@ class ParameterShardedEngine(DataParallelEngine):
                                        tag="params_inspect")
                 for slot in group.layout.slots:
                     out[slot.name] = full[slot.start:slot.end].view(slot.shape).clone()
-        for group in self._persistent_groups():
+        for group in self._persistent:
             for slot, p in zip(group.layout.slots, group.params):
                 out[slot.name] = p.detach().clone()
         return {name: out[name] for name, _ in self.model.named_parameters() if name in out}
@@ -308,40 +312,20 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _reduce_grads(self):
         self.buckets.wait()
-        all_reduce_replicated(self, self._persistent_groups())
-
-    def _grads_reduced_in_buckets(self, name):
-        return not name.startswith(PERSISTENT + "/")
-
-    def _master_grad(self, group):
-        return self._as_fp32(group.grads)
+        self._all_reduce_replicated(self._persistent)
 
     def _publish_params(self):
-        # Shards only: the next forward gathers them. An offloaded optimizer has written them already.
-        if self.offload is not None:
+        # Shards only: the next forward gathers them. An offloaded placement has written them already.
+        if self.placement.writes_params:
             return
         for group in self.groups.values():
             master = group.master_pieces[0][1]
             if master.untyped_storage() is not group.param_flat.untyped_storage():
                 group.param_flat.copy_(master)
 
-    def zero_grad(self):
-        for group in self.groups.values():
-            group.grads.zero_()
-
     def _state_bytes(self):
         """Model states kept between steps; "persistent_*" are the replicated small parameters."""
-        def nbytes(tensor):
-            return tensor.numel() * tensor.element_size()
-        out = {}
         sharded = [group for unit in self.units for group in unit.groups]
-        for prefix, groups in (("", sharded), (PERSISTENT + "_", self._persistent_groups())):
-            masters = [(group, group.master_pieces[0][1]) for group in groups]
-            out[prefix + "params"] = sum(nbytes(group.param_flat) for group in groups)
-            out[prefix + "grads"] = sum(nbytes(group.grads) for group in groups)
-            out[prefix + "master_params"] = sum(nbytes(master) for group, master in masters
-                                                if master.untyped_storage() is not group.param_flat.untyped_storage())
-            out[prefix + "optimizer_states"] = sum(
-                nbytes(value) for _, master in masters for value in self.optimizer.state.get(master, {}).values()
-                if torch.is_tensor(value) and value.dim() > 0)
+        out = model_state_bytes(sharded, self.optimizer)
+        out.update({"persistent_" + k: v for k, v in model_state_bytes(self._persistent, self.optimizer).items()})
         return out

@@ -26,7 +26,7 @@ from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from pretrain.runtime.agreement import rank0_value
-from zero3d import state as engine_state
+from zero3d import sharded_state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
 

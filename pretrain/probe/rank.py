@@ -5,30 +5,22 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 import megatron_patches
-import zero3d.engine
 from pretrain.config import Config, ConfigError, validate_layout
 from pretrain.runtime.topology import Topology
 from pretrain.train import Batches, build_and_wrap, forward_backward, lr_at
-from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, _MemRefType
+from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
+from zero3d.accounting import step_counter_bytes
+from zero3d.optim import fused_adamw
 
 # Fake tensors hold no values; the engine's one host read (the squared gradient norm) gets this
 # finite value, so every step takes the non-overflow path (clip, optimizer step, publish).
 FAKE_SQUARED_GRAD_NORM = 1.0
 _state: dict = {}  # what fake_topology set up and release_topology undoes
-
-
-def gpu_optimizer(tensors_and_decay: list, lr: float, betas: tuple, eps: float):
-    """The optimizer zero3d.optim builds on a GPU without apex: torch's fused AdamW (one kernel, no
-    full-size scratch). Fake and CPU ranks stand in for a CUDA rank, so they get it too instead of the
-    CPU's unfused AdamW, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds."""
-    groups = [{"params": [t], "weight_decay": wd} for t, wd in tensors_and_decay]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
 class SyntheticTokens:
@@ -175,11 +167,11 @@ def host_bytes(acts, engine):
         out = {"activations": 0}
         if acts is not None and acts.cpu:
             out["activations"] = acts.buffer.nbytes if acts.contiguous and acts.buffer is not None else acts.host_bytes
-        if engine.offload is not None:
-            state = engine.state_bytes()
+        state = engine.state_bytes()
+        if any(key.startswith("host_") for key in state):  # the placement keeps states in host memory
             out["optimizer"] = state.get("host_master_params", 0) + state.get("host_optimizer_states", 0)
             out["params"] = state.get("host_params", 0)
-            out["grads"] = engine.offload.held_grad_bytes()  # stages 2/3 "cpu": the shard lives there only
+            out["grads"] = engine.placement.held_grad_bytes()  # stages 2/3 "cpu": the shard lives there only
             out["untracked"] = state.get("host_grads", 0) - out["grads"] + state.get("host_buffers", 0)
         return out
     return now
@@ -194,27 +186,20 @@ def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
                           "do; probe with \"cpu\" (the device side is the same code) or with --real")
 
 
-def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
-    """The engine's buffers, allocated before tracking: parameters, gradients, fp32 masters."""
-    tracker.track_external(engine.model)
-    for g in engine.groups.values():
-        tracker.register(_MemRefType.PARAM, g.param_flat)
-        tracker.register(_MemRefType.GRAD, g.grads)
-        for _, piece in g.master_pieces:  # one tensor, or per-bucket views of the fp32 parameters
-            tracker.register(_MemRefType.OPT, piece)
-
-
 def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:
     """Build, wrap and train `steps` steps on this rank, as pretrain.train does, under the tracker."""
     refuse_file_offload_on_fake_tensors(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
-    host_read = mock.patch.object(zero3d.engine, "read_host_float", lambda t: FAKE_SQUARED_GRAD_NORM) \
-        if fake else contextlib.nullcontext()
-    gpu_adam = mock.patch.object(zero3d.engine, "make_optimizer", gpu_optimizer) \
-        if topo.device.type == "cpu" else contextlib.nullcontext()
-    with fake_mode, host_read, gpu_adam:
+    seams = {}
+    if fake:  # fake tensors hold no values: the engine's one host read gets a finite stand-in
+        seams["read_host_float"] = lambda value: FAKE_SQUARED_GRAD_NORM
+    if topo.device.type == "cpu":
+        # Fake and CPU ranks stand in for a CUDA rank: the GPU's fused AdamW, not the CPU's unfused
+        # one, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds.
+        seams["optimizer_factory"] = fused_adamw
+    with fake_mode:
         with casts_by_set_data() if fake else contextlib.nullcontext():
-            model, engine, acts = build_and_wrap(cfg, topo)
+            model, engine, acts = build_and_wrap(cfg, topo, **seams)
         phases = StepPhases()
         on_gpu = topo.device.type == "cuda"
         tracker = PhaseMemTracker(phases, topo.device, host_bytes(acts, engine))
@@ -242,8 +227,7 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
                 phases.enter("idle")
                 step_seconds.append(time.perf_counter() - t0)
             model_states = tracker.now_by_category()
-        counters = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values()
-                       for v in s.values() if torch.is_tensor(v) and v.dim() == 0)
+        counters = step_counter_bytes(engine.optimizer)
         if on_gpu:
             state = engine.state_bytes()
             model_states = {"params": state["params"], "grads": state["grads"],

@@ -175,3 +175,13 @@ class PhaseMemTracker(MemTracker):
         """(phase, its peak) of the phase that reaches the highest device bytes."""
         phase = max(PHASES, key=lambda p: self.phase_peaks[p].device_bytes)
         return phase, self.phase_peaks[phase]
+
+
+def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
+    """The engine's buffers, allocated before tracking: parameters, gradients, fp32 masters."""
+    tracker.track_external(engine.model)
+    for g in engine.groups.values():
+        tracker.register(_MemRefType.PARAM, g.param_flat)
+        tracker.register(_MemRefType.GRAD, g.grads)
+        for _, piece in g.master_pieces:  # one tensor, or per-bucket views of the fp32 parameters
+            tracker.register(_MemRefType.OPT, piece)

@@ -13,7 +13,7 @@ from pretrain.config import load_config
 from pretrain.model import activation_checkpointing, build_model, gpt_loss
 from pretrain.runtime.topology import init_topology
 from pretrain.train import Batches, engine_settings, mean_loss
-from zero3d.checkpointing import ActivationCheckpointing, checkpoint
+from zero3d.activations import ActivationCheckpointing, checkpoint
 
 SEED = 1234
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]

@@ -222,7 +222,8 @@ def _generic(rank, world, stage):
 
     torch.manual_seed(0)
     model = Net()
-    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(bucket_elements=64), clip_grad=0.5)
+    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(bucket_elements=64),
+                                     optimizer=zero3d.OptimizerConfig(clip_grad=0.5))
     engine = zero3d.wrap_model(model, stage, settings,
                                zero3d.ParallelGroups(dp_group=None))
     g = torch.Generator().manual_seed(1 + rank)

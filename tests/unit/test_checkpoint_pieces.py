@@ -12,7 +12,7 @@ from pretrain.checkpoint.files import CheckpointError, read_json, verify_file
 from pretrain.checkpoint.read import read_dcp_metadata
 from pretrain.checkpoint.tensors import flat_index, flat_range_boxes, is_main_replica
 from zero3d.flat import FlatLayout
-from zero3d.state import owned_pieces
+from zero3d.sharded_state import owned_pieces
 
 
 @pytest.mark.parametrize("bucket_elements", [1, 10, 1000])

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import numpy
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -21,15 +20,6 @@ from pretrain.data.tokenizer import Tokenizer, train_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 VOCAB, SEQ = 400, 32
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A one-rank gloo group: megatron's blended indices ask torch.distributed for the rank."""
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The host and NVMe optimizer steps against torch's AdamW, the NVMe buffer bound, the offload config checks."""
 import dataclasses
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from pretrain.config import ConfigError, load_config
 from zero3d.nvme import NvmeOffload, buffer_bytes_per_element, chunk_elements
 from zero3d.config import ZeroConfig, ZeroConfigError
-from zero3d.offload import Copier, GroupSpec, HostOffload, device_state_bytes
+from zero3d.offload import Copier, GroupSpec, HostOffload
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 SIZES = {"decay": 10_000, "no_decay": 333}
@@ -84,8 +85,9 @@ def test_held_fp16_gradients_accumulate_on_the_host():
     before = dict(off.copier.bytes)
     for pieces in raw:
         for name, grad in pieces.items():  # in two pieces, as two buckets would land
-            off.accumulate_grad(name, 0, grad[:100], post_scale)
-            off.accumulate_grad(name, 100, grad[100:], post_scale)
+            group = SimpleNamespace(name=name)  # the engine's GroupState: the placement reads its name
+            off.accumulate_grad(group, 0, grad[:100], post_scale)
+            off.accumulate_grad(group, 100, grad[100:], post_scale)
     off.finish_grads()
     for spec in specs:
         off.grad(spec.name).mul_(1.0 / scale)  # the engine's unscale
@@ -139,12 +141,12 @@ def test_nvme_buffers_stay_within_the_budget():
         chunk_elements(1000, torch.float32, largest_group=10**6)
 
 
-def test_device_state_bytes_move_to_host_keys():
+def test_state_bytes_move_to_host_keys():
     off = HostOffload(make_specs(torch.bfloat16), copier=Copier(torch.device("cpu")), **HYPER)
     stage = {"params": 10, "grads": 5, "master_params": 40, "optimizer_states": 80,
              "persistent_master_params": 4, "persistent_optimizer_states": 8}
     n = sum(SIZES.values())
-    assert device_state_bytes(stage, off) == {
+    assert off.state_bytes(stage) == {
         "params": 10, "grads": 5, "master_params": 0, "optimizer_states": 0, "persistent_master_params": 0,
         "persistent_optimizer_states": 0, "host_master_params": 4 * n, "host_optimizer_states": 0,
         "host_grads": 4 * n + 2 * n}  # Adam's moments exist from the first step on

@@ -10,10 +10,28 @@ or a shard (`layout.shard_numel`) indexed in shard coordinates.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class DPRank(Protocol):
+    rank: int  # this rank's index in the data-parallel group
+
+
+class ShardedEngine(Protocol):
+    """Exactly what this module reads from the engine (`zero3d.engine.DataParallelEngine` is one)."""
+
+    # {name: GroupState}: each group's `layout`, `params`, `param_flat` and `master_pieces`.
+    groups: dict
+    dp: DPRank
+    # Adam over the master pieces: `state[piece]` (step, exp_avg, exp_avg_sq), `param_groups`, `defaults`.
+    optimizer: torch.optim.Optimizer
+
+    def masters_loaded(self) -> None:
+        """The model-dtype parameters follow the (just loaded) masters."""
 
 
 def owned_pieces(layout, dp_rank: int) -> list[tuple]:
@@ -55,7 +73,7 @@ def _master_piece(g, slot, lo: int, hi: int, shard_lo: int) -> tuple:
     raise AssertionError(f"{slot.name}[{lo}:{hi}] lies in no master piece of group {g.name!r}")
 
 
-def adam_moments(engine, piece: torch.Tensor) -> dict:
+def adam_moments(engine: ShardedEngine, piece: torch.Tensor) -> dict:
     """The optimizer's per-element states of one master piece; before the first step, zeros (and a
     step count of 0, as the optimizer would create them)."""
     state = engine.optimizer.state[piece]
@@ -67,16 +85,16 @@ def adam_moments(engine, piece: torch.Tensor) -> dict:
     return {key: state[key] for key in MOMENTS}
 
 
-def _step_tensor(engine, piece: torch.Tensor, count: int) -> torch.Tensor:
+def _step_tensor(engine: ShardedEngine, piece: torch.Tensor, count: int) -> torch.Tensor:
     fused = engine.optimizer.defaults.get("fused")  # torch's fused AdamW keeps the count on the device
     return torch.tensor(float(count), dtype=torch.float32, device=piece.device if fused else "cpu")
 
 
-def _all_master_pieces(engine) -> list:
+def _all_master_pieces(engine: ShardedEngine) -> list:
     return [piece for g in engine.groups.values() for _, piece in g.master_pieces]
 
 
-def adam_step_count(engine) -> int:
+def adam_step_count(engine: ShardedEngine) -> int:
     """Optimizer steps taken (skipped fp16 overflow steps excluded); the same for every group."""
     group = engine.optimizer.param_groups[0]
     if "step" in group:  # apex FusedAdam counts per group
@@ -84,7 +102,7 @@ def adam_step_count(engine) -> int:
     return int(engine.optimizer.state.get(_all_master_pieces(engine)[0], {}).get("step", 0))
 
 
-def set_adam_step_count(engine, count: int) -> None:
+def set_adam_step_count(engine: ShardedEngine, count: int) -> None:
     for pg in engine.optimizer.param_groups:
         if "step" in pg:
             pg["step"] = count
@@ -93,7 +111,7 @@ def set_adam_step_count(engine, count: int) -> None:
         engine.optimizer.state[piece]["step"] = _step_tensor(engine, piece, count)
 
 
-def _pieces(engine, writing: bool) -> list[StatePiece]:
+def _pieces(engine: ShardedEngine, writing: bool) -> list[StatePiece]:
     out = []
     rank = engine.dp.rank
     for g in engine.groups.values():
@@ -113,24 +131,24 @@ def _pieces(engine, writing: bool) -> list[StatePiece]:
     return out
 
 
-def pieces_to_write(engine) -> list[StatePiece]:
+def pieces_to_write(engine: ShardedEngine) -> list[StatePiece]:
     """The pieces this rank writes: over the DP group, every element of every parameter exactly once."""
     return _pieces(engine, writing=True)
 
 
-def pieces_to_load(engine) -> list[StatePiece]:
+def pieces_to_load(engine: ShardedEngine) -> list[StatePiece]:
     """The pieces this rank keeps (its shard; the whole of replicated parameters)."""
     return _pieces(engine, writing=False)
 
 
-def publish_loaded_state(engine) -> None:
+def publish_loaded_state(engine: ShardedEngine) -> None:
     """After master weights were loaded: model-dtype parameters recomputed from them on every rank
     (NVMe offload: inside `engine.materialized_states()`, like every read or write of the states)."""
     engine.masters_loaded()
 
 
 @contextmanager
-def parameter_shapes(engine):
+def parameter_shapes(engine: ShardedEngine):
     """Stage 3 frees parameters outside their unit's use; inside this block every parameter has its
     shape again (a stride-0 placeholder, no storage) so megatron's sharded_state_dict sees it."""
     restore = []

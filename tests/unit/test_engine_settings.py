@@ -1,0 +1,86 @@
+"""zero3d's own settings sections check themselves; the engine honours its seams and explicit group kinds."""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero3d
+from pretrain.config import OptimizerConfig as RecipeOptimizer
+from pretrain.config import PrecisionConfig, load_config
+from pretrain.train import engine_settings
+from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfigError
+from zero3d.precision import LossScaler
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"lr": 0.0}, "optimizer.lr = 0.0 must be > 0"),
+    ({"lr": float("nan")}, "optimizer.lr = nan is invalid; must be a finite number"),
+    ({"beta2": 1.0}, "optimizer.beta2 = 1.0 is invalid; must be in [0, 1)"),
+    ({"eps": 0.0}, "optimizer.eps = 0.0 is invalid; must be > 0"),
+    ({"clip_grad": -1.0}, "optimizer.clip_grad = -1.0 must be >= 0 (0 disables)"),
+    ({"weight_decay": -0.1}, "optimizer.weight_decay = -0.1 is invalid; must be >= 0"),
+])
+def test_optimizer_config_names_the_bad_value(kwargs, message):
+    with pytest.raises(ZeroConfigError, match=re.escape(message)):
+        OptimizerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"min_loss_scale": 0.0}, "precision.initial_loss_scale = 65536.0 must be >= precision.min_loss_scale = 0.0 > 0"),
+    ({"initial_loss_scale": 0.5}, "precision.initial_loss_scale = 0.5 must be >= precision.min_loss_scale = 1.0"),
+    ({"backoff_factor": 1.0}, "precision.backoff_factor = 1.0 must be in (0, 1)"),
+    ({"growth_factor": 1.0}, "precision.growth_factor = 1.0 must be > 1"),
+    ({"growth_interval": 0}, "precision.growth_interval = 0 must be >= 1"),
+    ({"hysteresis": 0}, "precision.hysteresis = 0 must be >= 1"),
+    ({"initial_loss_scale": float("inf")}, "precision.initial_loss_scale = inf is invalid; must be a finite number"),
+])
+def test_loss_scale_config_names_the_bad_value(kwargs, message):
+    with pytest.raises(ZeroConfigError, match=re.escape(message)):
+        LossScaleConfig(**kwargs)
+
+
+def test_loss_scaler_runs_on_its_config():
+    """Traced by hand: hysteresis 2 backs off on every second overflow, never below the floor; two clean
+    steps grow the scale by growth_factor."""
+    scaler = LossScaler(LossScaleConfig(initial_loss_scale=8.0, min_loss_scale=2.0, growth_interval=2,
+                                        backoff_factor=0.5, hysteresis=2, growth_factor=4.0))
+    scales = []
+    for overflow in (True, True, True, True, True, True, False, False):
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    assert scales == [8.0, 4.0, 4.0, 2.0, 2.0, 2.0, 2.0, 8.0]
+
+
+def test_pretrain_embeds_zero3d_sections_and_passes_them_through():
+    assert issubclass(RecipeOptimizer, OptimizerConfig) and issubclass(PrecisionConfig, LossScaleConfig)
+    cfg = load_config("configs/tiny.toml", ["precision.dtype=\"fp16\"", "precision.hysteresis=3"])
+    settings = engine_settings(cfg)
+    assert settings.optimizer is cfg.optimizer and settings.loss_scale is cfg.precision
+    assert settings.optimizer.betas == (0.9, 0.95) and settings.loss_scale.hysteresis == 3
+    assert engine_settings(load_config("configs/tiny.toml")).loss_scale is None  # fp32: no scaler
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_engine_builds_its_optimizer_and_reads_the_norm_through_its_seams(world, stage):
+    """The factory gets each group's master with the weight decay its kind says (the Linear's 4×3 matrix
+    decays; its bias and the LayerNorm's two vectors, 3 + 3 + 3 elements, do not); a host read answering
+    inf makes the step an overflow: skipped, parameters unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    built = []
+
+    def factory(tensors_and_decay, lr, betas, eps):
+        built.append(([(t.numel(), wd) for t, wd in tensors_and_decay], lr, betas, eps))
+        return torch.optim.SGD([t for t, _ in tensors_and_decay], lr=lr)
+
+    settings = zero3d.EngineSettings(optimizer=OptimizerConfig(lr=0.5, weight_decay=0.25, beta2=0.9),
+                                     optimizer_factory=factory, read_host_float=lambda value: float("inf"))
+    engine = zero3d.wrap_model(model, stage, settings, zero3d.ParallelGroups(dp_group=None))
+    assert built == [([(12, 0.25), (9, 0.0)], 0.5, (0.9, 0.9), 1e-8)]
+    assert isinstance(engine.optimizer, torch.optim.SGD)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.backward(engine(torch.randn(2, 4)).pow(2).sum())
+    result = engine.step(0.5)
+    assert result.skipped and result.grad_norm == float("inf")
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))

@@ -1,0 +1,91 @@
+"""Where the fp32 master and Adam states live — device, host memory or NVMe files — behind one interface."""
+import contextlib
+
+import torch
+
+from zero3d.accounting import moved_off_device
+
+
+class Placement:
+    """What the engine asks of its optimizer placement; the defaults are what the device does.
+
+    The engine always holds one: `DevicePlacement` here, `HostOffload` (zero3d/offload.py) or
+    `NvmeOffload` (zero3d/nvme.py); it never asks which. `optimizer` is the torch optimizer whose
+    `state` checkpoints read (inside `materialized()`)."""
+
+    name = "none"  # the zero.offload_optimizer value it implements
+    optimizer: torch.optim.Optimizer
+
+    def accumulate_grad(self, group, lo: int, piece: torch.Tensor, alpha: float) -> None:
+        """A reduced bucket piece for the group's shard elements [lo, lo + n), added × `alpha`."""
+        group.grads[lo:lo + piece.numel()].add_(piece, alpha=alpha)
+
+    def finish_grads(self) -> None:
+        """Before the step: every gradient piece handed over has arrived."""
+
+    def step(self, master_grads: dict, coef: float, lr: float) -> None:
+        """Clip by `coef`, AdamW at `lr`; {group name: fp32 unscaled gradient in master coordinates}."""
+        raise NotImplementedError
+
+    @property
+    def writes_params(self) -> bool:
+        """Whether `step` already wrote the updated values into the device parameter pieces."""
+        return False
+
+    def zero_grad(self) -> None:
+        """After the step: gradients kept here are cleared."""
+
+    def materialized(self):
+        """Context: inside it every master and `optimizer.state` is an ordinary tensor."""
+        return contextlib.nullcontext()
+
+    def after_load(self) -> None:
+        """The masters were overwritten (a checkpoint load): what derives from them follows."""
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of gradient shards that live here instead of on the device."""
+        return 0
+
+    def state_bytes(self, stage_bytes: dict) -> dict:
+        """The stage's per-category accounting, with what lives here moved to its own keys."""
+        return stage_bytes
+
+    def close(self) -> None:
+        """Release files and threads (also done when the process ends)."""
+
+
+class DevicePlacement(Placement):
+    """offload_optimizer = "none": the masters are the engine's device tensors (`master_pieces`),
+    updated in place by `optimizer` (built over exactly those pieces)."""
+
+    def __init__(self, groups: dict, optimizer: torch.optim.Optimizer):
+        self.groups, self.optimizer = groups, optimizer
+
+    def step(self, master_grads: dict, coef: float, lr: float) -> None:
+        for name, group in self.groups.items():
+            grad = master_grads[name]
+            if coef < 1.0:
+                grad.mul_(coef)
+            for offset, piece in group.master_pieces:
+                piece.grad = grad[offset:offset + piece.numel()]
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.optimizer.step()
+        for group in self.groups.values():
+            for _, piece in group.master_pieces:
+                piece.grad = None
+
+
+class OffDevicePlacement(Placement):
+    """The offloaded placements: the step writes the parameters back itself; the accounting moves the
+    master and optimizer bytes to host_*/nvme_* keys (`off_device_bytes`)."""
+
+    @property
+    def writes_params(self) -> bool:
+        return True
+
+    def off_device_bytes(self) -> dict:
+        raise NotImplementedError
+
+    def state_bytes(self, stage_bytes: dict) -> dict:
+        return moved_off_device(stage_bytes, self.held_grad_bytes(), self.off_device_bytes())
