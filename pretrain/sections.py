@@ -6,7 +6,8 @@ from typing import ClassVar, Literal, Optional
 
 from pretrain.blend import Blend, parse_blend, parse_split
 from pretrain.errors import ConfigError
-from zero3d.analysis.estimate import padded_vocab
+from zero3d.analysis.estimate import VOCAB_DIVISIBLE_BY, padded_vocab
+from zero3d.analysis.flops import gpt_flops_per_step
 
 
 def require(ok: bool, message: str) -> None:
@@ -52,7 +53,7 @@ class ModelConfig(Section):
     """Tokens per sample."""
     vocab_size: int = 512
     """Tokenizer vocabulary; the embedding is padded (see padded_vocab_size)."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY
     """The padded vocabulary is a multiple of this × parallel.tensor (Megatron's rule)."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
@@ -90,6 +91,11 @@ class ModelConfig(Section):
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule (zero3d.analysis.estimate.padded_vocab): a multiple of divisible_by × TP."""
         return padded_vocab(self.vocab_size, tensor_parallel, self.make_vocab_size_divisible_by)
+
+    def flops_per_step(self, tensor_parallel: int, global_batch: int) -> float:
+        """Model FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
+        return gpt_flops_per_step(self.num_layers, self.hidden_size, self.seq_length,
+                                  self.padded_vocab_size(tensor_parallel), global_batch, self.recompute == "full")
 
     @property
     def ffn_size(self) -> int:

@@ -266,9 +266,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                  use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
                                  wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
                                  start_step=start)
-    flops_per_step = metrics.gpt_flops_per_step(m.num_layers, m.hidden_size, m.seq_length,
-                                                m.padded_vocab_size(topo.tp), cfg.train.global_batch_size,
-                                                recompute=m.recompute == "full")
+    flops_per_step = m.flops_per_step(topo.tp, cfg.train.global_batch_size)
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
     batches = Batches(train_ds, cfg, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
