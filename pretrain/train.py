@@ -16,7 +16,7 @@ from pretrain import metrics
 from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
-from pretrain.runtime.agreement import agree, on_main_then_share
+from pretrain.runtime.agreement import agree, from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
@@ -241,7 +241,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
     # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
-    files = on_main_then_share(topo, lambda: prepare_files(d, m.vocab_size))
+    files = from_rank0(lambda: prepare_files(d, m.vocab_size))
     layout = layout_signature(cfg, topo)
     identity = run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     checkpoints = Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,

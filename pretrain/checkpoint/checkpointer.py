@@ -25,7 +25,7 @@ from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields
                                       latest_name, load_dcp, read_dcp_metadata, read_manifest)
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
-from pretrain.runtime.agreement import rank0_value
+from pretrain.runtime.agreement import from_rank0
 from zero3d import state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -130,16 +130,17 @@ class Checkpointer:
         engine.finish_param_sync()  # stages 1/2 may still be gathering the parameters of the last step
         rank = dist.get_rank()
         final, tmp = self.save_dir / f"step_{step:08d}", self.save_dir / f"step_{step:08d}.tmp"
-        error = None
-        if rank == 0:
+
+        def prepare() -> Optional[str]:
             try:
                 self.save_dir.mkdir(parents=True, exist_ok=True)
                 for leftover in self.save_dir.glob("*.tmp"):  # crash leftovers of an earlier save
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
                 (tmp / "rng").mkdir(parents=True)
             except OSError as err:
-                error = f"cannot prepare {tmp}: {err}"
-        error = rank0_value(error)
+                return f"cannot prepare {tmp}: {err}"
+            return None
+        error = from_rank0(prepare)
         if error is not None:
             return self._save_failed(tmp, error)
         templates = self._model_templates(model, engine)
@@ -197,13 +198,14 @@ class Checkpointer:
         if errors:
             return self._save_failed(tmp, "; ".join(errors))
         files = {name: record for r in results for name, record in r["files"].items()}
-        error = None
-        if dist.get_rank() == 0:
+
+        def publish() -> Optional[str]:
             try:
                 self._publish(tmp, final, {**meta, "files": files})
             except OSError as err:
-                error = f"cannot complete checkpoint {final}: {err}"
-        error = rank0_value(error)
+                return f"cannot complete checkpoint {final}: {err}"
+            return None
+        error = from_rank0(publish)
         if error is not None:
             return self._save_failed(tmp, error)
         self.failed_saves = 0
@@ -292,7 +294,7 @@ class Checkpointer:
                 return read_manifest(step_dir), ""
             except CheckpointError as err:
                 return None, str(err)
-        manifest, why = rank0_value(manifest_or_why() if dist.get_rank() == 0 else None)
+        manifest, why = from_rank0(manifest_or_why)
         if manifest is None:
             return None, why
         names = sorted(manifest["files"])
@@ -322,7 +324,7 @@ class Checkpointer:
         A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
         before it; one written for another model, tokenizer or data is refused.
         """
-        candidates = rank0_value(self.candidates() if dist.get_rank() == 0 else None)
+        candidates = from_rank0(self.candidates)
         notes, reasons = [], []
         for step_dir in candidates:
             manifest, why = self.verify(step_dir)
