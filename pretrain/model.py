@@ -120,7 +120,9 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         persist_layer_norm=on_cuda and _importable("apex"),
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
-        batch_p2p_sync=on_cuda, **recompute)
+        batch_p2p_sync=on_cuda,
+        # No CUDA graphs; [] is megatron-core 0.16's spelling of its default "full" scope, which it deprecates.
+        cuda_graph_scope=[], **recompute)
 
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):

@@ -233,7 +233,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
-    if topo.is_main and (kernels := fallbacks_line()):
+    if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
