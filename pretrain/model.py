@@ -11,6 +11,7 @@ import torch
 
 from pretrain.config import Config
 from zero3d.checkpointing import ActivationCheckpointing, checkpoint
+from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
@@ -59,11 +60,10 @@ def _zero_recompute_layer_class():
     return ZeroRecomputeLayer
 
 
-def activation_checkpointing(cfg: Config, tp_group) -> Optional[ActivationCheckpointing]:
+def activation_checkpointing(z: ZeroConfig, tp_group) -> Optional[ActivationCheckpointing]:
     """ZeRO-R (zero.partition_activations / cpu_checkpointing / contiguous_checkpointing) for
     `build_model`, or None (megatron's own recomputation, when model.recompute = "full")."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    z = cfg.zero
     if not (z.partition_activations or z.cpu_checkpointing or z.contiguous_checkpointing):
         return None
     return ActivationCheckpointing(partition=z.partition_activations, cpu=z.cpu_checkpointing,

@@ -26,6 +26,7 @@ from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from pretrain.runtime.agreement import from_rank0
+from pretrain.sections import ModelConfig
 from zero3d import state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -33,10 +34,9 @@ log = logging.getLogger("pretrain.checkpoint")
 __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
 
 
-def run_identity(cfg, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
+def run_identity(m: ModelConfig, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
     """What a checkpoint must agree with to be resumed: the model's shape, the tokenizer and the data
     (`data_prefix`: the prefixes the run reads, space-separated; blend weights may change)."""
-    m = cfg.model
     return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
                       "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings,
