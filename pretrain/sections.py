@@ -25,8 +25,8 @@ def check_finite(name: str, section) -> None:
 
 
 class Section:
-    """A section of the config: building it (`Config.validate` rebuilds each after a TOML/override merge)
-    checks that its floats are finite, then its own rules (`check`)."""
+    """A section of the config: building it (config.py's validate() rebuilds each after the TOML and the
+    overrides are merged) checks that its floats are finite, then its own rules (`check`)."""
 
     section: ClassVar[str]  # its TOML table: [model], [data] ...
 
@@ -154,7 +154,7 @@ class DataConfig(Section):
             self._split_shares = parse_split(self.split)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        per_split = self.train_blend is not None or self.valid_blend is not None
+        per_split = self.per_split()
         require(not (per_split and self.blend is not None),
                 "data.blend and data.train_blend / data.valid_blend are exclusive: a blend is split by data.split, "
                 "per-split blends replace it")
