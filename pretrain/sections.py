@@ -6,7 +6,7 @@ from typing import ClassVar, Literal, Optional
 
 from pretrain.blend import Blend, parse_blend, parse_split
 from pretrain.errors import ConfigError
-from zero3d.analysis.estimate import VOCAB_DIVISIBLE_BY, padded_vocab
+from zero3d.analysis.estimate import GIB, VOCAB_DIVISIBLE_BY, padded_vocab
 from zero3d.analysis.flops import gpt_flops_per_step
 
 
@@ -283,6 +283,12 @@ class ClusterConfig(Section):
     checkpoint_write_gbps: float = 5.0
     """Aggregate write bandwidth (GB/s) of the file system holding the checkpoints: slurm/submit.py
     sizes the SIGUSR1 warning before the time limit from it and the checkpoint's bytes."""
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        """The device memory this section describes: gpu_memory_gb in GiB, the unit vendors label cards in
+        (a "32 GB" V100 carries 32 GiB); the planner budgets the same (docs/estimator.md)."""
+        return self.gpu_memory_gb * GIB
 
     def check(self) -> None:
         require(self.nodes >= 1 and self.gpus_per_node >= 1, "cluster.nodes and cluster.gpus_per_node must be >= 1")
