@@ -61,13 +61,13 @@ def bench_rank(rank, world_size, args):
         cfg = load_config(None, base + extra)
         torch.manual_seed(1)
         model_parallel_cuda_manual_seed(1)
-        acts = activation_checkpointing(cfg, topo.tp_group)
+        acts = activation_checkpointing(cfg.zero, topo.tp_group)
         model = build_model(cfg, topo.device, acts)
         engine = zero3d.wrap_model(model, stage, engine_settings(cfg),
                                    zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
         if acts:
             acts.record_into(engine.comm_stats)
-        batches = Batches(RandomTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        batches = Batches(RandomTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         times, report = [], {}
         for step in range(args.steps + 1):  # step 0 warms up (and sizes the MD buffer)
             engine.comm_stats.reset()

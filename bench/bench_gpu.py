@@ -24,7 +24,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pretrain.metrics import device_peak_tflops, gpt_flops_per_step, throughput_metrics  # noqa: E402
+from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
+from zero3d.analysis.flops import gpt_flops_per_step  # noqa: E402
 
 SHAPE = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
@@ -70,9 +71,9 @@ class PlainGPT(torch.nn.Module):
 
 
 def padded_vocab(vocab: int) -> int:
-    """The embedding width pretrain builds at TP 1 (megatron's padding rule, pretrain/config.py)."""
-    from pretrain.config import ModelConfig
-    return ModelConfig(vocab_size=vocab).padded_vocab_size(1)
+    """The embedding width pretrain builds at TP 1 (megatron's padding rule, zero3d/analysis/estimate.py)."""
+    from zero3d.analysis.estimate import padded_vocab as megatron_padded_vocab
+    return megatron_padded_vocab(vocab, 1)
 
 
 def tokens_batch(shape: dict, device) -> torch.Tensor:

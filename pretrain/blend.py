@@ -4,6 +4,7 @@ import re
 from typing import Optional
 
 BLEND_FORMS = "'W1 PREFIX1 W2 PREFIX2 ...' (weights > 0) or 'PREFIX1 PREFIX2 ...' (weighted by size)"
+Blend = tuple[list[str], Optional[list[float]]]  # megatron-core's (prefixes, weights or None)
 SPLIT_PATTERN = re.compile(r"\s*\d+(\.\d*)?(\s*,\s*\d+(\.\d*)?){0,2}\s*")
 
 
@@ -14,7 +15,7 @@ def _number(word: str) -> Optional[float]:
         return None
 
 
-def parse_blend(text: str, key: str = "data.blend") -> tuple[list[str], Optional[list[float]]]:
+def parse_blend(text: str, key: str = "data.blend") -> Blend:
     """(prefixes, weights or None), megatron-core's blend tuple, from Megatron's --data-path words."""
     words = text.split()
     if not words:

@@ -28,7 +28,7 @@ class ProjectError(Exception):
             self.agreed = agreed
         super().__init__(what + (f"; {fix}" if fix else ""))
 
-    def __reduce__(self):  # picklable with its parts (on_main_then_share broadcasts errors)
+    def __reduce__(self):  # picklable with its parts (from_rank0 broadcasts errors)
         return type(self), (self.what, self.where, self.fix, self.agreed)
 
     def line(self) -> str:

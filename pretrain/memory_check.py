@@ -2,14 +2,9 @@
 from typing import Optional
 
 from pretrain.config import Config, ConfigError
-from zero3d.analysis.estimate import GB, GIB, MemoryBreakdown, estimate_from_shape, format_breakdown
+from zero3d.analysis.estimate import GB, MemoryBreakdown, estimate_from_shape, format_breakdown
 from zero3d.analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
-
-
-def config_budget_bytes(cfg: Config) -> float:
-    """The device memory a config describes: cluster.gpu_memory_gb in GiB, the unit vendors label
-    cards in (a "32 GB" V100 carries 32 GiB); the planner budgets the same (docs/estimator.md)."""
-    return cfg.cluster.gpu_memory_gb * GIB
+from zero3d.config import ZeroConfig
 
 
 def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
@@ -27,9 +22,8 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         loss_chunk_tokens=m.loss_chunk_tokens)
 
 
-def offload_settings(cfg: Config) -> dict:
+def offload_settings(z: ZeroConfig) -> dict:
     """zero.offload_optimizer / offload_params / nvme_buffer_bytes, as the estimator takes them."""
-    z = cfg.zero
     return dict(offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
                 nvme_buffer_bytes=z.nvme_buffer_bytes)
 
@@ -37,7 +31,7 @@ def offload_settings(cfg: Config) -> dict:
 def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float) -> tuple:
     """(what stays on the device, OffloadBreakdown or None): with zero.offload_* on, the check judges only
     the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes)."""
-    estimate, settings = estimate_config(cfg, world_size, gpu_memory_bytes), offload_settings(cfg)
+    estimate, settings = estimate_config(cfg, world_size, gpu_memory_bytes), offload_settings(cfg.zero)
     if settings["offload_optimizer"] == "none" and settings["offload_params"] == "none":
         return estimate, None
     gpus, t = world_size // cfg.parallel.pipeline, cfg.train
@@ -65,7 +59,7 @@ def describe(cfg: Config, world_size: int) -> str:
 
 def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None) -> tuple:
     """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
-    estimate, offload = device_estimate(cfg, world_size, config_budget_bytes(cfg))
+    estimate, offload = device_estimate(cfg, world_size, cfg.cluster.gpu_memory_bytes)
     device = f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
     return estimate, _table(estimate, offload, describe(cfg, world_size), device, cpu_note)
 
@@ -82,7 +76,7 @@ def check_memory(cfg: Config, world_size: int, device, is_main: bool) -> MemoryB
     if device.type != "cuda":
         estimate, table = config_report(cfg, world_size, cpu_note=(
             f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
-            f"{config_budget_bytes(cfg) / GIB:g} GiB)"))
+            f"{cfg.cluster.gpu_memory_gb:g} GiB)"))
         if is_main:
             print(table, flush=True)
         return estimate

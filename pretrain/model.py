@@ -11,6 +11,7 @@ import torch
 
 from pretrain.config import Config
 from zero3d.activations import ActivationCheckpointing, checkpoint
+from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
@@ -59,11 +60,10 @@ def _zero_recompute_layer_class():
     return ZeroRecomputeLayer
 
 
-def activation_checkpointing(cfg: Config, tp_group) -> Optional[ActivationCheckpointing]:
+def activation_checkpointing(z: ZeroConfig, tp_group) -> Optional[ActivationCheckpointing]:
     """ZeRO-R (zero.partition_activations / cpu_checkpointing / contiguous_checkpointing) for
     `build_model`, or None (megatron's own recomputation, when model.recompute = "full")."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
-    z = cfg.zero
     if not (z.partition_activations or z.cpu_checkpointing or z.contiguous_checkpointing):
         return None
     return ActivationCheckpointing(partition=z.partition_activations, cpu=z.cpu_checkpointing,
@@ -120,7 +120,9 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         persist_layer_norm=on_cuda and _importable("apex"),
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
-        batch_p2p_sync=on_cuda, **recompute)
+        batch_p2p_sync=on_cuda,
+        # No CUDA graphs; [] is megatron-core 0.16's spelling of its default "full" scope, which it deprecates.
+        cuda_graph_scope=[], **recompute)
 
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):

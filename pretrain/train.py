@@ -15,8 +15,9 @@ import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
+from pretrain.sections import TrainConfig
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
-from pretrain.runtime.agreement import agree, on_main_then_share
+from pretrain.runtime.agreement import agree, from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
@@ -162,7 +163,7 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
 
 def build_and_wrap(cfg: Config, topo: Topology, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats."""
-    activations = activation_checkpointing(cfg, topo.tp_group)
+    activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg, **seams), parallel_groups(model, topo))
     if activations is not None:
@@ -231,7 +232,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
-    if topo.is_main and (kernels := fallbacks_line()):
+    if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
     save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
@@ -239,9 +240,9 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
     # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
-    files = on_main_then_share(topo, lambda: prepare_files(d, m.vocab_size))
+    files = from_rank0(lambda: prepare_files(d, m.vocab_size))
     layout = layout_signature(cfg, topo)
-    identity = run_identity(cfg, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
+    identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     checkpoints = Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
                                timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
     usable = checkpoints.find_usable(identity) if t.resume else None
@@ -264,11 +265,9 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                  use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
                                  wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
                                  start_step=start)
-    flops_per_step = metrics.gpt_flops_per_step(m.num_layers, m.hidden_size, m.seq_length,
-                                                m.padded_vocab_size(topo.tp), cfg.train.global_batch_size,
-                                                recompute=m.recompute == "full")
+    flops_per_step = m.flops_per_step(topo.tp, cfg.train.global_batch_size)
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
-    batches = Batches(train_ds, cfg, topo, consumed_samples=consumed, start_step=start)
+    batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
                     identity=identity, flops_per_step=flops_per_step, peak=peak,
@@ -321,7 +320,7 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
             stopping, nonfinite = agree(run.topo, stop.requested,
                                         guard.is_nonfinite(loss, result.grad_norm, result.loss_scale))
             guard.update(nonfinite, step, loss, result.grad_norm, last_good)
-            if wants_checkpoint(run.cfg, step, stopping):
+            if wants_checkpoint(run.cfg.train, step, stopping):
                 if guard.streak:  # a non-finite step never replaces the last good checkpoint
                     if run.topo.is_main:
                         print(f"warning: step {step} was not finite; checkpoint not saved, {last_good} stays "
@@ -340,8 +339,7 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
     return step, record
 
 
-def wants_checkpoint(cfg: Config, step: int, stopping: bool) -> bool:
-    t = cfg.train
+def wants_checkpoint(t: TrainConfig, step: int, stopping: bool) -> bool:
     return bool((t.save_interval and step % t.save_interval == 0) or stopping
                 or (step == t.steps and t.save_final))
 

@@ -52,7 +52,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     """Train `steps` steps; returns losses, grad norms, skips, final TP-local params, bytes, comm."""
     cfg = load_config(None, BASE + list(overrides))
     topo = init_topology(cfg)
-    activations = activation_checkpointing(cfg, topo.tp_group)
+    activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
     if layout_free_init:
         init_by_global_name(model)
@@ -64,7 +64,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
-    batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+    batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
     out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
            "param_checksum": [], "params_init": {n: p.detach().float().clone() for n, p in full_params(engine).items()}}
     for step in range(steps):

@@ -25,7 +25,8 @@ from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields
                                       latest_name, load_dcp, read_dcp_metadata, read_manifest)
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
-from pretrain.runtime.agreement import rank0_value
+from pretrain.runtime.agreement import from_rank0
+from pretrain.sections import ModelConfig
 from zero3d import sharded_state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
@@ -33,10 +34,9 @@ log = logging.getLogger("pretrain.checkpoint")
 __all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
 
 
-def run_identity(cfg, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
+def run_identity(m: ModelConfig, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
     """What a checkpoint must agree with to be resumed: the model's shape, the tokenizer and the data
     (`data_prefix`: the prefixes the run reads, space-separated; blend weights may change)."""
-    m = cfg.model
     return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
                       "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings,
@@ -130,16 +130,17 @@ class Checkpointer:
         engine.finish_param_sync()  # stages 1/2 may still be gathering the parameters of the last step
         rank = dist.get_rank()
         final, tmp = self.save_dir / f"step_{step:08d}", self.save_dir / f"step_{step:08d}.tmp"
-        error = None
-        if rank == 0:
+
+        def prepare() -> Optional[str]:
             try:
                 self.save_dir.mkdir(parents=True, exist_ok=True)
                 for leftover in self.save_dir.glob("*.tmp"):  # crash leftovers of an earlier save
                     shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
                 (tmp / "rng").mkdir(parents=True)
             except OSError as err:
-                error = f"cannot prepare {tmp}: {err}"
-        error = rank0_value(error)
+                return f"cannot prepare {tmp}: {err}"
+            return None
+        error = from_rank0(prepare)
         if error is not None:
             return self._save_failed(tmp, error)
         templates = self._model_templates(model, engine)
@@ -197,13 +198,14 @@ class Checkpointer:
         if errors:
             return self._save_failed(tmp, "; ".join(errors))
         files = {name: record for r in results for name, record in r["files"].items()}
-        error = None
-        if dist.get_rank() == 0:
+
+        def publish() -> Optional[str]:
             try:
                 self._publish(tmp, final, {**meta, "files": files})
             except OSError as err:
-                error = f"cannot complete checkpoint {final}: {err}"
-        error = rank0_value(error)
+                return f"cannot complete checkpoint {final}: {err}"
+            return None
+        error = from_rank0(publish)
         if error is not None:
             return self._save_failed(tmp, error)
         self.failed_saves = 0
@@ -292,7 +294,7 @@ class Checkpointer:
                 return read_manifest(step_dir), ""
             except CheckpointError as err:
                 return None, str(err)
-        manifest, why = rank0_value(manifest_or_why() if dist.get_rank() == 0 else None)
+        manifest, why = from_rank0(manifest_or_why)
         if manifest is None:
             return None, why
         names = sorted(manifest["files"])
@@ -322,7 +324,7 @@ class Checkpointer:
         A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
         before it; one written for another model, tokenizer or data is refused.
         """
-        candidates = rank0_value(self.candidates() if dist.get_rank() == 0 else None)
+        candidates = from_rank0(self.candidates)
         notes, reasons = [], []
         for step_dir in candidates:
             manifest, why = self.verify(step_dir)

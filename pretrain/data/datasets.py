@@ -20,15 +20,12 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from pretrain.blend import parse_blend
-from pretrain.config import DataConfig
+from pretrain.blend import Blend
+from pretrain.sections import DataConfig
 from pretrain.data.corpus import DataError, expand_inputs
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
 from pretrain.data.preprocess import tokenize_corpus
 from pretrain.data.tokenizer import Tokenizer, train_tokenizer
-
-Blend = tuple[list[str], Optional[list[float]]]  # megatron-core's (prefixes, weights or None)
-
 
 @dataclass(frozen=True)
 class DataFiles:
@@ -73,14 +70,12 @@ def _single(blend: Blend) -> Blend:
 
 
 def _blends(data: DataConfig) -> tuple[Optional[Blend], Optional[list[Optional[Blend]]]]:
-    try:
-        if data.blend is not None:
-            return _single(parse_blend(data.blend, "data.blend")), None
-        if data.train_blend is not None:
-            valid = _single(parse_blend(data.valid_blend, "data.valid_blend")) if data.valid_blend else None
-            return None, [_single(parse_blend(data.train_blend, "data.train_blend")), valid, None]
-    except ValueError as err:
-        raise DataError(str(err)) from None
+    """data.blend, or the per-split blends (train, valid, test), as the section parsed them."""
+    blends = {key: _single(blend) for key, blend in data.blends().items()}
+    if "blend" in blends:
+        return blends["blend"], None
+    if "train_blend" in blends:
+        return None, [blends["train_blend"], blends.get("valid_blend"), None]
     return None, None
 
 
@@ -120,9 +115,6 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
     if blend is None and blend_per_split is None:
         tokenizer_path, prefix = build_corpus_files(data.corpus, data.tokenizer_model, data.cache_dir, vocab_size)
         return DataFiles(tokenizer_path, ([prefix], None), None)
-    if tokenizer is None:
-        raise DataError("data.blend needs data.tokenizer_model: the tokenizer that made its token ids must be "
-                        "named, not trained anew")
     files = DataFiles(str(data.tokenizer_model), blend, blend_per_split)
     for prefix in files.prefixes():
         check_token_ids(prefix, tokenizer.vocab_size)

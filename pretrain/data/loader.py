@@ -3,7 +3,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from pretrain.config import Config
+from pretrain.sections import DataConfig, TrainConfig
 
 CUDA_WORKERS = 2  # data.num_workers unset: DataLoader workers per rank on CUDA (0 on CPU)
 
@@ -43,17 +43,18 @@ class Batches:
     The dataset only needs sample(i) -> the seq_length+1 tokens of sample i.
     """
 
-    def __init__(self, dataset, cfg: Config, topo, consumed_samples: int = 0, start_step: int = 0):
+    def __init__(self, dataset, train: TrainConfig, data: DataConfig, topo, consumed_samples: int = 0,
+                 start_step: int = 0):
         if consumed_samples < 0 or start_step < 0:
             raise ValueError(f"consumed_samples {consumed_samples} and start_step {start_step} must be >= 0")
         self.dataset, self.topo = dataset, topo
-        self.global_batch, self.micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-        self.grad_accum, self.last_step = topo.grad_accum, cfg.train.steps
+        self.global_batch, self.micro = train.global_batch_size, train.micro_batch_size
+        self.grad_accum, self.last_step = topo.grad_accum, train.steps
         self.consumed_samples, self.start_step = consumed_samples, start_step
         on_cuda = topo.device.type == "cuda"
-        workers = cfg.data.num_workers
+        workers = data.num_workers
         self.num_workers = (CUDA_WORKERS if on_cuda else 0) if workers is None else workers
-        self.pin_memory = cfg.data.pin_memory and on_cuda
+        self.pin_memory = data.pin_memory and on_cuda
         self._loader: Optional[Iterator[torch.Tensor]] = None
         self._next: Optional[Iterator[tuple[int, int]]] = None
         self._expected: Optional[tuple[int, int]] = None

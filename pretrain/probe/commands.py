@@ -19,9 +19,7 @@ def timing_report(cfg: Config, world: int, run) -> dict:
     """--real: per-rank compute time, TFLOP/s, MFU and the α-β prediction of the whole job's step."""
     m = cfg.model
     compute = sum(run.phase_seconds.values()) / run.steps
-    flops = metrics.gpt_flops_per_step(m.num_layers, m.hidden_size, m.seq_length,
-                                       m.padded_vocab_size(cfg.parallel.tensor), cfg.train.global_batch_size,
-                                       recompute=m.recompute == "full")
+    flops = m.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
     per_step_comm = comm_breakdown(run.collectives, PAPER_LINKS)
     per_step_comm = {k: v / run.steps for k, v in per_step_comm.items()}
     predicted = compute + sum(per_step_comm.values())

@@ -210,7 +210,7 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
         model.register_forward_hook(lambda *_: phases.enter("backward"))
         engine.optimizer.register_step_pre_hook(lambda *_: phases.enter("optimizer step"))
         engine.optimizer.register_step_post_hook(lambda *_: phases.enter("gather"))
-        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         step_seconds = []
         engine.train()
         # On a GPU the tracker (a Python dispatch mode) would slow every kernel launch: CUDA's own

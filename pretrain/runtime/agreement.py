@@ -3,22 +3,17 @@ import torch
 import torch.distributed as dist
 
 
-def rank0_value(value):
-    """Rank 0's value on every rank; the other ranks' own `value` is ignored."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def on_main_then_share(topo, fn):
-    """Run fn on rank 0 (`topo.is_main`) and hand its result (or its error, raised everywhere) to every rank."""
+def from_rank0(fn):
+    """Run fn on rank 0 alone and hand its result (or its error, raised everywhere) to every rank."""
     outcome = None
-    if topo.is_main:
+    if dist.get_rank() == 0:
         try:
             outcome = ("ok", fn())
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             outcome = ("error", err)
-    status, value = rank0_value(outcome)
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
     if status == "error":
         raise value
     return value

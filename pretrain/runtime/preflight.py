@@ -4,7 +4,6 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from pretrain.blend import parse_blend
 from pretrain.config import Config
 from pretrain.errors import ConfigError, InputError
 
@@ -51,11 +50,9 @@ def check_paths(cfg: Config) -> None:
     if d.tokenizer_model is not None:
         _input_file("data.tokenizer_model", d.tokenizer_model,
                     "point it at a sentencepiece .model file, or unset it to train one from data.corpus")
-    blends = [getattr(d, key) for key in ("blend", "train_blend", "valid_blend") if getattr(d, key)]
-    for key in ("blend", "train_blend", "valid_blend"):
-        if getattr(d, key) is None:
-            continue
-        for prefix in parse_blend(getattr(d, key), f"data.{key}")[0]:
+    blends = d.blends()
+    for key, (prefixes, _) in blends.items():
+        for prefix in prefixes:
             for suffix in (".bin", ".idx"):
                 _input_file(f"data.{key}", f"{prefix}{suffix}",
                             f"{prefix}{suffix} is missing; run python -m pretrain.preprocess to write it, or "

@@ -40,7 +40,7 @@ def build(overrides, topo):
     cfg = load_config(None, BASE + list(overrides))
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED)
-    acts = activation_checkpointing(cfg, topo.tp_group)
+    acts = activation_checkpointing(cfg.zero, topo.tp_group)
     return cfg, build_model(cfg, topo.device, acts), acts
 
 
@@ -51,7 +51,7 @@ def grads_rank(rank, world_size, tp, extra, micro_batches):
     out = {}
     for mode in MODES:
         cfg, model, acts = build(overrides + mode_overrides(mode), topo)
-        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         if acts is not None:
             acts.reset_step()
         losses, after_forward = [], []
@@ -121,7 +121,7 @@ def engine_rank(rank, world_size, tp, steps):
                                    zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
         if acts is not None:
             acts.record_into(engine.comm_stats)
-        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         run = {"loss": [], "grad_norm": [], "act_comm": [], "dp_comm": [], "reports": [], "md_ptr": []}
         for step in range(steps):
             engine.comm_stats.reset()
@@ -240,7 +240,7 @@ def test_zero_r_is_a_layer_class_in_the_spec_and_megatron_recompute_is_off():
 def spec_rank(rank, world_size, overrides):
     cfg = load_config(None, BASE + list(overrides))
     topo = init_topology(cfg)
-    acts = activation_checkpointing(cfg, topo.tp_group)
+    acts = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, acts)
     classes = [type(layer).__name__ for layer in model.decoder.layers]
     held = acts is not None and all(layer.activations is acts for layer in model.decoder.layers)

@@ -25,7 +25,8 @@ SMALL = ["--config", "configs/tiny.toml", "model.num_layers=1", "model.hidden_si
 ONE_RANK = SMALL + ["parallel.tensor=1", "train.global_batch_size=2", "train.steps=2"]
 # torch's FutureWarning on the older collective names; megatron-core's import-time fallback warnings
 CONSOLE_NOISE = ("all_gather_into_tensor", "reduce_scatter_tensor", "Apex is not installed",
-                 "Transformer Engine and Apex are not installed")
+                 "Transformer Engine and Apex are not installed", "full scope is deprecated",
+                 "CUDA_DEVICE_MAX_CONNECTIONS to 1")
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "ZERO3D_DEBUG")
 
@@ -279,7 +280,8 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
             (line,) = error_lines(stderr[rank])
             assert f"(rank {rank})" in line and "Traceback" not in stderr[rank]
     # A readable console: no rank warns about torch's older collective names (zero3d calls the ones the
-    # installed torch offers) or megatron's Apex/TE fallbacks; rank 0 states those once, as a fact.
+    # installed torch offers), megatron's Apex/TE fallbacks, its CUDA-graph scope deprecation or its
+    # CUDA_DEVICE_MAX_CONNECTIONS advice; rank 0 states those once, as a fact.
     noise = {rank: [n for n in CONSOLE_NOISE if n in text] for rank, text in stderr.items()}
     assert noise == {rank: [] for rank in procs}
     stdout = rank_logs(tmp_path / "logs", "stdout")

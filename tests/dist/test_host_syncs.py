@@ -70,10 +70,10 @@ def syncs_rank(rank, world_size, steps=2):
     for name, overrides in CASES.items():
         cfg = load_config(None, BASE + ["train.global_batch_size=4", *overrides])
         topo = init_topology(cfg)
-        activations = activation_checkpointing(cfg, topo.tp_group)
+        activations = activation_checkpointing(cfg.zero, topo.tp_group)
         model = build_model(cfg, topo.device, activations)
         engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
-        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         counts, phase = Counter(), ["warm-up"]
         with counting_syncs(counts, phase):
             for step in range(1 + steps):  # step 0: warm-up (optimizer states, stage 3's recorded order)

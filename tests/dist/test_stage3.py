@@ -93,7 +93,7 @@ def _probe(rank, world, overrides, steps):
     engine = zero3d.wrap_model(model, 3, engine_settings(cfg), zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
     sharded = [p for u in engine.units for g in u.groups for p in g.params]
     released = lambda: all(p.numel() == 0 for p in sharded) and engine._live == 0  # noqa: E731
-    batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg, topo)
+    batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
     out = {"comm": [], "released": [released()]}
     for step in range(steps):
         engine.comm_stats.reset()

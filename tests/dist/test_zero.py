@@ -166,7 +166,7 @@ def _staging_peak(rank, world, num_layers):
     topo = init_topology(cfg)
     engine = zero3d.wrap_model(build_model(cfg, topo.device), 2, engine_settings(cfg),
                                zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
-    batches = Batches(SyntheticTokens(128, 16), cfg, topo)
+    batches = Batches(SyntheticTokens(128, 16), cfg.train, cfg.data, topo)
     engine.backward(gpt_loss(engine, batches.get(0, 0)))
     largest = max(b.numel for g in engine.groups.values() for b in g.buckets)
     total = sum(g.layout.padded_numel for g in engine.groups.values())

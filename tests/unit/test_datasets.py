@@ -113,7 +113,7 @@ def test_split_caches_indices_and_builds_no_unread_split(tmp_path, data):
 def run_stream(train, steps: range, dp: int, **start) -> list[torch.Tensor]:
     cfg = load_config(None, ["train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=2",
                              f"data.num_workers={start.pop('workers', 0)}"])
-    ranks = [Batches(train, cfg, SimpleNamespace(dp_rank=r, grad_accum=2, device=torch.device("cpu")), **start)
+    ranks = [Batches(train, cfg.train, cfg.data, SimpleNamespace(dp_rank=r, grad_accum=2, device=torch.device("cpu")), **start)
              for r in range(dp)]
     return [batches.get(step, micro) for step in steps for batches in ranks for micro in range(2)]
 

@@ -9,6 +9,7 @@ from zero3d.analysis import __main__ as cli
 from zero3d.analysis import paper_tables as tables
 from zero3d.analysis import planner
 from zero3d.analysis.estimate import GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab
+from zero3d.analysis.flops import gpt_flops_per_step
 
 # Table I as printed (facts §1.4); * marks bold. Columns: 7.5B, 128B, 1T × P_os, P_os+g, P_os+g+p.
 TABLE_ONE_PRINTED = """
@@ -193,7 +194,7 @@ def test_c1_to_c5_maxima():
 
 def test_paper_config_verdicts():
     from zero3d.analysis import paper_configs
-    verdicts = paper_configs.judge_all()
+    verdicts = paper_configs.judge_all(cli.PAPER_CSV)  # the command line's default: the repository's copy
     assert len(verdicts) == 56  # one per generated job: 41 rows, Figures 3/6 several GPU counts or batches, 5 × C1-C5
     failing = {(v.run.figure, v.run.model, v.run.label) for v in verdicts if not v.fits}
     # exactly the jobs the paper reports out of memory; every job it ran fits (docs/estimator.md, Margin)
@@ -210,7 +211,7 @@ def test_planner_ranks_the_papers_100b_layout():
     c = found[0]
     mp_bytes = c.accumulation * 12 * c.micro_batch * 1024 * 8192 * 125 * 2
     assert c.mp_s == pytest.approx(mp_bytes / 300e9)
-    assert planner.megatron_flops(1, 1024, 2, 1024, 0) == 96 * 1024 * 2 * 1024**2 * (1 + 1024 / 6144)
+    assert gpt_flops_per_step(2, 1024, 1024, 0, 1, recompute=True) == 96 * 1024 * 2 * 1024**2 * (1 + 1024 / 6144)
 
 
 def test_planner_super_linear_scaling_of_figure_3():

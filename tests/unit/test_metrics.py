@@ -6,8 +6,9 @@ import pytest
 
 from pretrain import metrics
 from pretrain.metrics import (ConsoleSink, JsonlSink, MetricsLogger, StepTimer, WandbSink,
-                              detect_gpu, gpt_flops_per_step, make_logger, memory_report,
+                              detect_gpu, make_logger, memory_report,
                               peak_tflops, throughput_metrics, wandb_mode)
+from zero3d.analysis.flops import gpt_flops_per_step
 
 
 @pytest.fixture

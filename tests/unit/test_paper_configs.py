@@ -140,7 +140,7 @@ def test_only_what_the_paper_reports_out_of_memory_is_marked_and_every_other_job
 def test_plan_csv_judges_each_job_as_its_config_and_agrees_with_estimate():
     from pretrain.memory_check import config_report
     from zero3d.analysis import paper_configs
-    verdicts = paper_configs.judge_all()
+    verdicts = paper_configs.judge_all(REPO / "configs/paper/reproduction-configs.csv")
     by_job = {}
     for v in verdicts:
         r = v.run

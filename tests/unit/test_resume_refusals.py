@@ -10,7 +10,7 @@ from pretrain.checkpoint.files import CheckpointError
 def identity(tmp_path, overrides=(), tp=1, prefix="data/a"):
     tokenizer = tmp_path / "tok.model"
     tokenizer.write_bytes(b"the same tokenizer")
-    return run_identity(load_config(None, BASE + ["model.make_vocab_size_divisible_by=64", *overrides]), tp,
+    return run_identity(load_config(None, BASE + ["model.make_vocab_size_divisible_by=64", *overrides]).model, tp,
                         tokenizer, prefix)
 
 

@@ -76,12 +76,12 @@ def test_engine_imports_no_analysis_pretrain_or_megatron():
 
 
 # pretrain's floors, lowest first: a module imports pretrain modules of its own floor or of floors below it.
-# Ground: what every floor reads (the config tree and the blend grammar it validates, errors, metrics sinks,
+# Ground: what every floor reads (the config tree, its self-checking sections and the blend grammar, errors, metrics sinks,
 # the run summary). Wings by concern, each a package. The loop and the model above them; the probe runs the
 # loop's own step, so it stands above the loop; the command-line entry modules on top, imported by nothing.
 PRETRAIN_FLOORS = (
-    ("ground", ("pretrain", "pretrain.config", "pretrain.errors", "pretrain.metrics", "pretrain.summary",
-                "pretrain.blend")),
+    ("ground", ("pretrain", "pretrain.config", "pretrain.sections", "pretrain.errors", "pretrain.metrics",
+                "pretrain.summary", "pretrain.blend")),
     ("data wing", ("pretrain.data",)),
     ("runtime wing", ("pretrain.runtime",)),
     ("checkpoint wing", ("pretrain.checkpoint",)),

@@ -15,6 +15,9 @@ from zero3d.config import ZeroConfig
 # The engine's [zero] defaults are the CLI's; precision, micro-batch, GPU memory and the loss chunk live
 # only in pretrain's config (which zero3d never imports), so the flags below keep the paper's V100 set-up.
 ZERO = ZeroConfig()
+# --plan's CSV: the paper appendix's configurations, in the repository this command runs from.
+PAPER_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs", "paper",
+                         "reproduction-configs.csv")
 
 
 def _format_states(params: float, dp: int, precision: str) -> str:
@@ -37,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--global-batch", type=int, help="--plan rank: samples per step")
     mode.add_argument("--batch-per-gpu", type=int, help="--plan rank: samples per DP rank instead")
     mode.add_argument("--top", type=int, default=10, help="--plan rank: how many layouts to print")
-    mode.add_argument("--csv", help="reproduction-configs.csv for --plan (default: repo or shared copy)")
+    mode.add_argument("--csv", default=os.path.normpath(PAPER_CSV),
+                      help="reproduction-configs.csv for --plan (default: this repository's configs/paper/ copy)")
     mode.add_argument("--params", type=float, help="bare parameter count: model states per stage only")
     for name in ("layers", "hidden", "heads", "vocab", "seq", "gpus"):
         ap.add_argument(f"--{name}", type=int)
@@ -85,7 +89,7 @@ def _zeropp(ap: argparse.ArgumentParser, args) -> int:
     if args.quant_block < 2 or args.quant_block % 2:
         ap.error(f"--quant-block {args.quant_block} is invalid; must be an even integer >= 2")
     try:
-        print(zeropp_report(tuple(args.zeropp) or ("100B", "170B"), args.grad_bits, args.quant_block))
+        print(zeropp_report(args.csv, tuple(args.zeropp) or ("100B", "170B"), args.grad_bits, args.quant_block))
     except ValueError as err:
         ap.error(str(err))
     return 0
@@ -197,7 +201,7 @@ def main(argv: Optional[list] = None) -> int:
         return _largest(ap, args)
     if args.plan:
         from zero3d.analysis.paper_configs import paper_report
-        if args.csv and not os.path.isfile(args.csv):
+        if not os.path.isfile(args.csv):
             ap.error(f"--csv {args.csv!r} is not a file")
         print(paper_report(csv_path=args.csv, csv_only=args.plan == "csv"))
         return 0

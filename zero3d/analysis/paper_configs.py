@@ -9,9 +9,9 @@ from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FR
 from zero3d.analysis.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, PAPER_CONFIGS, PAPER_SEQ,
                             Cluster, ZeroChoice, config_limits, dp_only_limit, format_candidates, plan)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
-CSV_PATH = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
+# The paper appendix's configurations (configs/paper/reproduction-configs.csv) are read from the path the
+# caller passes: the command line (`python -m zero3d.analysis --csv`) names the repository's copy by default.
 PAPER_TARGETS_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}  # Figure 5, for side-by-side print
 # Figure numbers are the artifact appendix's (docs/zero-paper-facts.md §8.1): 4 = max model size per
 # configuration (SC20 Fig. 5), 5 = max cached memory (SC20 Fig. 6), 6 = throughput per configuration
@@ -80,11 +80,10 @@ class PaperRun:
         return PAPER_CONFIGS[self.label] if self.label else ZeroChoice(0)
 
 
-def load_paper_runs(path=None) -> list:
+def load_paper_runs(path: str | Path) -> list:
     """Parse the CSV (skipping "#" lines) into one run per generated job: ";"-separated GPU counts or
     batches yield one each, Figure 5 rows one per configuration."""
-    path = Path(path) if path else CSV_PATH
-    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip() and not line.startswith("#")]
     runs = []
     for row in csv.DictReader(lines):
         gpu_counts, batches = row["gpus"].split(";"), row["batch_per_gpu"].split(";")
@@ -151,12 +150,12 @@ def judge(run: PaperRun, cluster: Cluster = PAPER_CLUSTER) -> Verdict:
     return Verdict(run, zero, m, reason)
 
 
-def judge_all(path=None, cluster: Cluster = PAPER_CLUSTER) -> list:
+def judge_all(path: str | Path, cluster: Cluster = PAPER_CLUSTER) -> list:
     """One Verdict per run of the CSV."""
     return [judge(run, cluster) for run in load_paper_runs(path)]
 
 
-def _csv_section(path, cluster: Cluster) -> list:
+def _csv_section(path: str | Path, cluster: Cluster) -> list:
     lines = [f"Reproduction configs on {cluster.name} ({cluster.gpu_memory_bytes / GIB:.0f} GiB = "
              f"{cluster.gpu_memory_bytes / GB:.2f} GB, margin {DEFAULT_MARGIN_FRACTION:.0%}); each job in its "
              "own configuration (C1-C5 as configs/paper/ sets them, baselines stage 0 + MP), figures in "
@@ -170,7 +169,7 @@ def _csv_section(path, cluster: Cluster) -> list:
     return lines
 
 
-def paper_report(csv_path=None, csv_only: bool = False, cluster: Cluster = PAPER_CLUSTER) -> str:
+def paper_report(csv_path: str | Path, csv_only: bool = False, cluster: Cluster = PAPER_CLUSTER) -> str:
     """The planner's paper findings (DP-only limits, C1–C5 maxima, a ranking) and the CSV verdicts."""
     if csv_only:
         return "\n".join(_csv_section(csv_path, cluster))

@@ -6,6 +6,7 @@ from zero3d.analysis.comm_model import dp_passes
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
+from zero3d.analysis.flops import gpt_flops_per_step
 from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 
 GPT2_VOCAB = 50257
@@ -91,16 +92,6 @@ PAPER_CONFIGS = {"C1": ZeroChoice(1), "C2": ZeroChoice(1, pa=True), "C3": ZeroCh
                  "C4": ZeroChoice(2, pa=True), "C5": ZeroChoice(2, pa=True, pa_cpu=True)}
 
 
-def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int,
-                   recompute: bool = True) -> float:
-    """Training FLOPs per step (Narayanan et al. 2021): 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) with
-    full recomputation (one extra forward), 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) without."""
-    core = batch * seq * layers * hidden**2
-    if recompute:
-        return 96 * core * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
-    return 72 * core * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
-
-
 @dataclass(frozen=True)
 class Candidate:
     """One feasible layout with its memory and the parts of its modelled step time (seconds)."""
@@ -136,7 +127,7 @@ def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: Z
                          f"{micro_batch} × {dp}")
     accumulation = global_batch // (micro_batch * dp)
     act_bytes = PRECISIONS[precision].activation_bytes
-    flops = megatron_flops(global_batch, seq, layers, hidden, vocab, recompute == "full")
+    flops = gpt_flops_per_step(layers, hidden, seq, vocab, global_batch, recompute == "full")
     compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
     micro_compute = compute / accumulation
     # MP link: NVSwitch while the TP group stays inside a node, else the node's share of IB

@@ -5,7 +5,8 @@ from zero3d.analysis.comm_model import (H100_LINKS, PAPER_LINKS, ZEROPP_MODES, L
                                         zeropp_collectives)
 from zero3d.analysis.estimate import PRECISIONS, V100_MEMORY_BYTES, estimate_from_shape, gpt_param_count, GB
 from zero3d.analysis.paper_configs import load_paper_runs
-from zero3d.analysis.planner import PAPER_CLUSTER, PAPER_SEQ, GPT2_VOCAB, megatron_flops
+from zero3d.analysis.flops import gpt_flops_per_step
+from zero3d.analysis.planner import PAPER_CLUSTER, PAPER_SEQ, GPT2_VOCAB
 
 H100_PEAK_FLOPS = 989e12  # dense bf16 tensor cores, H100 SXM data sheet
 GIB = 2**30
@@ -52,7 +53,7 @@ def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int
     if accumulation < 1 or global_batch % (micro_batch * dp):
         raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = {micro_batch} × {dp}")
     psi = gpt_param_count(layers, hidden, GPT2_VOCAB, PAPER_SEQ, tp)
-    compute = megatron_flops(global_batch, PAPER_SEQ, layers, hidden, GPT2_VOCAB, True) / (
+    compute = gpt_flops_per_step(layers, hidden, PAPER_SEQ, GPT2_VOCAB, global_batch, True) / (
         gpus * machine.peak_flops * EFFICIENCY)
     memory = estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=GPT2_VOCAB, seq=PAPER_SEQ,
                                  gpus=gpus, tp=tp, stage=3, micro_batch=micro_batch, recompute="full",
@@ -89,7 +90,7 @@ def format_prediction(title: str, p: dict) -> str:
     return "\n".join(lines)
 
 
-def zeropp_report(models=("100B", "170B"), grad_bits: int = 4, block: int = 256) -> str:
+def zeropp_report(csv_path, models=("100B", "170B"), grad_bits: int = 4, block: int = 256) -> str:
     """The paper's 400-GPU ZeRO rows of Figure 2 (as the CSV lays them out, and with TP 1 at one sample
     per GPU, the layout ZeRO++ evaluates) on DGX-2 and H100 nodes."""
     header = ("ZeRO++ modes at stage 3, α-β per link (bytes and seconds per rank per step; 'step s': compute + "
@@ -99,7 +100,7 @@ def zeropp_report(models=("100B", "170B"), grad_bits: int = 4, block: int = 256)
               "hybrid's node-only sharding; 'memory': the stage-3 estimate (full recompute, Pa where tp > 1) plus it, "
               "against the GPU.")
     out = [header]
-    runs = {r.model: r for r in load_paper_runs() if r.figure == 2 and r.system == "zero"}
+    runs = {r.model: r for r in load_paper_runs(csv_path) if r.figure == 2 and r.system == "zero"}
     for model in models:
         if model not in runs:
             raise ValueError(f"model {model!r} has no Figure 2 ZeRO row; valid: {', '.join(runs)}")

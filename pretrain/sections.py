@@ -1,0 +1,308 @@
+"""The config's own sections, each a dataclass that checks its values when built (cross-section rules: config.py)."""
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Optional
+
+from pretrain.blend import Blend, parse_blend, parse_split
+from pretrain.errors import ConfigError
+from zero3d.analysis.estimate import GIB, VOCAB_DIVISIBLE_BY, padded_vocab
+from zero3d.analysis.flops import gpt_flops_per_step
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ok: a message names the bad value and what is valid."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_finite(name: str, section) -> None:
+    """No setting may be inf or nan (optimizer.lr = inf would train NaNs)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        require(not isinstance(value, float) or math.isfinite(value),
+                f"{name}.{f.name} = {value} is invalid; must be a finite number")
+
+
+class Section:
+    """A section of the config: building it (config.py's validate() rebuilds each after the TOML and the
+    overrides are merged) checks that its floats are finite, then its own rules (`check`)."""
+
+    section: ClassVar[str]  # its TOML table: [model], [data] ...
+
+    def __post_init__(self) -> None:
+        check_finite(self.section, self)
+        self.check()
+
+    def check(self) -> None:
+        """This section's own rules; rules that read two sections live in config.py's validate()."""
+
+
+@dataclass
+class ModelConfig(Section):
+    section: ClassVar[str] = "model"
+    num_layers: int = 2
+    """Transformer layers (a multiple of parallel.pipeline)."""
+    hidden_size: int = 64
+    """Model width h (a multiple of num_attention_heads and of parallel.tensor)."""
+    num_attention_heads: int = 4
+    """Heads per layer (a multiple of parallel.tensor)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; None: 4 × hidden_size."""
+    seq_length: int = 64
+    """Tokens per sample."""
+    vocab_size: int = 512
+    """Tokenizer vocabulary; the embedding is padded (see padded_vocab_size)."""
+    make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY
+    """The padded vocabulary is a multiple of this × parallel.tensor (Megatron's rule)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP, in [0, 1)."""
+    attention_dropout: float = 0.0
+    """Dropout of the attention probabilities, in [0, 1)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialisation (> 0)."""
+    recompute: Literal["none", "full"] = "none"
+    """full: every transformer layer recomputed in backward."""
+    attention: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core attention (pretrain/attention.py): auto = Transformer Engine on GPU where importable, else torch's
+    scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
+    loss_chunk_tokens: int = 1024
+    """Output layer + cross-entropy this many tokens at a time (pretrain/loss.py); 0: megatron's, in one piece."""
+    compile: bool = False
+    """torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet."""
+
+    def check(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                    "make_vocab_size_divisible_by"):
+            require(getattr(self, key) > 0, f"model.{key} = {getattr(self, key)} is invalid; must be > 0")
+        require(self.hidden_size % self.num_attention_heads == 0,
+                f"model.hidden_size = {self.hidden_size} is not divisible by model.num_attention_heads = "
+                f"{self.num_attention_heads}; choose a head count that divides the hidden size")
+        require(self.ffn_hidden_size is None or self.ffn_hidden_size > 0,
+                f"model.ffn_hidden_size = {self.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
+        require(self.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens = {self.loss_chunk_tokens} is invalid; "
+                "must be >= 0 (0: the loss over all tokens at once)")
+        require(self.init_method_std > 0, f"model.init_method_std = {self.init_method_std} is invalid; must be > 0")
+        for key in ("hidden_dropout", "attention_dropout"):
+            require(0.0 <= getattr(self, key) < 1.0, f"model.{key} = {getattr(self, key)} must be in [0, 1)")
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        """Megatron's rule (zero3d.analysis.estimate.padded_vocab): a multiple of divisible_by × TP."""
+        return padded_vocab(self.vocab_size, tensor_parallel, self.make_vocab_size_divisible_by)
+
+    def flops_per_step(self, tensor_parallel: int, global_batch: int) -> float:
+        """Model FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
+        return gpt_flops_per_step(self.num_layers, self.hidden_size, self.seq_length,
+                                  self.padded_vocab_size(tensor_parallel), global_batch, self.recompute == "full")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass
+class ParallelConfig(Section):
+    section: ClassVar[str] = "parallel"
+    tensor: int = 1
+    """Tensor-parallel (megatron TP) group size."""
+    pipeline: int = 1
+    """Pipeline stages; data parallelism takes the rest of the world."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs tensor > 1)."""
+
+    def check(self) -> None:
+        require(self.tensor >= 1, f"parallel.tensor = {self.tensor} is invalid; must be >= 1")
+        require(self.pipeline >= 1, f"parallel.pipeline = {self.pipeline} is invalid; must be >= 1")
+        require(not (self.sequence_parallel and self.tensor == 1),
+                "parallel.sequence_parallel = true needs parallel.tensor > 1")
+
+
+BLEND_KEYS = ("blend", "train_blend", "valid_blend")
+
+
+@dataclass
+class DataConfig(Section):
+    """Either a corpus (tokenized into cache_dir) or Megatron .bin/.idx prefixes in blend / per-split blends.
+    The blends and the split are parsed once, when the section is built: `blends()`, `split_shares()`."""
+
+    section: ClassVar[str] = "data"
+    corpus: str = "data/corpus.jsonl"
+    """JSONL file or glob ({"text": ...} a line; .gz/.zst too), used without a blend."""
+    tokenizer_model: Optional[str] = None
+    """Sentencepiece .model; None: trained from the corpus into cache_dir."""
+    blend: Optional[str] = None
+    """Megatron's --data-path: "0.3 prefixA 0.7 prefixB", or "prefixA prefixB" (by size)."""
+    train_blend: Optional[str] = None
+    """Per-split blend (Megatron's --train-data-path), used instead of blend + split."""
+    valid_blend: Optional[str] = None
+    """Per-split blend (Megatron's --valid-data-path); needs train_blend."""
+    split: str = "95,5,0"
+    """train,valid,test shares of each prefix's documents (Megatron's --split)."""
+    cache_dir: str = "runs/data"
+    """The corpus's tokenizer and tokens, and megatron-core's sample indices."""
+    num_workers: Optional[int] = None
+    """DataLoader worker processes per rank; None: 2 on CUDA, 0 on CPU."""
+    pin_memory: bool = True
+    """On CUDA: batches staged in pinned memory and copied asynchronously."""
+
+    def check(self) -> None:
+        try:
+            self._blends = {key: parse_blend(getattr(self, key), f"data.{key}")
+                            for key in BLEND_KEYS if getattr(self, key) is not None}
+            self._split_shares = parse_split(self.split)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        per_split = self.per_split()
+        require(not (per_split and self.blend is not None),
+                "data.blend and data.train_blend / data.valid_blend are exclusive: a blend is split by data.split, "
+                "per-split blends replace it")
+        require(not per_split or self.train_blend is not None, "data.valid_blend needs data.train_blend")
+        require(not (per_split or self.blend) or self.tokenizer_model is not None,
+                "data.blend / data.train_blend need data.tokenizer_model; name the tokenizer that made their token ids")
+        require(self.num_workers is None or self.num_workers >= 0,
+                f"data.num_workers = {self.num_workers} must be >= 0 (or unset: 2 on CUDA, 0 on CPU)")
+        for key in ("corpus", "cache_dir"):
+            require(bool(getattr(self, key).strip()), f"data.{key} = '' is invalid; name a path")
+
+    def blends(self) -> dict[str, Blend]:
+        """The blends set, by key ("blend", "train_blend", "valid_blend"), as parsed when the section was built."""
+        return dict(self._blends)
+
+    def per_split(self) -> bool:
+        """Per-split blends (train_blend / valid_blend) instead of one blend cut by data.split."""
+        return self.train_blend is not None or self.valid_blend is not None
+
+    def split_shares(self) -> list[float]:
+        """data.split's train, valid and test shares, summing to 1."""
+        return list(self._split_shares)
+
+
+@dataclass
+class TrainConfig(Section):
+    section: ClassVar[str] = "train"
+    steps: int = 40
+    """Optimizer steps of the run."""
+    micro_batch_size: int = 4
+    """Samples per rank per micro-batch."""
+    global_batch_size: int = 16
+    """Samples per step over all data-parallel ranks (a multiple of micro_batch_size × DP)."""
+    seed: int = 1234
+    """Model initialisation and data order, in [0, 2**32 - 2**20)."""
+    eval_interval: int = 20
+    """Steps between validations; 0 disables validation."""
+    eval_iters: int = 2
+    """Global batches per evaluation (Megatron: eval_iters × global batch samples)."""
+    save_interval: int = 0
+    """Steps between checkpoints; 0: save only at the end (and on a stop signal)."""
+    save_final: bool = True
+    """false for throughput runs: no multi-TB checkpoint at the last step."""
+    save_dir: Optional[str] = None
+    """Checkpoint directory; None: <run_dir>/checkpoints."""
+    resume: bool = True
+    """Continue from the latest checkpoint in save_dir when there is one."""
+    keep_checkpoints: int = 0
+    """Keep the last K checkpoints (never the one `latest` names); 0 keeps all."""
+    async_save: bool = True
+    """Write checkpoints in the background; the step waits only for the copy."""
+    timeout_minutes: float = 10.0
+    """Collective timeout (fractions allowed: 0.1 = 6 s); the watchdog waits 2×."""
+    max_nonfinite_steps: int = 3
+    """Stop (exit 4) after this many consecutive non-finite steps."""
+    max_failed_saves: int = 3
+    """A failed save is logged and retried at the next one; this many in a row: exit 3."""
+    ignore_memory_estimate: bool = False
+    """Run even when the start-up estimate exceeds GPU memory."""
+
+    def check(self) -> None:
+        for key in ("steps", "micro_batch_size", "global_batch_size", "eval_iters"):
+            require(getattr(self, key) > 0, f"train.{key} = {getattr(self, key)} must be > 0")
+        require(self.eval_interval >= 0 and self.save_interval >= 0,
+                "train.eval_interval and train.save_interval must be >= 0")
+        require(self.keep_checkpoints >= 0,
+                f"train.keep_checkpoints = {self.keep_checkpoints} must be >= 0 (0 keeps all)")
+        require(self.timeout_minutes * 60 >= 1,
+                f"train.timeout_minutes = {self.timeout_minutes} is invalid; must be at least 1 second (1/60)")
+        require(self.max_failed_saves >= 1,
+                f"train.max_failed_saves = {self.max_failed_saves} is invalid; must be >= 1")
+        require(self.max_nonfinite_steps >= 1,
+                f"train.max_nonfinite_steps = {self.max_nonfinite_steps} is invalid; must be >= 1")
+        require(0 <= self.seed < 2**32 - 2**20, f"train.seed = {self.seed} is invalid; must be in [0, 2**32 - 2**20)")
+
+
+@dataclass
+class LoggingConfig(Section):
+    section: ClassVar[str] = "logging"
+    name: str = "run"
+    """The run's name: its directory runs/<name> and its wandb run."""
+    run_dir: Optional[str] = None
+    """Where the run writes; None: runs/<name>."""
+    log_interval: int = 1
+    """Steps between logged records (>= 1)."""
+    straggler_factor: float = 1.5
+    """A rank whose step takes this many times the median is named (perf/slowest_*)."""
+    console: Literal["auto", "bar", "plain"] = "auto"
+    """Console output: a progress bar, plain lines, or auto (a bar on a terminal)."""
+    wandb: bool = True
+    """Log to Weights & Biases (offline unless WANDB_MODE says otherwise)."""
+    wandb_project: str = "zero3d"
+    """The wandb project."""
+    wandb_group: Optional[str] = None
+    """The wandb group (a sweep's runs share one)."""
+    summary_warmup_steps: int = 10
+    """Steps left out of the run summary's medians (warm-up)."""
+
+    def check(self) -> None:
+        require(self.log_interval >= 1, f"logging.log_interval = {self.log_interval} is invalid; must be >= 1")
+        require(math.isfinite(self.straggler_factor) and self.straggler_factor > 1,
+                f"logging.straggler_factor = {self.straggler_factor} is invalid; must be a finite number > 1")
+        require(self.summary_warmup_steps >= 0,
+                f"logging.summary_warmup_steps = {self.summary_warmup_steps} is invalid; must be >= 0")
+        require(bool(self.name.strip()) and "/" not in self.name,
+                f"logging.name = {self.name!r} is invalid; must be a non-empty name without '/'")
+
+
+@dataclass
+class ClusterConfig(Section):
+    """Where a config runs under Slurm; the training run itself takes its world from the launcher."""
+
+    section: ClassVar[str] = "cluster"
+    nodes: int = 1
+    """Slurm nodes."""
+    gpus_per_node: int = 8
+    """GPUs (tasks) per node."""
+    gpu: str = "H100"
+    """Peak table key for MFU and the estimator: V100, A100, H100, H200."""
+    gpu_memory_gb: float = 80.0
+    """GPU memory in GiB: the budget of --estimate, the start-up guard and the planner."""
+    time_limit: str = "01:00:00"
+    """Slurm's --time."""
+    partition: Optional[str] = None
+    """Slurm partition; None: the cluster's default."""
+    checkpoint_write_gbps: float = 5.0
+    """Aggregate write bandwidth (GB/s) of the file system holding the checkpoints: slurm/submit.py
+    sizes the SIGUSR1 warning before the time limit from it and the checkpoint's bytes."""
+
+    @property
+    def gpu_memory_bytes(self) -> float:
+        """The device memory this section describes: gpu_memory_gb in GiB, the unit vendors label cards in
+        (a "32 GB" V100 carries 32 GiB); the planner budgets the same (docs/estimator.md)."""
+        return self.gpu_memory_gb * GIB
+
+    def check(self) -> None:
+        require(self.nodes >= 1 and self.gpus_per_node >= 1, "cluster.nodes and cluster.gpus_per_node must be >= 1")
+        require(self.gpu_memory_gb > 0, f"cluster.gpu_memory_gb = {self.gpu_memory_gb} is invalid; must be > 0")
+        require(self.checkpoint_write_gbps > 0,
+                f"cluster.checkpoint_write_gbps = {self.checkpoint_write_gbps} must be > 0 (GB/s)")
+
+
+@dataclass
+class PaperConfig(Section):
+    """For configs/paper/: what the paper reports for this job; slurm/sweep.py skips "oom" jobs."""
+
+    section: ClassVar[str] = "paper"
+    expected: Literal["run", "oom"] = "run"
+    """run, or oom: the paper reports this job out of memory."""
+    reason: str = ""
+    """Why (which figure or table of the paper says so)."""
