@@ -150,6 +150,7 @@ class PaperConfig:
 
     expected: Literal["run", "oom"] = "run"
     reason: str = ""  # why (which figure or table of the paper says so)
+    shrink: int = 1  # slurm/sweep.py --cpu --shrink N: every model shape ÷ N on CPU ranks (1: the paper's)
 
 
 @dataclass
@@ -327,6 +328,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(str(err)) from None
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
     _check_finite(cfg)
+    _require(cfg.paper.shrink >= 1, f"paper.shrink = {cfg.paper.shrink} is invalid; must be >= 1 (1: the paper's shapes)")
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                 "make_vocab_size_divisible_by"):
         _require(getattr(m, key) > 0, f"model.{key} = {getattr(m, key)} is invalid; must be > 0")
