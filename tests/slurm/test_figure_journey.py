@@ -61,13 +61,13 @@ def test_dry_run_lists_every_row_and_bad_values_get_one_line(capsys):
         assert message in err and err.count("\n") == 1, (args, err)
 
 
-def own_figures(run_dir: Path) -> dict:
-    """A job's figures read straight from its own files: medians past WARMUP, peaks over all steps."""
+def own_figures(run_dir: Path, warmup: int) -> dict:
+    """A job's figures read straight from its own files: medians past `warmup`, peaks over all steps."""
     by_step = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         by_step[record["step"]] = record
-    past = [by_step[s] for s in sorted(by_step) if s > WARMUP]
+    past = [by_step[s] for s in sorted(by_step) if s > warmup]
     cfg = json.loads((run_dir / "config.json").read_text())
     m, tp = cfg["model"], cfg["parallel"]["tensor"]
     h, layers, seq = m["hidden_size"], m["num_layers"], m["seq_length"]
@@ -117,19 +117,23 @@ def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster, tmp_path):
     proc = subprocess.run([sys.executable, "slurm/collect.py", "--figure", "2", "--runs-dir", str(runs), "--out",
                            str(out), "--warmup", str(WARMUP)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+    assert_table_matches_runs(runs, out, sorted(jobs), NODES * RANKS_PER_NODE, STEPS, WARMUP)
+
+
+def assert_table_matches_runs(runs: Path, out: Path, names: list, world: int, steps: int, warmup: int):
+    """collect.py's table.csv/table.md/scaling.png in `out` against the run directories' own files."""
     with open(out / "table.csv") as f:
         rows = list(csv.DictReader(f))
-    assert sorted(r["run"] for r in rows) == sorted(jobs)
+    assert sorted(r["run"] for r in rows) == names
     for r in rows:
-        own = own_figures(runs / r["run"])
-        assert (r["status"], int(r["steps"]), int(r["gpus"]), int(r["shrink"])) == \
-            ("ok", STEPS, NODES * RANKS_PER_NODE, SHRINK), r
+        own = own_figures(runs / r["run"], warmup)
+        assert (r["status"], int(r["steps"]), int(r["gpus"]), int(r["shrink"])) == ("ok", steps, world, SHRINK), r
         assert int(r["params"]) == own["params"] and r["model"] == r["run"].split("_")[1].replace("p", "."), r
         for key in ("tokens_per_s", "tflops_per_gpu", "pflops", "peak_mem_GB"):
             assert float(r[key]) == pytest.approx(own[key], rel=1e-9), (r["run"], key)
     sizes = [float(r["model"][:-1]) for r in rows]  # rows in the paper's order of model size
     assert sizes == sorted(sizes) and [int(r["params"]) for r in rows] == sorted(int(r["params"]) for r in rows)
     table = (out / "table.md").read_text()
-    assert sum(line.startswith("| fig2_") for line in table.splitlines()) == 20
-    assert "Reported in the paper" not in table and "Scaled down (slurm/sweep.py --cpu --shrink 24)" in table
+    assert sum(line.startswith("| fig2_") for line in table.splitlines()) == len(names)
+    assert "Reported in the paper" not in table and f"Scaled down (slurm/sweep.py --cpu --shrink {SHRINK})" in table
     assert bars_in_png(out / "scaling.png") == [len(rows), len(rows)]
