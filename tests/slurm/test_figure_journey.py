@@ -38,6 +38,9 @@ def test_the_shrink_rule_on_the_100B_row():
     one = sweep.shrink_plan(load_config(REPO / "configs/paper/fig2_1p5B_zero.toml"), 24, nodes=1, ranks_per_node=2)
     assert (one["parallel.tensor"], one["model.num_attention_heads"], one["model.hidden_size"]) == (1, 1, 67)
     assert one["train.global_batch_size"] == 2  # TP 1: both ranks are DP
+    from pretrain.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^paper.shrink = 0 is invalid; must be >= 1 \(1: the paper's shapes\)$"):
+        load_config(REPO / "configs/paper/fig2_100B_zero.toml", ["paper.shrink=0"])
 
 
 def test_dry_run_lists_every_row_and_bad_values_get_one_line(capsys):
@@ -98,7 +101,7 @@ def bars_in_png(path: Path) -> list:
     return counts
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster, tmp_path):
     from pretrain.data.datasets import build_corpus_files
     build_corpus_files(str(REPO / "data/corpus.jsonl"), None, REPO / "runs/data", 2095)  # shared, not 20× at once
