@@ -6,6 +6,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,9 +114,16 @@ def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster, tmp_path):
     assert proc.returncode == 0, proc.stderr
     jobs = dict(line.split("\t") for line in proc.stdout.splitlines())
     assert sorted(jobs) == sorted(f"fig2_{s}_{k}" for s in FIG2 for k in ("zero", "baseline"))
-    for name, job_id in jobs.items():
-        state = wait_for(cluster, job_id, runs / name / "slurm-*.out", timeout=300)
-        assert state["JobState"] == "COMPLETED", (runs / name / f"slurm-{job_id}.out").read_text()[-3000:]
+    try:
+        for name, job_id in jobs.items():
+            state = wait_for(cluster, job_id, runs / name / "slurm-*.out", timeout=300)
+            assert state["JobState"] == "COMPLETED", (runs / name / f"slurm-{job_id}.out").read_text()[-3000:]
+    finally:  # on a failure, end the other jobs now: a slurmstepd outlives the fixture's slurmd
+        subprocess.run(["scancel", *jobs.values()], env=env, capture_output=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and subprocess.run(["squeue", "-h"], env=env, capture_output=True,
+                                                               text=True).stdout.strip():
+            time.sleep(1)
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "slurm/collect.py", "--figure", "2", "--runs-dir", str(runs), "--out",
                            str(out), "--warmup", str(WARMUP)], capture_output=True, text=True, cwd=REPO)
