@@ -306,3 +306,8 @@ class PaperConfig(Section):
     """run, or oom: the paper reports this job out of memory."""
     reason: str = ""
     """Why (which figure or table of the paper says so)."""
+    shrink: int = 1
+    """slurm/sweep.py --cpu --shrink N: every model shape ÷ N on CPU ranks (1: the paper's shapes)."""
+
+    def check(self) -> None:
+        require(self.shrink >= 1, f"paper.shrink = {self.shrink} is invalid; must be >= 1 (1: the paper's shapes)")

@@ -31,9 +31,9 @@ SLURM_END = re.compile(r"CANCELLED AT \S+ DUE TO (TIME LIMIT|PREEMPTION|NODE FAI
 EXCEPTION = re.compile(r"\b[\w.]*(Error|Exception): ")  # a Python exception line: the cause
 ERROR = re.compile(r"\berror:", re.IGNORECASE)  # srun/slurmstepd errors: the symptom
 RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torch.distributed prefixes each rank's traceback
-COLUMNS = ["run", "figure", "model", "system", "config", "gpus", "mp", "batch_per_gpu", "global_batch",
-           "params", "params_B", "tflops_per_gpu", "pflops", "peak_mem_GB", "comm_elements_per_step", "steps",
-           "measured_steps", "status", "reason"]
+COLUMNS = ["run", "figure", "model", "shrink", "system", "config", "gpus", "mp", "batch_per_gpu", "global_batch",
+           "params", "params_B", "tokens_per_s", "tflops_per_gpu", "pflops", "peak_mem_GB", "comm_elements_per_step",
+           "steps", "measured_steps", "status", "reason"]
 
 
 def param_count(cfg: dict) -> int:
@@ -132,9 +132,11 @@ def collect_run(run_dir, config_path=None, warmup: int = DEFAULT_WARMUP) -> dict
     peak = summary.get("summary/peak_mem_bytes")
     row = {"run": name, "figure": int(match.group(1)) if match else "",
            "model": match.group(2).replace("p", ".") if match else _size(params),
+           "shrink": cfg.get("paper", {}).get("shrink", 1),  # slurm/sweep.py --shrink N: every shape ÷ N
            "system": system, "config": config, "gpus": world, "mp": cfg["parallel"]["tensor"],
            "batch_per_gpu": t["micro_batch_size"], "global_batch": t["global_batch_size"],
-           "params": params, "params_B": round(params / 1e9, 3), "tflops_per_gpu": summary.get("summary/tflops_per_gpu"),
+           "params": params, "params_B": round(params / 1e9, 3),
+           "tokens_per_s": summary.get("summary/tokens_per_s"), "tflops_per_gpu": summary.get("summary/tflops_per_gpu"),
            "pflops": summary.get("summary/pflops"), "peak_mem_GB": peak / 1e9 if peak is not None else None,
            "comm_elements_per_step": summary.get("summary/comm_elements_per_step"),
            "steps": summary["summary/steps"], "measured_steps": summary["summary/measured_steps"],
@@ -146,10 +148,15 @@ def _size(params: int) -> str:
     return f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
 
 
-def figure_runs(figure, configs_dir: Path = REPO_ROOT / "configs/paper") -> list:
-    """(run_dir, config) for every generated config of a figure (None: all), as runs/<name>."""
+def figure_runs(figure, configs_dir: Path = REPO_ROOT / "configs/paper", runs_dir: Path = REPO_ROOT / "runs") -> list:
+    """(run_dir, config) for every generated config of a figure (None: all), as <runs_dir>/<name>."""
     pattern = "fig*_*.toml" if figure is None else f"fig{figure}_*.toml"
-    return [(REPO_ROOT / "runs" / p.stem, p) for p in sorted(configs_dir.glob(pattern))]
+    return [(runs_dir / p.stem, p) for p in sorted(configs_dir.glob(pattern))]
+
+
+def order_key(r: dict) -> tuple:
+    """Rows by figure, then model size (the exact count: scaled-down models round to 0.0 billion), GPUs, config."""
+    return str(r["figure"]), r["params"], r["gpus"], r["config"], r["system"]
 
 
 def _fmt(value) -> str:
@@ -168,7 +175,13 @@ def write_tables(rows: list, out: Path) -> list:
     lines += ["| " + " | ".join(_fmt(r[c]).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
     refs = [f"- figure {f}, {s}: {label} (paper, approx)" for f, s, _, _, _, _, label in PAPER_FIGURES
             if any(r["figure"] == f for r in rows)]
-    text = "\n".join(lines) + ("\n\nReported in the paper:\n" + "\n".join(refs) if refs else "") + "\n"
+    text = "\n".join(lines)
+    if shrinks := sorted({r.get("shrink", 1) for r in rows} - {1}):  # CPU ranks: the paper's figures do not compare
+        text += (f"\n\nScaled down (slurm/sweep.py --cpu --shrink {'/'.join(map(str, shrinks))}): every model shape "
+                 "÷ N on CPU ranks; `model` is the paper's row, `params` the model trained.")
+    elif refs:
+        text += "\n\nReported in the paper:\n" + "\n".join(refs)
+    text += "\n"
     (out / "table.md").write_text(text)
     return [out / "table.csv", out / "table.md"]
 
@@ -206,8 +219,9 @@ def plot(rows: list, path: Path) -> tuple:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted(rows, key=lambda r: (r["params_B"], r["gpus"], r["config"], r["system"]))
+    rows = sorted(rows, key=lambda r: order_key(r)[1:])
     keys, slots = bar_slots(rows)
+    shrinks = sorted({r.get("shrink", 1) for r in rows})
     fig, axes = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(keys) + 2), 8), sharex=True)
     colors = {"zero": "tab:blue", "baseline": "tab:orange"}
     names = {"zero": "ZeRO (measured)", "baseline": "baseline (measured)"}
@@ -224,7 +238,7 @@ def plot(rows: list, path: Path) -> tuple:
                         (0, 0), 1, 1, facecolor="white", edgecolor="black", hatch=hatch)
             else:
                 ax.text(x, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=8)
-        for figure, system, lo, hi, key, value, text in PAPER_FIGURES:
+        for figure, system, lo, hi, key, value, text in PAPER_FIGURES if shrinks == [1] else ():  # not at ÷N
             # a point belongs to the run of that size label; a span to the runs inside it (±10%)
             idx = [i for i, r in enumerate(rows) if key == metric and r["system"] == system
                    and r["figure"] in (figure, "")
@@ -239,8 +253,15 @@ def plot(rows: list, path: Path) -> tuple:
         ax.grid(axis="y", alpha=0.3)
     if legend:
         fig.legend(handles=list(legend.values()), labels=list(legend), loc="upper center", ncol=2, fontsize=8)
-    axes[1].set_xticks(range(len(keys)), [f"{m}\n{v}" if v else m for m, v in keys])
-    axes[1].set_xlabel("model size")
+    psi = {(r["model"], _variant(r)): _size(r["params"]) for r in rows}
+    ticks = [f"{m}\n{v}" if v else m for m, v in keys]
+    if shrinks != [1]:  # the paper's row, then the scaled-down model that ran for it
+        ticks = [f"{t}\n{psi[key]}" for t, key in zip(ticks, keys)]
+        worlds = sorted({r["gpus"] for r in rows})
+        axes[0].set_title(f"scaled down (slurm/sweep.py --shrink {'/'.join(map(str, shrinks))}): every shape ÷ N, "
+                          f"{'/'.join(map(str, worlds))} CPU ranks; the paper's figures not drawn", fontsize=9)
+    axes[1].set_xticks(range(len(keys)), ticks, fontsize=8)
+    axes[1].set_xlabel("model size (paper's row" + (", then the model trained)" if shrinks != [1] else ")"))
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -257,6 +278,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="steps left out of the medians")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--config", help="the TOML the given run directories ran with, for a run without config.json")
+    parser.add_argument("--runs-dir", default=str(REPO_ROOT / "runs"),
+                        help="with --figure/--all: where the runs are, DIR/<name> (a --shrink N sweep: runs/shrinkN)")
     args = parser.parse_args(argv)
     runs = [(Path(d), args.config) for d in args.run_dirs]
     for d in args.run_dirs:  # named on the command line: it must be there
@@ -265,7 +288,7 @@ def main(argv=None) -> int:
                   f"error: run directory {d!r} is not a directory", file=sys.stderr)
             return 2
     if args.figure is not None or args.all:
-        runs += figure_runs(args.figure)
+        runs += figure_runs(args.figure, runs_dir=Path(args.runs_dir))
     if not runs:
         parser.error("give run directories, --figure N or --all")
     try:
@@ -273,7 +296,7 @@ def main(argv=None) -> int:
     except CollectError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows.sort(key=lambda r: (str(r["figure"]), r["params_B"], r["gpus"], r["config"], r["system"]))
+    rows.sort(key=order_key)
     out = Path(args.out)
     written = write_tables(rows, out)
     if not args.no_plot:

@@ -1,5 +1,6 @@
 """Submits every generated job of a paper figure (or all of them) and prints the Slurm job ids."""
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from slurm.submit import build_job, launch_preview, submit  # noqa: E402
 
 CONFIGS = REPO_ROOT / "configs/paper"
 OOM_OVERRIDE = "train.ignore_memory_estimate=true"  # --include-oom: let the paper's out-of-memory jobs run out
+MIN_VOCAB = 512  # --shrink: sentencepiece's 256 byte pieces plus room for learned ones
 
 
 def figure_configs(figure=None, configs_dir: Path = CONFIGS) -> list:
@@ -37,6 +39,90 @@ def node_overrides(path: Path, gpus_per_node) -> list:
     return [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={world // nodes}"]
 
 
+def paper_size(name: str) -> float:
+    """The paper's model size in billions from a job name: fig2_1p5B_zero -> 1.5."""
+    match = re.fullmatch(r"fig\d+_([0-9p]+)B_.*", name)
+    if not match:
+        raise ConfigError(f"{name!r} is not a paper job name (figN_<size>B_...): --shrink keeps the paper's rows")
+    return float(match.group(1).replace("p", "."))
+
+
+def shrink_plan(cfg, n: int, nodes: int, ranks_per_node: int) -> dict:
+    """A paper job scaled down to nodes × ranks_per_node CPU ranks, every shape ÷ n; {override key: value}.
+
+    Layers, heads, sequence, vocabulary (at least MIN_VOCAB) and micro-batch: ÷ n rounded up. TP: gcd(paper
+    TP, ranks per node), so each TP group stays inside a node (the paper's TPs are powers of 2). Heads: then
+    rounded up to a multiple of TP; hidden: ÷ n rounded up to a multiple of the heads. Global batch:
+    micro-batch × DP, one micro-batch per step as in every paper job. The paper's GPU count becomes
+    nodes × ranks_per_node; precision, ZeRO stage and settings stay the paper's.
+    """
+    m, world = cfg.model, nodes * ranks_per_node
+    tp = math.gcd(cfg.parallel.tensor, ranks_per_node)
+    heads = -(-(-(-m.num_attention_heads // n)) // tp) * tp
+    micro = -(-cfg.train.micro_batch_size // n)
+    return {"model.num_layers": -(-m.num_layers // n), "model.hidden_size": -(-m.hidden_size // (n * heads)) * heads,
+            "model.num_attention_heads": heads, "model.seq_length": -(-m.seq_length // n),
+            "model.vocab_size": max(MIN_VOCAB, -(-m.vocab_size // n)), "parallel.tensor": tp,
+            "train.micro_batch_size": micro, "train.global_batch_size": micro * (world // tp),
+            "cluster.nodes": nodes, "cluster.gpus_per_node": ranks_per_node, "paper.shrink": n}
+
+
+def shrunk_params(cfg, plan: dict) -> int:
+    """Ψ of the scaled-down model (the estimator's count, as slurm/collect.py reports it)."""
+    from zero3d.analysis.estimate import gpt_param_count
+    ffn = None if cfg.model.ffn_hidden_size is None else -(-cfg.model.ffn_hidden_size // plan["paper.shrink"])
+    return gpt_param_count(plan["model.num_layers"], plan["model.hidden_size"], plan["model.vocab_size"],
+                           plan["model.seq_length"], tp=1, tied=cfg.model.tie_embeddings, ffn_hidden=ffn,
+                           vocab_divisible_by=cfg.model.make_vocab_size_divisible_by * plan["parallel.tensor"])
+
+
+def out_of_order(cfgs: dict, n: int, nodes: int, ranks_per_node: int):
+    """The first two jobs (by paper size) whose order of model size --shrink n would reverse or tie, or None."""
+    sized = sorted((paper_size(name), shrunk_params(cfg, shrink_plan(cfg, n, nodes, ranks_per_node)), name)
+                   for name, cfg in cfgs.items())
+    return next(((a, b) for a in sized for b in sized if a[0] < b[0] and a[1] >= b[1]), None)
+
+
+def shrink_overrides(paths: list, n: int, nodes: int, ranks_per_node: int, runs_dir: str) -> dict:
+    """{config path: overrides} for --cpu --shrink n; raises ConfigError where the paper's size order is lost."""
+    cfgs = {p.stem: load_config(p) for p in paths}
+    if bad := out_of_order(cfgs, n, nodes, ranks_per_node):
+        (_, pa, a), (_, pb, b) = bad
+        best = next(k for k in range(n - 1, 0, -1) if out_of_order(cfgs, k, nodes, ranks_per_node) is None)
+        raise ConfigError(f"--shrink {n} is invalid for these jobs: {a} (Ψ = {pa:,}) would not be smaller than "
+                          f"{b} (Ψ = {pb:,}), as in the paper; the largest --shrink that keeps the order: {best}")
+    return {p: [f"{k}={v}" for k, v in shrink_plan(cfgs[p.stem], n, nodes, ranks_per_node).items()]
+            + [f"logging.run_dir={runs_dir}/{p.stem}", f"logging.wandb_group={cfgs[p.stem].logging.wandb_group}"
+               f"-shrink{n}"] for p in paths}
+
+
+def describe_shrunk(cfg) -> str:
+    """One dry-run line: the scaled-down shape a job trains, beside the paper's size."""
+    m, world = cfg.model, cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    plan = {"model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size, "model.vocab_size": m.vocab_size,
+            "model.seq_length": m.seq_length, "parallel.tensor": cfg.parallel.tensor, "paper.shrink": 1}
+    return (f"÷{cfg.paper.shrink}: {m.num_layers} layers × hidden {m.hidden_size}, {m.num_attention_heads} heads, "
+            f"seq {m.seq_length}, vocab {m.vocab_size}, TP {cfg.parallel.tensor} × DP {world // cfg.parallel.tensor} "
+            f"on {cfg.cluster.nodes} × {cfg.cluster.gpus_per_node} ranks, micro-batch {cfg.train.micro_batch_size}, "
+            f"Ψ = {shrunk_params(cfg, plan):,} (paper: {paper_size(cfg.logging.name):g}B)")
+
+
+def shrink_errors(args) -> str:
+    """The one-line error for --shrink/--nodes/--ranks-per-node misuse, or ''."""
+    if args.shrink is None:
+        if args.nodes is not None or args.ranks_per_node is not None or args.runs_dir is not None:
+            return "--nodes, --ranks-per-node and --runs-dir size a scaled-down sweep: they need --cpu --shrink N"
+        return ""
+    if not args.cpu:
+        return f"--shrink {args.shrink} needs --cpu: it maps the paper's GPUs to CPU ranks"
+    if args.gpus_per_node is not None:
+        return "--gpus-per-node does not apply with --shrink: give --nodes and --ranks-per-node (CPU ranks)"
+    for flag, value in (("--shrink", args.shrink), ("--nodes", args.nodes), ("--ranks-per-node", args.ranks_per_node)):
+        if value is not None and value < 1:
+            return f"{flag} {value} is invalid; must be an integer >= 1"
+    return ""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="slurm/sweep.py", description=__doc__)
     which = parser.add_mutually_exclusive_group(required=True)
@@ -55,12 +141,22 @@ def main(argv=None) -> int:
                              f'{OOM_OVERRIDE} so they really run out of memory; collect.py marks them oom')
     parser.add_argument("--configs-dir", default=str(CONFIGS),
                         help="generated configs (default configs/paper; configs/generate_paper.py --out writes others)")
+    parser.add_argument("--shrink", type=int, metavar="N",
+                        help="with --cpu: the same rows with every model shape ÷ N on CPU ranks (shrink_plan)")
+    parser.add_argument("--nodes", type=int, help="with --shrink: nodes per job (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, help="with --shrink: CPU ranks per node (default 2)")
+    parser.add_argument("--runs-dir", help="with --shrink: run directories DIR/<name> (default runs/shrinkN)")
     args = parser.parse_args(argv)
+    if error := shrink_errors(args):
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     try:
         paths = figure_configs(None if args.all else args.figure, Path(args.configs_dir))
+        shrunk = {} if args.shrink is None else shrink_overrides(
+            paths, args.shrink, args.nodes or 2, args.ranks_per_node or 2, args.runs_dir or f"runs/shrink{args.shrink}")
         jobs, skipped = [], []
         for path in paths:  # build (and so validate) every job before submitting any
-            overrides = node_overrides(path, args.gpus_per_node) + list(args.overrides)
+            overrides = node_overrides(path, args.gpus_per_node) + shrunk.get(path, []) + list(args.overrides)
             if args.group:
                 overrides.append(f"logging.wandb_group={args.group}")
             job = build_job(str(path), overrides, cpu=args.cpu, container=args.container,
@@ -84,6 +180,8 @@ def main(argv=None) -> int:
             print(f"note: {job.name}: {note}", file=sys.stderr)
         if args.dry_run:
             print(f"{job.name}: {job.command_line()}")
+            if args.shrink is not None:
+                print("    " + describe_shrunk(job.cfg))
             print("    " + launch_preview(job).strip().replace("\n", "\n    "))
             continue
         try:
