@@ -134,6 +134,9 @@ class ClusterConfig:
     """Where a config runs under Slurm; the training run itself takes its world from the launcher."""
 
     nodes: int = 1
+    # Elastic jobs: with min_nodes < nodes, slurm/submit.py asks for `sbatch --nodes=min_nodes-nodes` and the
+    # run takes its DP size from the allocation it gets (the global batch kept); None: exactly `nodes`.
+    min_nodes: Optional[int] = None
     gpus_per_node: int = 8
     gpu: str = "H100"  # peak table key for MFU and the estimator: V100, A100, H100, H200
     gpu_memory_gb: float = 80.0
@@ -414,6 +417,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         _require(bool(getattr(cfg.data, key).strip()), f"data.{key} = '' is invalid; name a path")
     _require(cfg.cluster.nodes >= 1 and cfg.cluster.gpus_per_node >= 1,
              "cluster.nodes and cluster.gpus_per_node must be >= 1")
+    _require(cfg.cluster.min_nodes is None or 1 <= cfg.cluster.min_nodes <= cfg.cluster.nodes,
+             f"cluster.min_nodes = {cfg.cluster.min_nodes} is invalid; must be in 1..cluster.nodes "
+             f"({cfg.cluster.nodes}), or unset for exactly cluster.nodes")
     _require(cfg.cluster.gpu_memory_gb > 0,
              f"cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb} is invalid; must be > 0")
     _require(cfg.cluster.checkpoint_write_gbps > 0,

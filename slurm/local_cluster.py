@@ -156,7 +156,7 @@ class LocalCluster:
             lines = [f"NodeName={name} NodeAddr={node_address(i)} Port={_free_port()} CPUs={CPUS_PER_NODE} "
                      f"RealMemory={memory // self.nodes} State=UNKNOWN"
                      for i, name in enumerate(self.node_names, 1)]
-            suffix, timeout = "-%n", 20  # a killed node is marked down within seconds, not a minute
+            suffix, timeout = "-%n", 10  # a killed node is marked down within seconds, not a minute
         self.conf.write_text(CONF_TEMPLATE.format(
             nodes=self.nodes, host=socket.gethostname().split(".")[0], ctld_port=_free_port(),
             slurmd_port=_free_port(), dir=self.root, user=user, node_suffix=suffix, slurmd_timeout=timeout,

@@ -83,3 +83,12 @@ def launcher_env() -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(port))
+
+
+def host_line(launch: dict) -> str:
+    """One line per rank naming where it runs: rank, host, Slurm node (SLURMD_NODENAME; the host outside
+    Slurm), local rank, and the rendezvous it joins."""
+    host = socket.gethostname()
+    node = os.environ.get("SLURMD_NODENAME", host)
+    return (f"rank {launch['rank']}/{launch['world_size']}: host {host}, node {node}, local rank "
+            f"{launch['local_rank']}, master {launch['master_addr']}:{launch['master_port']}")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import megatron_patches
 from pretrain.config import Config, validate_layout
 from pretrain.errors import InputError
-from pretrain.runtime.launch import expand_nodelist, launcher_env  # noqa: F401 - the launcher's view, re-exported
+from pretrain.runtime.launch import expand_nodelist, host_line, launcher_env  # noqa: F401 - the launcher's view, re-exported
 
 
 @dataclass
@@ -61,6 +61,8 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     megatron_patches.apply(device.type)
     if use_cuda:
         torch.cuda.set_device(device)
+    if launch["world_size"] > 1:
+        print(host_line(launch), flush=True)  # every rank: where it runs, before the rendezvous waits on it
     os.environ.setdefault("MASTER_ADDR", launch["master_addr"])
     os.environ.setdefault("MASTER_PORT", launch["master_port"])
     if not dist.is_initialized():
