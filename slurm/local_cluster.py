@@ -50,7 +50,7 @@ MpiDefault=none
 ReturnToService=2
 # Finished jobs stay visible to `scontrol show job` for 10 minutes.
 MinJobAge=600
-SlurmdParameters=config_overrides
+{first_job_id}SlurmdParameters=config_overrides
 SlurmctldTimeout=30
 SlurmdTimeout={slurmd_timeout}
 {node_lines}
@@ -104,6 +104,7 @@ HOSTS_FILE = Path("/etc/hosts")
 HOSTS_MARKER = "# zero3d-local-cluster"
 CPUS_PER_NODE = 2  # each node: 2 CPU "GPUs", one task each
 MAX_NODES = 4
+FIRST_JOB_ID = 5001
 
 
 def node_address(index: int) -> str:
@@ -115,7 +116,8 @@ class LocalCluster:
     """slurmctld + `nodes` slurmd started from a config in `root`; every client call needs env() (SLURM_CONF).
 
     nodes=1: one slurmd named after this host at 127.0.0.1 (no names added anywhere). nodes=2..4: slurmd
-    per node (`slurmd -N z3nodeI`, a Port each) with NodeAddr 127.0.0.(10+I), the names in /etc/hosts."""
+    per node (`slurmd -N z3nodeI`, a Port each) with NodeAddr 127.0.0.(10+I), the names in /etc/hosts, each
+    slurmd (and so its ranks) in a UTS namespace whose host name is the node's where `unshare` allows it."""
 
     def __init__(self, root: str | Path, nodes: int = 1):
         if not (isinstance(nodes, int) and 1 <= nodes <= MAX_NODES):
@@ -149,7 +151,7 @@ class LocalCluster:
             host = self.node_names[0]
             lines = [f"NodeName={host} NodeAddr=127.0.0.1 CPUs={max(cpus, MIN_CPUS)} RealMemory={memory} "
                      "State=UNKNOWN"]
-            suffix, timeout = "", 60
+            suffix, timeout, first = "", 60, ""
         else:  # one slurmd per node on this host: per-node spool, pid and log files (%n: the node's name)
             for name in self.node_names:
                 (self.root / f"spool-{name}").mkdir(parents=True, exist_ok=True)
@@ -157,14 +159,25 @@ class LocalCluster:
                      f"RealMemory={memory // self.nodes} State=UNKNOWN"
                      for i, name in enumerate(self.node_names, 1)]
             suffix, timeout = "-%n", 10  # a killed node is marked down within seconds, not a minute
+            # Job ids (and so the jobs' rendezvous ports, 20000 + id % 10000) apart from a one-node cluster's.
+            first = f"FirstJobId={FIRST_JOB_ID}\n"
         self.conf.write_text(CONF_TEMPLATE.format(
             nodes=self.nodes, host=socket.gethostname().split(".")[0], ctld_port=_free_port(),
             slurmd_port=_free_port(), dir=self.root, user=user, node_suffix=suffix, slurmd_timeout=timeout,
-            node_lines="\n".join(lines), node_names=",".join(self.node_names)))
+            node_lines="\n".join(lines), node_names=",".join(self.node_names), first_job_id=first))
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 60.0, attempts: int = 3) -> None:
         """Write the config (and the node names), start the daemons in the foreground mode (-D) and wait until
-        every node is idle; a start that fails leaves nothing behind (daemons stopped, names removed)."""
+        every node is idle; a start that fails leaves nothing behind (daemons stopped, names removed). The
+        free ports are chosen before the daemons bind them: one taken meanwhile is retried with new ports."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(timeout)
+            except RuntimeError as err:
+                if attempt == attempts or "Address already in use" not in str(err):
+                    raise
+
+    def _start(self, timeout: float) -> None:
         try:
             self.write_config()
             if self.nodes > 1:
@@ -181,8 +194,12 @@ class LocalCluster:
     def _spawn(self, daemon: str, args: list[str], node: str = "") -> None:
         key = f"slurmd:{node}" if node else daemon
         log = open(self.root / f"{key.replace(':', '-')}.stdout", "ab")
-        proc = subprocess.Popen([tool(daemon), "-D", "-f", str(self.conf), *args], stdout=log,
-                                stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        cmd = [tool(daemon), "-D", "-f", str(self.conf), *args]
+        if node and _uts_namespaces():
+            # The node's own host name, in a UTS namespace of its own (gone with its last process): its
+            # ranks' gethostname() is the node's name, so gloo binds to the node's address as on real hosts.
+            cmd = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', node, *cmd]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
         log.close()
         pids = self._pids()
         pids[key] = proc.pid
@@ -315,6 +332,13 @@ def _environments():
             continue
         env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
         yield int(entry.name), env
+
+
+def _uts_namespaces() -> bool:
+    """Whether this process may give a child a host name of its own (`unshare --uts`: root, a kernel that allows it)."""
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "--uts", "--", "true"], capture_output=True).returncode == 0
 
 
 def _parent(pid: int) -> int:

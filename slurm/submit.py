@@ -140,9 +140,16 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
                                   "in the range divides") from None
     run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
     warning = warning_seconds(cfg, world)
-    sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={nodes_arg(cfg)}",
-              f"--ntasks-per-node={c.gpus_per_node}", f"--time={c.time_limit}", f"--signal=USR1@{warning}",
-              f"--output={run_dir}/slurm-%j.out", f"--chdir={REPO_ROOT}"]
+    elastic = len(node_counts(cfg)) > 1
+    # An elastic job holds whole nodes and no task count: Slurm pins a job's task count to its first
+    # allocation's, so a requeue after a lost node could never start on fewer nodes. launch.sbatch starts
+    # ZERO3D_TASKS_PER_NODE ranks on each node it got instead.
+    tasks = [] if elastic else [f"--ntasks-per-node={c.gpus_per_node}"]
+    sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={nodes_arg(cfg)}", *tasks,
+              f"--time={c.time_limit}", f"--signal=USR1@{warning}", f"--output={run_dir}/slurm-%j.out",
+              f"--chdir={REPO_ROOT}"]
+    if elastic and cpu:
+        sbatch.append("--exclusive")
     if not cpu:
         # Whole nodes: throughput numbers from shared nodes are not comparable; --mem=0 gives the job
         # all host memory (Pa+cpu keeps activation checkpoints there).
@@ -152,7 +159,7 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     sbatch.append("--requeue" if requeue else "--no-requeue")
     sbatch += list(extra_sbatch)
     sbatch += [LAUNCHER, str(config_path), *overrides]
-    env = {}
+    env = {"ZERO3D_TASKS_PER_NODE": str(c.gpus_per_node)} if elastic else {}
     if container:
         env["ZERO3D_CONTAINER"] = container
     if requeue:

@@ -92,3 +92,16 @@ def host_line(launch: dict) -> str:
     node = os.environ.get("SLURMD_NODENAME", host)
     return (f"rank {launch['rank']}/{launch['world_size']}: host {host}, node {node}, local rank "
             f"{launch['local_rank']}, master {launch['master_addr']}:{launch['master_port']}")
+
+
+def peer_host(text: str) -> str:
+    """The peer a torch.distributed error names ("... closed by peer [10.0.0.7]:4242"), as "host (address)"
+    where the address resolves back to a host name (/etc/hosts, DNS), else the address; "" when none."""
+    found = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
+    if not found:
+        return ""
+    address = found.group(1)
+    try:
+        return f"{socket.gethostbyaddr(address)[0]} ({address})"
+    except (OSError, UnicodeError):
+        return address

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from pretrain.errors import EXIT_UNEXPECTED, InputError, ProjectError, peer_error
+from pretrain.runtime.launch import peer_host
 
 STATUS_FILE = "status.json"
 
@@ -114,6 +115,8 @@ def record_failure(err: BaseException, run_dir: Path, rank: Optional[int], world
     """status.json "failed": rank 0 writes an agreed error outright; any other failure is written by
     the first rank to fail (later ones are consequences)."""
     reason = f"{type(err).__name__}: {err}".splitlines()[0]
+    if peer_error(err, rank if rank is not None else -1, timeout_s) is not None and (peer := peer_host(str(err))):
+        reason = f"lost peer {peer}: {reason}"  # a node lost: its host, from the address the connection had
     authoritative = rank == 0 and is_agreed(err, rank, timeout_s)
     with sigterm_ignored():
         write_status(run_dir, "failed", reason, world_size, steps, exit_code(err, rank, timeout_s),
