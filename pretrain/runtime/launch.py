@@ -85,23 +85,16 @@ def launcher_env() -> dict:
     return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(port))
 
 
+def node_name() -> str:
+    """This rank's node: Slurm's name for it (SLURMD_NODENAME), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def host_line(launch: dict) -> str:
     """One line per rank naming where it runs: rank, host, Slurm node (SLURMD_NODENAME; the host outside
     Slurm), local rank, and the rendezvous it joins."""
     host = socket.gethostname()
-    node = os.environ.get("SLURMD_NODENAME", host)
+    node = node_name()
     return (f"rank {launch['rank']}/{launch['world_size']}: host {host}, node {node}, local rank "
             f"{launch['local_rank']}, master {launch['master_addr']}:{launch['master_port']}")
 
-
-def peer_host(text: str) -> str:
-    """The peer a torch.distributed error names ("... closed by peer [10.0.0.7]:4242"), as "host (address)"
-    where the address resolves back to a host name (/etc/hosts, DNS), else the address; "" when none."""
-    found = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", text)
-    if not found:
-        return ""
-    address = found.group(1)
-    try:
-        return f"{socket.gethostbyaddr(address)[0]} ({address})"
-    except (OSError, UnicodeError):
-        return address
