@@ -270,6 +270,9 @@ class ClusterConfig(Section):
     section: ClassVar[str] = "cluster"
     nodes: int = 1
     """Slurm nodes."""
+    min_nodes: Optional[int] = None
+    """Elastic jobs: with min_nodes < nodes, slurm/submit.py asks for `sbatch --nodes=min_nodes-nodes` and the
+    run takes its DP size from the allocation it gets (the global batch kept); None: exactly `nodes`."""
     gpus_per_node: int = 8
     """GPUs (tasks) per node."""
     gpu: str = "H100"
@@ -292,6 +295,9 @@ class ClusterConfig(Section):
 
     def check(self) -> None:
         require(self.nodes >= 1 and self.gpus_per_node >= 1, "cluster.nodes and cluster.gpus_per_node must be >= 1")
+        require(self.min_nodes is None or 1 <= self.min_nodes <= self.nodes,
+                f"cluster.min_nodes = {self.min_nodes} is invalid; must be in 1..cluster.nodes "
+                f"({self.nodes}), or unset for exactly cluster.nodes")
         require(self.gpu_memory_gb > 0, f"cluster.gpu_memory_gb = {self.gpu_memory_gb} is invalid; must be > 0")
         require(self.checkpoint_write_gbps > 0,
                 f"cluster.checkpoint_write_gbps = {self.checkpoint_write_gbps} must be > 0 (GB/s)")

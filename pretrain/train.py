@@ -20,14 +20,14 @@ from pretrain.data.loader import Batches  # noqa: F401 - also imported from here
 from pretrain.runtime.agreement import agree, from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
-from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError
+from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.runtime.stragglers import Stragglers, straggler_text
 from pretrain.runtime.status import clear_status, record_failure, write_status
-from pretrain.runtime.topology import Topology, init_topology, launcher_env
+from pretrain.runtime.topology import Topology, init_topology, launcher_env, lost_peers
 from pretrain.runtime.watchdog import Watchdog
 
 
@@ -196,8 +196,9 @@ def train(cfg: Config, launch: Optional[dict] = None) -> dict:
         topo = init_topology(cfg, launch)
         result = run_training(cfg, topo, progress)
     except BaseException as err:
+        lost = lost_peers() if topo is not None and peer_error(err, topo.rank, timeout_s) else ""
         record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
-                       progress["step"], timeout_s)
+                       progress["step"], timeout_s, lost)
         raise
     stopped = result["stopped_early"]
     dist.barrier()  # every rank has finished its last save

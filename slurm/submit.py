@@ -88,6 +88,37 @@ def time_limit_seconds(text: str) -> int:
     return int(days or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
 
 
+def tensor_span(cfg: Config) -> str:
+    """Megatron's TP groups are runs of consecutive ranks and Slurm fills each node with consecutive ranks:
+    a group that straddles a node boundary while others do not is refused (ConfigError); groups of whole
+    nodes (TP a multiple of cluster.gpus_per_node, as the paper's 16-way MP on 8-GPU nodes) are allowed with
+    the returned note, since their all-reduces (and Pa's all-gathers, which run over the TP group) then
+    cross the inter-node network; "" when every group lies inside one node."""
+    c, tp = cfg.cluster, cfg.parallel.tensor
+    if c.nodes == 1 or c.gpus_per_node % tp == 0:
+        return ""
+    pa = " and activation partitioning (Pa)" if cfg.zero.partition_activations else ""
+    if tp % c.gpus_per_node:
+        raise ConfigError(f"parallel.tensor = {tp} neither divides nor is a multiple of cluster.gpus_per_node = "
+                          f"{c.gpus_per_node}: some tensor-parallel{pa} groups would straddle a node boundary",
+                          fix="choose parallel.tensor dividing cluster.gpus_per_node (or a multiple of it)")
+    return (f"parallel.tensor = {tp} > cluster.gpus_per_node = {c.gpus_per_node}: each tensor-parallel{pa} group "
+            f"spans {tp // c.gpus_per_node} nodes, so its collectives cross the inter-node network "
+            "(the paper keeps ZeRO's inside one node)")
+
+
+def node_counts(cfg: Config) -> range:
+    """The node counts a job may get: cluster.min_nodes..cluster.nodes (just cluster.nodes when not elastic)."""
+    c = cfg.cluster
+    return range(c.nodes if c.min_nodes is None else c.min_nodes, c.nodes + 1)
+
+
+def nodes_arg(cfg: Config) -> str:
+    """sbatch's --nodes: "N", or "MIN-MAX" for an elastic job (the run's DP size follows the allocation)."""
+    counts = node_counts(cfg)
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+
+
 def build_job(config_path: str, overrides=(), cpu: bool = False, container=None, requeue: bool = False,
               extra_sbatch=()) -> Job:
     """Load + validate (world = nodes × gpus_per_node) and build the sbatch command; raises ConfigError."""
@@ -98,12 +129,27 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     config_path = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
     c = cfg.cluster
     world = c.nodes * c.gpus_per_node
-    validate_layout(cfg, world)
+    for count in node_counts(cfg):  # an elastic job must train at every node count it may be given
+        try:
+            validate_layout(cfg, count * c.gpus_per_node)
+        except ConfigError as err:
+            if count == c.nodes:
+                raise
+            raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: on {count} node(s) of {c.gpus_per_node}: {err}",
+                              fix="raise cluster.min_nodes, or choose a train.global_batch_size every node count "
+                                  "in the range divides") from None
     run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
     warning = warning_seconds(cfg, world)
-    sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={c.nodes}",
-              f"--ntasks-per-node={c.gpus_per_node}", f"--time={c.time_limit}", f"--signal=USR1@{warning}",
-              f"--output={run_dir}/slurm-%j.out", f"--chdir={REPO_ROOT}"]
+    elastic = len(node_counts(cfg)) > 1
+    # An elastic job holds whole nodes and no task count: Slurm pins a job's task count to its first
+    # allocation's, so a requeue after a lost node could never start on fewer nodes. launch.sbatch starts
+    # ZERO3D_TASKS_PER_NODE ranks on each node it got instead.
+    tasks = [] if elastic else [f"--ntasks-per-node={c.gpus_per_node}"]
+    sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={nodes_arg(cfg)}", *tasks,
+              f"--time={c.time_limit}", f"--signal=USR1@{warning}", f"--output={run_dir}/slurm-%j.out",
+              f"--chdir={REPO_ROOT}"]
+    if elastic and cpu:
+        sbatch.append("--exclusive")
     if not cpu:
         # Whole nodes: throughput numbers from shared nodes are not comparable; --mem=0 gives the job
         # all host memory (Pa+cpu keeps activation checkpoints there).
@@ -113,7 +159,7 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     sbatch.append("--requeue" if requeue else "--no-requeue")
     sbatch += list(extra_sbatch)
     sbatch += [LAUNCHER, str(config_path), *overrides]
-    env = {}
+    env = {"ZERO3D_TASKS_PER_NODE": str(c.gpus_per_node)} if elastic else {}
     if container:
         env["ZERO3D_CONTAINER"] = container
     if requeue:
@@ -125,10 +171,9 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
                      f"{checkpoint_bytes(cfg) / 1e9:.0f} GB checkpoint at cluster.checkpoint_write_gbps = "
                      f"{c.checkpoint_write_gbps:g}) is longer than cluster.time_limit = {c.time_limit}: "
                      "the run stops at its first step")
-    if cfg.parallel.tensor > c.gpus_per_node and cfg.zero.stage > 0:  # baselines cross nodes on purpose
-        # Megatron ranks are consecutive, so TP groups fill nodes; bigger ones cross the network.
-        notes.append(f"parallel.tensor = {cfg.parallel.tensor} > cluster.gpus_per_node = {c.gpus_per_node}: "
-                     "tensor-parallel groups span nodes (the paper keeps ZeRO's inside one node)")
+    span = tensor_span(cfg)
+    if span:
+        notes.append(span)
     return Job(str(config_path), overrides, cfg, world, sbatch, env, notes)
 
 
@@ -205,7 +250,7 @@ def main(argv=None) -> int:
     for note in job.notes:
         print(f"note: {job.name}: {note}", file=sys.stderr)
     if args.dry_run:
-        print(f"# job {job.name}: {job.cfg.cluster.nodes} node(s) × {job.cfg.cluster.gpus_per_node} "
+        print(f"# job {job.name}: {nodes_arg(job.cfg)} node(s) × {job.cfg.cluster.gpus_per_node} "
               f"{'CPU rank(s)' if args.cpu else 'GPU(s)'} = {job.world_size} ranks")
         print(f"sbatch:    {job.command_line()}")
         print(launch_preview(job), end="")

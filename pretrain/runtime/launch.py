@@ -83,3 +83,18 @@ def launcher_env() -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(port))
+
+
+def node_name() -> str:
+    """This rank's node: Slurm's name for it (SLURMD_NODENAME), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def host_line(launch: dict) -> str:
+    """One line per rank naming where it runs: rank, host, Slurm node (SLURMD_NODENAME; the host outside
+    Slurm), local rank, and the rendezvous it joins."""
+    host = socket.gethostname()
+    node = node_name()
+    return (f"rank {launch['rank']}/{launch['world_size']}: host {host}, node {node}, local rank "
+            f"{launch['local_rank']}, master {launch['master_addr']}:{launch['master_port']}")
+

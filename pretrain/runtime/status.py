@@ -110,10 +110,13 @@ def report(err: BaseException, rank: Optional[int], timeout_s: float, debug: boo
 
 
 def record_failure(err: BaseException, run_dir: Path, rank: Optional[int], world_size: int, steps: int,
-                   timeout_s: float) -> None:
+                   timeout_s: float, lost: str = "") -> None:
     """status.json "failed": rank 0 writes an agreed error outright; any other failure is written by
-    the first rank to fail (later ones are consequences)."""
+    the first rank to fail (later ones are consequences). `lost`: the peers that stopped answering
+    (topology.lost_peers, "ranks 2, 3 on z3node2"), named first in the reason."""
     reason = f"{type(err).__name__}: {err}".splitlines()[0]
+    if lost:
+        reason = f"lost {lost}: {reason}"
     authoritative = rank == 0 and is_agreed(err, rank, timeout_s)
     with sigterm_ignored():
         write_status(run_dir, "failed", reason, world_size, steps, exit_code(err, rank, timeout_s),

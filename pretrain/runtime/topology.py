@@ -1,5 +1,6 @@
 """Process layout: torch.distributed from torchrun or Slurm, then megatron's TP × PP × DP groups."""
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import megatron_patches
 from pretrain.config import Config, validate_layout
 from pretrain.errors import InputError
-from pretrain.runtime.launch import expand_nodelist, launcher_env  # noqa: F401 - the launcher's view, re-exported
+from pretrain.runtime.launch import expand_nodelist, host_line, launcher_env, node_name  # noqa: F401 - the launcher's view, re-exported
 
 
 @dataclass
@@ -61,12 +62,15 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     megatron_patches.apply(device.type)
     if use_cuda:
         torch.cuda.set_device(device)
+    if launch["world_size"] > 1:
+        print(host_line(launch), flush=True)  # every rank: where it runs, before the rendezvous waits on it
     os.environ.setdefault("MASTER_ADDR", launch["master_addr"])
     os.environ.setdefault("MASTER_PORT", launch["master_port"])
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=launch["rank"],
                                 world_size=launch["world_size"],
                                 timeout=collective_timeout(cfg))
+    dist.distributed_c10d._get_default_store().set(f"{NODE_KEY}{launch['rank']}", node_name())  # for lost_peers
     # megatron converts with timedelta(minutes=...), so a fraction of a minute passes through.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
                                              pipeline_model_parallel_size=cfg.parallel.pipeline,
@@ -82,6 +86,29 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
                     dp_rank=ps.get_data_parallel_rank(), grad_accum=grad_accum, device=device,
                     dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
                     pp_group=ps.get_pipeline_model_parallel_group())
+
+
+NODE_KEY, ALIVE_KEY = "zero3d/node/", "zero3d/alive/"
+LOST_PEER_WAIT_S = 3.0
+
+
+def lost_peers(wait_s: float = LOST_PEER_WAIT_S) -> str:
+    """After a collective lost a peer: the ranks that do not answer on the rendezvous store within wait_s,
+    with their nodes ("ranks 2, 3 on z3node2"); "" when every rank answers or the store is gone too (it
+    lives in rank 0). Each failing rank marks itself alive, waits, then reads who did."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
+        store.set(f"{ALIVE_KEY}{dist.get_rank()}", "1")
+        time.sleep(wait_s)
+        missing = [r for r in range(world) if not store.check([f"{ALIVE_KEY}{r}"])]
+        nodes = {r: store.get(f"{NODE_KEY}{r}").decode() for r in missing}
+    except Exception:  # noqa: BLE001 - a store that is gone names nothing; the error itself is reported
+        return ""
+    by_node = {}
+    for r, node in nodes.items():
+        by_node.setdefault(node, []).append(str(r))
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} on {node}" for node, rs in by_node.items())
 
 
 def destroy_topology() -> None:
