@@ -15,7 +15,8 @@ from slurm import sweep
 from tests.slurm.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-# The one-node `cluster` fixture runs every job on one node; on a multi-node fixture only NODES changes.
+# Submitted to the 2-node local cluster (`cluster2`): each row is one node × 2 ranks (TP inside the node as the
+# paper's rows keep it), so Slurm places the 20 jobs on both nodes, two at a time. NODES = 2 spans them, at 2× the CPU.
 NODES, RANKS_PER_NODE, SHRINK, STEPS, WARMUP = 1, 2, 24, 3, 1
 FIG2 = ["1p5B", "8B", "20B", "40B", "60B", "80B", "100B", "120B", "140B", "170B"]  # reproduction-configs.csv
 
@@ -103,7 +104,8 @@ def bars_in_png(path: Path) -> list:
 
 
 @pytest.mark.timeout(600)
-def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster, tmp_path):
+def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster2, tmp_path):
+    cluster = cluster2
     from pretrain.data.datasets import build_corpus_files
     build_corpus_files(str(REPO / "data/corpus.jsonl"), None, REPO / "runs/data", 2095)  # shared, not 20× at once
     env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
@@ -114,16 +116,19 @@ def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster, tmp_path):
     assert proc.returncode == 0, proc.stderr
     jobs = dict(line.split("\t") for line in proc.stdout.splitlines())
     assert sorted(jobs) == sorted(f"fig2_{s}_{k}" for s in FIG2 for k in ("zero", "baseline"))
+    nodes_used = set()
     try:
         for name, job_id in jobs.items():
             state = wait_for(cluster, job_id, runs / name / "slurm-*.out", timeout=300)
             assert state["JobState"] == "COMPLETED", (runs / name / f"slurm-{job_id}.out").read_text()[-3000:]
+            nodes_used.add(state["NodeList"])
     finally:  # on a failure, end the other jobs now: a slurmstepd outlives the fixture's slurmd
         subprocess.run(["scancel", *jobs.values()], env=env, capture_output=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and subprocess.run(["squeue", "-h"], env=env, capture_output=True,
                                                                text=True).stdout.strip():
             time.sleep(1)
+    assert nodes_used == {"z3node1", "z3node2"}, nodes_used  # the sweep ran on both nodes of the cluster
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, "slurm/collect.py", "--figure", "2", "--runs-dir", str(runs), "--out",
                            str(out), "--warmup", str(WARMUP)], capture_output=True, text=True, cwd=REPO)
