@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+from slurm import local_processes as processes  # noqa: E402
+
 # The CPU demo runs 4 ranks; CI machines may have 2 cores, so the node advertises at least this many
 # CPUs (slurmd accepts more than it detects with SlurmdParameters=config_overrides).
 MIN_CPUS = 8
@@ -226,7 +229,7 @@ class LocalCluster:
         pids = self._pids()
         slurmd = pids.pop(f"slurmd:{name}", None)
         self.pid_file.write_text(json.dumps(pids))
-        targets = [slurmd] if slurmd is not None and _alive(slurmd) else []
+        targets = [slurmd] if slurmd is not None and processes.alive(slurmd) else []
         for pid in targets:
             os.kill(pid, signal.SIGKILL)
         return targets[:1] + self._kill_job_processes(lambda env: env.get("SLURMD_NODENAME") == name)
@@ -234,10 +237,10 @@ class LocalCluster:
     def _kill_job_processes(self, which) -> list[int]:
         """SIGKILL this cluster's job processes (a job's environment names this cluster's SLURM_CONF) for
         which `which(environment)` holds, and their slurmstepd parents; returns the pids killed."""
-        tasks = [proc for proc, env in _environments()
+        tasks = [proc for proc, env in processes.environments()
                  if env.get("SLURM_CONF") == str(self.conf) and "SLURM_JOB_ID" in env and which(env)]
-        targets = sorted({_parent(t) for t in tasks if _comm(_parent(t)) == "slurmstepd"}) + tasks
-        mine, killed = _ancestors(), []
+        targets = sorted({processes.parent(t) for t in tasks if processes.comm(processes.parent(t)) == "slurmstepd"}) + tasks
+        mine, killed = processes.ancestors(), []
         for proc in targets:
             if proc in mine:
                 continue
@@ -289,7 +292,7 @@ class LocalCluster:
 
     def _check_alive(self) -> None:
         for daemon, pid in self._pids().items():
-            if not _alive(pid):
+            if not processes.alive(pid):
                 raise RuntimeError(f"{daemon} (pid {pid}) exited during start-up\n{self.logs()}")
 
     def _pids(self) -> dict:
@@ -307,13 +310,13 @@ class LocalCluster:
         pids = self._pids()
         for daemon in sorted(pids, key=lambda d: d == "slurmctld"):  # the nodes first
             pid = pids[daemon]
-            if not _alive(pid):
+            if not processes.alive(pid):
                 continue
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            while _alive(pid) and time.monotonic() < deadline:
+            while processes.alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
+            if processes.alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._kill_job_processes(lambda env: True)
         if self.pid_file.is_file():
@@ -321,17 +324,6 @@ class LocalCluster:
         self._remove_hosts()
 
 
-def _environments():
-    """(pid, environment) of every process we may read."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        env = dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
-        yield int(entry.name), env
 
 
 def _uts_namespaces() -> bool:
@@ -341,27 +333,10 @@ def _uts_namespaces() -> bool:
     return subprocess.run(["unshare", "--uts", "--", "true"], capture_output=True).returncode == 0
 
 
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
-def _ancestors() -> set[int]:
-    """This process and its parents: never killed by a clean-up, even when run inside one of the jobs."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        pid = _parent(pid)
-    return pids
 
 
 def _stale_hosts_line(line: str) -> bool:
@@ -374,7 +349,7 @@ def _stale_hosts_line(line: str) -> bool:
         pids = json.loads(pid_file.read_text()).values()
     except (OSError, ValueError):
         return True
-    return not any(_alive(pid) for pid in pids)
+    return not any(processes.alive(pid) for pid in pids)
 
 
 def _write_in_place(path: Path, text: str) -> None:
@@ -385,18 +360,6 @@ def _write_in_place(path: Path, text: str) -> None:
         f.truncate()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)  # reap our own child so it does not linger as a zombie
-        if waited == pid:
-            return False
-    except ChildProcessError:
-        pass  # not our child (started by an earlier `start` command): fall back to a signal probe
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def main(argv=None) -> int:
@@ -419,7 +382,7 @@ def main(argv=None) -> int:
         cluster.stop()
         print("local Slurm stopped")
     else:
-        print(json.dumps({d: (pid, _alive(pid)) for d, pid in cluster._pids().items()}))
+        print(json.dumps({d: (pid, processes.alive(pid)) for d, pid in cluster._pids().items()}))
     return 0
 
 
