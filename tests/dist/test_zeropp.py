@@ -2,9 +2,10 @@
 from fractions import Fraction
 
 import pytest
+import torch
 
-from gpt_harness import assert_close_runs
 from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
+from zero3d.analysis.estimate import extra_state_bytes
 
 NODES = ("cluster.gpus_per_node=2",)  # 4 ranks: global ranks 0, 1 on node 0; 2, 3 on node 1
 FP32 = ("train.global_batch_size=8",)
@@ -15,9 +16,17 @@ def run(gpt_run, stage, extra=(), steps=10):
     return gpt_run(4, [f"zero.stage={stage}", *NODES, *extra], steps)
 
 
-def assert_exact(ref, out, tol=1e-6):
-    """Losses and gradient norms within `tol` relative, every step, every rank; parameters too."""
-    assert_close_runs(ref, out, rtol=tol)
+def assert_exact(ref, out, loss_tol=1e-6, norm_tol=1e-6, param_tol=1e-5):
+    """Losses and gradient norms within 1e-6 relative, every step, every rank; parameters within 1e-5 (None:
+    not compared) (Adam's update of a near-zero gradient turns a last-bit difference of its sum order — plain stage 1
+    against stage 0 differs by 1.7e-6 here — into that much)."""
+    for r_ref, r_out in zip(ref, out):
+        torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]), rtol=loss_tol, atol=0)
+        torch.testing.assert_close(torch.tensor(r_out["grad_norm"]), torch.tensor(r_ref["grad_norm"]),
+                                   rtol=norm_tol, atol=0)
+        assert r_out["params"].keys() == r_ref["params"].keys()
+        for name, p in r_ref["params"].items() if param_tol is not None else ():
+            torch.testing.assert_close(r_out["params"][name], p, rtol=param_tol, atol=param_tol, msg=name)
 
 
 def inter_bytes(rank_out, step=-1):
@@ -64,6 +73,31 @@ def test_hpz_equals_stage3(gpt_run, precision):
     assert inter_bytes(out[0]) == expected  # the backward gather never leaves the node
     assert "comm/all_gather/params_bwd/inter_node_bytes" not in out[0]["comm"][-1] or \
         out[0]["comm"][-1]["comm/all_gather/params_bwd/inter_node_bytes"] == 0
-    # the secondary shard: Ψb/m bytes more than stage 3
-    assert out[0]["state_bytes"]["secondary_params"] == psi * out[0]["value_bytes"] // 2
+    # the secondary shard: Ψb/m bytes more than stage 3, by the estimator's formula and by hand
+    precision = "fp16" if precision == FP16 else "fp32"
+    assert out[0]["state_bytes"]["secondary_params"] == extra_state_bytes("+hpZ", psi, 4, 2, precision) \
+        == psi * {"fp32": 4, "fp16": 2}[precision] / 2
     assert "secondary_params" not in ref[0]["state_bytes"]
+
+
+# ---------------------------------------------------------------- hybrid sharding
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", [FP32, FP16], ids=["fp32", "fp16"])
+def test_hybrid_equals_unsharded(gpt_run, stage, precision):
+    ref = run(gpt_run, 0, precision)
+    out = run(gpt_run, stage, precision + ("zero.hybrid=node",))
+    # fp16 gradients summed in another order differ in their last bits (3 digits): plain stages 1-3
+    # against stage 0 differ by 2.6e-6 in the loss and 1.4e-4 in the gradient norm here, hybrid by less;
+    # Adam's update turns that into ±lr on near-zero gradients' parameters, so those are compared in fp32.
+    assert_exact(ref, out, *((1e-6, 1e-6) if precision == FP32 else (5e-6, 3e-4, None)))
+    # sharded over the node's 2 ranks, not 4: every shard is half the model
+    for rank_out in out:
+        assert all(numel % 2 == 0 for numel in rank_out["padded_numels"].values())
+    psi = padded_psi(out[0])
+    b = out[0]["value_bytes"]
+    if stage == 3:
+        assert out[0]["state_bytes"]["params"] == psi * b // 2
+        expected = link_bytes(zeropp_collectives("+hybrid", psi, 4, 2, value_bytes=b))[1]
+        assert inter_bytes(out[0]) == expected  # only the gradient shard's all-reduce crosses nodes

@@ -81,6 +81,18 @@ def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16") -> t
     return param, grad, optimizer
 
 
+def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16") -> float:
+    """Per-GPU bytes a ZeRO++ mode (comm_model.ZEROPP_MODES) adds over stage 3, this formula's one home
+    (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the parameters;
+    hybrid's model states sharded over m instead of N ranks: (b_p + b_g + K)Ψ(1/m − 1/N)."""
+    p = PRECISIONS[precision]
+    if mode in ("+hpZ", "qwZ+hpZ+qgZ"):
+        return psi * p.param_bytes / per_node
+    if mode == "+hybrid":
+        return psi * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * (1 / per_node - 1 / dp)
+    return 0.0
+
+
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
                            act_bytes: int = 2, ffn_hidden: Optional[int] = None) -> int:
     """Korthikanti et al. 2022 (no sequence parallelism) activations one layer keeps for backward.
