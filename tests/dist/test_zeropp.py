@@ -4,6 +4,9 @@ from fractions import Fraction
 import pytest
 import torch
 
+from checkpoint_harness import train_segment
+from pretrain.checkpoint.files import read_json
+from ranks import run_ranks
 from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
 from zero3d.analysis.estimate import extra_state_bytes
 
@@ -101,3 +104,20 @@ def test_hybrid_equals_unsharded(gpt_run, stage, precision):
         assert out[0]["state_bytes"]["params"] == psi * b // 2
         expected = link_bytes(zeropp_collectives("+hybrid", psi, 4, 2, value_bytes=b))[1]
         assert inter_bytes(out[0]) == expected  # only the gradient shard's all-reduce crosses nodes
+
+
+HYBRID_CKPT = ["zero.stage=2", "zero.hybrid=node", *NODES, "train.global_batch_size=8"]
+
+
+def test_hybrid_checkpoint_resumes_at_its_layout_and_at_a_plain_one(tmp_path):
+    """Saved after step 3 of 6 by 2 nodes × 2 holding node-local shards (each node's ranks offer the same
+    pieces in parameter coordinates; DCP writes each once; the layout states it); resumed there bitwise,
+    and by a plain stage 3 over all 4 ranks within 1e-6."""
+    whole = run_ranks(train_segment, 4, HYBRID_CKPT, tmp_path, 0, 6, (3,), timeout=300)
+    manifest = read_json(tmp_path / "step_00000003" / "checkpoint.json")
+    assert manifest["layout"]["hybrid"] == "node" and manifest["layout"]["gpus_per_node"] == 2
+    again = run_ranks(train_segment, 4, HYBRID_CKPT, tmp_path, 3, 6, (), True, timeout=300)
+    assert again[0]["loss"] == whole[0]["loss"][3:]
+    plain = ["zero.stage=3", *NODES, "train.global_batch_size=8"]
+    other = run_ranks(train_segment, 4, plain, tmp_path, 3, 6, (), True, timeout=300)
+    torch.testing.assert_close(torch.tensor(other[0]["loss"]), torch.tensor(whole[0]["loss"][3:]), rtol=1e-6, atol=0)
