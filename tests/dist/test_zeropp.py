@@ -102,6 +102,8 @@ def test_hybrid_equals_unsharded(gpt_run, stage, precision):
     b = out[0]["value_bytes"]
     if stage == 3:
         assert out[0]["state_bytes"]["params"] == psi * b // 2
+        if precision == FP32:  # stage 3's 16Ψ/N (fp32: b_p + b_g + K = 4 + 4 + 8) plus the estimator's extra
+            assert sum(out[0]["state_bytes"].values()) == 16 * psi / 4 + extra_state_bytes("+hybrid", psi, 4, 2, "fp32")
         expected = link_bytes(zeropp_collectives("+hybrid", psi, 4, 2, value_bytes=b))[1]
         assert inter_bytes(out[0]) == expected  # only the gradient shard's all-reduce crosses nodes
 
