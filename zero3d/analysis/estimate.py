@@ -201,10 +201,13 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
                         ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION,
-                        loss_chunk_tokens: int = 0) -> MemoryBreakdown:
+                        loss_chunk_tokens: int = 0, secondary_partition: bool = False, hybrid: bool = False,
+                        dp_per_node: int = 1) -> MemoryBreakdown:
     """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
-    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py)."""
+    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py).
+    ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
+    `hybrid` shards the model states over the node's m ranks instead of all dp."""
     validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
                    pa_cpu, precision, bucket_elements, prefetch_units)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
@@ -216,7 +219,12 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
     dp = gpus // tp
     vocab_pad = padded_vocab(vocab, tp, vocab_divisible_by)
     psi = gpt_param_count(layers, hidden, vocab, seq, tp, tied, ffn_hidden, vocab_divisible_by)
-    param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp, precision))
+    if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
+        raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
+    param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
+                                                                  precision))
+    if secondary_partition:
+        param += extra_state_bytes("+hpZ", psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
     layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden)
