@@ -116,6 +116,14 @@ class ZeroConfig:
         return (self.secondary_partition, self.hybrid, self.quantize_weights, self.quantize_gradients) != \
             ("none", "none", "none", "none")
 
+    def node_layout_error(self, per_node: int, gpus_per_node: int) -> str:
+        """Why hpZ / hybrid cannot run with `per_node` DP ranks per node ("" when they can)."""
+        if per_node >= 2 or (self.hybrid, self.secondary_partition) == ("none", "none"):
+            return ""
+        return (f"zero.hybrid / zero.secondary_partition = 'node' need >= 2 DP ranks per node; this layout has "
+                f"{per_node} (cluster.gpus_per_node = {gpus_per_node}, after tensor parallelism's share): use "
+                "zero.hybrid = zero.secondary_partition = 'none'")
+
     def _zeropp_checks(self) -> tuple:
         z = self
         return (

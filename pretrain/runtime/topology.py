@@ -88,6 +88,9 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
         except TopologyError as err:
             raise InputError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs",
                              agreed=True) from None
+        problem = cfg.zero.node_layout_error(node.per_node, node.gpus_per_node)
+        if problem:  # the same on every rank (every DP group has the same ranks per node)
+            raise InputError(problem, "config", agreed=True)
     return Topology(node=node, gpus_per_node=cfg.cluster.gpus_per_node,
                     rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                     tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),

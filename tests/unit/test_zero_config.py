@@ -58,3 +58,13 @@ def test_node_aware_modes_are_named():
     assert ZeroConfig(stage=1, hybrid="node").node_aware()
     assert ZeroConfig(stage=3, quantize_weights="int8").node_aware()
     assert ZeroConfig(stage=2, quantize_gradients="int4").node_aware()
+
+
+def test_hpz_and_hybrid_need_two_dp_ranks_per_node():
+    z = ZeroConfig(stage=3, secondary_partition="node")
+    assert z.node_layout_error(1, 8) == ("zero.hybrid / zero.secondary_partition = 'node' need >= 2 DP ranks per "
+                                         "node; this layout has 1 (cluster.gpus_per_node = 8, after tensor "
+                                         "parallelism's share): use zero.hybrid = zero.secondary_partition = 'none'")
+    assert z.node_layout_error(2, 8) == ""
+    assert ZeroConfig(stage=2, hybrid="node").node_layout_error(1, 2) != ""
+    assert ZeroConfig(stage=3, quantize_weights="int8").node_layout_error(1, 1) == ""  # qwZ runs anywhere
