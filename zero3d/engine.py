@@ -212,6 +212,39 @@ class DataParallelEngine:
         if problem:
             raise ValueError(problem)
 
+    def _weight_decay(self, group: GroupState) -> float:
+        return self.settings.optimizer.weight_decay if group.decays else 0.0
+
+    def _build_placement(self) -> Placement:
+        """The optimizer on the device over the groups' master pieces, or (ZeRO-Offload) the master and
+        Adam states of every group moved off it: each group's master becomes the host tensor (NVMe:
+        an empty placeholder outside `materialized_states()`)."""
+        zero, opt = self.settings.zero, self.settings.optimizer
+        if zero.offload_optimizer == "none":
+            return DevicePlacement(self.groups, self.settings.optimizer_factory(
+                [(piece, self._weight_decay(group)) for group in self.groups.values()
+                 for _, piece in group.master_pieces], lr=opt.lr, betas=opt.betas, eps=opt.eps))
+        on_host = zero.offload_optimizer == "cpu"  # NVMe keeps host memory bounded: its gradients stay
+        specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(group),
+                           holds_grad=on_host and group.bucketed) for name, group in self.groups.items()]
+        placement = HostOffload(specs, opt.lr, opt.betas, opt.eps, self.copier) if on_host else \
+            NvmeOffload(specs, opt.lr, opt.betas, opt.eps, self.copier, zero.nvme_path, zero.nvme_buffer_bytes,
+                        self.world.rank)
+        for spec in specs:
+            group = self.groups[spec.name]
+            group.master_pieces = ((0, placement.master(spec.name)),)
+            if spec.holds_grad:  # the device gradient shard is freed: the host one replaces it
+                group.grads = placement.grad(spec.name)
+        return placement
+
+    def _param_pieces(self, group: GroupState) -> tuple:
+        """The model-dtype parameter elements matching the group's master coordinates, as
+        ((offset, tensor), ...): the whole tensor when the master covers it, else this rank's pieces."""
+        master_numel = sum(piece.numel() for _, piece in group.master_pieces)
+        if master_numel == group.param_flat.numel():
+            return ((0, group.param_flat),)
+        return tuple((bucket.shard_start, group.param_flat[lo:hi]) for bucket, lo, hi in group.layout.pieces(self.dp.rank))
+
     def _bucket_reduction(self) -> Optional[Callable]:
         """Stages 2/3: the buckets' reduce-scatter when qgZ is on (else None: the DP comm's)."""
         q = self.settings.zero.quantize_gradients
