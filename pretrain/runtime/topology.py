@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
-from pretrain.config import Config, validate_layout
+from pretrain.config import Config, ConfigError, validate_layout
 from pretrain.errors import InputError
 from pretrain.runtime.launch import expand_nodelist, launcher_env  # noqa: F401 - the launcher's view, re-exported
 
@@ -86,11 +86,11 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
             node = build_node_topology(ps.get_data_parallel_group(), gpus_per_node=cfg.cluster.gpus_per_node,
                                        timeout=collective_timeout(cfg))
         except TopologyError as err:
-            raise InputError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs",
-                             agreed=True) from None
+            raise ConfigError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs",
+                              agreed=True) from None
         problem = cfg.zero.node_layout_error(node.per_node, node.gpus_per_node)
         if problem:  # the same on every rank (every DP group has the same ranks per node)
-            raise InputError(problem, "config", agreed=True)
+            raise ConfigError(problem, "config", agreed=True)
     return Topology(node=node, gpus_per_node=cfg.cluster.gpus_per_node,
                     rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                     tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
