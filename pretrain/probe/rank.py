@@ -201,6 +201,11 @@ def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
         raise ConfigError(f"probe: zero.offload_optimizer = {z.offload_optimizer!r}, zero.offload_params = "
                           f"{z.offload_params!r}: the NVMe placements do file I/O, which fake tensors cannot "
                           "do; probe with \"cpu\" (the device side is the same code) or with --real")
+    quantized = [f"zero.{key} = {getattr(z, key)!r}" for key in ("quantize_weights", "quantize_gradients")
+                 if getattr(z, key) != "none"]
+    if fake and quantized:  # a block's scale is its values' maximum: fake tensors hold no values
+        raise ConfigError(f"probe: {', '.join(quantized)}: the quantization scales are data, which fake tensors "
+                          "do not hold; probe with --real, or without quantization (it adds no model states)")
 
 
 def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:

@@ -151,3 +151,9 @@ def test_hpz_and_hybrid_memory_in_engine_probe_and_estimator_agree(capsys):
         by = {row["category"]: row for row in out["comparison"]}
         for category in ("params", "grads"):
             assert by[category]["estimate_bytes"] == by[category]["executed_bytes"], (category, out["config"])
+
+
+def test_quantized_modes_are_refused_on_fake_tensors(capsys):
+    assert probe.main(["--config", "configs/tiny.toml", "zero.stage=3", "zero.quantize_weights=int8",
+                       "cluster.gpus_per_node=2"]) == 2
+    assert "probe: zero.quantize_weights = 'int8': the quantization scales are data" in capsys.readouterr().err
