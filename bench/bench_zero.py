@@ -1,6 +1,6 @@
 """ZeRO-DP stages 0-3 against their peers on one GPT model: step time, model-state bytes, communication.
 
-    python bench/bench_zero.py [--ranks 2] [--layers 4] [--hidden 256] [--seq 128] [--steps 8]
+    python bench/bench_zero.py [--ranks 4] [--gpus-per-node 2] [--layers 4] [--hidden 256] [--seq 128] [--steps 8]
     python bench/bench_zero.py --before b96830b --systems zero3d-0 zero3d-1 zero3d-2 zero3d-3
 
 `--before COMMIT` adds a row per zero3d stage run by the engine of that commit ("@before"): its
@@ -141,6 +141,25 @@ def batches(args, rank, world):
     return get
 
 
+# The ZeRO++ rows (stage 3 + mode): zero.* settings, node topology from --gpus-per-node.
+ZEROPP_OVERRIDES = {
+    "hpZ": ["zero.secondary_partition=node"],
+    "hybrid": ["zero.hybrid=node"],
+    "qwZ": ["zero.quantize_weights=int8"],
+    "qgZ": ["zero.quantize_gradients=int4"],
+    "qwZ+hpZ+qgZ": ["zero.quantize_weights=int8", "zero.secondary_partition=node", "zero.quantize_gradients=int4"],
+}
+ZEROPP_SYSTEMS = [f"zero3d-3+{mode}" for mode in ZEROPP_OVERRIDES]
+
+
+def DEEPSPEED_ZEROPP(gpus_per_node: int) -> dict:  # noqa: N802 - a table, by the node size
+    """DeepSpeed's ZeRO++ options (zero_optimization keys) for the same rows."""
+    return {"hpZ": {"zero_hpz_partition_size": gpus_per_node}, "qwZ": {"zero_quantized_weights": True},
+            "qgZ": {"zero_quantized_gradients": True},
+            "qwZ+hpZ+qgZ": {"zero_hpz_partition_size": gpus_per_node, "zero_quantized_weights": True,
+                            "zero_quantized_gradients": True}}
+
+
 def build(args, system):
     from pretrain.config import load_config
     from pretrain.model import build_model
@@ -151,7 +170,9 @@ def build(args, system):
                  f"train.global_batch_size={args.micro * args.ranks}", f"precision.dtype={args.dtype}",
                  f"zero.bucket_elements={args.bucket}", "logging.wandb=false"]
     if system.startswith("zero3d-"):
-        overrides.append(f"zero.stage={system[-1]}")
+        stage, _, mode = system.removeprefix("zero3d-").partition("+")
+        overrides += [f"zero.stage={stage}", f"cluster.gpus_per_node={args.gpus_per_node}",
+                      *ZEROPP_OVERRIDES.get(mode, [])]
     cfg = load_config(None, overrides)
     topo = init_topology(cfg)
     return cfg, topo, build_model(cfg, topo.device)
@@ -165,8 +186,9 @@ def run_system(rank, world, system, args):
     if system.startswith("zero3d-"):
         import zero3d
         from pretrain.train import engine_settings
+        nodes = {"node_topology": topo.node, "gpus_per_node": topo.gpus_per_node} if hasattr(topo, "node") else {}
         engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
-                                   zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
+                                   zero3d.ParallelGroups(topo.dp_group, topo.tp_rank, **nodes))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state = lambda: sum(engine.state_bytes().values())  # noqa: E731
         stats = engine.comm_stats  # zero3d's own count of the collectives it issued
@@ -190,18 +212,20 @@ def run_system(rank, world, system, args):
         forward, backward = model, lambda loss: loss.backward()
         step = lambda: (opt.step(), opt.zero_grad(set_to_none=False))  # noqa: E731
         state = lambda: storage_census(model, opt.state)  # noqa: E731
-    else:  # deepspeed-N
+    else:  # deepspeed-N, deepspeed-3+<ZeRO++ option>
         import deepspeed
+        stage, _, mode = system.removeprefix("deepspeed-").partition("+")
         ds_config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
                      "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
-                     "zero_optimization": {"stage": int(system[-1]), "reduce_bucket_size": args.bucket,
-                                           "allgather_bucket_size": args.bucket},
+                     "zero_optimization": {"stage": int(stage), "reduce_bucket_size": args.bucket,
+                                           "allgather_bucket_size": args.bucket,
+                                           **DEEPSPEED_ZEROPP(args.gpus_per_node).get(mode, {})},
                      "bf16": {"enabled": args.dtype == "bf16"}, "steps_per_print": 10**9}
         ds, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         forward, backward, step = ds, ds.backward, ds.step
         state = lambda: storage_census(model, opt)  # noqa: E731
     get = batches(args, topo.dp_rank, world)
-    times, losses, counter, calls, own_calls = [], [], {}, [], []
+    times, losses, counter, calls, own_calls, links = [], [], {}, [], [], []
     for i in range(steps):
         counter.clear()
         if stats is not None:
@@ -217,18 +241,23 @@ def run_system(rank, world, system, args):
         calls.append(counter.get("calls", 0))
         if stats is not None:
             own_calls.append(sum(stats.calls.values()))
+            report = stats.report()
+            links.append((report.get("comm/intra_node_bytes"), report.get("comm/inter_node_bytes")))
     return {"step_s": statistics.median(times[2:]), "step_min_s": min(times[2:]), "state_bytes": state(),
             "comm_elements": counter.get("elements", 0.0), "calls": statistics.median(calls[1:]),
             "zero3d_calls": statistics.median(own_calls[1:]) if own_calls else None,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+            "first_loss": losses[0], "last_loss": losses[-1],
+            "intra_bytes": links[-1][0] if links else None, "inter_bytes": links[-1][1] if links else None}
 
 
 def available_systems() -> list[str]:
     import zero3d
-    systems = [f"zero3d-{s}" for s in sorted(zero3d.STAGES)] + ["torch-ZeroRedundancyOptimizer", "torch-FSDP2"]
+    systems = [f"zero3d-{s}" for s in sorted(zero3d.STAGES)] + ZEROPP_SYSTEMS + \
+        ["torch-ZeroRedundancyOptimizer", "torch-FSDP2"]
     try:
         import deepspeed  # noqa: F401
-        systems += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+        systems += ["deepspeed-1", "deepspeed-2", "deepspeed-3"] + \
+            [f"deepspeed-3+{mode}" for mode in DEEPSPEED_ZEROPP(1)]
     except ImportError:
         print("(deepspeed not installed: pip install -e .[bench] adds the DeepSpeed rows)")
     return systems
@@ -270,7 +299,9 @@ def strip_options(argv: list[str], names: tuple) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--gpus-per-node", type=int, default=2,
+                   help="ranks per (simulated) node: the per-link byte split and the ZeRO++ rows' topology")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -307,7 +338,7 @@ def print_table(rows: dict, args) -> None:
     print(f"GPT L={args.layers} h={args.hidden} s={args.seq} micro={args.micro} vocab={args.vocab} "
           f"{args.dtype}, {args.ranks} gloo ranks (DP={args.ranks}, TP=1); per rank; ratios vs zero3d-0")
     print(f"{'system':32} {'step s':>8} {'x':>6} {'state B':>12} {'x':>6} {'comm el':>12} {'x':>6} "
-          f"{'calls':>6} {'loss 1st':>9} {'loss last':>9}")
+          f"{'calls':>6} {'loss 1st':>9} {'loss last':>9} {'intra B':>12} {'inter B':>12}")
     for system, r in rows.items():
         if "error" in r:
             print(f"{system:32} failed: {r['error']}")
@@ -319,7 +350,17 @@ def print_table(rows: dict, args) -> None:
         calls = f"{r['calls']:6.0f}" if visible else f"{'n/a':>6}"
         print(f"{system:32} {r['step_s']:8.3f} {ratio('step_s'):6.2f} {r['state_bytes']:12,d} "
               f"{ratio('state_bytes'):6.2f} {comm} {calls} "
-              f"{r['first_loss']:9.4f} {r['last_loss']:9.4f}")
+              f"{r['first_loss']:9.4f} {r['last_loss']:9.4f} {_bytes(r.get('intra_bytes'))} "
+              f"{_bytes(r.get('inter_bytes'))}")
+    print(f"intra B / inter B: bytes per rank in the last step inside / across nodes of {args.gpus_per_node} ranks "
+          "(zero3d's per-link count; the ZeRO++ rows' comm el counts logical elements, not quantized bytes)")
+    if not any(system.startswith("deepspeed") for system in rows):
+        print("DeepSpeed rows (ZeRO 1-3 and ZeRO++ zero_hpz_partition_size / zero_quantized_weights / "
+              "zero_quantized_gradients): not run, deepspeed is not installed here (pip install -e .[bench])")
+
+
+def _bytes(value) -> str:
+    return f"{value:12,.0f}" if value is not None else f"{'n/a':>12}"
 
 
 def print_before_after(rows: dict, commit: str) -> None:

@@ -19,7 +19,14 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
         tied=m.tie_embeddings, prefetch_units=z.prefetch_units, ffn_hidden=m.ffn_hidden_size,
         vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes,
-        loss_chunk_tokens=m.loss_chunk_tokens)
+        loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.secondary_partition == "node",
+        hybrid=z.hybrid == "node", dp_per_node=dp_per_node(cfg, world_size))
+
+
+def dp_per_node(cfg: Config, world_size: int) -> int:
+    """DP ranks on one node: TP takes its share of cluster.gpus_per_node first (zero3d/topology.py's rule)."""
+    dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
+    return max(1, min(dp, cfg.cluster.gpus_per_node // cfg.parallel.tensor))
 
 
 def offload_settings(z: ZeroConfig) -> dict:

@@ -172,7 +172,8 @@ def parallel_groups(model, topo):
     if model.config.sequence_parallel:  # each TP rank saw a sequence slice: its grad is a partial sum
         tied.update({p: parallel_state.get_tensor_model_parallel_group()
                      for p in model.parameters() if getattr(p, "sequence_parallel", False)})
-    return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded)
+    return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded,
+                                 node_topology=topo.node, gpus_per_node=topo.gpus_per_node)
 
 
 def gather_units(model) -> list[tuple]:

@@ -174,7 +174,9 @@ def build_and_wrap(cfg: Config, topo: Topology, **seams):
 def layout_signature(cfg: Config, topo: Topology) -> dict:
     """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
     return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp,
-            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype}
+            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
+            # hybrid sharding: shards node-local (over gpus_per_node's DP ranks), replicated across nodes
+            "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}
 
 
 def train(cfg: Config, launch: Optional[dict] = None) -> dict:

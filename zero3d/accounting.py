@@ -43,6 +43,11 @@ def model_state_bytes(groups, optimizer) -> dict:
                                                                   for _, piece in group.master_pieces])}
 
 
+def secondary_bytes(groups) -> int:
+    """Stage 3 hpZ: bytes of the groups' secondary (node-local) parameter shards, Ψb/m per rank."""
+    return sum(nbytes(group.secondary) for group in groups)
+
+
 def moved_off_device(stage_bytes: dict, held_grad_bytes: int, off_device: dict) -> dict:
     """A stage's accounting with the offloaded categories moved: device master/optimizer bytes are 0,
     gradient shards held on the host leave `grads` (the keys keep their device meaning); the

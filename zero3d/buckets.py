@@ -38,8 +38,12 @@ class GradientBuckets:
 
     def __init__(self, groups: list[GroupState], dp: Comm, deliver: Callable[[GroupState, int, torch.Tensor], None],
                  *, dtype: torch.dtype, device: torch.device, pre_scale: float, held_elsewhere: frozenset,
-                 overlap: bool, stream=None):
+                 overlap: bool, stream=None, reduce_scatter: Optional[Callable] = None):
         self.groups, self.dp, self.deliver = groups, dp, deliver
+        # (piece, buffer, async_op) -> handle or None: the bucket's reduction (qgZ: the engine's quantized
+        # one, synchronous); default the DP comm's reduce-scatter.
+        self.reduce_scatter = reduce_scatter or (
+            lambda piece, buffer, async_op: dp.reduce_scatter(piece, buffer, tag="grads", async_op=async_op))
         self.dtype, self.device, self.pre_scale, self.held_elsewhere = dtype, device, pre_scale, held_elsewhere
         self.overlap, self.stream = overlap, stream
         self.location = {}  # param -> (group name, slot index, bucket index)
@@ -115,7 +119,7 @@ class GradientBuckets:
             if self.pre_scale != 1.0:
                 buffer.mul_(self.pre_scale)
             piece = buffer[lo - bucket.start:hi - bucket.start]  # reduced in place
-            run.handle = self.dp.reduce_scatter(piece, buffer, tag="grads", async_op=self.overlap)
+            run.handle = self.reduce_scatter(piece, buffer, self.overlap)
         self.in_flight.append(run)
         while len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish(self.in_flight.pop(0))

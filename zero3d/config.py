@@ -76,6 +76,22 @@ class ZeroConfig:
     # Host memory the NVMe optimizer stream goes through (two buffers together): a larger budget
     # means fewer, larger reads and writes; the model size does not change it.
     nvme_buffer_bytes: int = 64 * 2**20
+    # ZeRO++ hpZ (stage 3): "node" keeps, after each forward all-gather, this rank's 1/m slice of the
+    # gathered parameters (m = DP ranks per node), so the backward all-gather runs inside the node
+    # only; costs Ψb/m more bytes per rank. "none": the backward gather spans the whole DP group.
+    secondary_partition: Literal["none", "node"] = "none"
+    # Hybrid sharding (stages 1-3): "node" shards the model states over the DP ranks of one node and
+    # replicates them across nodes (each gradient shard all-reduced across nodes), trading memory for
+    # cross-node traffic. "none": shards span the whole DP group.
+    hybrid: Literal["none", "node"] = "none"
+    # ZeRO++ qwZ (stage 3): "int8" sends the parameter all-gathers as block-wise int8 codes plus one
+    # scale per block, dequantized on arrival (the fp32 masters stay exact). "none": unquantized.
+    quantize_weights: Literal["none", "int8"] = "none"
+    # ZeRO++ qgZ (stages 2-3): each bucket's gradient reduce-scatter as a hierarchical all-to-all of
+    # block-wise "int8" or "int4" codes (inside the node, then across nodes), summed in fp32.
+    quantize_gradients: Literal["none", "int8", "int4"] = "none"
+    # Elements per quantization block (one scale each) for qwZ and qgZ; even (int4 packs two per byte).
+    quant_block: int = 256
 
     def __post_init__(self):
         checks = (
@@ -91,8 +107,56 @@ class ZeroConfig:
              "zero.cpu_checkpointing = true needs zero.partition_activations = true (Pa+cpu offloads "
              "the partitioned checkpoints)"),
             *self._offload_checks(),
+            *self._zeropp_checks(),
         )
         _raise_first(checks)
+
+    def node_aware(self) -> bool:
+        """A mode that needs the node topology of the DP group is on."""
+        return (self.secondary_partition, self.hybrid, self.quantize_weights, self.quantize_gradients) != \
+            ("none", "none", "none", "none")
+
+    def node_layout_error(self, per_node: int, gpus_per_node: int) -> str:
+        """Why hpZ / hybrid cannot run with `per_node` DP ranks per node ("" when they can)."""
+        if per_node >= 2 or (self.hybrid, self.secondary_partition) == ("none", "none"):
+            return ""
+        return (f"zero.hybrid / zero.secondary_partition = 'node' need >= 2 DP ranks per node; this layout has "
+                f"{per_node} (cluster.gpus_per_node = {gpus_per_node}, after tensor parallelism's share): use "
+                "zero.hybrid = zero.secondary_partition = 'none'")
+
+    def _zeropp_checks(self) -> tuple:
+        z = self
+        return (
+            (z.secondary_partition in ("none", "node"),
+             f"zero.secondary_partition = {z.secondary_partition!r} is invalid; valid values: 'none', 'node'"),
+            (z.hybrid in ("none", "node"), f"zero.hybrid = {z.hybrid!r} is invalid; valid values: 'none', 'node'"),
+            (z.quantize_weights in ("none", "int8"),
+             f"zero.quantize_weights = {z.quantize_weights!r} is invalid; valid values: 'none', 'int8'"),
+            (z.quantize_gradients in ("none", "int8", "int4"),
+             f"zero.quantize_gradients = {z.quantize_gradients!r} is invalid; valid values: 'none', 'int8', 'int4'"),
+            (type(z.quant_block) is int and z.quant_block > 0 and z.quant_block % 2 == 0,
+             f"zero.quant_block = {z.quant_block!r} is invalid; must be an even integer > 0"),
+            (z.secondary_partition == "none" or z.stage == 3,
+             f"zero.secondary_partition = {z.secondary_partition!r} needs zero.stage = 3 (only stage 3 gathers "
+             f"parameters); got zero.stage = {z.stage}"),
+            (z.hybrid == "none" or z.stage >= 1,
+             f"zero.hybrid = {z.hybrid!r} needs zero.stage = 1, 2 or 3 (stage 0 shards nothing); got zero.stage = 0"),
+            (z.quantize_weights == "none" or z.stage == 3,
+             f"zero.quantize_weights = {z.quantize_weights!r} needs zero.stage = 3 (only stage 3 gathers "
+             f"parameters each step); got zero.stage = {z.stage}"),
+            (z.quantize_gradients == "none" or z.stage >= 2,
+             f"zero.quantize_gradients = {z.quantize_gradients!r} needs zero.stage = 2 or 3 (the bucket "
+             f"reduce-scatter); got zero.stage = {z.stage}"),
+            (z.hybrid == "none" or z.secondary_partition == "none",
+             "zero.hybrid = 'node' with zero.secondary_partition = 'node' is refused: hybrid shards inside the "
+             "node already, so its backward all-gather is node-local without a secondary partition"),
+            (z.hybrid == "none" or z.quantize_gradients == "none",
+             "zero.hybrid = 'node' with zero.quantize_gradients is refused: qgZ's hierarchical reduce-scatter "
+             "spans the nodes, hybrid's reduce-scatter does not"),
+            (z.hybrid == "none" or z.offload_optimizer == "none",
+             f"zero.hybrid = 'node' with zero.offload_optimizer = {z.offload_optimizer!r} is not supported; "
+             "use one of them"),
+        )
 
     def _offload_checks(self) -> tuple:
         z, nvme = self, "nvme" in (self.offload_optimizer, self.offload_params)

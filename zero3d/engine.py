@@ -1,9 +1,11 @@
 """The data-parallel interface the training loop uses; each ZeRO stage is one small subclass."""
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from zero3d.accounting import model_state_bytes
@@ -15,6 +17,8 @@ from zero3d.offload import Copier, GroupSpec, HostOffload
 from zero3d.optim import make_optimizer
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
+from zero3d.quantize import QuantSpec, quantized_reduce_scatter
+from zero3d.topology import NodeTopology
 
 
 def read_host_float(value: torch.Tensor) -> float:
@@ -53,6 +57,12 @@ class ParallelGroups:
     # gradient is summed over it (once per step) before the DP reduction.
     tied: dict = field(default_factory=dict)
     norm_excluded: frozenset = frozenset()  # copies whose twin already counts in the norm
+    # zero3d/topology.py's NodeTopology of the DP group (with its intra-/inter-node sub-groups): needed
+    # by the node-aware modes (ZeroConfig.node_aware()); its gpus_per_node also splits the bytes per link.
+    node_topology: Optional[NodeTopology] = None
+    # Without a node topology: global rank g is on node g // gpus_per_node, only to count every DP
+    # collective's bytes per link (comm/intra_node_bytes, comm/inter_node_bytes); None: not split.
+    gpus_per_node: Optional[int] = None
 
 
 @dataclass
@@ -79,6 +89,7 @@ class GroupState:
     # views of those pieces, so the parameters stay the master copy.
     master_pieces: tuple = ()
     norm_ranges: tuple = ()  # (lo, hi) in master coordinates that count toward the norm
+    secondary: Optional[torch.Tensor] = None  # stage 3 hpZ: this rank's node-local slice of the parameters
 
     @property
     def buckets(self) -> list:
@@ -105,7 +116,16 @@ class DataParallelEngine:
         self.model = model
         self.settings = settings
         self.comm_stats = CommStats()
-        self.dp = Comm(groups.dp_group, self.comm_stats)
+        self.node = groups.node_topology
+        self.gpus_per_node = self.node.gpus_per_node if self.node is not None else groups.gpus_per_node
+        self.dp = Comm(groups.dp_group, self.comm_stats, gpus_per_node=self.gpus_per_node)
+        dp_size = self.dp.size  # gradients are averaged over every DP rank, whatever shards them
+        self.replica = None  # hybrid: the same shard's ranks on the other nodes (gradient all-reduce)
+        self._check_node_modes(settings.zero)
+        if settings.zero.hybrid == "node":  # shard inside the node, replicate across nodes
+            self.dp = Comm(self.node.intra_group, self.comm_stats, gpus_per_node=self.gpus_per_node)
+            if self.node.nodes > 1:
+                self.replica = Comm(self.node.inter_group, self.comm_stats, gpus_per_node=self.gpus_per_node)
         self.world = Comm(groups.world_group, self.comm_stats)
         self.tp_rank = groups.tp_rank
         self.tied = {param: Comm(group, self.comm_stats) for param, group in groups.tied.items()}
@@ -113,8 +133,8 @@ class DataParallelEngine:
         self.device = next(model.parameters()).device
         self.scaler = make_scaler(settings.loss_scale)
         # Gradients are multiplied by pre_scale before the DP sum and by post_scale after it.
-        predivide = settings.zero.predivide(self.dp.size)
-        self.pre_scale, self.post_scale = 1.0 / predivide, predivide / self.dp.size
+        predivide = settings.zero.predivide(dp_size)
+        self.pre_scale, self.post_scale = 1.0 / predivide, predivide / dp_size
         self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
         self.copier = Copier(self.device)  # device <-> host copies of offloaded states (counts their bytes)
         self.groups = self._build_groups(param_groups(model))
@@ -179,6 +199,19 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ shared pieces
 
+    def _check_node_modes(self, zero: ZeroConfig) -> None:
+        """The node-aware modes need the DP group's NodeTopology, and hpZ / hybrid ≥ 2 DP ranks per node."""
+        if not zero.node_aware():
+            return
+        if self.node is None:
+            raise ValueError("zero.secondary_partition / hybrid / quantize_* need the DP group's node topology "
+                             "(ParallelGroups.node_topology, zero3d.topology.build_node_topology); none was given")
+        if self.node.dp_size != self.dp.size:
+            raise ValueError(f"the node topology covers {self.node.dp_size} DP ranks; the DP group has {self.dp.size}")
+        problem = zero.node_layout_error(self.node.per_node, self.node.gpus_per_node)
+        if problem:
+            raise ValueError(problem)
+
     def _weight_decay(self, group: GroupState) -> float:
         return self.settings.optimizer.weight_decay if group.decays else 0.0
 
@@ -212,9 +245,33 @@ class DataParallelEngine:
             return ((0, group.param_flat),)
         return tuple((bucket.shard_start, group.param_flat[lo:hi]) for bucket, lo, hi in group.layout.pieces(self.dp.rank))
 
+    def _bucket_reduction(self) -> Optional[Callable]:
+        """Stages 2/3: the buckets' reduce-scatter when qgZ is on (else None: the DP comm's)."""
+        q = self.settings.zero.quantize_gradients
+        if q == "none":
+            return None
+        spec = QuantSpec(bits=8 if q == "int8" else 4, block=self.settings.zero.quant_block)
+        return partial(self._quantized_reduce_scatter, spec)
+
+    def _quantized_reduce_scatter(self, spec: QuantSpec, piece: torch.Tensor, buffer: torch.Tensor,
+                                  async_op: bool) -> None:
+        """qgZ of one bucket (synchronous). A non-finite value has no scale, so all DP ranks first agree
+        whether any holds one (fp16 overflow); if so the piece becomes inf everywhere, and the step's
+        overflow rule skips the step, on every rank alike."""
+        bad = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
+        self.dp.all_reduce(bad, tag="grads_overflow", op=dist.ReduceOp.MAX)
+        if self.settings.read_host_float(bad) > 0:
+            piece.fill_(float("inf"))
+            return None
+        quantized_reduce_scatter(piece, buffer, self.node, spec, self.comm_stats, tag="grads")
+        return None
+
     def _deliver_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
         """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),
-        added (× post-scale) into the gradient shard wherever the placement keeps it."""
+        added (× post-scale) into the gradient shard wherever the placement keeps it; hybrid: first
+        summed over the nodes (the piece's replicas)."""
+        if self.replica is not None:
+            self.replica.all_reduce(piece, tag="grads")
         self.placement.accumulate_grad(group, lo, piece, self.post_scale)
 
     def materialized_states(self):
@@ -251,6 +308,8 @@ class DataParallelEngine:
             grad = master_grads[name]
             for lo, hi in group.norm_ranges:  # (on the host for gradient shards held there)
                 local += grad[lo:hi].double().pow(2).sum().to(local.device)
+        if self.replica is not None:  # hybrid: every node holds the same shards; count them once
+            local /= self.replica.size
         self.world.all_reduce(local, tag="grad_norm")
         total = self.settings.read_host_float(local)
         return math.sqrt(total) if math.isfinite(total) else float("inf")
@@ -294,6 +353,9 @@ class DataParallelEngine:
                 group.grads.mul_(self.pre_scale)
         wait_all([self.dp.all_reduce(group.grads[bucket.start:bucket.end], tag="grads", async_op=True)
                   for group in groups for bucket in group.buckets])
+        if self.replica is not None:  # hybrid: the node's sums, summed across nodes
+            wait_all([self.replica.all_reduce(group.grads[bucket.start:bucket.end], tag="grads", async_op=True)
+                      for group in groups for bucket in group.buckets])
         for group in groups:
             if self.post_scale != 1.0:
                 group.grads.mul_(self.post_scale)

@@ -27,6 +27,7 @@ class Unit:
     borrows: list = field(default_factory=list)  # Units whose parameters this module also uses
     full: Optional[list] = None  # gathered buffers (one per group) while materialised
     handles: list = field(default_factory=list)  # pending all-gathers into `full`
+    gather_tag: str = ""  # the purpose of the gather that filled `full` (hpZ keeps a forward one's slice)
     pending: set = field(default_factory=set)  # owned sharded params still awaiting their gradient
     entered: bool = False  # its own backward has begun (this backward pass)
 

@@ -80,12 +80,29 @@ def fake_topology(cfg: Config, world_size: int, rank: int, device: torch.device)
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)
     ps = parallel_state
-    return Topology(rank=rank, world_size=world_size, local_rank=0, tp=cfg.parallel.tensor,
+    node = fake_node_topology(ps.get_data_parallel_group(), cfg.cluster.gpus_per_node) \
+        if cfg.zero.node_aware() else None
+    return Topology(node=node, gpus_per_node=cfg.cluster.gpus_per_node,
+                    rank=rank, world_size=world_size, local_rank=0, tp=cfg.parallel.tensor,
                     pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
                     tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                     dp_rank=ps.get_data_parallel_rank(), grad_accum=grad_accum, device=device,
                     dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
                     pp_group=ps.get_pipeline_model_parallel_group())
+
+
+def fake_node_topology(dp_group, gpus_per_node: int):
+    """The DP group's NodeTopology on the fake backend, which has no all_gather_object: this rank's own
+    intra- and inter-node groups, from the same rank arithmetic (zero3d.topology.topology_of)."""
+    from zero3d.topology import TopologyError, topology_of
+    mine = dist.get_process_group_ranks(dp_group)
+    try:
+        node = topology_of(mine.index(dist.get_rank()), mine, gpus_per_node)
+    except TopologyError as err:
+        raise ConfigError(str(err)) from None
+    for name, ranks in (("intra_group", node.intra_ranks()), ("inter_group", node.inter_ranks())):
+        setattr(node, name, dist.new_group([mine[d] for d in ranks]) if len(ranks) > 1 else None)
+    return node
 
 
 def release_topology() -> None:
@@ -184,6 +201,11 @@ def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
         raise ConfigError(f"probe: zero.offload_optimizer = {z.offload_optimizer!r}, zero.offload_params = "
                           f"{z.offload_params!r}: the NVMe placements do file I/O, which fake tensors cannot "
                           "do; probe with \"cpu\" (the device side is the same code) or with --real")
+    quantized = [f"zero.{key} = {getattr(z, key)!r}" for key in ("quantize_weights", "quantize_gradients")
+                 if getattr(z, key) != "none"]
+    if fake and quantized:  # a block's scale is its values' maximum: fake tensors hold no values
+        raise ConfigError(f"probe: {', '.join(quantized)}: the quantization scales are data, which fake tensors "
+                          "do not hold; probe with --real, or without quantization (it adds no model states)")
 
 
 def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:

@@ -183,5 +183,7 @@ def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
     for g in engine.groups.values():
         tracker.register(_MemRefType.PARAM, g.param_flat)
         tracker.register(_MemRefType.GRAD, g.grads)
+        if g.secondary is not None:  # stage 3 hpZ: the node-local copy of the parameters
+            tracker.register(_MemRefType.PARAM, g.secondary)
         for _, piece in g.master_pieces:  # one tensor, or per-bucket views of the fp32 parameters
             tracker.register(_MemRefType.OPT, piece)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
-from pretrain.config import Config, validate_layout
+from pretrain.config import Config, ConfigError, validate_layout
 from pretrain.errors import InputError
 from pretrain.runtime.launch import expand_nodelist, host_line, launcher_env, node_name  # noqa: F401 - the launcher's view, re-exported
 
@@ -30,6 +30,10 @@ class Topology:
     dp_group: object
     tp_group: object
     pp_group: object
+    # The DP group's nodes (zero3d/topology.py), with intra-/inter-node groups only when a node-aware
+    # zero.* mode is on; cluster.gpus_per_node places global rank g on node g // gpus_per_node.
+    node: Optional[object] = None
+    gpus_per_node: Optional[int] = None
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +83,20 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)
     ps = parallel_state
-    return Topology(rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
+    node = None
+    if cfg.zero.node_aware():  # every rank builds the same sub-groups, in one agreed order
+        from zero3d.topology import TopologyError, build_node_topology
+        try:
+            node = build_node_topology(ps.get_data_parallel_group(), gpus_per_node=cfg.cluster.gpus_per_node,
+                                       timeout=collective_timeout(cfg))
+        except TopologyError as err:
+            raise ConfigError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs",
+                              agreed=True) from None
+        problem = cfg.zero.node_layout_error(node.per_node, node.gpus_per_node)
+        if problem:  # the same on every rank (every DP group has the same ranks per node)
+            raise ConfigError(problem, "config", agreed=True)
+    return Topology(node=node, gpus_per_node=cfg.cluster.gpus_per_node,
+                    rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                     tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
                     tp_rank=ps.get_tensor_model_parallel_rank(),
                     pp_rank=ps.get_pipeline_model_parallel_rank(),

@@ -72,7 +72,7 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
                 "perf/tflops_per_gpu", "perf/step_time_s", "mem/params_bytes", "mem/grads_bytes",
                 "mem/master_params_bytes", "mem/optimizer_states_bytes", "mem/rss_bytes",
                 "comm/reduce_scatter/grads/bytes", "comm/reduce_scatter/grads/calls", "comm/all_gather/params/bytes",
-                "comm/total/bytes", "comm/time/hidden_fraction"}
+                "comm/total/bytes", "comm/time/hidden_fraction", "comm/intra_node_bytes", "comm/inter_node_bytes"}
     for row in rows:
         assert required <= row.keys(), required - row.keys()
     assert {"val/loss", "val/ppl"} <= rows[-1].keys()

@@ -126,3 +126,34 @@ def test_budget_is_the_configs_gpu_memory_unless_the_flag_says(gib, flag, fits, 
     out = json.loads(capsys.readouterr().out)
     assert out["verdict"]["device_bytes"] == int((flag or gib) * 2**30)
     assert (code, out["verdict"]["fits"]) == ((0, True) if fits else (1, False))
+
+
+def _probe_full(capsys, *overrides):
+    code = probe.main(["--config", "configs/tiny.toml", "--world", "4", "--steps", "2", "--json", "model.num_layers=2",
+                       "train.global_batch_size=16", "parallel.tensor=1", "zero.stage=3", "cluster.gpus_per_node=2",
+                       *overrides])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_hpz_and_hybrid_memory_in_engine_probe_and_estimator_agree(capsys):
+    """4 ranks as 2 nodes × 2 (N = 4, m = 2): hpZ adds the Ψb/m secondary shard = 2× the Ψb/N parameter
+    shard; hybrid shards over m, doubling every state. Executed (the probe) = estimated, per category."""
+    plain = _probe_full(capsys)
+    hpz = _probe_full(capsys, "zero.secondary_partition=node")
+    hybrid = _probe_full(capsys, "zero.hybrid=node")
+    shard = plain["run"]["engine_state_bytes"]["params"]
+    assert hpz["run"]["engine_state_bytes"]["secondary_params"] == 2 * shard
+    assert hpz["run"]["model_states"]["params"] == 3 * shard
+    assert hybrid["run"]["model_states"]["params"] == 2 * shard
+    assert hybrid["run"]["model_states"]["grads"] == 2 * plain["run"]["model_states"]["grads"]
+    for out in (plain, hpz, hybrid):
+        by = {row["category"]: row for row in out["comparison"]}
+        for category in ("params", "grads"):
+            assert by[category]["estimate_bytes"] == by[category]["executed_bytes"], (category, out["config"])
+
+
+def test_quantized_modes_are_refused_on_fake_tensors(capsys):
+    assert probe.main(["--config", "configs/tiny.toml", "zero.stage=3", "zero.quantize_weights=int8",
+                       "cluster.gpus_per_node=2"]) == 2
+    assert "probe: zero.quantize_weights = 'int8': the quantization scales are data" in capsys.readouterr().err

@@ -14,6 +14,19 @@ from zero3d.config import ZeroConfig, ZeroConfigError
     (dict(param_persistence_threshold=-5), "zero.param_persistence_threshold = -5 must be >= 0"),
     (dict(prefetch_units=-1), "zero.prefetch_units = -1 must be >= 0"),
     (dict(cpu_checkpointing=True), "zero.cpu_checkpointing = true needs zero.partition_activations = true"),
+    (dict(stage=3, secondary_partition="rack"),
+     "zero.secondary_partition = 'rack' is invalid; valid values: 'none', 'node'"),
+    (dict(stage=2, secondary_partition="node"), "zero.secondary_partition = 'node' needs zero.stage = 3"),
+    (dict(stage=2, hybrid="all"), "zero.hybrid = 'all' is invalid; valid values: 'none', 'node'"),
+    (dict(stage=0, hybrid="node"), "zero.hybrid = 'node' needs zero.stage = 1, 2 or 3"),
+    (dict(stage=3, quantize_weights="int4"), "zero.quantize_weights = 'int4' is invalid; valid values: 'none', 'int8'"),
+    (dict(stage=2, quantize_weights="int8"), "zero.quantize_weights = 'int8' needs zero.stage = 3"),
+    (dict(stage=3, quantize_gradients="fp8"),
+     "zero.quantize_gradients = 'fp8' is invalid; valid values: 'none', 'int8', 'int4'"),
+    (dict(stage=1, quantize_gradients="int4"), "zero.quantize_gradients = 'int4' needs zero.stage = 2 or 3"),
+    (dict(quant_block=7), "zero.quant_block = 7 is invalid; must be an even integer > 0"),
+    (dict(quant_block=0), "zero.quant_block = 0 is invalid; must be an even integer > 0"),
+    (dict(stage=3, hybrid="node", secondary_partition="node"), "zero.hybrid = 'node' with zero.secondary_partition"),
 ])
 def test_invalid_settings_name_key_value_and_what_is_valid(fields, message):
     with pytest.raises(ZeroConfigError) as err:
@@ -37,3 +50,21 @@ def test_toml_keys_build_the_same_dataclass(override, message):
 def test_predivide_defaults_to_the_dp_size():
     assert ZeroConfig().predivide(25) == 25.0
     assert ZeroConfig(grad_predivide_factor=1.0).predivide(25) == 1.0
+
+
+def test_node_aware_modes_are_named():
+    assert not ZeroConfig(stage=3).node_aware()
+    assert ZeroConfig(stage=3, secondary_partition="node").node_aware()
+    assert ZeroConfig(stage=1, hybrid="node").node_aware()
+    assert ZeroConfig(stage=3, quantize_weights="int8").node_aware()
+    assert ZeroConfig(stage=2, quantize_gradients="int4").node_aware()
+
+
+def test_hpz_and_hybrid_need_two_dp_ranks_per_node():
+    z = ZeroConfig(stage=3, secondary_partition="node")
+    assert z.node_layout_error(1, 8) == ("zero.hybrid / zero.secondary_partition = 'node' need >= 2 DP ranks per "
+                                         "node; this layout has 1 (cluster.gpus_per_node = 8, after tensor "
+                                         "parallelism's share): use zero.hybrid = zero.secondary_partition = 'none'")
+    assert z.node_layout_error(2, 8) == ""
+    assert ZeroConfig(stage=2, hybrid="node").node_layout_error(1, 2) != ""
+    assert ZeroConfig(stage=3, quantize_weights="int8").node_layout_error(1, 1) == ""  # qwZ runs anywhere

@@ -81,6 +81,18 @@ def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16") -> t
     return param, grad, optimizer
 
 
+def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16") -> float:
+    """Per-GPU bytes a ZeRO++ mode (comm_model.ZEROPP_MODES) adds over stage 3, this formula's one home
+    (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the parameters;
+    hybrid's model states sharded over m instead of N ranks: (b_p + b_g + K)Ψ(1/m − 1/N)."""
+    p = PRECISIONS[precision]
+    if mode in ("+hpZ", "qwZ+hpZ+qgZ"):
+        return psi * p.param_bytes / per_node
+    if mode == "+hybrid":
+        return psi * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * (1 / per_node - 1 / dp)
+    return 0.0
+
+
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
                            act_bytes: int = 2, ffn_hidden: Optional[int] = None) -> int:
     """Korthikanti et al. 2022 (no sequence parallelism) activations one layer keeps for backward.
@@ -189,10 +201,13 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
                         ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION,
-                        loss_chunk_tokens: int = 0) -> MemoryBreakdown:
+                        loss_chunk_tokens: int = 0, secondary_partition: bool = False, hybrid: bool = False,
+                        dp_per_node: int = 1) -> MemoryBreakdown:
     """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
-    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py)."""
+    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py).
+    ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
+    `hybrid` shards the model states over the node's m ranks instead of all dp."""
     validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
                    pa_cpu, precision, bucket_elements, prefetch_units)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
@@ -204,7 +219,12 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
     dp = gpus // tp
     vocab_pad = padded_vocab(vocab, tp, vocab_divisible_by)
     psi = gpt_param_count(layers, hidden, vocab, seq, tp, tied, ffn_hidden, vocab_divisible_by)
-    param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp, precision))
+    if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
+        raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
+    param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
+                                                                  precision))
+    if secondary_partition:
+        param += extra_state_bytes("+hpZ", psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
     layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden)

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 
 from zero3d.analysis.comm_model import (H100_LINKS, PAPER_LINKS, ZEROPP_MODES, Links, link_bytes, link_seconds,
                                         zeropp_collectives)
-from zero3d.analysis.estimate import PRECISIONS, V100_MEMORY_BYTES, estimate_from_shape, gpt_param_count, GB
+from zero3d.analysis.estimate import V100_MEMORY_BYTES, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
 from zero3d.analysis.paper_configs import load_paper_runs
 from zero3d.analysis.flops import gpt_flops_per_step
 from zero3d.analysis.planner import PAPER_CLUSTER, PAPER_SEQ, GPT2_VOCAB
@@ -28,17 +28,6 @@ H100 = Machine("H100: 8 per node, NVLink 4, 8 × 400 Gb/s IB per node", H100_LIN
 # Sustained share of peak: the planner's (Megatron-LM's single-V100 39 of 125 TFLOP/s); for the H100
 # the same share is an assumption, not a measurement.
 EFFICIENCY = PAPER_CLUSTER.efficiency
-
-
-def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16") -> float:
-    """Per-GPU bytes a mode adds over stage 3: hpZ's secondary copy Ψb/m of the parameters; hybrid's
-    model states sharded over m instead of N ranks: (b_p + b_g + K)Ψ(1/m − 1/N)."""
-    p = PRECISIONS[precision]
-    if mode in ("+hpZ", "qwZ+hpZ+qgZ"):
-        return psi * p.param_bytes / per_node
-    if mode == "+hybrid":
-        return psi * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * (1 / per_node - 1 / dp)
-    return 0.0
 
 
 def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int, tp: int, micro_batch: int,
