@@ -63,7 +63,7 @@ def bench_rank(rank, world_size, args):
         model_parallel_cuda_manual_seed(1)
         acts = activation_checkpointing(cfg.zero, topo.tp_group)
         model = build_model(cfg, topo.device, acts)
-        engine = zero3d.wrap_model(model, stage, engine_settings(cfg),
+        engine = zero3d.wrap_model(model, engine_settings(cfg),
                                    zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
         if acts:
             acts.record_into(engine.comm_stats)

@@ -149,7 +149,7 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
                              "zero.stage=2", "logging.wandb=false"])
     topo = init_topology(cfg)
     model = build_model(cfg, topo.device)
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     tokens, losses = tokens_batch(shape, topo.device), []
 
     def step():

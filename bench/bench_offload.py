@@ -65,7 +65,7 @@ def run_system(rank, world, system, args):
     if system.startswith("zero3d-"):
         import zero3d
         from pretrain.train import engine_settings
-        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
+        engine = zero3d.wrap_model(model, engine_settings(cfg),
                                    zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state_bytes = engine.state_bytes

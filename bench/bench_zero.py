@@ -187,7 +187,7 @@ def run_system(rank, world, system, args):
         import zero3d
         from pretrain.train import engine_settings
         nodes = {"node_topology": topo.node, "gpus_per_node": topo.gpus_per_node} if hasattr(topo, "node") else {}
-        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg),
+        engine = zero3d.wrap_model(model, engine_settings(cfg),
                                    zero3d.ParallelGroups(topo.dp_group, topo.tp_rank, **nodes))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state = lambda: sum(engine.state_bytes().values())  # noqa: E731

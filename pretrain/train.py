@@ -165,7 +165,7 @@ def build_and_wrap(cfg: Config, topo: Topology, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats."""
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg, **seams), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     return model, engine, activations

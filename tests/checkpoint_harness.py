@@ -36,7 +36,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
     try:
         model = build_model(cfg, topo.device)
         psi = sum(p.numel() for p in model.parameters())  # before stage 3 frees them
-        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
         layout = layout_signature(cfg, topo)

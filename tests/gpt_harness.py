@@ -61,7 +61,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
     group_numels = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
                     "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
-    engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)

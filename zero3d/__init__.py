@@ -36,20 +36,19 @@ STAGES = {0: ReplicatedEngine, 1: OptimizerShardedEngine, 2: GradientShardedEngi
           3: ParameterShardedEngine}
 
 
-def wrap_model(model, stage: int, settings: EngineSettings, groups: ParallelGroups,
+def wrap_model(model, settings: EngineSettings, groups: ParallelGroups,
                units: Optional[Callable] = None) -> DataParallelEngine:
-    """Apply ZeRO-DP `stage` to `model` over `groups.dp_group`; the loop then only sees the interface.
-
-    `stage` decides the engine (settings.zero.stage is set to it); `units` (stage 3: model ->
-    [(name, module[, parameters handed at call time])]) overrides `settings.units`.
+    """Apply ZeRO-DP stage `settings.zero.stage` to `model` over `groups.dp_group`; the loop then only sees
+    the interface. `units` (stage 3: model -> [(name, module[, parameters handed at call time])]) overrides
+    `settings.units`.
     """
+    stage = settings.zero.stage
     if stage not in STAGES:
         raise ValueError(f"zero.stage = {stage!r} is invalid; valid stages: {sorted(STAGES)}")
     if stage == 3 and groups.tied:
         raise ValueError("ZeRO stage 3 does not support gradients summed over another group (weights "
                          "tied across pipeline stages, sequence-parallel layer norms); use zero.stage <= 2")
-    settings = dataclasses.replace(settings, zero=dataclasses.replace(settings.zero, stage=stage),
-                                   units=units if units is not None else settings.units)
+    settings = dataclasses.replace(settings, units=units if units is not None else settings.units)
     return STAGES[stage](model, settings, groups)
 
 

@@ -117,7 +117,7 @@ def engine_rank(rank, world_size, tp, steps):
     for stage, mode in [(0, "pa"), (1, "pa_cpu"), (2, "pa_cpu_md"), (2, "megatron"), (1, "megatron"),
                         (0, "megatron")]:
         cfg, model, acts = build(overrides + mode_overrides(mode) + [f"zero.stage={stage}"], topo)
-        engine = zero3d.wrap_model(model, stage, engine_settings(cfg),
+        engine = zero3d.wrap_model(model, engine_settings(cfg),
                                    zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
         if acts is not None:
             acts.record_into(engine.comm_stats)

@@ -17,11 +17,11 @@ def _scale_trajectory(rank, world, stage, predivide):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)).half()
     settings = zero3d.EngineSettings(
-        zero=zero3d.ZeroConfig(bucket_elements=1500, grad_predivide_factor=predivide), dtype=torch.float16,
+        zero=zero3d.ZeroConfig(stage=stage, bucket_elements=1500, grad_predivide_factor=predivide), dtype=torch.float16,
         optimizer=zero3d.OptimizerConfig(clip_grad=1.0, lr=1e-3),
         # grows every 2 clean steps from near the fp16 limit: the scale keeps probing overflow
         loss_scale=zero3d.LossScaleConfig(initial_loss_scale=2.0**14, growth_interval=2, hysteresis=1))
-    engine = zero3d.wrap_model(model, stage, settings, zero3d.ParallelGroups(dp_group=None))
+    engine = zero3d.wrap_model(model, settings, zero3d.ParallelGroups(dp_group=None))
     scales, skipped = [], []
     for step in range(STEPS):
         data = torch.Generator().manual_seed(step)  # the same batch on every rank

@@ -72,7 +72,7 @@ def syncs_rank(rank, world_size, steps=2):
         topo = init_topology(cfg)
         activations = activation_checkpointing(cfg.zero, topo.tp_group)
         model = build_model(cfg, topo.device, activations)
-        engine = zero3d.wrap_model(model, cfg.zero.stage, engine_settings(cfg), parallel_groups(model, topo))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         counts, phase = Counter(), ["warm-up"]
         with counting_syncs(counts, phase):

@@ -14,8 +14,8 @@ def _train(rank, world, stage, overlap):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-    zero = zero3d.ZeroConfig(bucket_elements=200, overlap_comm=overlap, overlap_param_gather=overlap)
-    engine = zero3d.wrap_model(model, stage, zero3d.EngineSettings(zero=zero, optimizer=zero3d.OptimizerConfig(clip_grad=1.0)),
+    zero = zero3d.ZeroConfig(stage=stage, bucket_elements=200, overlap_comm=overlap, overlap_param_gather=overlap)
+    engine = zero3d.wrap_model(model, zero3d.EngineSettings(zero=zero, optimizer=zero3d.OptimizerConfig(clip_grad=1.0)),
                                zero3d.ParallelGroups(dp_group=None))
     data = torch.Generator().manual_seed(1 + rank)
     pending, hidden, norms = [], [], []

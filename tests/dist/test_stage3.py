@@ -90,7 +90,7 @@ def _probe(rank, world, overrides, steps):
     topo = init_topology(cfg)
     model = build_model(cfg, topo.device)
     psi = sum(p.numel() for p in model.parameters())
-    engine = zero3d.wrap_model(model, 3, engine_settings(cfg), zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
+    engine = zero3d.wrap_model(model, engine_settings(cfg), zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
     sharded = [p for u in engine.units for g in u.groups for p in g.params]
     released = lambda: all(p.numel() == 0 for p in sharded) and engine._live == 0  # noqa: E731
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
@@ -222,9 +222,9 @@ def _generic(rank, world, stage):
 
     torch.manual_seed(0)
     model = Net()
-    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(bucket_elements=64),
+    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(stage=stage, bucket_elements=64),
                                      optimizer=zero3d.OptimizerConfig(clip_grad=0.5))
-    engine = zero3d.wrap_model(model, stage, settings,
+    engine = zero3d.wrap_model(model, settings,
                                zero3d.ParallelGroups(dp_group=None))
     g = torch.Generator().manual_seed(1 + rank)
     losses = []

@@ -164,7 +164,7 @@ def _staging_peak(rank, world, num_layers):
     cfg = load_config(None, BASE + ["zero.stage=2", "zero.bucket_elements=2000", "train.global_batch_size=4",
                                     f"model.num_layers={num_layers}"])
     topo = init_topology(cfg)
-    engine = zero3d.wrap_model(build_model(cfg, topo.device), 2, engine_settings(cfg),
+    engine = zero3d.wrap_model(build_model(cfg, topo.device), engine_settings(cfg),
                                zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
     batches = Batches(SyntheticTokens(128, 16), cfg.train, cfg.data, topo)
     engine.backward(gpt_loss(engine, batches.get(0, 0)))

@@ -157,7 +157,7 @@ def _overflow_rank(rank, world_size, quantize):
     settings = zero3d.EngineSettings(zero=ZeroConfig(stage=2, bucket_elements=40, quantize_gradients=quantize,
                                                      quant_block=4))
     topo = build_node_topology(None, gpus_per_node=2)
-    engine = zero3d.wrap_model(model, 2, settings, zero3d.ParallelGroups(dp_group=None, node_topology=topo))
+    engine = zero3d.wrap_model(model, settings, zero3d.ParallelGroups(dp_group=None, node_topology=topo))
     skipped = []
     for step in range(3):
         x = torch.ones(4, 8)

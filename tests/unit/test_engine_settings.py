@@ -74,9 +74,9 @@ def test_engine_builds_its_optimizer_and_reads_the_norm_through_its_seams(world,
         built.append(([(t.numel(), wd) for t, wd in tensors_and_decay], lr, betas, eps))
         return torch.optim.SGD([t for t, _ in tensors_and_decay], lr=lr)
 
-    settings = zero3d.EngineSettings(optimizer=OptimizerConfig(lr=0.5, weight_decay=0.25, beta2=0.9),
+    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(stage=stage), optimizer=OptimizerConfig(lr=0.5, weight_decay=0.25, beta2=0.9),
                                      optimizer_factory=factory, read_host_float=lambda value: float("inf"))
-    engine = zero3d.wrap_model(model, stage, settings, zero3d.ParallelGroups(dp_group=None))
+    engine = zero3d.wrap_model(model, settings, zero3d.ParallelGroups(dp_group=None))
     assert built == [([(12, 0.25), (9, 0.0)], 0.5, (0.9, 0.9), 1e-8)]
     assert isinstance(engine.optimizer, torch.optim.SGD)
     before = [p.detach().clone() for p in model.parameters()]
