@@ -12,14 +12,14 @@ if __name__ == "__main__":
     # its default action kills the rank. Blocked from the first line, it stays pending until the train
     # loop's handler is installed (StopRequest in pretrain/train.py unblocks it), then stops the run.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    import os as _os
     import warnings as _warnings
 
     from pretrain.runtime.kernels import MEGATRON_FALLBACK_WARNINGS
+    from pretrain.runtime.launch import env_rank as _env_rank
     # megatron-core warns at import about absent Apex/Transformer Engine: rank 0's start-up summary
     # states each fallback once instead (pretrain/runtime/kernels.py).
     _warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS, module="megatron")
-    if (_os.environ.get("RANK") or _os.environ.get("SLURM_PROCID") or "0") != "0":
+    if _env_rank() != 0:
         # its other import-time warnings (deprecated options) are the same lines from every rank:
         # rank 0 prints them, once each.
         _warnings.filterwarnings("ignore", module="megatron")
@@ -31,7 +31,7 @@ import sys  # noqa: E402
 
 from pretrain.config import ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
 from pretrain.runtime.preflight import check_paths  # noqa: E402
-from pretrain.runtime.launch import check_master_resolves, launcher_env  # noqa: E402
+from pretrain.runtime.launch import check_master_resolves, env_rank, env_world_size, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
 from pretrain.runtime.status import finished, record_failure, report, write_status  # noqa: E402
 
@@ -63,12 +63,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def launch_rank() -> "int | None":
-    """This process's rank as the launcher set it (None when the variable is not a number)."""
-    raw = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    return int(raw) if raw.isdigit() else None
-
-
 def record_config_error(args, err: ConfigError) -> None:
     """A config that does not validate still ends with status.json "failed" (exit 2) in its run_dir,
     when that directory already exists: a requeued job must not read a previous run's status. A
@@ -77,7 +71,7 @@ def record_config_error(args, err: ConfigError) -> None:
         cfg = load_config(args.config, args.overrides, check=False)
     except ConfigError:
         return
-    if cfg.run_dir.is_dir() and launch_rank() == 0 and not finished(cfg.run_dir):
+    if cfg.run_dir.is_dir() and env_rank() == 0 and not finished(cfg.run_dir):
         write_status(cfg.run_dir, "failed", f"ConfigError: {err}", 0, 0, EXIT_CONFIG, err.line())
 
 
@@ -93,15 +87,10 @@ def estimate(cfg) -> int:
     return EXIT_OK if result.fits else EXIT_ESTIMATE_TOO_BIG
 
 
-def launch_world_size() -> int:
-    raw = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
-    return int(raw) if raw.isdigit() else 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     debug = args.debug or os.environ.get("ZERO3D_DEBUG", "") not in ("", "0")
-    rank, timeout_s, cfg, training = launch_rank(), 600.0, None, False
+    rank, timeout_s, cfg, training = env_rank(), 600.0, None, False
     try:
         cfg = load_config(args.config, args.overrides)
         timeout_s = cfg.train.timeout_minutes * 60
@@ -130,7 +119,7 @@ def main(argv=None) -> int:
         elif cfg is None and isinstance(err, ConfigError):
             record_config_error(args, err)
         elif cfg is not None and not training and not finished(cfg.run_dir):
-            record_failure(err, cfg.run_dir, rank, launch_world_size(), 0, timeout_s)
+            record_failure(err, cfg.run_dir, rank, env_world_size(), 0, timeout_s)
         code = report(err, rank, timeout_s, debug, sys.stderr)
         if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
             sys.stdout.flush()

@@ -62,6 +62,19 @@ def check_master_resolves(launch: dict) -> None:
                              "set MASTER_ADDR to the first node's host name or address") from None
 
 
+def env_rank() -> Optional[int]:
+    """This process's rank as the launcher set it, unchecked (None where it is not a number): for the
+    start-up and error paths that run before launcher_env() has validated the launch."""
+    raw = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return int(raw) if raw.isdigit() else None
+
+
+def env_world_size() -> int:
+    """The world size as the launcher set it, unchecked (0 where it is not a number)."""
+    raw = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return int(raw) if raw.isdigit() else 0
+
+
 def launcher_env() -> dict:
     """rank / world / local rank / master from torchrun, else Slurm's srun, else a single process."""
     env = os.environ
