@@ -1,4 +1,4 @@
-"""Helpers for the Slurm tier: a job's `scontrol show job` fields, and waiting for its end."""
+"""Helpers for the Slurm tier: a job's `scontrol show job` fields, waiting for its end or for a condition."""
 import re
 import subprocess
 import time
@@ -29,3 +29,13 @@ def wait_for(cluster: LocalCluster, job_id: str, log_glob, timeout: float = 300.
             pytest.fail(f"job {job_id} not finished after {timeout:.0f}s ({fields.get('JobState')})\n{logs}\n"
                         f"{cluster.logs()}")
         time.sleep(1)
+
+
+def wait_until(predicate, timeout: float, what: str, log_glob):
+    """Poll `predicate` until true; past `timeout`, fail with the tail of the logs `log_glob` (a Path glob) names."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            text = "\n".join(p.read_text(errors="replace")[-4000:] for p in log_glob.parent.glob(log_glob.name))
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{text}")
+        time.sleep(0.2)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.jobs import job_fields, wait_for
+from tests.slurm.jobs import job_fields, wait_for, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -43,15 +43,6 @@ def allocations(run_dir: Path) -> list[dict]:
 
 def host_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("rank ") and ": host " in line]
-
-
-def wait_until(predicate, timeout: float, what: str, log_glob: Path):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            text = "\n".join(p.read_text(errors="replace")[-4000:] for p in log_glob.parent.glob(log_glob.name))
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{text}")
-        time.sleep(0.2)
 
 
 def complete_checkpoints(save_dir: Path) -> list[int]:

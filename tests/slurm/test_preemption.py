@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurm import collect
-from tests.slurm.jobs import job_fields, wait_for
+from tests.slurm.jobs import job_fields, wait_for, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -45,15 +45,6 @@ def submit(cluster, run_dir: Path, *extra, env=None) -> str:
 
 def losses(run_dir: Path) -> dict:
     return {r["step"]: r["train/loss"] for r in collect.read_records(run_dir / "metrics.jsonl")}
-
-
-def wait_until(predicate, timeout: float, what: str, log: Path):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            text = "\n".join(p.read_text(errors="replace")[-4000:] for p in log.parent.glob(log.name))
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{text}")
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(600)
