@@ -52,6 +52,10 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def is_set(self, dotted: str) -> bool:
+        """Did the TOML file or an override give `section.key` (rather than its default)?"""
+        return dotted in vars(self).get("_given", ())
+
     @property
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir or f"runs/{self.logging.name}")
@@ -115,6 +119,7 @@ def _merge(cfg: Config, tree: dict, source: str) -> None:
             if key not in fields:
                 raise _unknown(f"{name}.{key}", fields)
             setattr(section, key, _coerce(f"{name}.{key}", value, hints[key]))
+            vars(cfg).setdefault("_given", set()).add(f"{name}.{key}")  # Config.is_set
 
 
 def _parse_override(text: str) -> tuple[str, str, object]:

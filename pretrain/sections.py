@@ -274,7 +274,8 @@ class ClusterConfig(Section):
     """Elastic jobs: with min_nodes < nodes, slurm/submit.py asks for `sbatch --nodes=min_nodes-nodes` and the
     run takes its DP size from the allocation it gets (the global batch kept); None: exactly `nodes`."""
     gpus_per_node: int = 8
-    """GPUs (tasks) per node."""
+    """GPUs (tasks) per node. The node-aware zero.* modes take the launcher's count (SLURM_NTASKS_PER_NODE,
+    LOCAL_WORLD_SIZE) unless the TOML or an override sets this key, which wins."""
     gpu: str = "H100"
     """Peak table key for MFU and the estimator: V100, A100, H100, H200."""
     gpu_memory_gb: float = 80.0

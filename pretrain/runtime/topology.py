@@ -50,6 +50,19 @@ def collective_timeout(cfg: Config) -> timedelta:
     return timedelta(minutes=cfg.train.timeout_minutes)
 
 
+def ranks_per_node(cfg: Config, env: Optional[dict] = None) -> int:
+    """Ranks per node for the node-aware zero.* modes: cluster.gpus_per_node when the TOML or an override
+    sets it (4 CPU ranks as 2 nodes × 2), else the launcher's count (zero3d.topology), else a ConfigError."""
+    from zero3d.topology import TopologyError, resolve_gpus_per_node
+    explicit = cfg.cluster.gpus_per_node if cfg.is_set("cluster.gpus_per_node") else None
+    try:
+        return resolve_gpus_per_node(explicit, os.environ if env is None else env)
+    except TopologyError as err:
+        raise ConfigError(str(err), "config", "set cluster.gpus_per_node (in the TOML or as an override "
+                          "cluster.gpus_per_node=N) or launch with torchrun / srun, which state the ranks per node",
+                          agreed=True) from None
+
+
 def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     """Validate the layout (before any collective), init the process group and megatron's groups,
     every one of them with the configured timeout."""
@@ -87,7 +100,7 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     if cfg.zero.node_aware():  # every rank builds the same sub-groups, in one agreed order
         from zero3d.topology import TopologyError, build_node_topology
         try:
-            node = build_node_topology(ps.get_data_parallel_group(), gpus_per_node=cfg.cluster.gpus_per_node,
+            node = build_node_topology(ps.get_data_parallel_group(), gpus_per_node=ranks_per_node(cfg),
                                        timeout=collective_timeout(cfg))
         except TopologyError as err:
             raise ConfigError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs",
@@ -95,7 +108,7 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
         problem = cfg.zero.node_layout_error(node.per_node, node.gpus_per_node)
         if problem:  # the same on every rank (every DP group has the same ranks per node)
             raise ConfigError(problem, "config", agreed=True)
-    return Topology(node=node, gpus_per_node=cfg.cluster.gpus_per_node,
+    return Topology(node=node, gpus_per_node=node.gpus_per_node if node else cfg.cluster.gpus_per_node,
                     rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                     tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
                     tp_rank=ps.get_tensor_model_parallel_rank(),

@@ -1,8 +1,9 @@
 """Planner: feasible (tp, ZeRO stage, Pa, Pa+cpu, offload, micro-batch) layouts ranked by modelled throughput."""
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.analysis.comm_model import dp_passes
+from zero3d.analysis.comm_model import Links, dp_passes, link_seconds, zeropp_collectives
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
@@ -67,6 +68,7 @@ class ZeroChoice:
     pa_cpu: bool = False
     offload_optimizer: str = "none"  # zero.offload_optimizer: "none", "cpu", "nvme"
     offload_params: str = "none"  # zero.offload_params (stage 3)
+    zeropp: str = ""  # a ZeRO++ mode of comm_model.ZEROPP_MODES (stage 3), "" for none
 
     @property
     def offloaded(self) -> bool:
@@ -80,12 +82,32 @@ class ZeroChoice:
             extra += f" + opt→{self.offload_optimizer}"
         if self.offload_params != "none":
             extra += f" + params→{self.offload_params}"
+        if self.zeropp:
+            extra += " + " + self.zeropp.lstrip("+")
         return names[self.stage] + extra
 
 
 # Escalation when nothing fits on the device alone (zero.offload_optimizer, zero.offload_params): the
 # optimizer to the host, then to files (host memory short), then stage 3's parameters as well.
 OFFLOAD_TIERS = (("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
+
+# ZeRO++ modes the planner weighs at stage 3 (zero.secondary_partition / hybrid / quantize_*), and those
+# that need >= 2 DP ranks per node (hpZ's secondary shard, hybrid's node-local sharding)
+PLANNER_ZEROPP = ("+hpZ", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ", "+hybrid")
+NODE_MODES = ("+hpZ", "qwZ+hpZ+qgZ", "+hybrid")
+
+
+def dp_per_node(cluster: "Cluster", gpus: int, tp: int) -> int:
+    """DP ranks (stride tp) that share a node: tp-wide TP groups fill the node, the DP group strides across."""
+    m = max(1, min(gpus, cluster.gpus_per_node) // tp)
+    return m if (gpus // tp) % m == 0 else 1
+
+
+def cluster_links(cluster: "Cluster") -> Links:
+    """comm_model's link settings for a planner Cluster (bandwidths; the latencies are Links' defaults)."""
+    return Links(gpus_per_node=cluster.gpus_per_node, nvswitch_bandwidth=cluster.intra_node_bandwidth,
+                 ib_bandwidth_per_node=cluster.inter_node_bandwidth)
+
 
 # Table III: every configuration also runs C_B and M_D
 PAPER_CONFIGS = {"C1": ZeroChoice(1), "C2": ZeroChoice(1, pa=True), "C3": ZeroChoice(2),
@@ -146,8 +168,12 @@ def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: Z
     backward = micro_compute * (3 / 4 if recompute == "full" else 2 / 3)
     passes = dp_passes(zero.stage, accumulation)  # one_pass each (comm_model.dp_passes)
     if zero.stage == 3:
-        # every micro-batch gathers parameters twice and reduce-scatters once, prefetched under compute
-        dp_exposed = accumulation * max(0.0, passes // accumulation * one_pass - micro_compute)
+        # the mode's per-link collectives (comm_model.zeropp_collectives: plain stage 3 is its "stage 3"),
+        # prefetched under each micro-batch's compute up to its length
+        comm = sum(link_seconds(c, cluster_links(cluster)) for c in zeropp_collectives(
+            zero.zeropp or "stage 3", params_per_rank, dp, dp_per_node(cluster, gpus, tp),
+            value_bytes=PRECISIONS[precision].grad_bytes, accumulation=accumulation))
+        dp_exposed = max(0.0, comm - accumulation * micro_compute)
     elif zero.stage == 0:
         # bucketed all-reduce (reduce-scatter + all-gather) of the accumulated gradients overlaps the last backward
         dp_exposed = max(0.0, passes * one_pass - backward)
@@ -207,12 +233,13 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: i
                     continue
                 for option in activation_options:
                     zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
-                    for micro_batch in _divisors(step_batch // dp):
-                        candidate = _candidate(cluster, shape, tp, zero, micro_batch, step_batch, bucket_elements,
-                                               margin_fraction)
-                        if candidate is None:
-                            break  # a larger micro-batch only needs more memory
-                        found.append(candidate)
+                    modes = [""]
+                    if stage == 3 and not zero.offloaded and zero.offload_params == "none":
+                        m = dp_per_node(cluster, gpus, tp)
+                        modes += [z for z in PLANNER_ZEROPP if m >= 2 or z not in NODE_MODES]
+                    for mode in modes:
+                        found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
+                                                step_batch, dp, bucket_elements, margin_fraction)
         # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
         return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
 
@@ -224,12 +251,26 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: i
     return found
 
 
+def _micro_batches(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, step_batch: int, dp: int,
+                   bucket_elements: Optional[int], margin_fraction: float) -> list:
+    """The fitting candidates of one layout, over the micro-batches that divide the per-rank batch."""
+    found = []
+    for micro_batch in _divisors(step_batch // dp):
+        candidate = _candidate(cluster, shape, tp, zero, micro_batch, step_batch, bucket_elements, margin_fraction)
+        if candidate is None:
+            break  # a larger micro-batch only needs more memory
+        found.append(candidate)
+    return found
+
+
 def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_batch: int, step_batch: int,
                bucket_elements: Optional[int], margin_fraction: float) -> Optional[Candidate]:
     """The layout with its memory and modelled time, or None when it does not fit."""
     memory = estimate_from_shape(**shape, tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
                                  pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements,
-                                 gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction)
+                                 gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction,
+                                 secondary_partition="hpZ" in zero.zeropp, hybrid=zero.zeropp == "+hybrid",
+                                 dp_per_node=dp_per_node(cluster, shape["gpus"], tp))
     offload = None
     if zero.offloaded:
         offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
@@ -252,7 +293,7 @@ def format_candidates(candidates: list, top: int = 10) -> str:
     """One line per layout: memory, modelled TFLOP/s per GPU and where the step time goes."""
     lines = []
     for c in candidates[:top]:
-        lines.append(f"  tp {c.tp:<3} dp {c.dp:<4} {c.zero.label:<20} micro-batch {c.micro_batch:<3} "
+        lines.append(f"  tp {c.tp:<3} dp {c.dp:<4} {c.zero.label:<24} micro-batch {c.micro_batch:<3} "
                      f"x{c.accumulation:<3} B {c.global_batch:<5} {c.memory.total_bytes / 1e9:5.1f} GB  "
                      f"{c.tflops_per_gpu:5.1f} TFLOP/s/GPU  step {c.step_s:7.2f} s "
                      f"(compute {c.compute_s:.2f}, "
