@@ -2,6 +2,7 @@
 from collections import defaultdict
 from fractions import Fraction
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -103,81 +104,131 @@ def dp_elements_per_step(stage: int, psi: int, dp: int, accumulation: int = 1) -
     return dp_passes(stage, accumulation) * psi * (dp - 1) / dp
 
 
-# ---- ZeRO++ modes: bytes per link per step (stage 3), and their α-β step time ----------------------
+# ---- Per-link DP collectives of every ZeRO stage (and ZeRO++ / hybrid modes), and their α-β time ------
 
-ZEROPP_MODES = ("stage 3", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")
+# The modes the engine runs at each stage ("" = plain): hybrid sharding (zero.hybrid = "node") at 1-3,
+# qgZ (zero.quantize_gradients) at 2-3, hpZ (zero.secondary_partition) and qwZ (zero.quantize_weights) at 3
+STAGE_MODES = {0: ("",), 1: ("", "+hybrid"), 2: ("", "+hybrid", "+qgZ"),
+               3: ("", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")}
+ZEROPP_MODES = ("stage 3",) + STAGE_MODES[3][1:]  # the --zeropp report's rows ("stage 3" = plain)
 
 
 @dataclass(frozen=True)
 class LinkCollective:
-    """One collective a rank runs in a step: bytes it sends inside its node and across nodes, ring steps."""
+    """Collectives a rank runs in a step for one purpose: bytes it sends inside its node and across nodes,
+    ring steps summed over its `calls` collectives (each paying α per step), and what it carries:
+    "grads" (the gradient reduction), "params" (parameter gathers) or "replicas" (hybrid's cross-node sum)."""
 
     name: str
     intra_bytes: Fraction
     inter_bytes: Fraction
     steps: int
+    calls: int = 1
+    purpose: str = ""
 
 
-def _ring(name: str, nbytes: Fraction, n: int, m: int, ring_groups: int = 1) -> LinkCollective:
-    """A ring collective sending `nbytes` per rank over n ranks, m per node in consecutive blocks:
-    k = n/m nodes give k crossings of the n edges (n when m = 1), so inter = nbytes·k/n = nbytes/m
-    (comm.ring_link_split's model); none inside one node."""
+def _ring(name: str, nbytes: Fraction, n: int, m: int, calls: int, purpose: str,
+          steps_per_call: Optional[int] = None) -> LinkCollective:
+    """`calls` ring collectives over n ranks, m per node in consecutive blocks, sending `nbytes` per rank in
+    all: k = n/m nodes give k crossings of the n edges (n when m = 1), so inter = nbytes·k/n = nbytes/m
+    (comm.ring_link_split's model); none inside one node. Steps: n − 1 per call unless given."""
     k = n // m
     inter = Fraction(nbytes) / m if k > 1 else Fraction(0)
-    return LinkCollective(name, Fraction(nbytes) - inter, inter, ring_groups * (n - 1))
+    per_call = n - 1 if steps_per_call is None else steps_per_call
+    return LinkCollective(name, Fraction(nbytes) - inter, inter, calls * per_call, calls, purpose)
 
 
-def zeropp_collectives(mode: str, psi: int, dp: int, per_node: int, value_bytes: int = 2,
-                       weight_bits: int = 8, grad_bits: int = 4, block: int = 256, scale_bytes: int = 4,
-                       accumulation: int = 1) -> list:
-    """The DP collectives one rank runs per step at stage 3 in `mode` (ZEROPP_MODES), with the bytes it
-    sends on each link: Ψ = psi parameters (of this rank's TP slice), N = dp ranks, m = per_node of
-    them per node, k = N/m nodes, b = value_bytes, q_w / q_g = quantized bytes per element
-    (bits/8 + scale_bytes/block).
+def collectives_per_pass(psi: int, bucket_elements: Optional[int], units: int) -> tuple[int, int]:
+    """(B, G): collectives per pass over the Ψ parameters, as the engine issues them. Stages 0-2 keep a
+    decay and a no-decay flat buffer, each cut into buckets of `bucket_elements` (zero3d/flat.py), one
+    collective per bucket: B = ceil(Ψ/bucket) + 1 (the no-decay biases and norms fit one bucket; None =
+    no CB: one fused buffer each, B = 2); stage 3 reduce-scatters the same B buckets. Stage 3 gathers
+    each of its `units` units (pretrain: the embedding, every layer, the output layer) bucket by bucket,
+    its decay group and its no-decay group apart: G = units·(ceil(Ψ/(units·bucket)) + 1)."""
+    if psi < 1 or units < 1 or (bucket_elements is not None and bucket_elements < 1):
+        raise ValueError(f"psi = {psi}, units = {units}, bucket_elements = {bucket_elements} is invalid; "
+                         "psi and units >= 1, bucket_elements >= 1 or None")
+    if bucket_elements is None:
+        return 2, 2 * units
+    return -(-psi // bucket_elements) + 1, units * (-(-psi // (units * bucket_elements)) + 1)
 
-    stage 3: per micro-batch a forward and a backward all-gather and a reduce-scatter, each sending
-    Ψb(N−1)/N — per node 3Ψb(N−1)/N across nodes. +hpZ: the backward all-gather runs inside the node
-    from the node's secondary shards: Ψb(m−1)/m, all intra. +hybrid: shards inside the node only
-    (both gathers and the reduce-scatter over m ranks), then the Ψ/m gradient shard all-reduced across
-    the k nodes once per step: 2(Ψb/m)(k−1)/k, all inter. +qwZ: both all-gathers send Ψ·q_w(N−1)/N.
-    +qgZ: the reduce-scatter is quantization.quantized_reduce_scatter's two all-to-alls: inside the node
-    (m−1) chunks of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g. qwZ+hpZ+qgZ: the three together.
+
+def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, value_bytes: int = 2,
+                   weight_bits: int = 8, grad_bits: int = 4, block: int = 256, scale_bytes: int = 4,
+                   accumulation: int = 1, buckets: int = 1, gathers: int = 1) -> list:
+    """The DP collectives one rank runs per step at ZeRO `stage` in `mode` (STAGE_MODES[stage]), with the
+    bytes it sends on each link: Ψ = psi parameters (of this rank's TP slice, padded as the flat buffers
+    are), N = dp ranks, m = per_node of them per node, k = N/m nodes, b = value_bytes (gradients and
+    parameters travel in the model dtype), A = accumulation micro-batches, B = buckets collectives per
+    bucketed pass, G = gathers per stage-3 gather pass (collectives_per_pass), q_w / q_g = quantized
+    bytes per element (bits/8 + scale_bytes/block). Per rank per step:
+
+    stage 0: the accumulated gradients all-reduced once per step: 2Ψb(N−1)/N in B calls of 2(N−1) steps.
+    stage 1: once per step, a reduce-scatter of the accumulated gradients and an all-gather of the
+    updated parameters: Ψb(N−1)/N each, B calls of N−1 steps each.
+    stage 2: a reduce-scatter per micro-batch (AΨb(N−1)/N, A·B calls) and one all-gather (B calls).
+    stage 3: per micro-batch a forward and a backward all-gather (A·G calls each) and a reduce-scatter
+    (A·B calls), Ψb(N−1)/N each: per node 3AΨb(N−1)/N across nodes. +hpZ: the backward all-gather runs
+    inside the node from the node's secondary shards: AΨb(m−1)/m, all intra. +qwZ: both all-gathers send
+    AΨq_w(N−1)/N. +qgZ (stages 2, 3): each reduce-scatter is quantization.quantized_reduce_scatter's two
+    all-to-alls: inside the node (m−1) chunks of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g
+    (m−1 and k−1 steps per bucket); its one-element overflow-flag all-reduce per bucket is not counted.
+    qwZ+hpZ+qgZ: the three together.
+    +hybrid (stages 1-3): the stage's collectives over the node's m ranks (all intra, ring (m−1)/m), then
+    the Ψ/m gradient shard all-reduced across the k nodes once per step: 2(Ψb/m)(k−1)/k, all inter, one
+    call per bucket piece (B calls of 2(k−1) steps).
+
+    A ring over N ranks in k > 1 node blocks crosses nodes on k of its N edges: a rank counts 1/m of what
+    it sends as inter-node (`_ring`, comm.ring_link_split).
     """
-    if mode not in ZEROPP_MODES:
-        raise ValueError(f"mode {mode!r} is invalid; valid: {', '.join(ZEROPP_MODES)}")
+    if stage not in STAGE_MODES or mode not in STAGE_MODES[stage]:
+        valid = STAGE_MODES.get(stage, ())
+        raise ValueError(f"mode {mode!r} is invalid at stage {stage}; valid: "
+                         + (", ".join(repr(v) for v in valid) if valid else "stage 0-3"))
     if dp < 1 or per_node < 1 or dp % per_node:
         raise ValueError(f"dp = {dp} with {per_node} per node is invalid; dp must be a multiple of per_node >= 1")
+    if min(accumulation, buckets, gathers) < 1:
+        raise ValueError(f"accumulation = {accumulation}, buckets = {buckets}, gathers = {gathers} is invalid; "
+                         "each must be >= 1")
     n, m, k, a = dp, per_node, dp // per_node, accumulation
     full = Fraction(psi * value_bytes)
-    q_w = Fraction(weight_bits, 8) + Fraction(scale_bytes, block)
-    q_g = Fraction(grad_bits, 8) + Fraction(scale_bytes, block)
-    ring = Fraction(n - 1, n)
-    hpz, qwz, qgz = (mode in ("+hpZ", "qwZ+hpZ+qgZ"), mode in ("+qwZ", "qwZ+hpZ+qgZ"),
-                     mode in ("+qgZ", "qwZ+hpZ+qgZ"))
+    hpz, qwz, qgz = "hpZ" in mode, "qwZ" in mode, "qgZ" in mode
     if mode == "+hybrid":
-        node_ring = Fraction(m - 1, m)
-        out = [_ring("all_gather fwd (node)", full * node_ring, m, m, a),
-               _ring("all_gather bwd (node)", full * node_ring, m, m, a),
-               _ring("reduce_scatter (node)", full * node_ring, m, m, a)]
-        if k > 1:
-            shard = full / m
-            out.append(LinkCollective("all_reduce (across nodes)", Fraction(0), 2 * shard * Fraction(k - 1, k),
-                                      2 * (k - 1)))
-        return out
-    gather = psi * q_w * ring if qwz else full * ring
-    out = [_ring("all_gather fwd" + (" (qwZ)" if qwz else ""), gather * a, n, m, a)]
-    if hpz:
-        out.append(_ring("all_gather bwd (node, hpZ)", full * Fraction(m - 1, m) * a, m, m, a))
-    else:
-        out.append(_ring("all_gather bwd" + (" (qwZ)" if qwz else ""), gather * a, n, m, a))
+        n = m  # sharded inside the node: every ring below runs over the node's m ranks
+    ring = Fraction(n - 1, n)
+    where = " (node)" if mode == "+hybrid" else ""
+    grad_rs = [_ring("reduce_scatter" + where, full * ring * (a if stage >= 2 else 1), n, m,
+                     buckets * (a if stage >= 2 else 1), "grads")]
     if qgz:
-        out.append(LinkCollective("all_to_all (node, qgZ)", Fraction(psi, m) * q_g * (m - 1) * a, Fraction(0),
-                                  a * (m - 1)))
-        out.append(LinkCollective("all_to_all (across nodes, qgZ)", Fraction(0),
-                                  Fraction(psi, n) * q_g * (k - 1) * a, a * (k - 1)))
+        q_g = Fraction(grad_bits, 8) + Fraction(scale_bytes, block)
+        grad_rs = [LinkCollective("all_to_all (node, qgZ)", Fraction(psi, m) * q_g * (m - 1) * a, Fraction(0),
+                                  a * buckets * (m - 1), a * buckets, "grads"),
+                   LinkCollective("all_to_all (across nodes, qgZ)", Fraction(0), Fraction(psi, n) * q_g * (k - 1) * a,
+                                  a * buckets * (k - 1), a * buckets, "grads")]
+    if stage == 0:
+        out = [_ring("all_reduce", 2 * full * ring, n, m, buckets, "grads", 2 * (n - 1))]
+    elif stage in (1, 2):
+        out = grad_rs + [_ring("all_gather" + where, full * ring, n, m, buckets, "params")]
     else:
-        out.append(_ring("reduce_scatter", full * ring * a, n, m, a))
+        gather = psi * (Fraction(weight_bits, 8) + Fraction(scale_bytes, block)) * ring if qwz else full * ring
+        tag = " (qwZ)" if qwz else where
+        out = [_ring("all_gather fwd" + tag, gather * a, n, m, a * gathers, "params")]
+        if hpz:
+            out.append(_ring("all_gather bwd (node, hpZ)", full * Fraction(m - 1, m) * a, m, m, a * gathers, "params"))
+        else:
+            out.append(_ring("all_gather bwd" + tag, gather * a, n, m, a * gathers, "params"))
+        out += grad_rs
+    if mode == "+hybrid" and k > 1:
+        out.append(LinkCollective("all_reduce (across nodes)", Fraction(0), 2 * full / m * Fraction(k - 1, k),
+                                  buckets * 2 * (k - 1), buckets, "replicas"))
     return out
+
+
+def zeropp_collectives(mode: str, psi: int, dp: int, per_node: int, **kwargs) -> list:
+    """Stage 3's collectives in a --zeropp report row (ZEROPP_MODES: "stage 3" is plain): dp_collectives."""
+    if mode not in ZEROPP_MODES:
+        raise ValueError(f"mode {mode!r} is invalid; valid: {', '.join(ZEROPP_MODES)}")
+    return dp_collectives(3, "" if mode == "stage 3" else mode, psi, dp, per_node, **kwargs)
 
 
 def link_bytes(collectives: list) -> tuple[Fraction, Fraction]:

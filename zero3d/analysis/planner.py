@@ -3,7 +3,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.analysis.comm_model import Links, dp_passes, link_seconds, zeropp_collectives
+from zero3d.analysis.comm_model import STAGE_MODES, Links, collectives_per_pass, dp_collectives, link_seconds
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
@@ -68,7 +68,7 @@ class ZeroChoice:
     pa_cpu: bool = False
     offload_optimizer: str = "none"  # zero.offload_optimizer: "none", "cpu", "nvme"
     offload_params: str = "none"  # zero.offload_params (stage 3)
-    zeropp: str = ""  # a ZeRO++ mode of comm_model.ZEROPP_MODES (stage 3), "" for none
+    zeropp: str = ""  # a node-aware mode of comm_model.STAGE_MODES[stage] (+hybrid, +qgZ, ...), "" for none
 
     @property
     def offloaded(self) -> bool:
@@ -91,9 +91,10 @@ class ZeroChoice:
 # optimizer to the host, then to files (host memory short), then stage 3's parameters as well.
 OFFLOAD_TIERS = (("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
 
-# ZeRO++ modes the planner weighs at stage 3 (zero.secondary_partition / hybrid / quantize_*), and those
-# that need >= 2 DP ranks per node (hpZ's secondary shard, hybrid's node-local sharding)
-PLANNER_ZEROPP = ("+hpZ", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ", "+hybrid")
+# Node-aware modes the planner weighs per stage besides plain (comm_model.STAGE_MODES: hybrid at 1-3, qgZ at
+# 2-3, hpZ / qwZ at 3), and those that need >= 2 DP ranks per node (hpZ's secondary shard, hybrid's
+# node-local sharding)
+PLANNER_MODES = {stage: modes[1:] for stage, modes in STAGE_MODES.items()}
 NODE_MODES = ("+hpZ", "qwZ+hpZ+qgZ", "+hybrid")
 
 
@@ -141,7 +142,8 @@ class Candidate:
 
 
 def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: ZeroChoice, micro_batch,
-              global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0) -> dict:
+              global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
+              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner."""
     dp = gpus // tp
     if global_batch % (micro_batch * dp):
@@ -160,29 +162,31 @@ def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: Z
     mp = accumulation * allreduces * per_layer * layers / mp_bw if tp > 1 else 0.0
     pa = accumulation * per_layer * layers / mp_bw if zero.pa and tp > 1 else 0.0
     offload = accumulation * 2 * per_layer * layers / cluster.pcie_bandwidth if zero.pa_cpu else 0.0
-    # DP link: the DP group (stride tp) spans every node once there is more than one
-    one_node = gpus <= cluster.gpus_per_node
-    dp_bw = cluster.intra_node_bandwidth if one_node else cluster.inter_node_bandwidth_per_gpu
-    ring = (dp - 1) / dp  # each DP collective moves Ψ·(N_d − 1)/N_d elements per rank
-    one_pass = params_per_rank * PRECISIONS[precision].grad_bytes * ring / dp_bw
+    # DP: the stage's per-link collectives (comm_model.dp_collectives), one α per ring step of every
+    # bucket's / unit's collective (collectives_per_pass), under today's overlap rules per stage
+    buckets, gathers = collectives_per_pass(params_per_rank, bucket_elements, layers + 2)
+    links = cluster_links(cluster)
+    colls = dp_collectives(zero.stage, zero.zeropp, params_per_rank, dp, dp_per_node(cluster, gpus, tp),
+                           value_bytes=PRECISIONS[precision].grad_bytes, accumulation=accumulation,
+                           buckets=buckets, gathers=gathers)
+    seconds = {purpose: sum(link_seconds(c, links) for c in colls if c.purpose == purpose)
+               for purpose in ("grads", "params", "replicas")}
     backward = micro_compute * (3 / 4 if recompute == "full" else 2 / 3)
-    passes = dp_passes(zero.stage, accumulation)  # one_pass each (comm_model.dp_passes)
     if zero.stage == 3:
-        # the mode's per-link collectives (comm_model.zeropp_collectives: plain stage 3 is its "stage 3"),
         # prefetched under each micro-batch's compute up to its length
-        comm = sum(link_seconds(c, cluster_links(cluster)) for c in zeropp_collectives(
-            zero.zeropp or "stage 3", params_per_rank, dp, dp_per_node(cluster, gpus, tp),
-            value_bytes=PRECISIONS[precision].grad_bytes, accumulation=accumulation))
-        dp_exposed = max(0.0, comm - accumulation * micro_compute)
+        dp_exposed = max(0.0, sum(seconds.values()) - accumulation * micro_compute)
     elif zero.stage == 0:
-        # bucketed all-reduce (reduce-scatter + all-gather) of the accumulated gradients overlaps the last backward
-        dp_exposed = max(0.0, passes * one_pass - backward)
+        # bucketed all-reduce of the accumulated gradients overlaps the last backward
+        dp_exposed = max(0.0, seconds["grads"] - backward)
     elif zero.stage == 1:
-        # the accumulated gradients' reduce-scatter overlaps the last backward; the parameter all-gather does not
-        dp_exposed = max(0.0, one_pass - backward) + (passes - 1) * one_pass
+        # the accumulated gradients' reduce-scatter overlaps the last backward; the parameter all-gather
+        # (and hybrid's cross-node all-reduce of the shard, once per step) does not
+        dp_exposed = max(0.0, seconds["grads"] - backward) + seconds["params"] + seconds["replicas"]
     else:
-        # a reduce-scatter per micro-batch, each under its own backward; the parameter all-gather is not
-        dp_exposed = accumulation * max(0.0, one_pass - backward) + (passes - accumulation) * one_pass
+        # a reduce-scatter per micro-batch, each under its own backward; the all-gather and hybrid's
+        # cross-node all-reduce are not
+        dp_exposed = (accumulation * max(0.0, seconds["grads"] / accumulation - backward) + seconds["params"]
+                      + seconds["replicas"])
     pcie = pcie_bytes / cluster.pcie_bandwidth  # ZeRO-Offload; the CPU optimizer's own time is not modelled
     step = compute + mp + pa + offload + dp_exposed + pcie
     return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,
@@ -234,9 +238,9 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: i
                 for option in activation_options:
                     zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
                     modes = [""]
-                    if stage == 3 and not zero.offloaded and zero.offload_params == "none":
+                    if not zero.offloaded and zero.offload_params == "none":
                         m = dp_per_node(cluster, gpus, tp)
-                        modes += [z for z in PLANNER_ZEROPP if m >= 2 or z not in NODE_MODES]
+                        modes += [z for z in PLANNER_MODES[stage] if m >= 2 or z not in NODE_MODES]
                     for mode in modes:
                         found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
                                                 step_batch, dp, bucket_elements, margin_fraction)
@@ -285,7 +289,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                        seq=shape["seq"], gpus=shape["gpus"], tp=tp, zero=zero, micro_batch=micro_batch,
                        global_batch=step_batch, params_per_rank=memory.params_per_rank,
                        recompute=shape["recompute"], precision=shape["precision"],
-                       pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0)
+                       pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements)
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, **timing)
 
 
