@@ -7,8 +7,8 @@ import torch
 from checkpoint_harness import train_segment
 from pretrain.checkpoint.files import read_json
 from ranks import run_ranks
-from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
-from zero3d.analysis.estimate import extra_state_bytes
+from zero3d.analysis.comm_model import dp_collectives, link_bytes, zeropp_collectives
+from zero3d.analysis.estimate import extra_state_bytes, model_state_bytes
 
 NODES = ("cluster.gpus_per_node=2",)  # 4 ranks: global ranks 0, 1 on node 0; 2, 3 on node 1
 FP32 = ("train.global_batch_size=8",)
@@ -100,12 +100,25 @@ def test_hybrid_equals_unsharded(gpt_run, stage, precision):
         assert all(numel % 2 == 0 for numel in rank_out["padded_numels"].values())
     psi = padded_psi(out[0])
     b = out[0]["value_bytes"]
+    # bytes per link by dp_collectives (accumulation 1): stage 0's all-reduce over 2 nodes × 2, and hybrid's
+    # node-local collectives plus the Ψ/m gradient shard all-reduced across the nodes, to the byte
+    assert link_bytes(dp_collectives(0, "", padded_psi(ref[0]), 4, 2, value_bytes=b)) == \
+        (Fraction(ref[0]["comm"][-1]["comm/intra_node_bytes"]), inter_bytes(ref[0]))
+    expected = link_bytes(dp_collectives(stage, "+hybrid", psi, 4, 2, value_bytes=b))
+    assert inter_bytes(out[0]) == expected[1]  # only the gradient shard's all-reduce crosses nodes
+    if stage < 3:
+        assert Fraction(out[0]["comm"][-1]["comm/intra_node_bytes"]) == expected[0]
+    # memory: shards over m = 2, not N = 4: the stage's states over N plus the estimator's extra
+    if precision == FP32:
+        over_n = sum(model_state_bytes(psi, stage, 4, "fp32"))
+        assert sum(out[0]["state_bytes"].values()) == over_n + extra_state_bytes("+hybrid", psi, 4, 2, "fp32", stage)
     if stage == 3:
         assert out[0]["state_bytes"]["params"] == psi * b // 2
-        if precision == FP32:  # stage 3's 16Ψ/N (fp32: b_p + b_g + K = 4 + 4 + 8) plus the estimator's extra
-            assert sum(out[0]["state_bytes"].values()) == 16 * psi / 4 + extra_state_bytes("+hybrid", psi, 4, 2, "fp32")
-        expected = link_bytes(zeropp_collectives("+hybrid", psi, 4, 2, value_bytes=b))[1]
-        assert inter_bytes(out[0]) == expected  # only the gradient shard's all-reduce crosses nodes
+    elif precision == FP32:  # plain stages 1 and 2 over all 4 ranks (stage 2's run is the qgZ test's reference)
+        plain = run(gpt_run, stage, precision)
+        plain_psi = padded_psi(plain[0])
+        assert inter_bytes(plain[0]) == link_bytes(dp_collectives(stage, "", plain_psi, 4, 2, value_bytes=4))[1]
+        assert sum(plain[0]["state_bytes"].values()) == sum(model_state_bytes(plain_psi, stage, 4, "fp32"))
 
 
 HYBRID_CKPT = ["zero.stage=2", "zero.hybrid=node", *NODES, "train.global_batch_size=8"]

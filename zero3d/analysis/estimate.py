@@ -81,15 +81,19 @@ def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16") -> t
     return param, grad, optimizer
 
 
-def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16") -> float:
-    """Per-GPU bytes a ZeRO++ mode (comm_model.ZEROPP_MODES) adds over stage 3, this formula's one home
-    (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the parameters;
-    hybrid's model states sharded over m instead of N ranks: (b_p + b_g + K)Ψ(1/m − 1/N)."""
+def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16", stage: int = 3) -> float:
+    """Per-GPU bytes a node-aware mode (comm_model.STAGE_MODES) adds over plain ZeRO `stage`, this formula's
+    one home (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the
+    parameters; hybrid's sharded states over m instead of N ranks, (b_p + b_g + K)Ψ(1/m − 1/N) at stage 3,
+    (b_g + K)Ψ(1/m − 1/N) at stage 2, KΨ(1/m − 1/N) at stage 1 (model_state_bytes' shards)."""
     p = PRECISIONS[precision]
     if mode in ("+hpZ", "qwZ+hpZ+qgZ"):
         return psi * p.param_bytes / per_node
     if mode == "+hybrid":
-        return psi * (p.param_bytes + p.grad_bytes + p.optimizer_bytes) * (1 / per_node - 1 / dp)
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage {stage} is invalid for +hybrid; valid: 1, 2, 3 (stage 0 shards nothing)")
+        return sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision)) - \
+            sum(float(x) for x in model_state_bytes(psi, stage, dp, precision))
     return 0.0
 
 
