@@ -1,9 +1,10 @@
 """`python -m zero3d.analysis --zeropp`: α-β step time per link for stage 3 and its ZeRO++ modes on the paper's rows."""
 from dataclasses import dataclass
 
-from zero3d.analysis.comm_model import (H100_LINKS, PAPER_LINKS, ZEROPP_MODES, Links, link_bytes, link_seconds,
-                                        zeropp_collectives)
-from zero3d.analysis.estimate import V100_MEMORY_BYTES, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
+from zero3d.analysis.comm_model import (H100_LINKS, PAPER_LINKS, ZEROPP_MODES, Links, collectives_per_pass,
+                                        link_bytes, link_seconds, zeropp_collectives)
+from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, V100_MEMORY_BYTES, estimate_from_shape,
+                                      extra_state_bytes, gpt_param_count, GB)
 from zero3d.analysis.paper_configs import load_paper_runs
 from zero3d.analysis.flops import gpt_flops_per_step
 from zero3d.analysis.planner import PAPER_CLUSTER, PAPER_SEQ, GPT2_VOCAB
@@ -31,9 +32,11 @@ EFFICIENCY = PAPER_CLUSTER.efficiency
 
 
 def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int, tp: int, micro_batch: int,
-            global_batch: int, grad_bits: int = 4, block: int = 256) -> dict:
-    """Per mode: bytes per link per rank, the α-β communication time per step, and the step time with
-    communication not overlapped (serial) and fully overlapped with compute (max of the two)."""
+            global_batch: int, grad_bits: int = 4, block: int = 256,
+            bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> dict:
+    """Per mode: bytes per link per rank, the α-β communication time per step (α per ring step of every
+    bucket's and unit's collective: comm_model.collectives_per_pass, units = layers + 2), and the step time
+    with communication not overlapped (serial) and fully overlapped with compute (max of the two)."""
     links = machine.links
     if tp > links.gpus_per_node or links.gpus_per_node % tp:
         raise ValueError(f"tp = {tp} does not fit a node of {links.gpus_per_node} GPUs; valid: a divisor of it")
@@ -47,10 +50,11 @@ def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int
     memory = estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=GPT2_VOCAB, seq=PAPER_SEQ,
                                  gpus=gpus, tp=tp, stage=3, micro_batch=micro_batch, recompute="full",
                                  pa=tp > 1, gpu_memory_bytes=machine.gpu_memory_bytes)
+    buckets, gathers = collectives_per_pass(psi, bucket_elements, layers + 2)
     rows = []
     for mode in ZEROPP_MODES:
         colls = zeropp_collectives(mode, psi, dp, per_node, grad_bits=grad_bits, block=block,
-                                   accumulation=accumulation)
+                                   accumulation=accumulation, buckets=buckets, gathers=gathers)
         intra, inter = link_bytes(colls)
         comm = sum(link_seconds(c, links) for c in colls)
         extra = extra_state_bytes(mode, psi, dp, per_node)
