@@ -106,8 +106,7 @@ def test_hybrid_equals_unsharded(gpt_run, stage, precision):
         (Fraction(ref[0]["comm"][-1]["comm/intra_node_bytes"]), inter_bytes(ref[0]))
     expected = link_bytes(dp_collectives(stage, "+hybrid", psi, 4, 2, value_bytes=b))
     assert inter_bytes(out[0]) == expected[1]  # only the gradient shard's all-reduce crosses nodes
-    if stage < 3:
-        assert Fraction(out[0]["comm"][-1]["comm/intra_node_bytes"]) == expected[0]
+    assert Fraction(out[0]["comm"][-1]["comm/intra_node_bytes"]) == expected[0]
     # memory: shards over m = 2, not N = 4: the stage's states over N plus the estimator's extra
     if precision == FP32:
         over_n = sum(model_state_bytes(psi, stage, 4, "fp32"))
