@@ -132,6 +132,25 @@ def test_fused_attention_keeps_softmax_statistics_not_scores():
     assert estimate_from_shape(**shape).activation_bytes - none.activation_bytes == 24 * 335_413_248
 
 
+def test_fused_term_is_what_the_cuda_kernels_keep_beside_their_output():
+    """No GPU here: torch's meta functions of the CUDA kernels give the shapes they return for backward. Flash,
+    memory-efficient and cuDNN attention each keep, beside the output, an fp32 logsumexp per query row and head
+    ([b, a, s]; memory-efficient rounds s up to a multiple of 32, cuDNN adds a unit dim) and a 0-dim or 2-element
+    RNG seed and offset: est.attention_state_bytes("fused", ...) without the RNG state's few bytes."""
+    import torch
+    b, a, s, d = 2, 16, 256, 64
+    q = torch.empty(b, a, s, d, device="meta", dtype=torch.bfloat16)
+    aten = torch.ops.aten
+    outputs = {"flash": aten._scaled_dot_product_flash_attention(q, q, q, 0.1, True),
+               "efficient": aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.1, True),
+               "cudnn": aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.1, True)}
+    for name, out in outputs.items():
+        assert out[0].shape == q.shape, name
+        stats = out[1]
+        assert stats.dtype == torch.float32 and stats.numel() == b * a * s, name
+        assert est.attention_state_bytes("fused", s, b, a, 2) == stats.numel() * 4 == 32_768
+
+
 def test_breakdown_terms():
     shape = dict(layers=10, hidden=1024, heads=16, vocab=50257, seq=1024, gpus=32, tp=4, micro_batch=2)
     psi = gpt_param_count(10, 1024, 50257, 1024, tp=4)
