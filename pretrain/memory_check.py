@@ -20,7 +20,15 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         tied=m.tie_embeddings, prefetch_units=z.prefetch_units, ffn_hidden=m.ffn_hidden_size,
         vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes,
         loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.secondary_partition == "node",
-        hybrid=z.hybrid == "node", dp_per_node=dp_per_node(cfg, world_size))
+        hybrid=z.hybrid == "node", dp_per_node=dp_per_node(cfg, world_size),
+        attention=attention_kind(m.attention))
+
+
+def attention_kind(choice: str) -> str:
+    """The estimator's attention term (estimate.ATTENTION_KINDS) for model.attention = `choice`: "local" keeps
+    the [b·a, s, s] scores; "sdpa", "te" and "auto" (te where importable, else sdpa: pretrain/attention.py's
+    resolve) run fused kernels on a GPU, which keep only the softmax statistics."""
+    return "local" if choice == "local" else "fused"
 
 
 def dp_per_node(cfg: Config, world_size: int) -> int:

@@ -111,12 +111,13 @@ STUDY_LAYERS = (4, 16)  # probed depths for the linear fit (far apart: CB bucket
 
 def study_config(layers: int, name: str) -> Config:
     """The paper's C1-C5 study shape (MP 16, 400 GPUs, batch 16 per GPU, h 8192, 64 heads, s 1024,
-    GPT-2 vocabulary, fp16, full recomputation) with configuration `name`'s ZeRO settings, CB and MD."""
+    GPT-2 vocabulary, fp16, full recomputation, the paper's Megatron attention: "local", whose scores the
+    estimator counts) with configuration `name`'s ZeRO settings, CB and MD."""
     z = PAPER_CONFIGS[name]
     return load_config(None, [
         f"model.num_layers={layers}", f"model.hidden_size={MP_STUDY['hidden']}",
         f"model.num_attention_heads={MP_STUDY['heads']}", "model.seq_length=1024", "model.vocab_size=50257",
-        "model.recompute=\"full\"", f"parallel.tensor={MP_STUDY['tp']}", f"zero.stage={z.stage}",
+        "model.recompute=\"full\"", "model.attention=\"local\"", f"parallel.tensor={MP_STUDY['tp']}", f"zero.stage={z.stage}",
         f"zero.partition_activations={str(z.pa).lower()}", f"zero.cpu_checkpointing={str(z.pa_cpu).lower()}",
         "zero.contiguous_checkpointing=true", "zero.bucket_elements=50000000", "precision.dtype=\"fp16\"",
         f"train.micro_batch_size={MP_STUDY['micro_batch']}",

@@ -110,6 +110,47 @@ def test_activation_formula_is_korthikanti():
     assert layer_activation_bytes(s, b, 1600, 16, 1) == s * b * 1600 * 34 + 5 * 16 * s * s * b
 
 
+def test_fused_attention_keeps_softmax_statistics_not_scores():
+    """The 1.3B shape at s = 2048 in bf16 (h 2048, 16 heads, b 1), by hand: sbh = 2048·2048 = 4,194,304.
+    Local (the paper's): sbh·(34 + 5·a·s/h) = sbh·(34 + 80) = 478,150,656 B per layer. Fused: the same layer
+    without the 5·a·s²·b score bytes, plus one fp32 logsumexp per query row and head: sbh·34 + 16·2048·4
+    = 142,606,336 + 131,072 = 142,737,408 B; 335,413,248 B (80·sbh − 131,072) less per layer."""
+    s, b, h, a = 2048, 1, 2048, 16
+    assert layer_activation_bytes(s, b, h, a, 1) == 478_150_656
+    assert layer_activation_bytes(s, b, h, a, 1, attention="local") == 478_150_656
+    assert layer_activation_bytes(s, b, h, a, 1, attention="fused") == 142_737_408
+    # TP 2: whole + (split + a·s·b·4)/t = 10·sbh + (24·sbh + 131,072)/2 = 41,943,040 + 50,397,184
+    assert layer_activation_bytes(s, b, h, a, 2, attention="fused") == 92_340_224
+    # fp32 (e = 4) at b 2, TP 1: sbh·(4·4 + 2) + sbh·(16 + 32) + 16·2048·2·4 = 66·2·sbh + 262,144
+    assert layer_activation_bytes(s, 2, h, a, 1, act_bytes=4, attention="fused") == 66 * 2 * 4_194_304 + 262_144
+    shape = dict(layers=24, hidden=h, heads=a, vocab=50257, seq=s, gpus=8, micro_batch=b, precision="bf16")
+    full = estimate_from_shape(recompute="full", attention="fused", **shape)
+    assert full.working_set_bytes == 142_737_408  # the one layer recomputed and back-propagated
+    assert estimate_from_shape(recompute="full", **shape).working_set_bytes == 478_150_656  # default: local
+    none = estimate_from_shape(attention="fused", **shape)
+    assert none.working_set_bytes == 24 * 142_737_408
+    assert estimate_from_shape(**shape).activation_bytes - none.activation_bytes == 24 * 335_413_248
+
+
+def test_fused_term_is_what_the_cuda_kernels_keep_beside_their_output():
+    """No GPU here: torch's meta functions of the CUDA kernels give the shapes they return for backward. Flash,
+    memory-efficient and cuDNN attention each keep, beside the output, an fp32 logsumexp per query row and head
+    ([b, a, s]; memory-efficient rounds s up to a multiple of 32, cuDNN adds a unit dim) and a 0-dim or 2-element
+    RNG seed and offset: est.attention_state_bytes("fused", ...) without the RNG state's few bytes."""
+    import torch
+    b, a, s, d = 2, 16, 256, 64
+    q = torch.empty(b, a, s, d, device="meta", dtype=torch.bfloat16)
+    aten = torch.ops.aten
+    outputs = {"flash": aten._scaled_dot_product_flash_attention(q, q, q, 0.1, True),
+               "efficient": aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.1, True),
+               "cudnn": aten._scaled_dot_product_cudnn_attention(q, q, q, None, True, 0.1, True)}
+    for name, out in outputs.items():
+        assert out[0].shape == q.shape, name
+        stats = out[1]
+        assert stats.dtype == torch.float32 and stats.numel() == b * a * s, name
+        assert est.attention_state_bytes("fused", s, b, a, 2) == stats.numel() * 4 == 32_768
+
+
 def test_breakdown_terms():
     shape = dict(layers=10, hidden=1024, heads=16, vocab=50257, seq=1024, gpus=32, tp=4, micro_batch=2)
     psi = gpt_param_count(10, 1024, 50257, 1024, tp=4)
@@ -138,6 +179,7 @@ def test_breakdown_terms():
     (dict(tp=3), "heads = 16 is not divisible by tp = 3; valid tp values: 1, 2, 4, 8"),
     (dict(layers=-1), "layers = -1 is invalid"),
     (dict(pa=True), "pa = True needs recompute = 'full'"),
+    (dict(attention="flash"), "attention = 'flash' is invalid; valid: 'local', 'fused'"),
 ])
 def test_bad_shapes_raise(bad, message):
     args = dict(layers=2, hidden=64, heads=16, vocab=100, seq=8, gpus=8) | bad

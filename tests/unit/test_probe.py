@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from pretrain.config import load_config
+from pretrain.memory_check import estimate_config
 from pretrain.probe import cli as probe
 from zero3d.analysis.comm_model import Links, collective_seconds, comm_breakdown, ring_kind
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION
@@ -157,3 +159,42 @@ def test_quantized_modes_are_refused_on_fake_tensors(capsys):
     assert probe.main(["--config", "configs/tiny.toml", "zero.stage=3", "zero.quantize_weights=int8",
                        "cluster.gpus_per_node=2"]) == 2
     assert "probe: zero.quantize_weights = 'int8': the quantization scales are data" in capsys.readouterr().err
+
+
+ATTN = dict(s=256, b=2, h=64, a=4, t=2)  # bf16 (e = 2), hidden and attention dropout 0 (the defaults)
+
+
+def _attention_probe(capsys, layers, attention):
+    """(activation peak executed, the estimate's working set) of rank 1 of TP 2, recompute none, one step."""
+    s, b, h, a, t = ATTN.values()
+    code = probe.main(["--config", "configs/tiny.toml", "--world", str(t), "--rank", "1", "--steps", "1", "--json",
+                       f"model.num_layers={layers}", f"model.seq_length={s}", f"model.hidden_size={h}",
+                       f"model.num_attention_heads={a}", f"parallel.tensor={t}", f"train.micro_batch_size={b}",
+                       f"train.global_batch_size={b}", "precision.dtype=\"bf16\"", f"model.attention=\"{attention}\""])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    return out["run"]["category_peaks"]["activations"], out["estimate"]["working_set_bytes"]
+
+
+def test_fused_attention_estimate_is_what_a_probed_sdpa_layer_holds(capsys):
+    """model.attention = "auto" (SDPA on CPU: torch's flash kernel for CPU at dropout 0, which saves Q, K, V,
+    its output and the fp32 logsumexp) against the estimator's fused term, per layer (2 layers − 1 layer).
+    By hand, sbh = 256·2·64 = 32,768, e = 2, t = 2: whole 4e·sbh + two 1-byte dropout masks·sbh = 327,680;
+    split (Q, K, V, output 4e·sbh + fc1/GeLU 2e·4·sbh = 786,432) + logsumexp 4·a·s·b = 8,192, ÷ t = 397,312:
+    724,992 B per layer. Local: the split part takes a·s²·b·(2e + 1) = 2,621,440 score bytes instead of the
+    logsumexp: 327,680 + 3,407,872 / 2 = 2,031,616 B."""
+    s, b, h, a, t = ATTN.values()
+    (one, est_one), (two, est_two) = (_attention_probe(capsys, n, "auto") for n in (1, 2))
+    assert (est_one, est_two) == (724_992, 2 * 724_992)
+    cfg = load_config("configs/tiny.toml", [f"model.seq_length={s}", f"model.hidden_size={h}", f"parallel.tensor={t}",
+                                            f"model.num_attention_heads={a}",
+                                            f"train.micro_batch_size={b}", "precision.dtype=\"bf16\"",
+                                            "model.num_layers=1", "model.attention=\"local\""])
+    assert estimate_config(cfg, t, 80e9).working_set_bytes == 2_031_616
+    # Executed per layer: the estimate less the two dropout masks (dropout 0 keeps none: 2·sbh = 65,536 B)
+    # plus the two LayerNorms' mean and rstd (bf16 on CPU: 2 × 2 × 2 B per token = 4,096 B): 663,552 B.
+    assert two - one == 724_992 - 65_536 + 4_096
+    # The probe tells the two apart: local attention holds its scores, on CPU in bf16 the fp32 softmax
+    # output and its bf16 copy (6 B per score, ÷ t), and no logsumexp: a·s²·b·6/2 − 4·a·s·b/2 = 1,568,768 B more.
+    (one_local, _), (two_local, _) = (_attention_probe(capsys, n, "local") for n in (1, 2))
+    assert (two_local - one_local) - (two - one) == 1_572_864 - 4_096

@@ -97,12 +97,33 @@ def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: st
     return 0.0
 
 
+# What core attention keeps for backward besides Q, K, V and its output (docs/estimator.md, Activations):
+# "local": megatron's DotProductAttention materializes the [b·a, s, s] scores and keeps, per score, the
+#   softmax output (e), the dropout mask (1 byte) and the dropout output (e) (Korthikanti et al.; the paper's
+#   Megatron, so the paper's tables use it); "fused": a flash / memory-efficient / cuDNN SDPA kernel or
+#   Transformer Engine's fused attention keeps only the softmax statistics, one fp32 logsumexp per query
+#   row and head, and regenerates dropout from the RNG state (no mask).
+ATTENTION_KINDS = ("local", "fused")
+SOFTMAX_STAT_BYTES = 4  # fp32 logsumexp
+
+
+def attention_state_bytes(attention: str, seq: int, micro_batch: int, heads: int, act_bytes: int = 2) -> int:
+    """Bytes core attention keeps for backward beyond Q, K, V and its output, over all heads (÷ tp per rank)."""
+    s, b, a, e = seq, micro_batch, heads, act_bytes
+    if attention == "local":
+        return a * s * s * b * (2 * e + 1)
+    if attention == "fused":
+        return a * s * b * SOFTMAX_STAT_BYTES
+    raise ValueError(f"attention = {attention!r} is invalid; valid: {', '.join(map(repr, ATTENTION_KINDS))}")
+
+
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
-                           act_bytes: int = 2, ffn_hidden: Optional[int] = None) -> int:
+                           act_bytes: int = 2, ffn_hidden: Optional[int] = None, attention: str = "local") -> int:
     """Korthikanti et al. 2022 (no sequence parallelism) activations one layer keeps for backward.
 
-    At 2-byte activations and ffn = 4h this is s·b·h·(10 + 24/t + 5·a·s/(h·t)); dropout masks are
-    1 byte per element whatever the activation dtype, so the general form keeps them apart.
+    At 2-byte activations, ffn = 4h and local attention this is s·b·h·(10 + 24/t + 5·a·s/(h·t)); dropout
+    masks are 1 byte per element whatever the activation dtype, so the general form keeps them apart.
+    Fused attention (ATTENTION_KINDS) replaces the 5·a·s/(h·t) score term by a·s·b·4/t bytes of statistics.
     """
     s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, act_bytes
     f = ffn_hidden or 4 * h
@@ -110,9 +131,7 @@ def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, 
     whole = s * b * h * (4 * e + 2)
     # split by tp: Q, K, V and proj input (4·e·sbh), fc1 output and GeLU output (2·e·sbf)
     split = s * b * (4 * e * h + 2 * e * f)
-    # attention: softmax output (e) + dropout mask (1) + dropout output (e), per score
-    scores = a * s * s * b * (2 * e + 1)
-    return whole + (split + scores) // t
+    return whole + (split + attention_state_bytes(attention, s, b, a, e)) // t
 
 
 @dataclass(frozen=True)
@@ -168,7 +187,7 @@ class MemoryBreakdown:
 
 
 def validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute,
-                   pa, pa_cpu, precision, bucket_elements=None, prefetch_units=1) -> None:
+                   pa, pa_cpu, precision, bucket_elements=None, prefetch_units=1, attention="local") -> None:
     """Raise ValueError naming the bad value and what would be valid."""
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("vocab", vocab),
                         ("seq", seq), ("gpus", gpus), ("tp", tp), ("micro_batch", micro_batch)):
@@ -195,6 +214,8 @@ def validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_bat
         raise ValueError(f"bucket_elements = {bucket_elements} is invalid; must be > 0 (or None: no CB)")
     if prefetch_units < 0:
         raise ValueError(f"prefetch_units = {prefetch_units} is invalid; must be >= 0")
+    if attention not in ATTENTION_KINDS:
+        raise ValueError(f"attention = {attention!r} is invalid; valid: {', '.join(map(repr, ATTENTION_KINDS))}")
 
 
 def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, gpus: int,
@@ -206,14 +227,16 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION,
                         loss_chunk_tokens: int = 0, secondary_partition: bool = False, hybrid: bool = False,
-                        dp_per_node: int = 1) -> MemoryBreakdown:
+                        dp_per_node: int = 1, attention: str = "local") -> MemoryBreakdown:
     """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py).
     ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
-    `hybrid` shards the model states over the node's m ranks instead of all dp."""
+    `hybrid` shards the model states over the node's m ranks instead of all dp. `attention` (ATTENTION_KINDS):
+    "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
+    softmax statistics, in every layer's activations and so in the working set."""
     validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
-                   pa_cpu, precision, bucket_elements, prefetch_units)
+                   pa_cpu, precision, bucket_elements, prefetch_units, attention)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
         raise ValueError(f"gpu_memory_bytes = {gpu_memory_bytes} must be > 0 and margin_fraction = "
                          f"{margin_fraction} in [0, 1)")
@@ -231,7 +254,7 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
         param += extra_state_bytes("+hpZ", psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
-    layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden)
+    layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden, attention)
     # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
@@ -245,7 +268,8 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
         checkpoints = layers * micro_batch * seq * hidden * e / (tp if pa else 1)
         if pa_cpu:
             checkpoints, host = 0.0, checkpoints
-        working = float(layer_bytes)  # the one layer being recomputed and back-propagated
+        # the one layer being recomputed and back-propagated (fused attention: no [b·a, s, s] buffer either)
+        working = float(layer_bytes)
 
     # The fused fp32 gradient buffer is 4Ψ (paper §III-B); CB caps it at one bucket.
     fused = psi if bucket_elements is None else min(bucket_elements, psi)
