@@ -1,10 +1,10 @@
 """Host syncs per training step (docs/metrics.md, "Host syncs per step"): a counting shim over Tensor.item / .cpu /
-.tolist and torch.cuda.synchronize (and CUDA's sync debug mode where a GPU is present), over every ZeRO stage,
-fp16 loss scaling, Pa+cpu and a 2-stage pipeline: none in forward/backward, one in engine.step (one vector
-all-reduced over every rank: the squared gradient norm — overflow, clip and norm decided from it — and the step's
-loss sum), none for the step's mean loss (equal to the separately all-reduced `mean_loss`, bit for bit); on CPU
-torch's single-tensor AdamW also reads its host step counter once per optimizer tensor (a host tensor: no device
-wait)."""
+.tolist / bool() / float() / int() and torch.cuda.synchronize (and CUDA's sync debug mode where a GPU is present),
+over every ZeRO stage, fp16 loss scaling, Pa+cpu, a 2-stage pipeline and ZeRO++'s qgZ / qwZ: none in
+forward/backward, one in engine.step (one vector all-reduced over every rank: the squared gradient norm — overflow,
+clip and norm decided from it — and the step's loss sum), none for the step's mean loss (equal to the separately
+all-reduced `mean_loss`, bit for bit); on CPU torch's single-tensor AdamW also reads its host step counter once per
+optimizer tensor (a host tensor: no device wait)."""
 import contextlib
 import traceback
 from collections import Counter
@@ -22,14 +22,21 @@ CASES = {  # 2 ranks each
     "tp2_pa_cpu": ["parallel.tensor=2", "zero.stage=2", "model.recompute=full", "zero.partition_activations=true",
                    "zero.cpu_checkpointing=true"],
     "pp2": ["parallel.pipeline=2", "zero.stage=1"],
+    # ZeRO++ on 2 nodes × 1 rank: qgZ's bucket reduce-scatter (its overflow flag agreed on the device) and
+    # qwZ's quantized gathers inside forward/backward
+    "stage2_qgz": ["zero.stage=2", "zero.quantize_gradients=int8", "cluster.gpus_per_node=1"],
+    "stage3_qwz_qgz": ["zero.stage=3", "zero.quantize_weights=int8", "zero.quantize_gradients=int4",
+                       "cluster.gpus_per_node=1"],
 }
 EXPECTED = {"forward_backward": 0, "engine.step": 1, "mean_loss": 0}  # per step; docs/metrics.md
 
 
 @contextlib.contextmanager
 def counting_syncs(counts: Counter, phase: list):
-    """Counts every call of the host-reading methods under the current `phase[0]`."""
-    originals = {(torch.Tensor, n): getattr(torch.Tensor, n) for n in ("item", "cpu", "tolist")}
+    """Counts every call of the host-reading methods under the current `phase[0]` (`bool(t)`, `float(t)`,
+    `int(t)` of a tensor too)."""
+    originals = {(torch.Tensor, n): getattr(torch.Tensor, n)
+                 for n in ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")}
     originals[(torch.cuda, "synchronize")] = torch.cuda.synchronize
 
     def counted(name, fn):
