@@ -53,7 +53,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(),
     """(codes, scales) of a flat view of `x`: int8 codes (int4: uint8, two per byte), one scale per block.
     Refuses non-finite input (a scale of inf or nan would silently poison every element of its block);
     that check reads the host: `check_finite=False` skips it, for callers whose input is finite already
-    (the engine's qgZ sanitizes its buckets on the device first)."""
+    (the engine's qgZ zeroes non-finite gradients on the device first, having agreed on them; its qwZ
+    gathers parameters, which a step never leaves non-finite)."""
     flat = x.detach().reshape(-1).float()
     if check_finite and not bool(torch.isfinite(flat).all()):
         bad = flat[~torch.isfinite(flat)][0].item()
