@@ -43,7 +43,7 @@ def lr_at(step: int, cfg: Config) -> float:
 
 def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
     """The engine's settings: the config's own zero3d sections, the dtype and megatron's gather units;
-    `seams` (the probe's optimizer_factory / read_host_float) pass through."""
+    `seams` (the probe's optimizer_factory / read_host_floats) pass through."""
     fp16 = cfg.precision.dtype == "fp16"
     return zero3d.EngineSettings(zero=cfg.zero, optimizer=cfg.optimizer, dtype=DTYPES[cfg.precision.dtype],
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
@@ -68,10 +68,11 @@ def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Top
 
 
 def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult)."""
+    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult). The loss
+    rides in the engine's gradient-norm all-reduce: one host read per step for both."""
     losses = forward_backward(engine, batches, step, cfg, topo)
-    result = engine.step(lr_at(step, cfg))
-    loss_value = mean_loss(losses, topo)
+    result = engine.step(lr_at(step, cfg), sums=loss_share(losses, topo))
+    loss_value = step_mean_loss(result, topo)
     if topo.device.type == "cuda":
         torch.cuda.synchronize()
     return loss_value, result
@@ -134,8 +135,26 @@ class NonfiniteGuard:
                 "check the data, or raise train.max_nonfinite_steps to tolerate more")
 
 
+def loss_share(losses: list[torch.Tensor], topo: Topology) -> torch.Tensor:
+    """This rank's share of the step's loss sum, fp64 on the device, for `engine.step(lr, sums=...)`, which
+    sums it over every rank: the sum of its micro-batch losses on the last pipeline stage's TP rank 0,
+    0 elsewhere (TP ranks hold the same loss, megatron's vocab-parallel cross-entropy all-reduces it over
+    TP; earlier stages hold none), so the world sum is the sum over the DP ranks. No host read."""
+    value = torch.zeros(1, dtype=torch.float64, device=topo.device)
+    if topo.is_last_stage and topo.tp_rank == 0:
+        value += torch.stack(losses).double().sum()
+    return value
+
+
+def step_mean_loss(result: zero3d.StepResult, topo: Topology) -> float:
+    """The step's mean loss over micro-batches and DP ranks from `loss_share`'s world sum (the same
+    value as `mean_loss`, without its all-reduce and read)."""
+    return result.sums[0] / (topo.grad_accum * topo.dp)
+
+
 def mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
-    """The mean over micro-batches and DP ranks, computed on the last pipeline stage, known to all."""
+    """The mean over micro-batches and DP ranks, computed on the last pipeline stage, known to all
+    (its own all-reduce and host read: `evaluate`; a training step uses `loss_share`)."""
     value = torch.zeros(1, dtype=torch.float64, device=topo.device)
     if topo.is_last_stage:
         value += torch.stack(losses).double().sum()

@@ -21,10 +21,10 @@ from zero3d.quantize import QuantSpec, quantized_reduce_scatter
 from zero3d.topology import NodeTopology
 
 
-def read_host_float(value: torch.Tensor) -> float:
-    """The engine's one device-to-host read (the all-reduced squared gradient norm); the default of
-    `EngineSettings.read_host_float`."""
-    return value.item()
+def read_host_floats(values: torch.Tensor) -> list[float]:
+    """The engine's one device-to-host read per step: the all-reduced vector [squared gradient norm,
+    the caller's step sums...] (see `DataParallelEngine.step`); the default of `EngineSettings.read_host_floats`."""
+    return values.tolist()
 
 
 @dataclass
@@ -40,9 +40,10 @@ class EngineSettings:
     units: Optional[Callable[[nn.Module], list]] = None
     # Seams for the rank-local probe (pretrain/probe/rank.py), which runs the engine on fake tensors
     # standing in for a GPU: how the on-device optimizer is built ([(fp32 tensor, weight decay)], lr,
-    # betas, eps -> torch optimizer), and the one device-to-host read (fake tensors hold no values).
+    # betas, eps -> torch optimizer), and the one device-to-host read per step (fake tensors hold no
+    # values): float64 vector -> its values as floats.
     optimizer_factory: Callable = make_optimizer
-    read_host_float: Callable[[torch.Tensor], float] = read_host_float
+    read_host_floats: Callable[[torch.Tensor], list] = read_host_floats
 
 
 @dataclass
@@ -70,6 +71,7 @@ class StepResult:
     grad_norm: float
     skipped: bool
     loss_scale: float
+    sums: tuple = ()  # `step(lr, sums=...)`: each value summed over every rank of the world group
 
 
 @dataclass
@@ -160,12 +162,16 @@ class DataParallelEngine:
     def finish_backward(self) -> None:
         """After each micro-batch's backward (a pipeline schedule: after the step's last one)."""
 
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, sums: Optional[torch.Tensor] = None) -> StepResult:
         """Reduce, unscale, norm, clip, update, publish; every rank takes the same decision.
 
         The overflow rule, the same for every stage: the step is skipped when the global norm of
         the reduced, unscaled gradients is not finite (an inf/nan in any rank's gradients reaches
         that norm through the reduction or through the norm's all-reduce).
+
+        `sums`: this rank's values (e.g. the training loop's loss sum) to sum over the world group in
+        the norm's all-reduce, read back with it in the step's one host read: `StepResult.sums`, in fp64,
+        whether or not the step is skipped.
         """
         self.finish_param_sync()
         self._reduce_grads()
@@ -174,7 +180,7 @@ class DataParallelEngine:
         if self.scaler.scale != 1.0:
             for grad in master_grads.values():
                 grad.mul_(1.0 / self.scaler.scale)
-        norm = self._global_grad_norm(master_grads)
+        norm, totals = self._global_grad_norm(master_grads, sums)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if not overflow:
@@ -183,7 +189,7 @@ class DataParallelEngine:
             self._publish_params()
         self.zero_grad()
         self.placement.zero_grad()
-        return StepResult(grad_norm=norm, skipped=overflow, loss_scale=self.scaler.scale)
+        return StepResult(grad_norm=norm, skipped=overflow, loss_scale=self.scaler.scale, sums=totals)
 
     def finish_param_sync(self) -> None:
         """Wait for parameter all-gathers still in flight (stages 1/2 overlap them with the next
@@ -255,24 +261,34 @@ class DataParallelEngine:
 
     def _quantized_reduce_scatter(self, spec: QuantSpec, piece: torch.Tensor, buffer: torch.Tensor,
                                   async_op: bool) -> None:
-        """qgZ of one bucket (synchronous). A non-finite value has no scale, so all DP ranks first agree
-        whether any holds one (fp16 overflow); if so the piece becomes inf everywhere, and the step's
-        overflow rule skips the step, on every rank alike."""
+        """qgZ of one bucket (synchronous), without a host read. A non-finite value has no scale, so all
+        DP ranks agree on the device whether any holds one (fp16 overflow), quantize the bucket with
+        those values as 0, and where one was found fill the reduced piece with inf on every rank: the
+        step's overflow rule skips the step, on every rank alike."""
         bad = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
         self.dp.all_reduce(bad, tag="grads_overflow", op=dist.ReduceOp.MAX)
-        if self.settings.read_host_float(bad) > 0:
-            piece.fill_(float("inf"))
-            return None
-        quantized_reduce_scatter(piece, buffer, self.node, spec, self.comm_stats, tag="grads")
+        torch.nan_to_num(buffer, nan=0.0, posinf=0.0, neginf=0.0, out=buffer)
+        quantized_reduce_scatter(piece, buffer, self.node, spec, self.comm_stats, tag="grads", check_finite=False)
+        piece.masked_fill_(bad > 0, float("inf"))
         return None
 
     def _deliver_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
         """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),
-        added (× post-scale) into the gradient shard wherever the placement keeps it; hybrid: first
-        summed over the nodes (the piece's replicas)."""
-        if self.replica is not None:
-            self.replica.all_reduce(piece, tag="grads")
+        added (× post-scale) into the gradient shard wherever the placement keeps it (hybrid: the
+        node's sum; summed across the nodes once per step, `_all_reduce_shards_across_nodes`)."""
         self.placement.accumulate_grad(group, lo, piece, self.post_scale)
+
+    def _all_reduce_shards_across_nodes(self, groups: list) -> None:
+        """Hybrid, stages 2/3: each bucketed group's gradient shard, accumulated over the step's
+        micro-batches inside the node, summed over its replicas on the other nodes: one all-reduce per
+        bucket piece per step (all in flight at once), not one per micro-batch."""
+        if self.replica is None:
+            return
+        for group in groups:  # hybrid refuses offload: the shard is the device tensor the pieces were added to
+            assert group.grads.device == self.device, (group.name, group.grads.device)
+        wait_all([self.replica.all_reduce(group.grads[bucket.shard_start:bucket.shard_start + bucket.piece_numel],
+                                          tag="grads", async_op=True)
+                  for group in groups for bucket in group.buckets])
 
     def materialized_states(self):
         """Context: inside it every master and `optimizer.state` is a tensor (NVMe: read from the
@@ -302,17 +318,20 @@ class DataParallelEngine:
                      for slot, flat_lo, flat_hi, shard_lo in layout.owned_slot_ranges(self.dp.rank)
                      if (slot.tp_partitioned or self.tp_rank == 0) and slot.name not in self._norm_excluded)
 
-    def _global_grad_norm(self, master_grads: dict) -> float:
-        local = torch.zeros(1, dtype=torch.float64, device=self.device)
+    def _global_grad_norm(self, master_grads: dict, sums: Optional[torch.Tensor]) -> tuple[float, tuple]:
+        """(global gradient norm, `sums` summed over the world group): one all-reduce, one host read."""
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for name, group in self.groups.items():
             grad = master_grads[name]
             for lo, hi in group.norm_ranges:  # (on the host for gradient shards held there)
-                local += grad[lo:hi].double().pow(2).sum().to(local.device)
+                squares += grad[lo:hi].double().pow(2).sum().to(squares.device)
         if self.replica is not None:  # hybrid: every node holds the same shards; count them once
-            local /= self.replica.size
+            squares /= self.replica.size
+        local = squares if sums is None else \
+            torch.cat((squares, sums.detach().reshape(-1).to(device=self.device, dtype=torch.float64)))
         self.world.all_reduce(local, tag="grad_norm")
-        total = self.settings.read_host_float(local)
-        return math.sqrt(total) if math.isfinite(total) else float("inf")
+        total, *totals = self.settings.read_host_floats(local)
+        return (math.sqrt(total) if math.isfinite(total) else float("inf")), tuple(totals)
 
     def _as_fp32(self, grad: torch.Tensor) -> torch.Tensor:
         """The optimizer works in fp32: a view when grads already are, else a temporary copy."""
@@ -388,4 +407,4 @@ class DataParallelEngine:
             group.grads.zero_()
 
 
-__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "read_host_float"]
+__all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "read_host_floats"]

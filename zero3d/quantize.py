@@ -48,11 +48,15 @@ class QuantSpec:
         return self.code_bytes(numel) + self.blocks(numel) * SCALE_DTYPES[self.scale_dtype]
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec()) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, spec: QuantSpec = QuantSpec(),
+             check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a flat view of `x`: int8 codes (int4: uint8, two per byte), one scale per block.
-    Refuses non-finite input (a scale of inf or nan would silently poison every element of its block)."""
+    Refuses non-finite input (a scale of inf or nan would silently poison every element of its block);
+    that check reads the host: `check_finite=False` skips it, for callers whose input is finite already
+    (the engine's qgZ zeroes non-finite gradients on the device first, having agreed on them; its qwZ
+    gathers parameters, which a step never leaves non-finite)."""
     flat = x.detach().reshape(-1).float()
-    if not bool(torch.isfinite(flat).all()):
+    if check_finite and not bool(torch.isfinite(flat).all()):
         bad = flat[~torch.isfinite(flat)][0].item()
         raise ValueError(f"cannot quantize a tensor holding {bad}: only finite values have a scale")
     nblocks = spec.blocks(flat.numel())
@@ -90,9 +94,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, spec: Quan
     return blocks.reshape(-1)[:numel]
 
 
-def _pack(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def _pack(x: torch.Tensor, spec: QuantSpec, check_finite: bool = True) -> torch.Tensor:
     """One uint8 buffer: codes then scales' bytes (so one collective carries both)."""
-    codes, scales = quantize(x, spec)
+    codes, scales = quantize(x, spec, check_finite)
     return torch.cat((codes.view(torch.uint8), scales.contiguous().view(torch.uint8)))
 
 
@@ -111,17 +115,19 @@ def _count(stats, op: str, tag: str, elements: Fraction, nbytes: Fraction, link)
 
 
 def quantized_all_gather(full: torch.Tensor, piece: torch.Tensor, group=None, spec: QuantSpec = QuantSpec(),
-                         stats=None, tag: str = "params", topology=None) -> None:
+                         stats=None, tag: str = "params", topology=None, check_finite: bool = True) -> None:
     """qwZ: every rank's `piece` quantized, all-gathered as codes + scales, dequantized into `full`
     (fp32 arithmetic, then `full`'s dtype); piece r lands at full[r·len(piece):(r+1)·len(piece)].
 
     Counted as a ring all-gather of the quantized bytes (comm.ring_link_split); `topology`: the
-    NodeTopology whose nodes the group's ranks are on (the DP group or a sub-group of it)."""
+    NodeTopology whose nodes the group's ranks are on (the DP group or a sub-group of it).
+    `check_finite=False` skips quantize's host-reading refusal: a block holding a non-finite value
+    then arrives non-finite throughout (its scale is inf or nan), never as finite garbage."""
     size = dist.get_world_size(group)
     n = piece.numel()
     if full.numel() != n * size:
         raise ValueError(f"full has {full.numel()} elements; expected {size} × {n} (group size × piece)")
-    buf = _pack(piece, spec)
+    buf = _pack(piece, spec, check_finite)
     gathered = torch.empty(size * buf.numel(), dtype=torch.uint8, device=buf.device)
     ALL_GATHER(output_tensor=gathered, input_tensor=buf, group=group)
     nodes = _group_nodes(group, topology)
@@ -169,12 +175,13 @@ def p2p_all_to_all(out: torch.Tensor, inp: torch.Tensor, group) -> None:
         work.wait()
 
 
-def _quantized_exchange(parts: torch.Tensor, group, spec: QuantSpec, stats, tag: str, nodes) -> torch.Tensor:
+def _quantized_exchange(parts: torch.Tensor, group, spec: QuantSpec, stats, tag: str, nodes,
+                        check_finite: bool = True) -> torch.Tensor:
     """parts: [size, c] fp32, row p for group rank p. Each row quantized and sent to its owner by one
     all-to-all; returns the fp32 sum of the rows this rank received (its own row unquantized)."""
     size, rank = parts.shape[0], dist.get_rank(group)
     c = parts.shape[1]
-    bufs = torch.stack([_pack(parts[p], spec) for p in range(size)])
+    bufs = torch.stack([_pack(parts[p], spec, check_finite) for p in range(size)])
     received = torch.empty_like(bufs)
     all_to_all(received.view(-1), bufs.view(-1), group)
     total = parts[rank].clone()
@@ -189,7 +196,7 @@ def _quantized_exchange(parts: torch.Tensor, group, spec: QuantSpec, stats, tag:
 
 
 def quantized_reduce_scatter(piece: torch.Tensor, full: torch.Tensor, topology, spec: QuantSpec = QuantSpec(bits=4),
-                             stats=None, tag: str = "grads") -> None:
+                             stats=None, tag: str = "grads", check_finite: bool = True) -> None:
     """qgZ: the sum of `full` over the DP group; this DP rank's len(full)/dp_size elements land in `piece`.
 
     Hierarchical, all-to-all based, accumulating in fp32: with k nodes of m DP ranks and `full` as
@@ -199,6 +206,7 @@ def quantized_reduce_scatter(piece: torch.Tensor, full: torch.Tensor, topology, 
     senders of (1) of their block scale / 2 + Σ over the k senders of (2) of theirs (QuantSpec's
     bound; a rank's own contribution is never quantized). Inter-node bytes per rank:
     (k − 1) · wire_bytes(c); per node (m ranks): (k − 1)/k of one quantized copy of `full`.
+    `check_finite=False`: `full` is known finite (quantize's host-reading check skipped).
     """
     k, m = topology.nodes, topology.per_node
     if full.numel() % topology.dp_size or piece.numel() != full.numel() // topology.dp_size:
@@ -210,12 +218,13 @@ def quantized_reduce_scatter(piece: torch.Tensor, full: torch.Tensor, topology, 
     intra_parts = chunks.permute(1, 0, 2).reshape(m, k * c)
     if m > 1:
         partial = _quantized_exchange(intra_parts, topology.intra_group, spec, stats, tag,
-                                      [topology.node] * m)
+                                      [topology.node] * m, check_finite)
     else:
         partial = intra_parts[0].clone()
     # (2) inter-node: row i = this local index's chunk of node i
     if k > 1:
-        mine = _quantized_exchange(partial.view(k, c), topology.inter_group, spec, stats, tag, list(range(k)))
+        mine = _quantized_exchange(partial.view(k, c), topology.inter_group, spec, stats, tag, list(range(k)),
+                                   check_finite)
     else:
         mine = partial
     piece.copy_(mine.view_as(piece))

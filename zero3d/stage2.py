@@ -46,6 +46,7 @@ class GradientShardedEngine(WholeParamsEngine):
 
     def _reduce_grads(self):
         self.buckets.wait()
+        self._all_reduce_shards_across_nodes(list(self.groups.values()))
 
     def zero_grad(self):
         super().zero_grad()

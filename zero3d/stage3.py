@@ -166,14 +166,16 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _gather_buckets(self, shard, group, full, tag) -> list:
         """One all-gather per bucket of the group's shard into `full` (on the side stream on GPU).
-        hpZ's backward gathers: of the node's secondary shards, over the node; qwZ: quantized (synchronous)."""
+        hpZ's backward gathers: of the node's secondary shards, over the node; qwZ: quantized (synchronous),
+        without quantize's host-reading finiteness check (a step never publishes non-finite parameters: one
+        with a non-finite norm is skipped; a non-finite block would arrive non-finite, seen by the loss)."""
         if self.hpz and tag == "params_bwd":
             return [self.intra.all_gather(full[bucket.start:bucket.end], self._secondary(group, bucket), tag=tag,
                                           async_op=True) for bucket in group.buckets]
         if self.weight_spec is not None:
             for bucket in group.buckets:
                 quantized_all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), self.dp.group,
-                                     self.weight_spec, self.comm_stats, tag, self.node)
+                                     self.weight_spec, self.comm_stats, tag, self.node, check_finite=False)
             return []
         if self.stream is None:
             return [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag=tag,
@@ -349,6 +351,7 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _reduce_grads(self):
         self.buckets.wait()
+        self._all_reduce_shards_across_nodes([group for unit in self.units for group in unit.groups])
         self._all_reduce_replicated(self._persistent)
 
     def _publish_params(self):

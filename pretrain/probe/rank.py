@@ -213,8 +213,9 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
     refuse_file_offload_on_fake_tensors(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     seams = {}
-    if fake:  # fake tensors hold no values: the engine's one host read gets a finite stand-in
-        seams["read_host_float"] = lambda value: FAKE_SQUARED_GRAD_NORM
+    if fake:  # fake tensors hold no values: the engine's one host read gets a finite stand-in (the probe
+        # passes no step sums: the read is the squared norm alone)
+        seams["read_host_floats"] = lambda values: [FAKE_SQUARED_GRAD_NORM] * values.numel()
     if topo.device.type == "cpu":
         # Fake and CPU ranks stand in for a CUDA rank: the GPU's fused AdamW, not the CPU's unfused
         # one, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds.

@@ -1,8 +1,10 @@
 """Host syncs per training step (docs/metrics.md, "Host syncs per step"): a counting shim over Tensor.item / .cpu /
-.tolist and torch.cuda.synchronize (and CUDA's sync debug mode where a GPU is present), over every ZeRO stage,
-fp16 loss scaling, Pa+cpu and a 2-stage pipeline: none in forward/backward, one in engine.step (the all-reduced
-gradient norm: overflow, clip and norm decided from it), one for the step's mean loss; on CPU torch's single-tensor
-AdamW also reads its host step counter once per optimizer tensor (a host tensor: no device wait)."""
+.tolist / bool() / float() / int() and torch.cuda.synchronize (and CUDA's sync debug mode where a GPU is present),
+over every ZeRO stage, fp16 loss scaling, Pa+cpu, a 2-stage pipeline and ZeRO++'s qgZ / qwZ: none in
+forward/backward, one in engine.step (one vector all-reduced over every rank: the squared gradient norm — overflow,
+clip and norm decided from it — and the step's loss sum), none for the step's mean loss (equal to the separately
+all-reduced `mean_loss`, bit for bit); on CPU torch's single-tensor AdamW also reads its host step counter once per
+optimizer tensor (a host tensor: no device wait)."""
 import contextlib
 import traceback
 from collections import Counter
@@ -20,14 +22,21 @@ CASES = {  # 2 ranks each
     "tp2_pa_cpu": ["parallel.tensor=2", "zero.stage=2", "model.recompute=full", "zero.partition_activations=true",
                    "zero.cpu_checkpointing=true"],
     "pp2": ["parallel.pipeline=2", "zero.stage=1"],
+    # ZeRO++ on 2 nodes × 1 rank: qgZ's bucket reduce-scatter (its overflow flag agreed on the device) and
+    # qwZ's quantized gathers inside forward/backward
+    "stage2_qgz": ["zero.stage=2", "zero.quantize_gradients=int8", "cluster.gpus_per_node=1"],
+    "stage3_qwz_qgz": ["zero.stage=3", "zero.quantize_weights=int8", "zero.quantize_gradients=int4",
+                       "cluster.gpus_per_node=1"],
 }
-EXPECTED = {"forward_backward": 0, "engine.step": 1, "mean_loss": 1}  # per step; docs/metrics.md
+EXPECTED = {"forward_backward": 0, "engine.step": 1, "mean_loss": 0}  # per step; docs/metrics.md
 
 
 @contextlib.contextmanager
 def counting_syncs(counts: Counter, phase: list):
-    """Counts every call of the host-reading methods under the current `phase[0]`."""
-    originals = {(torch.Tensor, n): getattr(torch.Tensor, n) for n in ("item", "cpu", "tolist")}
+    """Counts every call of the host-reading methods under the current `phase[0]` (`bool(t)`, `float(t)`,
+    `int(t)` of a tensor too)."""
+    originals = {(torch.Tensor, n): getattr(torch.Tensor, n)
+                 for n in ("item", "cpu", "tolist", "__bool__", "__float__", "__int__")}
     originals[(torch.cuda, "synchronize")] = torch.cuda.synchronize
 
     def counted(name, fn):
@@ -65,7 +74,7 @@ def syncs_rank(rank, world_size, steps=2):
     from pretrain.config import load_config
     from pretrain.model import activation_checkpointing, build_model, parallel_groups
     from pretrain.runtime.topology import init_topology
-    from pretrain.train import Batches, engine_settings, mean_loss, run_micro_batches
+    from pretrain.train import Batches, engine_settings, loss_share, mean_loss, run_micro_batches, step_mean_loss
     out = {}
     for name, overrides in CASES.items():
         cfg = load_config(None, BASE + ["train.global_batch_size=4", *overrides])
@@ -74,7 +83,7 @@ def syncs_rank(rank, world_size, steps=2):
         model = build_model(cfg, topo.device, activations)
         engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
-        counts, phase = Counter(), ["warm-up"]
+        counts, phase, losses_by_path = Counter(), ["warm-up"], []
         with counting_syncs(counts, phase):
             for step in range(1 + steps):  # step 0: warm-up (optimizer states, stage 3's recorded order)
                 phase[0] = "data"  # synthetic tokens drawn on the host: not the step's business
@@ -83,10 +92,13 @@ def syncs_rank(rank, world_size, steps=2):
                 with no_cuda_syncs() if step else contextlib.nullcontext():
                     losses = run_micro_batches(engine, micro_batches, cfg, topo)
                 phase[0] = "engine.step" if step else "warm-up"
-                engine.step(cfg.optimizer.lr)
+                result = engine.step(cfg.optimizer.lr, sums=loss_share(losses, topo))
                 phase[0] = "mean_loss" if step else "warm-up"
-                mean_loss(losses, topo)
-        out[name] = dict(counts={k: v for k, v in counts.items() if k[0] not in ("warm-up", "data")},
+                loss = step_mean_loss(result, topo)
+                phase[0] = "reference"  # the separate all-reduce the loop used to run (evaluate still does)
+                losses_by_path.append((loss, mean_loss(losses, topo)))
+        out[name] = dict(counts={k: v for k, v in counts.items() if k[0] not in ("warm-up", "data", "reference")},
+                         losses=losses_by_path,
                          optimizer_tensors=sum(len(g["params"]) for g in engine.optimizer.param_groups),
                          fused=engine.optimizer.defaults.get("fused") or False)
         parallel_state.destroy_model_parallel()
@@ -105,3 +117,6 @@ def test_host_syncs_per_step_hold_the_documented_numbers():
             assert dict(per_phase) == {p: n * steps for p, n in EXPECTED.items() if n}, (case, counts)
             # CPU: one host read of the step counter per optimizer tensor; CUDA's fused AdamW keeps it on the device
             assert adamw == (0 if out["fused"] else steps * out["optimizer_tensors"]), (case, adamw)
+            # the loss from engine.step's read is the separately all-reduced mean, bit for bit (fp64), every rank
+            assert all(new == old for new, old in out["losses"]) and len(out["losses"]) == 1 + steps, \
+                (case, out["losses"])

@@ -196,3 +196,22 @@ def test_qgz_at_stage2_stays_within_its_quantization_error(gpt_run, bits):
     assert out[0]["loss"] != ref[0]["loss"]  # quantized: not bit-identical
     for rank_out in out[1:]:
         assert rank_out["param_checksum"] == out[0]["param_checksum"]
+
+
+def test_hybrid_accumulates_micro_batches_and_crosses_nodes_once_per_step(gpt_run):
+    """Hybrid stage 2 with 2 micro-batches per step (global batch 8 over 4 ranks, micro-batch 1) equals stage 0
+    within 1e-6 over 3 steps, and sends the node-local gradient shard (Ψ/m values) across the nodes once per
+    step, not once per micro-batch: by hand, a ring all-reduce over k nodes sends 2·(Ψb/m)·(k−1)/k per rank,
+    here (m = k = 2) Ψb/2, all of it inter-node; nothing else crosses (the reduce-scatter and the parameter
+    all-gather stay inside the node; the norm's all-reduce is over the world group, not a DP collective)."""
+    accumulate = ("train.global_batch_size=8", "train.micro_batch_size=1")
+    ref = run(gpt_run, 0, accumulate, steps=3)
+    out = run(gpt_run, 2, accumulate + ("zero.hybrid=node",), steps=3)
+    assert_exact(ref, out)
+    psi, b, m, k = padded_psi(out[0]), out[0]["value_bytes"], 2, 2
+    for rank_out in out:
+        for report in rank_out["comm"]:
+            assert Fraction(report["comm/inter_node_bytes"]) == 2 * Fraction(psi * b, m) * Fraction(k - 1, k) \
+                == Fraction(psi * b, 2)
+            assert Fraction(report["comm/all_reduce/grads/inter_node_bytes"]) == Fraction(psi * b, 2)
+            assert report["comm/all_reduce/grads/calls"] == sum(rank_out["buckets"].values())  # one per bucket

@@ -75,7 +75,8 @@ def test_engine_builds_its_optimizer_and_reads_the_norm_through_its_seams(world,
         return torch.optim.SGD([t for t, _ in tensors_and_decay], lr=lr)
 
     settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(stage=stage), optimizer=OptimizerConfig(lr=0.5, weight_decay=0.25, beta2=0.9),
-                                     optimizer_factory=factory, read_host_float=lambda value: float("inf"))
+                                     optimizer_factory=factory,
+                                     read_host_floats=lambda values: [float("inf")] * values.numel())
     engine = zero3d.wrap_model(model, settings, zero3d.ParallelGroups(dp_group=None))
     assert built == [([(12, 0.25), (9, 0.0)], 0.5, (0.9, 0.9), 1e-8)]
     assert isinstance(engine.optimizer, torch.optim.SGD)
@@ -84,3 +85,40 @@ def test_engine_builds_its_optimizer_and_reads_the_norm_through_its_seams(world,
     result = engine.step(0.5)
     assert result.skipped and result.grad_norm == float("inf")
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
+def test_step_sums_ride_in_the_norm_read(world, stage, overflow):
+    """`step(lr, sums=...)` reads the host once: the seam gets one fp64 vector [squared norm, sums...]; the
+    norm is that of autograd's own gradients of an unwrapped copy, the sums come back as given (a world of
+    one rank), also on a step skipped for overflow (an inf in the gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    twin = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    twin.load_state_dict(model.state_dict())
+    reads = []
+
+    def read(values):
+        reads.append(values.detach().clone())
+        return values.tolist()
+
+    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(stage=stage), read_host_floats=read)
+    engine = zero3d.wrap_model(model, settings, zero3d.ParallelGroups(dp_group=None))
+    x = torch.randn(2, 4)
+    if overflow:
+        x[0, 0] = float("inf")
+    engine.backward(engine(x).pow(2).sum())
+    twin(x).pow(2).sum().backward()
+    sums = torch.tensor([0.1, 2.5], dtype=torch.float32)
+    result = engine.step(0.1, sums=sums)
+    assert len(reads) == 1 and reads[0].dtype == torch.float64 and reads[0].numel() == 3
+    assert result.sums == (float(sums[0].double()), 2.5)
+    expected = sum(p.grad.double().pow(2).sum() for p in twin.parameters()).sqrt().item()
+    assert result.skipped == overflow
+    if overflow:
+        assert result.grad_norm == float("inf")
+    else:
+        assert result.grad_norm == pytest.approx(expected, rel=1e-12)
+    assert engine.step(0.1).sums == ()  # no sums: the read is the squared norm alone
+    assert reads[1].numel() == 1

@@ -71,6 +71,34 @@ def test_zeros_and_refusals():
             QuantSpec(**kwargs)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_unchecked_quantize_reads_no_host_value_and_never_hides_a_non_finite_block(monkeypatch, bits, bad):
+    """check_finite=False (the engine's hot path): no Tensor.item / bool / tolist; the finite blocks come out
+    as the checked call gives them, and the block holding the non-finite value is non-finite in every element
+    (its scale is inf or nan), never finite garbage."""
+    spec = QuantSpec(bits, 4)
+    x = torch.tensor([1.0, -2.0, 0.5, 3.0, 4.0, bad, 0.25, -1.0, 0.0, 7.0])
+    clean = x.clone()
+    clean[5] = 0.0
+    expected = dequantize(*quantize(clean, spec), 10, spec)
+    reads = []
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    codes, scales = quantize(x, spec, check_finite=False)
+    monkeypatch.undo()
+    assert reads == []
+    y = dequantize(codes, scales, 10, spec)
+    assert torch.equal(y[:4], expected[:4]) and torch.equal(y[8:], expected[8:])
+    assert not torch.isfinite(y[4:8]).any()
+
+
 def test_ring_link_split_by_hand():
     # 4 ranks on 2 nodes in blocks: 2 of the 4 ring edges cross → half of what a rank sends
     assert ring_link_split(Fraction(120), [0, 0, 1, 1]) == (60, 60)
