@@ -139,7 +139,7 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
     from pretrain.config import load_config
     from pretrain.model import build_model, parallel_groups
     from pretrain.runtime.topology import init_topology
-    from pretrain.train import engine_settings, mean_loss, run_micro_batches
+    from pretrain.train import engine_settings, loss_share, run_micro_batches, step_mean_loss
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     cfg = load_config(None, [f"model.num_layers={shape['layers']}", f"model.hidden_size={shape['hidden']}",
@@ -154,8 +154,8 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
 
     def step():
         micro = run_micro_batches(engine, [tokens], cfg, topo)
-        engine.step(cfg.optimizer.lr)
-        losses.append(mean_loss(micro, topo))
+        result = engine.step(cfg.optimizer.lr, sums=loss_share(micro, topo))  # the loop's one host read
+        losses.append(step_mean_loss(result, topo))
     try:
         step_s = timed(step, steps, warmup=2, device=topo.device)
         return row(f"zero3d (attention {cfg.model.attention}, stage 2)", step_s, shape, topo.device, losses[-1])

@@ -6,7 +6,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
 from pretrain.sections import TrainConfig
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
-from pretrain.runtime.agreement import agree, from_rank0
+from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError, peer_error
@@ -67,22 +67,38 @@ def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Top
     return run_micro_batches(engine, [batches.get(step, i) for i in range(topo.grad_accum)], cfg, topo)
 
 
-def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult). The loss
-    rides in the engine's gradient-norm all-reduce: one host read per step for both."""
+def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology,
+               stop_requested: Callable[[], bool] = lambda: False):
+    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult, stop agreed)."""
     losses = forward_backward(engine, batches, step, cfg, topo)
-    result = engine.step(lr_at(step, cfg), sums=loss_share(losses, topo))
-    loss_value = step_mean_loss(result, topo)
+    out = finish_step(engine, losses, step, cfg, topo, stop_requested)
     if topo.device.type == "cuda":
-        torch.cuda.synchronize()
-    return loss_value, result
+        torch.cuda.synchronize()  # perf/step_time measures the step's kernels, not their launch
+    return out
+
+
+def finish_step(engine, losses: list, step: int, cfg: Config, topo: Topology,
+                stop_requested: Callable[[], bool] = lambda: False):
+    """The engine's step after the micro-batches' backward: (mean loss, StepResult, stop agreed).
+
+    The step's loss sum and this rank's stop request (asked as late as possible: a signal caught during
+    this step stops after it) ride in the engine's gradient-norm all-reduce: one host read per step
+    decides overflow and clipping (the norm), the stop (requested on any rank), and gives every rank the
+    same loss and norm, so NonfiniteGuard's verdict needs no further agreement."""
+    lr = lr_at(step, cfg)
+    sums = torch.zeros(2, dtype=torch.float64, device=topo.device)
+    sums[:1] = loss_share(losses, topo)
+    if stop_requested():
+        sums[1] = 1.0
+    result = engine.step(lr, sums=sums)
+    return step_mean_loss(result, topo), result, result.sums[1] > 0
 
 
 class StopRequest:
     """SIGUSR1 (Slurm's warning before the time limit or preemption) or SIGTERM asks for a stop.
 
-    A signal may reach some ranks only, or reach them at different steps; `agreed()` all-reduces the
-    flag after every step so all ranks save the same checkpoint and leave together.
+    A signal may reach some ranks only, or reach them at different steps; `train_step` sums the flag
+    over every rank in the step's one all-reduce, so all ranks save the same checkpoint and leave together.
     """
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -95,9 +111,6 @@ class StopRequest:
 
     def _on_signal(self, signum, frame):
         self.requested = True
-
-    def agreed(self, topo: Topology) -> bool:
-        return agree(topo, self.requested)[0]
 
     def restore(self):
         for sig, handler in self._previous.items():
@@ -117,7 +130,8 @@ class NonfiniteGuard:
         self.streak = 0
 
     def is_nonfinite(self, loss: float, grad_norm: float, loss_scale: float) -> bool:
-        """This rank's verdict on one step (agree() makes it every rank's)."""
+        """The verdict on one step: the same on every rank, which all hold the same loss, norm and scale
+        (train_step reads them from one all-reduce)."""
         if not math.isfinite(loss):
             return True
         if math.isfinite(grad_norm):
@@ -336,11 +350,10 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
         record: dict = {}
         while step < run.cfg.train.steps:
             watchdog.beat()
-            step, loss, result, logged = one_step(run, step, watchdog)
+            step, loss, result, stopping, logged = one_step(run, step, watchdog, lambda: stop.requested)
             record = logged or record
             progress["step"] = step
-            stopping, nonfinite = agree(run.topo, stop.requested,
-                                        guard.is_nonfinite(loss, result.grad_norm, result.loss_scale))
+            nonfinite = guard.is_nonfinite(loss, result.grad_norm, result.loss_scale)
             guard.update(nonfinite, step, loss, result.grad_norm, last_good)
             if wants_checkpoint(run.cfg.train, step, stopping):
                 if guard.streak:  # a non-finite step never replaces the last good checkpoint
@@ -366,21 +379,21 @@ def wants_checkpoint(t: TrainConfig, step: int, stopping: bool) -> bool:
                 or (step == t.steps and t.save_final))
 
 
-def one_step(run: LoopParts, step: int, watchdog: Watchdog):
-    """Train one step; log it (and evaluate) when due. Returns (step, loss, StepResult, logged record
-    or None)."""
+def one_step(run: LoopParts, step: int, watchdog: Watchdog, stop_requested: Callable[[], bool] = lambda: False):
+    """Train one step; log it (and evaluate) when due. Returns (step, loss, StepResult, stop agreed,
+    logged record or None)."""
     cfg, topo, engine, m = run.cfg, run.topo, run.engine, run.cfg.model
     engine.comm_stats.reset()
     if run.activations:
         run.activations.reset_step()
     t0 = time.perf_counter()
-    loss_value, result = train_step(engine, run.batches, step, cfg, topo)
+    loss_value, result, stopping = train_step(engine, run.batches, step, cfg, topo, stop_requested)
     step_time = time.perf_counter() - t0
     step += 1
     last = step == cfg.train.steps
     evaluate_now = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last)
     if not (step % cfg.logging.log_interval == 0 or last or evaluate_now):
-        return step, loss_value, result, None
+        return step, loss_value, result, stopping, None
     tokens_per_step = cfg.train.global_batch_size * m.seq_length
     record = {"train/loss": loss_value, "train/lr": lr_at(step - 1, cfg),
               "train/grad_norm": result.grad_norm, "train/loss_scale": result.loss_scale,
@@ -398,4 +411,4 @@ def one_step(run: LoopParts, step: int, watchdog: Watchdog):
         val = evaluate(engine, run.valid_ds, cfg, topo)
         record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
     run.logger.log(step, record)
-    return step, loss_value, result, record
+    return step, loss_value, result, stopping, record

@@ -1,5 +1,4 @@
-"""Decisions all ranks take together: rank 0's value handed to every rank, a flag raised anywhere raised everywhere."""
-import torch
+"""Decisions all ranks take together: rank 0's value (or its error) handed to every rank."""
 import torch.distributed as dist
 
 
@@ -17,10 +16,3 @@ def from_rank0(fn):
     if status == "error":
         raise value
     return value
-
-
-def agree(topo, *flags: bool) -> list[bool]:
-    """Each flag true on any rank is true on every rank (one all-reduce on `topo.device` for all of them)."""
-    values = torch.tensor([float(f) for f in flags], device=topo.device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in values.tolist()]

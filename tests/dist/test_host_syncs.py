@@ -2,8 +2,8 @@
 .tolist / bool() / float() / int() and torch.cuda.synchronize (and CUDA's sync debug mode where a GPU is present),
 over every ZeRO stage, fp16 loss scaling, Pa+cpu, a 2-stage pipeline and ZeRO++'s qgZ / qwZ: none in
 forward/backward, one in engine.step (one vector all-reduced over every rank: the squared gradient norm — overflow,
-clip and norm decided from it — and the step's loss sum), none for the step's mean loss (equal to the separately
-all-reduced `mean_loss`, bit for bit); on CPU torch's single-tensor AdamW also reads its host step counter once per
+clip and norm decided from it — the step's loss sum and the ranks' stop requests), read through the loop's own
+`finish_step`, whose mean loss equals the separately all-reduced `mean_loss` bit for bit; on CPU torch's single-tensor AdamW also reads its host step counter once per
 optimizer tensor (a host tensor: no device wait)."""
 import contextlib
 import traceback
@@ -28,7 +28,7 @@ CASES = {  # 2 ranks each
     "stage3_qwz_qgz": ["zero.stage=3", "zero.quantize_weights=int8", "zero.quantize_gradients=int4",
                        "cluster.gpus_per_node=1"],
 }
-EXPECTED = {"forward_backward": 0, "engine.step": 1, "mean_loss": 0}  # per step; docs/metrics.md
+EXPECTED = {"forward_backward": 0, "engine.step": 1}  # per step; docs/metrics.md
 
 
 @contextlib.contextmanager
@@ -74,7 +74,7 @@ def syncs_rank(rank, world_size, steps=2):
     from pretrain.config import load_config
     from pretrain.model import activation_checkpointing, build_model, parallel_groups
     from pretrain.runtime.topology import init_topology
-    from pretrain.train import Batches, engine_settings, loss_share, mean_loss, run_micro_batches, step_mean_loss
+    from pretrain.train import Batches, engine_settings, finish_step, mean_loss, run_micro_batches
     out = {}
     for name, overrides in CASES.items():
         cfg = load_config(None, BASE + ["train.global_batch_size=4", *overrides])
@@ -83,7 +83,7 @@ def syncs_rank(rank, world_size, steps=2):
         model = build_model(cfg, topo.device, activations)
         engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
-        counts, phase, losses_by_path = Counter(), ["warm-up"], []
+        counts, phase, losses_by_path, stops = Counter(), ["warm-up"], [], []
         with counting_syncs(counts, phase):
             for step in range(1 + steps):  # step 0: warm-up (optimizer states, stage 3's recorded order)
                 phase[0] = "data"  # synthetic tokens drawn on the host: not the step's business
@@ -91,14 +91,14 @@ def syncs_rank(rank, world_size, steps=2):
                 phase[0] = "forward_backward" if step else "warm-up"
                 with no_cuda_syncs() if step else contextlib.nullcontext():
                     losses = run_micro_batches(engine, micro_batches, cfg, topo)
-                phase[0] = "engine.step" if step else "warm-up"
-                result = engine.step(cfg.optimizer.lr, sums=loss_share(losses, topo))
-                phase[0] = "mean_loss" if step else "warm-up"
-                loss = step_mean_loss(result, topo)
+                phase[0] = "engine.step" if step else "warm-up"  # the loop's own code after backward
+                loss, result, stopping = finish_step(engine, losses, step, cfg, topo, stop_requested=lambda: step == steps
+                                                     and torch.distributed.get_rank() == 1)
+                stops.append(stopping)
                 phase[0] = "reference"  # the separate all-reduce the loop used to run (evaluate still does)
                 losses_by_path.append((loss, mean_loss(losses, topo)))
         out[name] = dict(counts={k: v for k, v in counts.items() if k[0] not in ("warm-up", "data", "reference")},
-                         losses=losses_by_path,
+                         losses=losses_by_path, stops=stops,
                          optimizer_tensors=sum(len(g["params"]) for g in engine.optimizer.param_groups),
                          fused=engine.optimizer.defaults.get("fused") or False)
         parallel_state.destroy_model_parallel()
@@ -120,3 +120,5 @@ def test_host_syncs_per_step_hold_the_documented_numbers():
             # the loss from engine.step's read is the separately all-reduced mean, bit for bit (fp64), every rank
             assert all(new == old for new, old in out["losses"]) and len(out["losses"]) == 1 + steps, \
                 (case, out["losses"])
+            # a stop requested on rank 1 alone in the last step is every rank's stop, in the same read
+            assert out["stops"] == [False] * steps + [True], (case, out["stops"])
