@@ -4,7 +4,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from gpt_harness import run_gpt_steps
+from gpt_harness import BASE, run_gpt_steps
 from ranks import run_ranks
 from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
 
@@ -29,7 +29,6 @@ def _all_runs(rank, world_size):
 
     from pretrain.config import load_config
     from pretrain.runtime.topology import init_topology
-    from gpt_harness import BASE
     topo = init_topology(load_config(None, BASE + list(COMMON) + list(MODES["hpz"])))
     node = {"dp_global_ranks": list(topo.node.dp_global_ranks), "dp_rank": topo.dp_rank, "node": topo.node.node,
             "intra": dist.get_process_group_ranks(topo.node.intra_group),
@@ -52,7 +51,7 @@ def test_node_groups_hold_the_dp_ranks_that_share_a_node(runs):
     for rank, out in enumerate(runs):
         node = out["node"]
         assert node["dp_global_ranks"] == list(range(rank % TP, WORLD, TP))
-        assert node["node"] == rank // GPUS_PER_NODE
+        assert (node["dp_rank"], node["node"]) == (rank // TP, rank // GPUS_PER_NODE)
         assert node["intra"] == [g for g in node["dp_global_ranks"] if g // GPUS_PER_NODE == rank // GPUS_PER_NODE]
         assert len(node["intra"]) == PER_NODE
         # the inter-node group: the DP ranks at this rank's place in its node, one per node
