@@ -121,20 +121,26 @@ def test_hybrid_equals_unsharded(gpt_run, stage, precision):
 
 
 HYBRID_CKPT = ["zero.stage=2", "zero.hybrid=node", *NODES, "train.global_batch_size=8"]
+# Resumed into another hybrid layout (stage 3's shards over the node's 2 ranks) and into plain stage 3 on
+# 2 ranks (one node's worth: another world size; the global batch of 8 stays, as 2 micro-batches a rank).
+HYBRID_RESUMES = {"hybrid_stage3": (4, ["zero.stage=3", "zero.hybrid=node", *NODES, "train.global_batch_size=8"]),
+                  "plain_stage3_2_ranks": (2, ["zero.stage=3", "train.global_batch_size=8"])}
 
 
-def test_hybrid_checkpoint_resumes_at_its_layout_and_at_a_plain_one(tmp_path):
+def test_hybrid_checkpoint_resumes_at_its_layout_and_at_others(tmp_path):
     """Saved after step 3 of 6 by 2 nodes × 2 holding node-local shards (each node's ranks offer the same
     pieces in parameter coordinates; DCP writes each once; the layout states it); resumed there bitwise,
-    and by a plain stage 3 over all 4 ranks within 1e-6."""
+    and within 1e-6 by hybrid stage 3 on the same nodes and by plain stage 3 on 2 ranks."""
     whole = run_ranks(train_segment, 4, HYBRID_CKPT, tmp_path, 0, 6, (3,), timeout=300)
     manifest = read_json(tmp_path / "step_00000003" / "checkpoint.json")
     assert manifest["layout"]["hybrid"] == "node" and manifest["layout"]["gpus_per_node"] == 2
     again = run_ranks(train_segment, 4, HYBRID_CKPT, tmp_path, 3, 6, (), True, timeout=300)
     assert again[0]["loss"] == whole[0]["loss"][3:]
-    plain = ["zero.stage=3", *NODES, "train.global_batch_size=8"]
-    other = run_ranks(train_segment, 4, plain, tmp_path, 3, 6, (), True, timeout=300)
-    torch.testing.assert_close(torch.tensor(other[0]["loss"]), torch.tensor(whole[0]["loss"][3:]), rtol=1e-6, atol=0)
+    for name, (world, layout) in HYBRID_RESUMES.items():
+        other = run_ranks(train_segment, world, layout, tmp_path, 3, 6, (), True, timeout=300)
+        assert other[0]["resumed"]["step"] == 3 and other[0]["resumed"]["consumed_samples"] == 3 * 8, name
+        torch.testing.assert_close(torch.tensor(other[0]["loss"]), torch.tensor(whole[0]["loss"][3:]),
+                                   rtol=1e-6, atol=0, msg=name)
 
 
 # ---------------------------------------------------------------- qwZ, qgZ
