@@ -114,10 +114,39 @@ def _count(stats, op: str, tag: str, elements: Fraction, nbytes: Fraction, link)
         stats.record(op, tag, Fraction(elements), Fraction(nbytes), link)
 
 
+class PendingDequantize:
+    """A quantized all-gather in flight: `wait()` waits for its bytes, then dequantizes every rank's piece
+    into `full` (once). Acts as a torch work handle (`wait`, `is_completed`) for comm.PendingCollective."""
+
+    def __init__(self, work, gathered: torch.Tensor, full: torch.Tensor, size: int, spec: "QuantSpec"):
+        self.work, self.gathered, self.full, self.size, self.spec = work, gathered, full, size, spec
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            _dequantize_into(self.full, self.gathered, self.size, self.spec)
+        return True
+
+
+def _dequantize_into(full: torch.Tensor, gathered: torch.Tensor, size: int, spec: "QuantSpec") -> None:
+    """Rank r's packed chunk of `gathered` dequantized into full[r·n:(r+1)·n], n = len(full) / size."""
+    n = full.numel() // size
+    out = full.view(size, n)
+    for r, chunk in enumerate(gathered.view(size, -1)):
+        out[r].copy_(_unpack(chunk, n, spec))
+
+
 def quantized_all_gather(full: torch.Tensor, piece: torch.Tensor, group=None, spec: QuantSpec = QuantSpec(),
-                         stats=None, tag: str = "params", topology=None, check_finite: bool = True) -> None:
+                         stats=None, tag: str = "params", topology=None, check_finite: bool = True,
+                         async_op: bool = False) -> Optional[PendingDequantize]:
     """qwZ: every rank's `piece` quantized, all-gathered as codes + scales, dequantized into `full`
     (fp32 arithmetic, then `full`'s dtype); piece r lands at full[r·len(piece):(r+1)·len(piece)].
+    `async_op`: returns a PendingDequantize at once (the bytes in flight); `full` holds the values after
+    its `wait()`, as a prefetched plain all-gather's does.
 
     Counted as a ring all-gather of the quantized bytes (comm.ring_link_split); `topology`: the
     NodeTopology whose nodes the group's ranks are on (the DP group or a sub-group of it).
@@ -129,15 +158,16 @@ def quantized_all_gather(full: torch.Tensor, piece: torch.Tensor, group=None, sp
         raise ValueError(f"full has {full.numel()} elements; expected {size} × {n} (group size × piece)")
     buf = _pack(piece, spec, check_finite)
     gathered = torch.empty(size * buf.numel(), dtype=torch.uint8, device=buf.device)
-    ALL_GATHER(output_tensor=gathered, input_tensor=buf, group=group)
+    work = ALL_GATHER(output_tensor=gathered, input_tensor=buf, group=group, async_op=async_op)
     nodes = _group_nodes(group, topology)
     if size > 1:
         nbytes = Fraction(buf.numel() * size * (size - 1), size)
         _count(stats, "quantized_all_gather", tag, Fraction(n * (size - 1)), nbytes,
                ring_link_split(nbytes, nodes) if nodes is not None else None)
-    out = full.view(size, n)
-    for r, chunk in enumerate(gathered.view(size, -1)):
-        out[r].copy_(_unpack(chunk, n, spec))
+    if async_op:
+        return PendingDequantize(work, gathered, full, size, spec)
+    _dequantize_into(full, gathered, size, spec)
+    return None
 
 
 def _group_nodes(group, topology) -> Optional[list[int]]:

@@ -44,7 +44,7 @@ import torch
 
 from zero3d.accounting import model_state_bytes, secondary_bytes
 from zero3d.buckets import GradientBuckets
-from zero3d.comm import Comm, wait_all
+from zero3d.comm import Comm, PendingCollective, wait_all
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import DECAY_NAMES, flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
@@ -166,17 +166,18 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _gather_buckets(self, shard, group, full, tag) -> list:
         """One all-gather per bucket of the group's shard into `full` (on the side stream on GPU).
-        hpZ's backward gathers: of the node's secondary shards, over the node; qwZ: quantized (synchronous),
-        without quantize's host-reading finiteness check (a step never publishes non-finite parameters: one
+        hpZ's backward gathers: of the node's secondary shards, over the node; qwZ: quantized (quantized at
+        launch, in flight like the others, dequantized when waited for), without quantize's host-reading
+        finiteness check (a step never publishes non-finite parameters: one
         with a non-finite norm is skipped; a non-finite block would arrive non-finite, seen by the loss)."""
         if self.hpz and tag == "params_bwd":
             return [self.intra.all_gather(full[bucket.start:bucket.end], self._secondary(group, bucket), tag=tag,
                                           async_op=True) for bucket in group.buckets]
-        if self.weight_spec is not None:
-            for bucket in group.buckets:
-                quantized_all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), self.dp.group,
-                                     self.weight_spec, self.comm_stats, tag, self.node, check_finite=False)
-            return []
+        if self.weight_spec is not None:  # in flight like a plain gather; dequantized when waited for
+            return [PendingCollective(quantized_all_gather(
+                full[bucket.start:bucket.end], self._piece(shard, bucket), self.dp.group, self.weight_spec,
+                self.comm_stats, tag, self.node, check_finite=False, async_op=True), self.comm_stats)
+                for bucket in group.buckets]
         if self.stream is None:
             return [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag=tag,
                                        async_op=True) for bucket in group.buckets]

@@ -60,6 +60,13 @@ def _ranks(rank, world):
         out[f"qgz{bits}"] = piece.clone()
         quantized_reduce_scatter(piece, representable(100 + rank, PSI, 127 if bits == 8 else 7), topo, spec)
         out[f"qgz{bits}_exact"] = piece.clone()
+    # asynchronous (stage 3's prefetch): `full` untouched until wait(), then what the synchronous call gave
+    full = torch.full((PSI,), float("nan"))
+    pending = quantized_all_gather(full, randn(rank, C), spec=QuantSpec(8, BLOCK), async_op=True)
+    dist.barrier()  # every rank's bytes have been sent: only the dequantization waits for wait()
+    out["qwz8_async_before_wait"] = full.clone()
+    pending.wait()
+    out["qwz8_async"] = full.clone()
     full = torch.empty(PSI)  # fp16 scales: the bound holds with the stored (rounded-up) scale
     quantized_all_gather(full, randn(rank, C), spec=QuantSpec(8, BLOCK, torch.float16))
     out["qwz8_fp16_scales"] = full
@@ -122,6 +129,12 @@ def test_quantized_all_gather_within_bound(results, bits, levels):
         assert not torch.equal(r[f"qwz{bits}"], exact)  # it did quantize
         assert torch.equal(r[f"qwz{bits}"], results[0][f"qwz{bits}"])  # every rank computes with the same weights
         assert torch.equal(r[f"qwz{bits}_exact"], torch.cat([representable(q, C, levels) for q in range(WORLD)]))
+
+
+def test_async_quantized_all_gather_dequantizes_on_wait(results):
+    for r in results:
+        assert r["qwz8_async_before_wait"].isnan().all()
+        assert torch.equal(r["qwz8_async"], r["qwz8"])
 
 
 def test_quantized_all_gather_with_fp16_scales(results):
