@@ -10,7 +10,7 @@ import signal
 if __name__ == "__main__":
     # Slurm's SIGUSR1 (time-limit warning, preemption) can arrive while torch is still importing, and
     # its default action kills the rank. Blocked from the first line, it stays pending until the train
-    # loop's handler is installed (StopRequest in pretrain/train.py unblocks it), then stops the run.
+    # loop's handler is installed (StopRequest in pretrain/runtime/stopping.py unblocks it), then stops the run.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     import warnings as _warnings
 

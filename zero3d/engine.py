@@ -5,7 +5,6 @@ from functools import partial
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from zero3d.accounting import model_state_bytes
@@ -17,7 +16,7 @@ from zero3d.offload import Copier, GroupSpec, HostOffload
 from zero3d.optim import make_optimizer
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
-from zero3d.quantize import QuantSpec, quantized_reduce_scatter
+from zero3d.quantize import QuantSpec, overflow_safe_quantized_reduce_scatter
 from zero3d.topology import NodeTopology
 
 
@@ -257,20 +256,8 @@ class DataParallelEngine:
         if q == "none":
             return None
         spec = QuantSpec(bits=8 if q == "int8" else 4, block=self.settings.zero.quant_block)
-        return partial(self._quantized_reduce_scatter, spec)
-
-    def _quantized_reduce_scatter(self, spec: QuantSpec, piece: torch.Tensor, buffer: torch.Tensor,
-                                  async_op: bool) -> None:
-        """qgZ of one bucket (synchronous), without a host read. A non-finite value has no scale, so all
-        DP ranks agree on the device whether any holds one (fp16 overflow), quantize the bucket with
-        those values as 0, and where one was found fill the reduced piece with inf on every rank: the
-        step's overflow rule skips the step, on every rank alike."""
-        bad = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
-        self.dp.all_reduce(bad, tag="grads_overflow", op=dist.ReduceOp.MAX)
-        torch.nan_to_num(buffer, nan=0.0, posinf=0.0, neginf=0.0, out=buffer)
-        quantized_reduce_scatter(piece, buffer, self.node, spec, self.comm_stats, tag="grads", check_finite=False)
-        piece.masked_fill_(bad > 0, float("inf"))
-        return None
+        return partial(overflow_safe_quantized_reduce_scatter, dp=self.dp, topology=self.node, spec=spec,
+                       stats=self.comm_stats)
 
     def _deliver_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
         """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),

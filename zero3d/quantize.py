@@ -258,3 +258,17 @@ def quantized_reduce_scatter(piece: torch.Tensor, full: torch.Tensor, topology, 
     else:
         mine = partial
     piece.copy_(mine.view_as(piece))
+
+
+def overflow_safe_quantized_reduce_scatter(piece: torch.Tensor, buffer: torch.Tensor, async_op: bool, *, dp,
+                                           topology, spec: QuantSpec, stats=None) -> None:
+    """qgZ of one gradient bucket (zero3d/buckets.py's reduction; synchronous), without a host read. A
+    non-finite value has no scale, so the DP ranks (`dp`: zero3d.comm.Comm) agree on the device whether
+    any holds one (fp16 overflow), quantize the bucket with those values as 0, and where one was found
+    fill the reduced piece with inf on every rank: the engine's overflow rule then skips the step, on
+    every rank alike."""
+    bad = (~torch.isfinite(buffer)).any().to(torch.float32).reshape(1)
+    dp.all_reduce(bad, tag="grads_overflow", op=dist.ReduceOp.MAX)
+    torch.nan_to_num(buffer, nan=0.0, posinf=0.0, neginf=0.0, out=buffer)
+    quantized_reduce_scatter(piece, buffer, topology, spec, stats, tag="grads", check_finite=False)
+    piece.masked_fill_(bad > 0, float("inf"))
