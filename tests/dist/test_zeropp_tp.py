@@ -10,7 +10,7 @@ from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
 
 WORLD, TP, GPUS_PER_NODE = 8, 2, 4
 DP, PER_NODE = WORLD // TP, GPUS_PER_NODE // TP  # 4 DP ranks a group, 2 of them on each node
-STEPS = 5
+STEPS = 10  # the issue's 10 steps
 COMMON = (f"parallel.tensor={TP}", f"cluster.gpus_per_node={GPUS_PER_NODE}", "model.num_layers=1",
           "train.global_batch_size=8")
 MODES = {"stage3": ("zero.stage=3",),
@@ -61,7 +61,7 @@ def test_node_groups_hold_the_dp_ranks_that_share_a_node(runs):
 def assert_exact(ref, out, loss_tol=1e-6, norm_tol=1e-6):
     """Losses and gradient norms within the tolerance (relative), every step, every rank; the same steps
     skipped (fp16 overflow: none here); and the model trains: over the steps the loss falls by more than 100
-    times the tolerance (0.78% in 5 steps)."""
+    times the tolerance."""
     assert ref[0]["loss"][-1] < (1 - 100 * loss_tol) * ref[0]["loss"][0]
     for r_ref, r_out in zip(ref, out):
         assert r_out["skipped"] == r_ref["skipped"] and not all(r_ref["skipped"])
