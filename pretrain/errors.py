@@ -71,6 +71,9 @@ _PEER_LOST = re.compile(r"connection (closed|reset|refused)|broken pipe|recvValu
                         r"socket (closed|error)|peer .* (closed|disconnect)", re.I)
 
 
+PEER_LOST = "a peer rank exited or lost its connection during a collective"
+
+
 def peer_error(err: BaseException, rank: int, timeout_s: float) -> "PeerTimeoutError | None":
     """The torch.distributed failure `err` as a PeerTimeoutError naming this rank, or None if it is not one."""
     if isinstance(err, PeerTimeoutError):
@@ -84,7 +87,6 @@ def peer_error(err: BaseException, rank: int, timeout_s: float) -> "PeerTimeoutE
                                 "a peer is stuck or overloaded; see the other ranks' logs, or raise "
                                 "train.timeout_minutes if steps are legitimately slower")
     if _PEER_LOST.search(text):
-        return PeerTimeoutError("a peer rank exited or lost its connection during a collective",
-                                f"rank {rank}", "see the failing peer's own error line or its exit status")
+        return PeerTimeoutError(PEER_LOST, f"rank {rank}", "see the failing peer's own error line or its exit status")
     return None
 

@@ -7,17 +7,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from pretrain.errors import EXIT_UNEXPECTED, InputError, ProjectError, peer_error
+from pretrain.errors import EXIT_UNEXPECTED, PEER_LOST, InputError, ProjectError, peer_error
 
 STATUS_FILE = "status.json"
 
 
 def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps: int, exit_code: int,
-                 error: str = "", first: bool = False) -> bool:
+                 error: str = "", first: bool = False, outranks: str = "") -> bool:
     """Write status.json atomically (tmp + rename): ok | interrupted | failed, why, and the exit code.
 
     first=True writes only when no status.json exists: the first failure of a run is its cause, and
-    the ranks that fail after it (a peer gone, a collective that lost it) must not overwrite it.
+    the ranks that fail after it (a peer gone, a collective that lost it) must not overwrite it —
+    except that a first=True write still replaces a status whose error contains `outranks` (a
+    consequence recorded a moment before the cause; see record_failure).
     Returns whether it was written; a run_dir that cannot be written is skipped (the error says why).
     """
     body = json.dumps({"status": status, "reason": reason, "world_size": world_size, "steps": steps,
@@ -34,6 +36,9 @@ def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps
             os.link(tmp, target)  # atomic create-if-absent, with complete content
             return True
         except FileExistsError:
+            if outranks and outranks in _recorded_error(target):
+                os.replace(tmp, target)
+                return True
             return False
         finally:
             tmp.unlink(missing_ok=True)
@@ -109,18 +114,31 @@ def report(err: BaseException, rank: Optional[int], timeout_s: float, debug: boo
     return code
 
 
+def _recorded_error(target: Path) -> str:
+    try:
+        return str(json.loads(target.read_text()).get("error", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def record_failure(err: BaseException, run_dir: Path, rank: Optional[int], world_size: int, steps: int,
                    timeout_s: float, lost: str = "") -> None:
     """status.json "failed": rank 0 writes an agreed error outright; any other failure is written by
-    the first rank to fail (later ones are consequences). `lost`: the peers that stopped answering
-    (topology.lost_peers, "ranks 2, 3 on z3node2"), named first in the reason."""
+    the first rank to fail (later ones are consequences), except that a collective timeout (a live peer
+    that stopped answering: a cause) replaces a lost connection (a peer that exited: possibly the timed-out
+    rank itself, whose exit can reach another rank a moment before its own status is written).
+    `lost`: the peers that stopped answering (topology.lost_peers, "ranks 2, 3 on z3node2"), named first
+    in the reason."""
     reason = f"{type(err).__name__}: {err}".splitlines()[0]
     if lost:
         reason = f"lost {lost}: {reason}"
     authoritative = rank == 0 and is_agreed(err, rank, timeout_s)
+    peer = peer_error(err, rank, timeout_s) if rank is not None else None
+    timed_out = peer is not None and peer.what != PEER_LOST
     with sigterm_ignored():
         write_status(run_dir, "failed", reason, world_size, steps, exit_code(err, rank, timeout_s),
-                     error_line(err, rank, timeout_s), first=not authoritative)
+                     error_line(err, rank, timeout_s), first=not authoritative,
+                     outranks=PEER_LOST if timed_out else "")
 
 
 @contextmanager

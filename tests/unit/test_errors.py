@@ -202,3 +202,25 @@ def test_unexpected_error_exits_1_with_its_traceback_then_the_line():
     assert code == 1
     assert lines[0] == "Traceback (most recent call last):" and any("in buggy" in line for line in lines)
     assert lines[-1].startswith("error: unexpected KeyError: 'no such key' (rank 2): this is a bug")
+
+
+def test_a_collective_timeout_outranks_a_lost_connection_recorded_just_before_it(tmp_path):
+    """A rank that timed out on a stopped peer (the cause) and exits can reach another rank as a lost
+    connection, which may be recorded a moment before the timed-out rank's own status: the timeout replaces
+    it; a timeout recorded first stays; a second lost connection never replaces the first."""
+    from pretrain.runtime.status import record_failure
+    lost = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+    timeout = RuntimeError("[gloo] Timed out waiting 15000ms for recv operation to complete")
+
+    def error_after(*records):
+        run_dir = tmp_path / str(len(list(tmp_path.iterdir())))
+        for rank, err in records:
+            record_failure(err, run_dir, rank, 4, 7, 15.0)
+        return json.loads((run_dir / "status.json").read_text())["error"]
+
+    assert error_after((0, lost), (3, timeout)).startswith(
+        "error: a collective waited longer than train.timeout_minutes (15 s) for a peer rank (rank 3)")
+    assert error_after((3, timeout), (0, lost)).startswith("error: a collective waited longer")
+    assert error_after((1, lost), (0, lost)).startswith(
+        "error: a peer rank exited or lost its connection during a collective (rank 1)")
+    assert "(rank 1)" in error_after((1, timeout), (2, timeout))  # among causes, the first stays
