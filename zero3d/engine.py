@@ -170,7 +170,7 @@ class DataParallelEngine:
 
         `sums`: this rank's values (e.g. the training loop's loss sum) to sum over the world group in
         the norm's all-reduce, read back with it in the step's one host read: `StepResult.sums`, in fp64,
-        whether or not the step is skipped.
+        whether or not the step is skipped. Every rank passes the same number of values (or None on all).
         """
         self.finish_param_sync()
         self._reduce_grads()
