@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install  ## tiny GPT on 4 CPU ranks, TP=2 x DP=2, ZeRO stage 2
-	WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) \
-		-m pretrain --config configs/tiny.toml $(ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m pretrain.launcher --nproc-per-node $(NPROC) \
+		--config configs/tiny.toml $(ARGS)
 
 test: install  ## the whole suite: unit, docs (the commands the docs mark), dist (gloo ranks) and slurm tiers, in two lanes (tools/run_suite.py)
 	$(PY) tools/run_suite.py -- $(PYTEST_ARGS)

@@ -2,8 +2,9 @@
 
 Exit codes (pretrain/errors.py, docs/exit-codes.md): 0 ok, 1 unexpected (traceback shown), 2 config,
 3 input (data, tokenizer, checkpoint, environment), 4 numerical, 5 peer/collective timeout,
-75 interrupted after a complete checkpoint. Every known error is one line on stderr,
-`error: <what> (<where>): <how to fix>`; ZERO3D_DEBUG=1 or --debug adds its traceback.
+75 interrupted after a complete checkpoint, 130 interrupted at once (SIGINT during start-up, or twice).
+Every known error is one line on stderr, `error: <what> (<where>): <how to fix>`; ZERO3D_DEBUG=1 or
+--debug adds its traceback. A start refused by any check writes nothing into the run directory.
 """
 import signal
 
@@ -29,19 +30,14 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from pretrain.config import ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
+from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
 from pretrain.runtime.preflight import check_paths  # noqa: E402
-from pretrain.runtime.launch import check_master_resolves, env_rank, env_world_size, launcher_env  # noqa: E402
+from pretrain.runtime.launch import check_master_resolves, env_rank, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
-from pretrain.runtime.status import finished, record_failure, report, write_status  # noqa: E402
+from pretrain.runtime.status import report  # noqa: E402
 
 # --estimate: the layout does not fit the GPU memory, as the start-up guard refuses it (a config error)
 EXIT_ESTIMATE_TOO_BIG = EXIT_CONFIG
-
-
-def read_only(args) -> bool:
-    """--print-config and --estimate only read: they never write into a run directory."""
-    return args.print_config or args.estimate
 
 
 def config_hint(args) -> str:
@@ -61,18 +57,6 @@ def parse_args(argv=None):
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks with errors (also: ZERO3D_DEBUG=1)")
     return parser.parse_args(argv)
-
-
-def record_config_error(args, err: ConfigError) -> None:
-    """A config that does not validate still ends with status.json "failed" (exit 2) in its run_dir,
-    when that directory already exists: a requeued job must not read a previous run's status. A
-    finished run's status ("ok") is never replaced (its record stays what it was)."""
-    try:
-        cfg = load_config(args.config, args.overrides, check=False)
-    except ConfigError:
-        return
-    if cfg.run_dir.is_dir() and env_rank() == 0 and not finished(cfg.run_dir):
-        write_status(cfg.run_dir, "failed", f"ConfigError: {err}", 0, 0, EXIT_CONFIG, err.line())
 
 
 def estimate(cfg) -> int:
@@ -104,22 +88,13 @@ def main(argv=None) -> int:
         launch = launcher_env()
         check_master_resolves(launch)
         validate_layout(cfg, launch["world_size"])
-        if launch["rank"] == 0:
-            save_resolved(cfg)  # slurm/collect.py reads any run directory from it
         from pretrain.train import train
         training = True
-        result = train(cfg, launch)  # writes status.json, failures included
+        # config.json, job.json and status.json are written by train() once every start check has passed
+        result = train(cfg, launch, job={"config": args.config, "overrides": args.overrides})
     except BaseException as err:  # noqa: BLE001 - every failure becomes one line and an exit code
-        if isinstance(err, KeyboardInterrupt):
-            raise
         if isinstance(err, ConfigError) and (hint := config_hint(args)):
             err = ConfigError(err.what, err.where, (err.fix + hint) if err.fix else hint.lstrip("; "))
-        if read_only(args):
-            pass  # nothing is written anywhere
-        elif cfg is None and isinstance(err, ConfigError):
-            record_config_error(args, err)
-        elif cfg is not None and not training and not finished(cfg.run_dir):
-            record_failure(err, cfg.run_dir, rank, env_world_size(), 0, timeout_s)
         code = report(err, rank, timeout_s, debug, sys.stderr)
         if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
             sys.stdout.flush()
@@ -130,7 +105,7 @@ def main(argv=None) -> int:
             from pretrain.runtime.topology import destroy_topology
             destroy_topology()
     if result["stopped_early"] and rank == 0:  # one line from rank 0, not only torchrun's FAILED block
-        print(f"stopped by a signal (SIGUSR1/SIGTERM) after step {result['end_step']} of {cfg.train.steps}: "
+        print(f"stopped by a signal (SIGINT/SIGUSR1/SIGTERM) after step {result['end_step']} of {cfg.train.steps}: "
               f"checkpoint step_{result['end_step']:08d} saved, status.json \"interrupted\"; run the same command "
               "to resume", file=sys.stderr, flush=True)
     # 75 (EX_TEMPFAIL): stopped by a signal after saving a checkpoint. slurm/launch.sbatch sets

@@ -25,8 +25,11 @@ class OptimizerConfig(engine_config.OptimizerConfig):
     beta2: float = 0.95
     clip_grad: float = 1.0
     min_lr: float = 1e-4
+    """The learning rate the cosine decay ends at, in [0, lr]."""
     warmup_steps: int = 5
-    decay_steps: Optional[int] = None  # None: train.steps
+    """Steps of linear warmup from lr / warmup_steps to lr."""
+    decay_steps: Optional[int] = None
+    """Step at which the cosine decay reaches min_lr (held there after); unset: train.steps."""
 
 
 @dataclass
@@ -34,6 +37,7 @@ class PrecisionConfig(engine_config.LossScaleConfig):
     """[precision]: the compute dtype, plus zero3d's fp16 loss-scale settings (validated there)."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype of the model (fp32 masters and Adam states whatever it is); fp16 scales the loss."""
 
 
 @dataclass
@@ -122,9 +126,28 @@ def _merge(cfg: Config, tree: dict, source: str) -> None:
             vars(cfg).setdefault("_given", set()).add(f"{name}.{key}")  # Config.is_set
 
 
+def _unset(cfg: Config, text: str) -> None:
+    """`~section.key`: back to the key's default, as if neither the TOML file nor an earlier override set it."""
+    parts = text[1:].strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override {text!r} must look like ~section.key (unset a key), e.g. ~data.blend")
+    name, key = parts
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if name not in sections:
+        raise _unknown(name, list(sections))
+    section = getattr(cfg, name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise _unknown(f"{name}.{key}", list(fields))
+    f = fields[key]
+    setattr(section, key, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+    vars(cfg).setdefault("_given", set()).discard(f"{name}.{key}")
+
+
 def _parse_override(text: str) -> tuple[str, str, object]:
     if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. zero.stage=2")
+        raise ConfigError(f"override {text!r} must look like section.key=value (or ~section.key to unset a "
+                          "key), e.g. zero.stage=2")
     dotted, raw = text.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2 or not all(parts):
@@ -152,7 +175,8 @@ def save_resolved(cfg: "Config", run_dir: Optional[Path] = None) -> Path:
 
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),
                 check: bool = True) -> Config:
-    """Defaults ← TOML file ← `section.key=value` overrides; then validate() (unless check=False)."""
+    """Defaults ← TOML file ← `section.key=value` overrides (`~section.key` unsets one: its default again);
+    then validate() (unless check=False)."""
     cfg = Config()
     if path is not None:
         path = Path(path)
@@ -169,6 +193,9 @@ def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | 
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from None
         _merge(cfg, tree, str(path))
     for text in overrides:
+        if text.startswith("~"):
+            _unset(cfg, text)
+            continue
         section, key, value = _parse_override(text)
         _merge(cfg, {section: {key: value}}, f"override {text!r}")
     if check:
@@ -203,6 +230,20 @@ def _rebuild_sections(cfg: Config) -> None:
             raise ConfigError(str(err)) from None
         if not isinstance(getattr(cfg, f.name), Section):
             check_finite(f.name, getattr(cfg, f.name))
+
+
+# (key, the keys whose setting makes it unused, why): both given is an error, not a silent choice
+IRRELEVANT = (("data.corpus", ("data.blend", "data.train_blend"), "a blend reads its .bin/.idx prefixes instead"),
+              ("data.split", ("data.train_blend",), "per-split blends are not split"))
+
+
+def _check_irrelevant(cfg: Config) -> None:
+    """A key the TOML or an override gave that another given key makes unused is an error naming both."""
+    for key, overriders, why in IRRELEVANT:
+        for other in overriders:
+            _require(not (cfg.is_set(key) and cfg.is_set(other)),
+                     f"{key} and {other} are both set, but {key} is unused with {other} ({why}); remove one "
+                     f"(an override can unset a key of the TOML file: ~{key})")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
@@ -244,6 +285,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps = {o.warmup_steps} must be >= 0")
     _require(o.decay_steps is None or o.decay_steps >= 1,
              f"optimizer.decay_steps = {o.decay_steps} is invalid; must be >= 1 (or unset: train.steps)")
+    _check_irrelevant(cfg)
     evaluating, d = t.eval_interval > 0, cfg.data
     _require(not (evaluating and d.per_split() and d.valid_blend is None),
              f"train.eval_interval = {t.eval_interval} needs data.valid_blend with data.train_blend "

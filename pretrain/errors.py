@@ -8,6 +8,7 @@ EXIT_INPUT = 3  # data, tokenizer, checkpoint files or the launch environment ar
 EXIT_NUMERICAL = 4  # loss or gradient norm not finite for train.max_nonfinite_steps steps in a row
 EXIT_PEER = 5  # a collective timed out, a peer rank vanished, or the watchdog saw no progress
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped by a signal after a complete checkpoint; requeue to resume
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: interrupted before training started, or a second SIGINT: no new checkpoint
 
 
 class ProjectError(Exception):
@@ -56,6 +57,12 @@ class NumericalError(ProjectError):
     """The loss or the gradient norm stayed non-finite; the last good checkpoint is kept."""
 
     exit_code = EXIT_NUMERICAL
+
+
+class RunInterrupted(ProjectError):
+    """SIGINT before the loop took it as a stop request (start-up), or a second one: the run ends at once."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 class PeerTimeoutError(ProjectError):

@@ -12,21 +12,22 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain import metrics
-from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
-from pretrain.config import Config
+from pretrain.checkpoint.checkpointer import Checkpointer, layout_text, run_identity
+from pretrain.config import Config, save_resolved
 from pretrain.sections import TrainConfig
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
-from pretrain.errors import EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError, peer_error
+from pretrain.errors import (EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError, RunInterrupted,
+                            peer_error)
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text
-from pretrain.runtime.status import clear_status, record_failure, write_status
+from pretrain.runtime.status import clear_status, record_failure, record_job, write_status
 from pretrain.runtime.topology import Topology, init_topology, launcher_env, lost_peers
 from pretrain.runtime.watchdog import Watchdog
 
@@ -68,30 +69,35 @@ def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Top
 
 
 def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology,
-               stop_requested: Callable[[], bool] = lambda: False):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult, stop agreed)."""
+               stop_requested: Callable[[], bool] = lambda: False, save_written: Callable[[], bool] = lambda: False):
+    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult, stop agreed,
+    pending save written on every rank)."""
     losses = forward_backward(engine, batches, step, cfg, topo)
-    out = finish_step(engine, losses, step, cfg, topo, stop_requested)
+    out = finish_step(engine, losses, step, cfg, topo, stop_requested, save_written)
     if topo.device.type == "cuda":
         torch.cuda.synchronize()  # perf/step_time measures the step's kernels, not their launch
     return out
 
 
 def finish_step(engine, losses: list, step: int, cfg: Config, topo: Topology,
-                stop_requested: Callable[[], bool] = lambda: False):
-    """The engine's step after the micro-batches' backward: (mean loss, StepResult, stop agreed).
+                stop_requested: Callable[[], bool] = lambda: False, save_written: Callable[[], bool] = lambda: False):
+    """The engine's step after the micro-batches' backward: (mean loss, StepResult, stop agreed, pending
+    save written on every rank).
 
-    The step's loss sum and this rank's stop request (asked as late as possible: a signal caught during
-    this step stops after it) ride in the engine's gradient-norm all-reduce: one host read per step
-    decides overflow and clipping (the norm), the stop (requested on any rank), and gives every rank the
-    same loss and norm, so NonfiniteGuard's verdict needs no further agreement."""
+    The step's loss sum, this rank's stop request (asked as late as possible: a signal caught during
+    this step stops after it) and whether its part of the pending asynchronous save is on disk ride in
+    the engine's gradient-norm all-reduce: one host read per step decides overflow and clipping (the
+    norm), the stop (requested on any rank), the save's publication (written on all ranks), and gives
+    every rank the same loss and norm, so NonfiniteGuard's verdict needs no further agreement."""
     lr = lr_at(step, cfg)
-    sums = torch.zeros(2, dtype=torch.float64, device=topo.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=topo.device)
     sums[:1] = loss_share(losses, topo)
     if stop_requested():
         sums[1] = 1.0
+    if save_written():
+        sums[2] = 1.0
     result = engine.step(lr, sums=sums)
-    return step_mean_loss(result, topo), result, result.sums[1] > 0
+    return step_mean_loss(result, topo), result, result.sums[1] > 0, result.sums[2] == topo.world_size
 
 
 def loss_share(losses: list[torch.Tensor], topo: Topology) -> torch.Tensor:
@@ -157,28 +163,30 @@ def layout_signature(cfg: Config, topo: Topology) -> dict:
             "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}
 
 
-def train(cfg: Config, launch: Optional[dict] = None) -> dict:
+def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None) -> dict:
     """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}.
 
-    status.json: rank 0 clears a previous run's at the start; a failure is recorded by the rank it
-    happens on (see pretrain.runtime.status); the final status is written between two barriers, after every
-    rank has finished saving and before any rank leaves, so a launcher that kills the others when
-    the first rank exits still finds it complete.
+    Nothing is written into the run directory until every check that can refuse the run has passed on
+    every rank (memory, data, tokenizer, the checkpoint's model and vocabulary: `start_run`): a refused
+    start leaves a previous run's config.json and status.json as they were. From then on a failure is
+    recorded by the rank it happens on (see pretrain.runtime.status); the final status is written
+    between two barriers, after every rank has finished saving and before any rank leaves, so a
+    launcher that kills the others when the first rank exits still finds it complete. `job`: the
+    command's config path and overrides, for job.json under Slurm.
     """
-    progress = {"step": 0}
+    progress = {"step": 0, "started": False, "job": job or {}}
     topo = None
     timeout_s = cfg.train.timeout_minutes * 60
     try:
         launch = launch or launcher_env()
         check_paths(cfg)
-        if launch["rank"] == 0:
-            clear_status(cfg.run_dir)
         topo = init_topology(cfg, launch)
         result = run_training(cfg, topo, progress)
     except BaseException as err:
-        lost = lost_peers() if topo is not None and peer_error(err, topo.rank, timeout_s) else ""
-        record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
-                       progress["step"], timeout_s, lost)
+        if progress["started"]:
+            lost = lost_peers() if topo is not None and peer_error(err, topo.rank, timeout_s) else ""
+            record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
+                           progress["step"], timeout_s, lost)
         raise
     stopped = result["stopped_early"]
     dist.barrier()  # every rank has finished its last save
@@ -188,6 +196,35 @@ def train(cfg: Config, launch: Optional[dict] = None) -> dict:
                      result["end_step"], EXIT_REQUEUE if stopped else EXIT_OK)
     dist.barrier()  # status.json is complete before any rank exits
     return result
+
+
+def say(topo: Topology, lines: list[str]) -> None:
+    """Rank 0 prints each line (what every rank agreed on), at once."""
+    if topo.is_main:
+        for line in lines:
+            print(line, flush=True)
+
+
+def resume_line(usable: Optional[dict], save_dir: Path, resume: bool) -> str:
+    """Where the run starts, said out loud."""
+    if usable is not None:
+        m = usable["manifest"]
+        return (f"resumed from {usable['path'].name} (saved at layout {layout_text(m['layout'])}): "
+                f"continuing at step {m['step'] + 1}")
+    if not resume:
+        return f"train.resume = false: starting at step 1 (checkpoints in {save_dir} are not read)"
+    return f"no checkpoint in {save_dir}: starting at step 1"
+
+
+def start_run(cfg: Config, topo: Topology, progress: dict) -> None:
+    """Collective, once every check that can refuse the run has passed: rank 0 writes config.json (and
+    job.json under Slurm) and clears a previous run's status.json; failures are recorded from here on."""
+    if topo.is_main:
+        save_resolved(cfg)  # slurm/collect.py reads any run directory from it
+        record_job(cfg.run_dir, progress["job"], topo.world_size)
+        clear_status(cfg.run_dir)
+    dist.barrier()
+    progress["started"] = True
 
 
 def start_watchdog(cfg: Config, topo: Topology, progress: dict) -> Watchdog:
@@ -226,7 +263,11 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     checkpoints = Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
                                timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
-    usable = checkpoints.find_usable(identity) if t.resume else None
+    usable = None
+    if t.resume:
+        say(topo, checkpoints.recover())
+        usable = checkpoints.find_usable(identity)
+    start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
                                           valid_samples=t.eval_iters * t.global_batch_size
@@ -240,6 +281,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
         # The data position saved with the checkpoint: the next sample, whatever the batch size was.
         consumed = resumed["consumed_samples"] if resumed["consumed_samples"] is not None \
             else start * t.global_batch_size
+    say(topo, [resume_line(usable, save_dir, t.resume)])
 
     logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,
@@ -290,14 +332,17 @@ class LoopParts:
 
 def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple[int, dict]:
     """Steps until train.steps or an agreed stop, under the watchdog; returns (last step, last record)."""
-    stop, guard, watchdog = StopRequest(), NonfiniteGuard(run.cfg), start_watchdog(run.cfg, run.topo, progress)
+    stop = StopRequest(abort=lambda: abort_now(run, progress["step"]))
+    guard, watchdog = NonfiniteGuard(run.cfg), start_watchdog(run.cfg, run.topo, progress)
     try:
         record: dict = {}
         while step < run.cfg.train.steps:
             watchdog.beat()
-            step, loss, result, stopping, logged = one_step(run, step, watchdog, lambda: stop.requested)
+            step, loss, result, stopping, written, logged = one_step(run, step, watchdog, lambda: stop.requested)
             record = logged or record
             progress["step"] = step
+            if written:  # every rank's part of the pending save is on disk: publish it now
+                run.checkpoints.wait()
             nonfinite = guard.is_nonfinite(loss, result.grad_norm, result.loss_scale)
             guard.update(nonfinite, step, loss, result.grad_norm, last_good)
             if wants_checkpoint(run.cfg.train, step, stopping):
@@ -319,6 +364,18 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
     return step, record
 
 
+def abort_now(run: LoopParts, step: int) -> None:
+    """A second SIGINT: rank 0 says so in one line and records it; the process then ends at once. The other
+    ranks give it half a second first, so that their exit does not reach it as a lost peer before its line."""
+    if not run.topo.is_main:
+        time.sleep(0.5)
+    if run.topo.is_main:
+        err = RunInterrupted(f"interrupted twice (SIGINT) at step {step}: stopped at once, no checkpoint saved now",
+                             "", "run the same command to resume from the latest complete checkpoint")
+        record_failure(err, run.cfg.run_dir, run.topo.rank, run.topo.world_size, step, 0.0)
+        print(err.line(), file=sys.stderr, flush=True)
+
+
 def wants_checkpoint(t: TrainConfig, step: int, stopping: bool) -> bool:
     return bool((t.save_interval and step % t.save_interval == 0) or stopping
                 or (step == t.steps and t.save_final))
@@ -326,19 +383,20 @@ def wants_checkpoint(t: TrainConfig, step: int, stopping: bool) -> bool:
 
 def one_step(run: LoopParts, step: int, watchdog: Watchdog, stop_requested: Callable[[], bool] = lambda: False):
     """Train one step; log it (and evaluate) when due. Returns (step, loss, StepResult, stop agreed,
-    logged record or None)."""
+    pending save written everywhere, logged record or None)."""
     cfg, topo, engine, m = run.cfg, run.topo, run.engine, run.cfg.model
     engine.comm_stats.reset()
     if run.activations:
         run.activations.reset_step()
     t0 = time.perf_counter()
-    loss_value, result, stopping = train_step(engine, run.batches, step, cfg, topo, stop_requested)
+    loss_value, result, stopping, written = train_step(engine, run.batches, step, cfg, topo, stop_requested,
+                                                       run.checkpoints.written)
     step_time = time.perf_counter() - t0
     step += 1
     last = step == cfg.train.steps
     evaluate_now = cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or last)
     if not (step % cfg.logging.log_interval == 0 or last or evaluate_now):
-        return step, loss_value, result, stopping, None
+        return step, loss_value, result, stopping, written, None
     tokens_per_step = cfg.train.global_batch_size * m.seq_length
     record = {"train/loss": loss_value, "train/lr": lr_at(step - 1, cfg),
               "train/grad_norm": result.grad_norm, "train/loss_scale": result.loss_scale,
@@ -356,4 +414,4 @@ def one_step(run: LoopParts, step: int, watchdog: Watchdog, stop_requested: Call
         val = evaluate(engine, run.valid_ds, cfg, topo)
         record.update({"val/loss": val, "val/ppl": math.exp(min(val, 50.0))})
     run.logger.log(step, record)
-    return step, loss_value, result, stopping, record
+    return step, loss_value, result, stopping, written, record

@@ -12,7 +12,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The repo's own code, not an installed copy (the container's image has one under /workspace).
 sys.path.insert(0, str(REPO_ROOT))
-from pretrain.config import Config, ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
+from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
 # SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
@@ -199,20 +199,13 @@ def submit(job: Job) -> str:
 
 
 def preflight(config_path: str, overrides: list, world: int) -> Path:
-    """Inside the job: validate for the job's `world` ranks (launch.sbatch passes the job's
-    SLURM_NTASKS: in a one-task container step the step's own is 1), record config.json and
-    job.json, return run_dir."""
+    """Inside the job, once, before hundreds of ranks start: validate for the job's `world` ranks
+    (launch.sbatch passes the job's SLURM_NTASKS: in a one-task container step the step's own is 1) and
+    return run_dir. It writes nothing: rank 0 writes config.json and job.json once the run has passed
+    every start check (a refused start leaves a finished run's records as they were)."""
     cfg = load_config(config_path, overrides)
     validate_layout(cfg, world)
-    run_dir = cfg.run_dir
-    save_resolved(cfg, run_dir)
-    env = os.environ
-    job = {"job_id": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT", 0)),
-           "nodes": int(env.get("SLURM_JOB_NUM_NODES", cfg.cluster.nodes)), "world_size": world,
-           "nodelist": env.get("SLURM_JOB_NODELIST"), "config": config_path, "overrides": overrides,
-           "container": env.get("ZERO3D_CONTAINER"), "start_time": time.time()}
-    (run_dir / "job.json").write_text(json.dumps(job, indent=2) + "\n")
-    return run_dir
+    return cfg.run_dir
 
 
 def parse_args(argv=None):

@@ -2,8 +2,11 @@
 
 <save_dir>/step_<N>/ holds DCP's files (`__<rank>_0.distcp`, `.metadata`), one `rng/rank_<r>.json` per
 rank and `checkpoint.json` (step, data position, scaler, identity, and the size and SHA-256 of every
-file). A save writes into step_<N>.tmp; once every rank's part is written and fsynced, rank 0 writes
-checkpoint.json, renames the directory and then moves `latest`. See the README's checkpoint section.
+file). A save writes into step_<N>.tmp: each rank writes and fsyncs its files (rank 0 then `pending.json`,
+checkpoint.json without the file list) and, last, `written/rank_<r>.json` (its files' sizes and hashes). Once every rank's part is written, which the step after it learns in its one
+all-reduce, rank 0 writes checkpoint.json, renames the directory and then moves `latest`. A crash before
+that leaves a .tmp that start-up publishes when every rank's record is there and its files have their
+recorded sizes, and removes otherwise (`recover_interrupted`). See the README's checkpoint section.
 """
 import base64
 import hashlib
@@ -19,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.files import (MANIFEST, CheckpointError, file_record, fsync_path, read_json,
-                                       verify_file, write_json_durably, write_text_durably)
+from pretrain.checkpoint.files import MANIFEST, CheckpointError, file_record, read_json, verify_file, write_json_durably
 from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields, check_identity, check_listed,
                                       latest_name, load_dcp, read_dcp_metadata, read_manifest)
+from pretrain.checkpoint.recovery import PENDING, publish_step_dir, recover_interrupted, step_dirs, written_record
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from pretrain.runtime.agreement import from_rank0
@@ -84,12 +87,6 @@ def _cause(err: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         return "; ".join(_cause(exc) for exc, _ in failures.values())
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
-
-
-def _step_dirs(save_dir: Path) -> list[Path]:
-    """Complete step directories, newest first."""
-    return sorted((p for p in save_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                  key=lambda p: p.name, reverse=True)
 
 
 class Checkpointer:
@@ -159,7 +156,8 @@ class Checkpointer:
         rng = rng_state()
         group = self._writer_group()
         result: dict = {}
-        thread = threading.Thread(target=self._write, args=(state, tmp, rank, rng, group, result), daemon=True)
+        thread = threading.Thread(target=self._write, args=(state, tmp, rank, rng, group, result, meta),
+                                  daemon=True)
         thread.start()
         self._pending = (thread, result, tmp, final, meta)
         self._report["ckpt/stall_s"] = time.perf_counter() - t0
@@ -168,21 +166,36 @@ class Checkpointer:
             self._report["ckpt/stall_s"] = time.perf_counter() - t0
 
     @staticmethod
-    def _write(state, tmp: Path, rank: int, rng: dict, group, result: dict) -> None:
-        """Writer thread: DCP save over the writer group, then fsync and hash this rank's files."""
+    def _write(state, tmp: Path, rank: int, rng: dict, group, result: dict, meta: dict) -> None:
+        """Writer thread: DCP save over the writer group (every rank enters it, whatever fails after); fsync
+        and hash this rank's files; rank 0 writes pending.json; last, this rank's `written/rank_<r>.json`,
+        the mark that its part is complete on disk."""
         t0 = time.perf_counter()
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, thread_count=1),
                      process_group=group)
             write_json_durably(tmp / "rng" / f"rank_{rank:05d}.json", rng)
+            if rank == 0:
+                write_json_durably(tmp / PENDING, meta)
             group_rank = dist.get_rank(group)
             names = [p.name for p in tmp.glob(f"__{group_rank}_*.distcp")] + [f"rng/rank_{rank:05d}.json"]
             if group_rank == 0:
                 names.append(DCP_METADATA)
             result["files"] = {name: file_record(tmp / name) for name in names}
+            written_record(tmp, rank, result["files"])
         except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException too; reported by wait() on every rank
             result["error"] = f"rank {rank}: {_cause(err)}"
         result["write_s"] = time.perf_counter() - t0
+
+    def written(self) -> bool:
+        """This rank's part of the pending save is finished (written or failed): a local look, no collective.
+        The loop sums it over every rank in the step's all-reduce and calls `wait()` when all are."""
+        return self._pending is not None and not self._pending[0].is_alive()
+
+    def recover(self) -> list[str]:
+        """Collective, at start-up: a save a crash interrupted after every rank's part was written is
+        published; an incomplete one removed. Returns the lines saying which (rank 0 prints them)."""
+        return from_rank0(lambda: recover_interrupted(self.save_dir, self.keep))
 
     def wait(self) -> None:
         """Collective: finish the pending save — every rank's part durable, then checkpoint.json, the
@@ -238,26 +251,7 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, manifest: dict) -> None:
         """Rank 0: checkpoint.json, the directory renamed into place, `latest`, old checkpoints pruned."""
-        write_json_durably(tmp / MANIFEST, manifest)
-        fsync_path(tmp / "rng")
-        fsync_path(tmp)
-        aside = None
-        if final.exists():  # the same step saved again (after a resume): replace it whole
-            aside = final.with_name(final.name + ".old.tmp")
-            final.rename(aside)
-        tmp.rename(final)
-        fsync_path(self.save_dir)
-        write_text_durably(self.save_dir / LATEST, final.name + "\n")
-        if aside is not None:
-            shutil.rmtree(aside)
-        self._prune(final)
-
-    def _prune(self, newest: Path) -> None:
-        if self.keep <= 0:
-            return
-        for old in _step_dirs(self.save_dir)[self.keep:]:
-            if old != newest:  # `latest` names the newest; never removed
-                shutil.rmtree(old)
+        publish_step_dir(tmp, final, manifest, self.keep)
 
     def close(self) -> None:
         """Collective: wait for the last save (at the end of a run); its failure is an error, as nothing
@@ -284,7 +278,7 @@ class Checkpointer:
                 out.append(self.save_dir / latest_name(self.save_dir))
             except CheckpointError as err:  # a damaged pointer: the step directories themselves, newest first
                 log.warning(f"{err}; trying the complete step directories instead")
-        return out + [p for p in _step_dirs(self.save_dir) if p not in out]
+        return out + [p for p in step_dirs(self.save_dir) if p not in out]
 
     def verify(self, step_dir: Path) -> tuple[Optional[dict], str]:
         """Collective: (manifest, '') when every file is present, whole and unchanged; else (None, why).
@@ -385,7 +379,7 @@ class Checkpointer:
             return []
         rederive_rng(seed, manifest["step"])
         note = (f"RNG states re-derived from seed {seed} + step {manifest['step']}: the checkpoint's per-rank "
-                f"generators fit its layout ({_layout_text(saved)}), not this one ({_layout_text(layout)})")
+                f"generators fit its layout ({layout_text(saved)}), not this one ({layout_text(layout)})")
         if dist.get_rank() == 0:
             log.warning(note)
         return [note]
@@ -394,5 +388,5 @@ class Checkpointer:
 RNG_LAYOUT = ("world_size", "tensor", "pipeline", "data")
 
 
-def _layout_text(layout: dict) -> str:
+def layout_text(layout: dict) -> str:
     return " × ".join(f"{k} {layout.get(k)}" for k in RNG_LAYOUT[1:]) + f", stage {layout.get('stage')}"

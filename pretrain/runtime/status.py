@@ -2,12 +2,13 @@
 import json
 import os
 import signal
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from pretrain.errors import EXIT_UNEXPECTED, PEER_LOST, InputError, ProjectError, peer_error
+from pretrain.errors import EXIT_UNEXPECTED, PEER_LOST, InputError, ProjectError, RunInterrupted, peer_error
 
 STATUS_FILE = "status.json"
 
@@ -48,6 +49,26 @@ def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps
         return False
 
 
+JOB_FILE = "job.json"
+
+
+def record_job(run_dir: Path, job: dict, world_size: int) -> None:
+    """Under Slurm, <run_dir>/job.json: the allocation a started run trains on (slurm/collect.py's GPUs),
+    with the command's config and overrides (`job`). Written by rank 0 once the run has started."""
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return
+    record = {"job_id": env.get("SLURM_JOB_ID"), "restart": int(env.get("SLURM_RESTART_COUNT", 0) or 0),
+              "nodes": int(env.get("SLURM_JOB_NUM_NODES", 1) or 1), "world_size": world_size,
+              "nodelist": env.get("SLURM_JOB_NODELIST"), "config": job.get("config"),
+              "overrides": list(job.get("overrides", [])), "container": env.get("ZERO3D_CONTAINER"),
+              "start_time": time.time()}
+    target = Path(run_dir) / JOB_FILE
+    tmp = target.with_name(f"{JOB_FILE}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, target)
+
+
 def finished(run_dir: Path) -> bool:
     """The run in run_dir completed (status.json "ok"): an error before a later start must not replace it."""
     try:
@@ -69,6 +90,9 @@ def as_project_error(err: BaseException, rank: Optional[int], timeout_s: float) 
     failure as a peer timeout; None for an unexpected error."""
     if isinstance(err, ProjectError):
         return err
+    if isinstance(err, KeyboardInterrupt):  # SIGINT before the loop's StopRequest handles it
+        return RunInterrupted("interrupted (SIGINT) during start-up, before the first step", "",
+                              "nothing was trained or saved now; run the same command to start again")
     from pretrain.data.datasets import DataError
     from pretrain.data.tokenizer import TokenizerError
     for kind, where, fix in ((DataError, "data", "fix the file, or point data.corpus / data.blend at another"),

@@ -1,28 +1,43 @@
 """When the training loop stops early: a stop signal on any rank, or a streak of non-finite steps."""
 import math
+import os
 import signal
+import sys
+from typing import Callable
 
 from pretrain.config import Config
-from pretrain.errors import NumericalError
+from pretrain.errors import EXIT_INTERRUPTED, NumericalError
 
 
 class StopRequest:
-    """SIGUSR1 (Slurm's warning before the time limit or preemption) or SIGTERM asks for a stop.
+    """SIGUSR1 (Slurm's warning before the time limit or preemption), SIGTERM or SIGINT (Ctrl-C) asks for a
+    stop: after this step, with a checkpoint.
 
     A signal may reach some ranks only, or reach them at different steps; `pretrain.train.finish_step` sums the flag
     over every rank in the step's one all-reduce, so all ranks save the same checkpoint and leave together.
+    A second SIGINT calls `abort` (one line, status.json) and ends the process at once, exit 130: the
+    checkpoint being written, if any, is left as an incomplete .tmp that the next start removes.
     """
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
-        self.requested = False
+    def __init__(self, abort: Callable[[], None] = lambda: None):
+        self.requested, self.interrupts, self._abort = False, 0, abort
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
         # `python -m pretrain` blocks SIGUSR1 until now: one that came early is delivered here.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
     def _on_signal(self, signum, frame):
         self.requested = True
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts >= 2:
+                try:
+                    self._abort()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(EXIT_INTERRUPTED)
 
     def restore(self):
         for sig, handler in self._previous.items():

@@ -83,7 +83,7 @@ def syncs_rank(rank, world_size, steps=2):
         model = build_model(cfg, topo.device, activations)
         engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
-        counts, phase, losses_by_path, stops = Counter(), ["warm-up"], [], []
+        counts, phase, losses_by_path, stops, written = Counter(), ["warm-up"], [], [], []
         with counting_syncs(counts, phase):
             for step in range(1 + steps):  # step 0: warm-up (optimizer states, stage 3's recorded order)
                 phase[0] = "data"  # synthetic tokens drawn on the host: not the step's business
@@ -92,13 +92,16 @@ def syncs_rank(rank, world_size, steps=2):
                 with no_cuda_syncs() if step else contextlib.nullcontext():
                     losses = run_micro_batches(engine, micro_batches, cfg, topo)
                 phase[0] = "engine.step" if step else "warm-up"  # the loop's own code after backward
-                loss, result, stopping = finish_step(engine, losses, step, cfg, topo, stop_requested=lambda: step == steps
-                                                     and torch.distributed.get_rank() == 1)
+                # a pending save is published only when every rank's part is written: rank 0 alone is not enough
+                loss, result, stopping, all_written = finish_step(
+                    engine, losses, step, cfg, topo, stop_requested=lambda: step == steps and torch.distributed.get_rank() == 1,
+                    save_written=lambda: step == steps or torch.distributed.get_rank() == 0)
                 stops.append(stopping)
+                written.append(all_written)
                 phase[0] = "reference"  # the separate all-reduce the loop used to run (evaluate still does)
                 losses_by_path.append((loss, mean_loss(losses, topo)))
         out[name] = dict(counts={k: v for k, v in counts.items() if k[0] not in ("warm-up", "data", "reference")},
-                         losses=losses_by_path, stops=stops,
+                         losses=losses_by_path, stops=stops, written=written,
                          optimizer_tensors=sum(len(g["params"]) for g in engine.optimizer.param_groups),
                          fused=engine.optimizer.defaults.get("fused") or False)
         parallel_state.destroy_model_parallel()
@@ -122,3 +125,4 @@ def test_host_syncs_per_step_hold_the_documented_numbers():
                 (case, out["losses"])
             # a stop requested on rank 1 alone in the last step is every rank's stop, in the same read
             assert out["stops"] == [False] * steps + [True], (case, out["stops"])
+            assert out["written"] == [False] * steps + [True], (case, out["written"])

@@ -113,3 +113,5 @@ def check(cmd: DocCommand, out: subprocess.CompletedProcess) -> None:
     assert out.returncode == cmd.exit, f"{cmd.id}: `{cmd.text}` exited {out.returncode}, the doc says {cmd.exit}\n{text[-3000:]}"
     for line in cmd.expect:
         assert line in text, f"{cmd.id}: `{cmd.text}` did not print {line!r}\n{text[-3000:]}"
+    if cmd.exit not in (0, 1):  # a known error is its one line (docs/exit-codes.md): never a traceback
+        assert "Traceback" not in text, f"{cmd.id}: `{cmd.text}` printed a traceback\n{text[-3000:]}"

@@ -52,12 +52,12 @@ def test_relative_data_path_says_where_it_resolved(tmp_path, monkeypatch, clean_
 def test_a_signal_stop_prints_one_line_on_rank_0(tmp_path, monkeypatch, clean_env, capsys):
     monkeypatch.chdir(REPO)
     fake = types.ModuleType("pretrain.train")
-    fake.train = lambda cfg, launch: {"stopped_early": True, "end_step": 3, "record": {}}
+    fake.train = lambda cfg, launch, job: {"stopped_early": True, "end_step": 3, "record": {}}
     monkeypatch.setitem(sys.modules, "pretrain.train", fake)
     monkeypatch.setitem(sys.modules, "pretrain.runtime.topology", types.SimpleNamespace(destroy_topology=lambda: None))
     code = main(["--config", "configs/tiny.toml", f"logging.run_dir=\"{tmp_path / 'run'}\"", "train.steps=6",
                  "parallel.tensor=1"])
     err = capsys.readouterr().err
     assert code == 75
-    assert err == ("stopped by a signal (SIGUSR1/SIGTERM) after step 3 of 6: checkpoint step_00000003 saved, "
+    assert err == ("stopped by a signal (SIGINT/SIGUSR1/SIGTERM) after step 3 of 6: checkpoint step_00000003 saved, "
                    "status.json \"interrupted\"; run the same command to resume\n")

@@ -113,25 +113,19 @@ def test_malformed_input_gives_one_line_and_its_exit_code(tmp_path, overrides, e
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(fill(line)), out.stderr  # one line, no traceback
 
 
-def test_config_error_marks_an_existing_run_dir_failed(tmp_path):
-    """A requeued job whose config became invalid must not leave the previous run's "interrupted"."""
+@pytest.mark.parametrize("bad", [["optimizer.lr=inf"], ["data.corpus={none}"]], ids=["config", "input"])
+def test_a_refused_start_leaves_the_run_directory_byte_identical(tmp_path, bad):
+    """A requeued or repeated command that is refused (a bad setting, a missing corpus) touches nothing:
+    the previous run's status.json and config.json keep their bytes, and no file is added."""
     run_dir = tmp_path / "run"
-    write_status(run_dir, "interrupted", "stop signal", 4, 10, 75)
-    out = run_pretrain(["--config", "configs/tiny.toml", f"logging.run_dir={q(run_dir)}", "optimizer.lr=inf"], {},
-                       tmp_path)
-    assert out.returncode == EXIT_CONFIG
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status == {"status": "failed", "reason": "ConfigError: optimizer.lr = inf is invalid; must be a finite number",
-                      "world_size": 0, "steps": 0, "exit_code": EXIT_CONFIG, "error": out.stderr.strip()}
-
-
-def test_input_error_before_training_writes_status_with_its_code(tmp_path):
-    run_dir = tmp_path / "run"
-    out = run_pretrain(["--config", "configs/tiny.toml", f"logging.run_dir={q(run_dir)}",
-                        f"data.corpus={q(tmp_path / 'none.jsonl')}"], {}, tmp_path)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert (out.returncode, status["status"], status["exit_code"], status["error"]) == \
-        (EXIT_INPUT, "failed", EXIT_INPUT, out.stderr.strip())
+    write_status(run_dir, "ok", "", 4, 10, 0)
+    (run_dir / "config.json").write_text('{"model": {"num_layers": 48}}\n')
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    bad = [b.replace("{none}", q(tmp_path / "none.jsonl")) for b in bad]
+    out = run_pretrain(["--config", "configs/tiny.toml", f"logging.run_dir={q(run_dir)}", *bad], {}, tmp_path)
+    assert out.returncode == (EXIT_CONFIG if "lr" in bad[0] else EXIT_INPUT), out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
 def test_debug_setting_adds_the_traceback(tmp_path):
