@@ -1,6 +1,5 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -12,23 +11,23 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain import metrics
-from pretrain.checkpoint.checkpointer import Checkpointer, layout_text, run_identity
-from pretrain.config import Config, save_resolved
+from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
+from pretrain.config import Config
 from pretrain.sections import TrainConfig
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
-from pretrain.errors import (EXIT_OK, EXIT_PEER, EXIT_REQUEUE, NumericalError, PeerTimeoutError, RunInterrupted,
-                            peer_error)
+from pretrain.errors import EXIT_OK, EXIT_REQUEUE, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text
-from pretrain.runtime.status import clear_status, record_failure, record_job, write_status
+from pretrain.runtime.status import record_failure, write_status
 from pretrain.runtime.topology import Topology, init_topology, launcher_env, lost_peers
+from pretrain.runtime.lifecycle import abort_now, resume_line, say, start_run, start_watchdog
 from pretrain.runtime.watchdog import Watchdog
 
 
@@ -198,54 +197,6 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     return result
 
 
-def say(topo: Topology, lines: list[str]) -> None:
-    """Rank 0 prints each line (what every rank agreed on), at once."""
-    if topo.is_main:
-        for line in lines:
-            print(line, flush=True)
-
-
-def resume_line(usable: Optional[dict], save_dir: Path, resume: bool) -> str:
-    """Where the run starts, said out loud."""
-    if usable is not None:
-        m = usable["manifest"]
-        return (f"resumed from {usable['path'].name} (saved at layout {layout_text(m['layout'])}): "
-                f"continuing at step {m['step'] + 1}")
-    if not resume:
-        return f"train.resume = false: starting at step 1 (checkpoints in {save_dir} are not read)"
-    return f"no checkpoint in {save_dir}: starting at step 1"
-
-
-def start_run(cfg: Config, topo: Topology, progress: dict) -> None:
-    """Collective, once every check that can refuse the run has passed: rank 0 writes config.json (and
-    job.json under Slurm) and clears a previous run's status.json; failures are recorded from here on."""
-    if topo.is_main:
-        save_resolved(cfg)  # slurm/collect.py reads any run directory from it
-        record_job(cfg.run_dir, progress["job"], topo.world_size)
-        clear_status(cfg.run_dir)
-    dist.barrier()
-    progress["started"] = True
-
-
-def start_watchdog(cfg: Config, topo: Topology, progress: dict) -> Watchdog:
-    """No step for 2 × train.timeout_minutes: status.json "failed" (peer timeout), exit 5 at once.
-
-    Twice the collective timeout, so a stuck peer is reported by the collective that waits on it
-    (with its group) first; the watchdog covers what no collective sees.
-    """
-    limit = 2 * cfg.train.timeout_minutes * 60
-
-    def expire(idle: float) -> None:
-        err = PeerTimeoutError(f"no training progress for {idle:.0f} s (limit 2 × train.timeout_minutes)",
-                               f"rank {topo.rank}, watchdog",
-                               "a data loader or this rank is stuck outside collectives; see py-spy dump")
-        record_failure(err, cfg.run_dir, topo.rank, topo.world_size, progress["step"], limit / 2)
-        print(err.line(), file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER)
-
-    return Watchdog(limit, expire)
-
-
 def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
@@ -332,7 +283,7 @@ class LoopParts:
 
 def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple[int, dict]:
     """Steps until train.steps or an agreed stop, under the watchdog; returns (last step, last record)."""
-    stop = StopRequest(abort=lambda: abort_now(run, progress["step"]))
+    stop = StopRequest(abort=lambda: abort_now(run.cfg, run.topo, progress["step"]))
     guard, watchdog = NonfiniteGuard(run.cfg), start_watchdog(run.cfg, run.topo, progress)
     try:
         record: dict = {}
@@ -362,18 +313,6 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
         watchdog.stop()
         stop.restore()
     return step, record
-
-
-def abort_now(run: LoopParts, step: int) -> None:
-    """A second SIGINT: rank 0 says so in one line and records it; the process then ends at once. The other
-    ranks give it half a second first, so that their exit does not reach it as a lost peer before its line."""
-    if not run.topo.is_main:
-        time.sleep(0.5)
-    if run.topo.is_main:
-        err = RunInterrupted(f"interrupted twice (SIGINT) at step {step}: stopped at once, no checkpoint saved now",
-                             "", "run the same command to resume from the latest complete checkpoint")
-        record_failure(err, run.cfg.run_dir, run.topo.rank, run.topo.world_size, step, 0.0)
-        print(err.line(), file=sys.stderr, flush=True)
 
 
 def wants_checkpoint(t: TrainConfig, step: int, stopping: bool) -> bool:

@@ -5,7 +5,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 

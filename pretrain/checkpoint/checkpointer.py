@@ -29,6 +29,7 @@ from pretrain.checkpoint.recovery import PENDING, publish_step_dir, recover_inte
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from pretrain.runtime.agreement import from_rank0
+from pretrain.runtime.topology import layout_text
 from pretrain.sections import ModelConfig
 from zero3d import sharded_state as engine_state
 
@@ -386,7 +387,3 @@ class Checkpointer:
 
 
 RNG_LAYOUT = ("world_size", "tensor", "pipeline", "data")
-
-
-def layout_text(layout: dict) -> str:
-    return " × ".join(f"{k} {layout.get(k)}" for k in RNG_LAYOUT[1:]) + f", stage {layout.get('stage')}"

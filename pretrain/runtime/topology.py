@@ -146,3 +146,8 @@ def destroy_topology() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def layout_text(layout: dict) -> str:
+    """A checkpoint's or run's layout signature (pretrain.train.layout_signature) in words."""
+    return " × ".join(f"{k} {layout.get(k)}" for k in ("tensor", "pipeline", "data")) + f", stage {layout.get('stage')}"

@@ -29,12 +29,18 @@ def launch(args: list, run_dir: Path, tmp_path: Path, nproc: int = 2) -> subproc
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(proc, run_dir: Path, step: int, timeout: float = 300.0) -> None:
-    deadline, metrics = time.monotonic() + timeout, run_dir / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
+def logged(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def wait_for_step(proc, run_dir: Path, records: int, timeout: float = 300.0) -> None:
+    """Until metrics.jsonl holds `records` lines (this launch's steps come after the earlier launches')."""
+    deadline = time.monotonic() + timeout
+    while logged(run_dir) < records:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"no step {step}:\n{proc.communicate()[1][-3000:]}")
+            pytest.fail(f"no record {records}:\n{proc.communicate()[1][-3000:]}")
         time.sleep(0.05)
 
 
@@ -69,8 +75,9 @@ def test_ctrl_c_once_stops_with_a_checkpoint_twice_at_once_and_a_killed_rank_is_
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}\n"
 
     # the same command resumes; a rank killed -9 is named, the others stopped, the code is 128 + 9
+    before = logged(run_dir)
     proc = launch(SLOW, run_dir, tmp_path)
-    wait_for_step(proc, run_dir, step + 1)
+    wait_for_step(proc, run_dir, before + 1)
     import psutil
     (victim,) = [c for c in psutil.Process(proc.pid).children() if c.environ().get("RANK") == "1"]
     victim.kill()
@@ -82,8 +89,9 @@ def test_ctrl_c_once_stops_with_a_checkpoint_twice_at_once_and_a_killed_rank_is_
     assert "Traceback" not in err
 
     # Ctrl-C twice: ended within seconds, one line, exit 130, no new checkpoint
+    before = logged(run_dir)
     proc = launch(SLOW, run_dir, tmp_path)
-    wait_for_step(proc, run_dir, step + 1)
+    wait_for_step(proc, run_dir, before + 1)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)

@@ -88,7 +88,8 @@ PRETRAIN_FLOORS = (
     ("loop", ("pretrain.train", "pretrain.model", "pretrain.attention", "pretrain.loss", "pretrain.pipeline",
               "pretrain.memory_check")),
     ("probe wing", ("pretrain.probe",)),
-    ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.preprocess", "pretrain.probe.__main__")),
+    ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.preprocess", "pretrain.probe.__main__",
+               "pretrain.launcher", "pretrain.config_reference")),
 )
 WINGS = ("data", "runtime", "checkpoint", "probe")
 
