@@ -80,7 +80,10 @@ def run_status(run_dir: Path, records: list, total_steps: int) -> tuple:
     if not records and not log:
         return "missing", "no metrics.jsonl and no Slurm log"
     lines = log.splitlines()
-    errors = [ln for ln in lines if EXCEPTION.search(ln)] or [ln for ln in lines if ERROR.search(ln)]
+    # the cause before the symptom: zero3d's one-line error (a refused start writes no status.json), an
+    # exception, then srun's and slurmstepd's own error lines
+    errors = [ln for ln in lines if ln.startswith("error: ")] or [ln for ln in lines if EXCEPTION.search(ln)] \
+        or [ln for ln in lines if ERROR.search(ln)]
     last = "; " + RANK_PREFIX.sub("", errors[-1].strip())[:200] if errors else ""
     return "failed", f"no status.json; {len(records)}/{total_steps} steps logged{last}"
 

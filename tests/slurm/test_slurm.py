@@ -183,11 +183,12 @@ def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
     job_id = proc.stdout.strip()
     state = wait_for(cluster, job_id, run_dir / "slurm-*.out")
     log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert state["JobState"] == "FAILED" and "run status: failed" in log, log
-    status = json.loads((run_dir / "status.json").read_text())
-    assert (status["status"], status["world_size"]) == ("failed", 4)
-    row = collect.collect_run(run_dir, warmup=1)
-    assert (row["status"], row["reason"]) == (
-        "failed", "InputError: data.corpus = '/nonexistent/corpus.jsonl' does not exist; point data.corpus at JSONL "
-                  'files ({"text": ...} a line; .gz/.zst too) or a glob')
-    assert status["exit_code"] == 3  # the input-error code the batch script reads
+    # a refused start writes nothing into the run directory (Slurm's own log aside): the batch script
+    # reads no status.json and exits with the ranks' code, the input-error code
+    assert state["JobState"] == "FAILED" and state["ExitCode"] == "3:0" and "run status: none" in log, log
+    assert sorted(p.name for p in run_dir.iterdir()) == [f"slurm-{job_id}.out"]
+    line = ("error: data.corpus = '/nonexistent/corpus.jsonl' does not exist (data): point data.corpus at JSONL "
+            'files ({"text": ...} a line; .gz/.zst too) or a glob')
+    assert line in log.splitlines() and "Traceback" not in log, log
+    row = collect.collect_run(run_dir, "configs/tiny.toml", warmup=1)
+    assert (row["status"], row["reason"]) == ("failed", f"no status.json; 0/4 steps logged; {line}")

@@ -45,3 +45,12 @@ def test_a_figure_job_that_never_ran_is_a_missing_row(tmp_path):
     row = collect.collect_run(tmp_path / "never", REPO / "configs/paper/fig2_100B_zero.toml")
     h, padded = 8192, 51200  # 50257 padded to a multiple of 128 × TP 16
     assert (row["status"], row["params"]) == ("missing", 125 * (12 * h * h + 13 * h) + 2 * h + 2 * padded * h + 1024 * h)
+
+
+def test_a_refused_start_is_collected_with_the_ranks_own_line(tmp_path):
+    """No status.json (a refused start writes nothing): the reason is zero3d's one-line error from the Slurm
+    log, not srun's line about the exit code that follows it."""
+    line = "error: data.corpus = '/x.jsonl' does not exist (data): point data.corpus at JSONL files"
+    (tmp_path / "slurm-7.out").write_text(f"zero3d job 7: 1 node(s)\n{line}\nsrun: error: z3node1: tasks 0-3: "
+                                          "Exited with exit code 3\ntraining step exited with status 3; run status: none\n")
+    assert collect.run_status(tmp_path, [], 4) == ("failed", f"no status.json; 0/4 steps logged; {line}")
