@@ -46,6 +46,19 @@ def config_hint(args) -> str:
     return f"; did you mean --config {files[0]}?" if files and args.config is None else ""
 
 
+def record_exit_code(code: int, rank) -> None:
+    """Rank 0's exit code into $ZERO3D_EXIT_FILE (slurm/launch.sbatch sets it, outside the run directory): the
+    batch script's code for a run that wrote no status.json (a refused start), where srun's own would be
+    that of the peers it killed (143)."""
+    path = os.environ.get("ZERO3D_EXIT_FILE")
+    if path and rank == 0:
+        try:
+            with open(path, "w") as f:
+                f.write(f"{code}\n")
+        except OSError:
+            pass
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="TOML config file (defaults apply where it is silent)")
@@ -96,6 +109,7 @@ def main(argv=None) -> int:
         if isinstance(err, ConfigError) and (hint := config_hint(args)):
             err = ConfigError(err.what, err.where, (err.fix + hint) if err.fix else hint.lstrip("; "))
         code = report(err, rank, timeout_s, debug, sys.stderr)
+        record_exit_code(code, rank)
         if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
             sys.stdout.flush()
             os._exit(code)

@@ -124,7 +124,8 @@ def make_input(case: str, tmp: Path, data: dict) -> tuple[list[str], str]:
         for suffix in (".bin", ".idx"):
             body = Path(data["prefix"] + suffix).read_bytes()
             (tmp / f"tokens{suffix}").write_bytes(body[:len(body) // 2] if suffix == truncated else body)
-        return [f"data.blend={q(tmp / 'tokens')}", f"data.tokenizer_model={q(data['tokenizer'])}"], \
+        # ~data.corpus: the corpus the other cases share is unused beside a blend (an error if left set)
+        return ["~data.corpus", f"data.blend={q(tmp / 'tokens')}", f"data.tokenizer_model={q(data['tokenizer'])}"], \
             f"error: {tmp}/tokens.idx is truncated" if truncated == ".idx" else \
             f"error: {tmp}/tokens.bin is shorter than its index says: {tmp}/tokens.idx describes"
     if case == "corpus-invalid-json":
@@ -166,15 +167,15 @@ INPUT_CASES = ["tokenizer-not-sentencepiece", "tokenizer-larger-than-model-vocab
 
 
 @pytest.mark.parametrize("case", INPUT_CASES)
-def test_malformed_file_gives_one_line_exit_3_and_status(tmp_path, data, case):
+def test_malformed_file_gives_one_line_exit_3_and_writes_nothing(tmp_path, data, case):
+    """A start refused for its input is its one line and code 3; nothing is written into the run directory
+    (the checkpoint cases' own files aside): no config.json, no status.json, no metrics."""
     overrides, expected = make_input(case, tmp_path, data)
     run_dir = tmp_path / "run"
     code, stdout, stderr = run_main_forked(ONE_RANK + data["overrides"] + overrides
                                            + [f"logging.run_dir={q(run_dir)}"], tmp_path)
     assert_one_line(code, stdout, stderr, EXIT_INPUT, expected)
-    status = json.loads((run_dir / "status.json").read_text())
-    assert (status["status"], status["exit_code"], status["error"]) == ("failed", EXIT_INPUT, error_lines(stderr)[0])
-    assert not (run_dir / "metrics.jsonl").exists()  # stopped before the first step
+    assert not run_dir.exists() or sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]
 
 
 def test_nonfinite_steps_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp_path, data):
@@ -328,5 +329,4 @@ def test_input_error_on_two_ranks_is_one_line_from_rank_0(tmp_path, data):
     assert [len(error_lines(stderr[r])) for r in range(2)] == [1, 0]
     assert error_lines(stderr[0])[0].startswith(expected)
     assert not any("Traceback" in text for text in stderr.values())
-    status = json.loads((run_dir / "status.json").read_text())
-    assert (status["exit_code"], status["world_size"], status["error"]) == (EXIT_INPUT, 2, error_lines(stderr[0])[0])
+    assert not run_dir.exists()  # a refused start writes nothing: the line and the code say it all

@@ -122,10 +122,13 @@ def test_a_refused_start_leaves_the_run_directory_byte_identical(tmp_path, bad):
     (run_dir / "config.json").write_text('{"model": {"num_layers": 48}}\n')
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     bad = [b.replace("{none}", q(tmp_path / "none.jsonl")) for b in bad]
-    out = run_pretrain(["--config", "configs/tiny.toml", f"logging.run_dir={q(run_dir)}", *bad], {}, tmp_path)
+    exit_file = tmp_path / "exit"  # outside the run directory: where slurm/launch.sbatch reads rank 0's code
+    out = run_pretrain(["--config", "configs/tiny.toml", f"logging.run_dir={q(run_dir)}", *bad],
+                       {"ZERO3D_EXIT_FILE": str(exit_file)}, tmp_path)
     assert out.returncode == (EXIT_CONFIG if "lr" in bad[0] else EXIT_INPUT), out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    assert exit_file.read_text() == f"{out.returncode}\n"
 
 
 def test_debug_setting_adds_the_traceback(tmp_path):
