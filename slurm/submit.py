@@ -75,17 +75,26 @@ def warning_seconds(cfg: Config, world: int) -> int:
     return int(min(WARNING_MAX_S, max(WARNING_FLOOR_S, -(-needed // 1))))
 
 
+TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
+
+
 def time_limit_seconds(text: str) -> int:
-    """Slurm's [D-]HH:MM:SS / MM:SS / MM → seconds."""
-    days, _, clock = text.rpartition("-")
-    parts = [int(p) for p in clock.split(":")]
-    if len(parts) == 1:
-        parts = [0, parts[0], 0]
-    elif len(parts) == 2 and not days:
-        parts = [0, *parts]
-    while len(parts) < 3:
-        parts.append(0)
-    return int(days or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    """Slurm's --time in any of its forms (TIME_FORMS; "1-12" is a day and 12 hours) → seconds; ValueError
+    naming the bad value otherwise."""
+    days, dash, clock = str(text).strip().partition("-")
+    if not dash:
+        days, clock = "", days
+    fields = clock.split(":")
+    if not all(f.isdigit() for f in fields + ([days] if dash else [])) or len(fields) > 3:
+        raise ValueError(f"time limit {text!r} is invalid; Slurm's forms: {TIME_FORMS}")
+    numbers = [int(f) for f in fields]
+    if dash:  # D-HH, D-HH:MM, D-HH:MM:SS: hours first
+        hours, minutes, seconds = numbers + [0] * (3 - len(numbers))
+    elif len(numbers) == 3:  # HH:MM:SS
+        hours, minutes, seconds = numbers
+    else:  # MM, MM:SS: minutes first
+        hours, (minutes, seconds) = 0, (numbers + [0])[:2]
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
 def tensor_span(cfg: Config) -> str:
@@ -138,6 +147,10 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
             raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: on {count} node(s) of {c.gpus_per_node}: {err}",
                               fix="raise cluster.min_nodes, or choose a train.global_batch_size every node count "
                                   "in the range divides") from None
+    try:
+        limit = time_limit_seconds(c.time_limit)
+    except ValueError:
+        raise ConfigError(f"cluster.time_limit = {c.time_limit!r} is invalid; Slurm's forms: {TIME_FORMS}") from None
     run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
     warning = warning_seconds(cfg, world)
     elastic = len(node_counts(cfg)) > 1
@@ -162,10 +175,9 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     env = {"ZERO3D_TASKS_PER_NODE": str(c.gpus_per_node)} if elastic else {}
     if container:
         env["ZERO3D_CONTAINER"] = container
-    if requeue:
-        env["ZERO3D_REQUEUE"] = "1"
+    # launch.sbatch requeues an interrupted run unless told not to: say which, so its default never decides
+    env["ZERO3D_REQUEUE"] = "1" if requeue else "0"
     notes = []
-    limit = time_limit_seconds(c.time_limit)
     if warning >= limit:
         notes.append(f"the stop warning (USR1 {warning} s before the limit, for a "
                      f"{checkpoint_bytes(cfg) / 1e9:.0f} GB checkpoint at cluster.checkpoint_write_gbps = "
@@ -223,8 +235,9 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true",
                         help="CPU ranks (local test cluster): no --gpus, nodes × gpus_per_node tasks")
     parser.add_argument("--container", metavar="IMAGE", help="run the ranks in this pyxis/enroot image")
-    parser.add_argument("--requeue", action="store_true",
-                        help="requeue on preemption, or when the ranks exit 75 after a SIGUSR1 checkpoint")
+    parser.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
+                        help="requeue on preemption, or when the ranks stop after a SIGUSR1 checkpoint (default on; "
+                             "--no-requeue: the job ends with exit 75 and is resubmitted by hand)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                         help="extra sbatch argument, e.g. --sbatch=--account=abc (repeatable)")
     parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # launch.sbatch's own step
