@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "size 128); 'free' bisects layers at each hidden (the paper's study). Default: free on the "
                           "paper's cluster, trained with a cluster flag")
     add_cluster_flags(ap)
+    mode.add_argument("--predict-table", action="store_true",
+                      help="Figure 2's ZeRO rows (1.5B..170B) on the described cluster: the planner's layout, memory "
+                           "and predicted TFLOP/s per GPU (files and plot: python slurm/collect.py --predict)")
+    mode.add_argument("--sizes", help="--predict-table: Figure 2 rows to keep, e.g. 8B,20B (default: all)")
     zpp = ap.add_argument_group("ZeRO++ (node-aware stage 3; docs/estimator.md, ZeRO++)")
     zpp.add_argument("--zeropp", nargs="*", metavar="MODEL",
                      help="α-β step time per link for stage 3, +hpZ, +hybrid, +qwZ, +qgZ and all three on "
@@ -204,6 +208,16 @@ def main(argv: Optional[list] = None) -> int:
     args.gpu_memory_gb = args.spec.gpu_memory_bytes / GIB
     if args.zeropp is not None:
         return _zeropp(ap, args)
+    if args.predict_table:
+        from zero3d.analysis.predict_table import format_rows, predict_rows
+        try:
+            cluster = args.spec.cluster(args.precision)
+            rows = predict_rows(cluster, args.csv, args.sizes.split(",") if args.sizes else None, args.precision,
+                                args.gpus)
+        except ValueError as err:
+            ap.error(str(err))
+        print(format_rows(cluster, rows))
+        return 0
     if args.plan and args.json:
         ap.error(f"--json is not available with --plan {args.plan} (its report is text); "
                  "--json works with --table1/--table2, --params, --largest and a shape")
