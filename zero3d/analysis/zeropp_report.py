@@ -11,7 +11,7 @@ from zero3d.analysis.planner import PAPER_SEQ, GPT2_VOCAB
 # The report's default machines: the paper's DGX-2 nodes and DGX H100 nodes (cluster.PRESETS). Compute runs at
 # each cluster's `efficiency`: Megatron-LM's V100 share, assumed for the H100.
 DGX2 = PAPER_CLUSTER
-H100 = ClusterSpec("dgx-h100").cluster("bf16")
+H100 = ClusterSpec("dgx-h100", nodes=50).cluster("bf16")  # 400 GPUs, as the paper's rows
 
 
 def predict(machine: Cluster, *, layers: int, hidden: int, heads: int, gpus: int, tp: int, micro_batch: int,
@@ -82,17 +82,19 @@ def zeropp_report(csv_path, models=("100B", "170B"), grad_bits: int = 4, block: 
         if model not in runs:
             raise ValueError(f"model {model!r} has no Figure 2 ZeRO row; valid: {', '.join(runs)}")
         r = runs[model]
-        batch = r.batch_per_gpu * (r.gpus // r.mp)
-        shape = dict(layers=r.layers, hidden=r.hidden, heads=r.heads, gpus=r.gpus)
         for machine in clusters:
+            # the cluster's GPUs at the paper's samples per GPU (400 GPUs on the default machines: the paper's batch)
+            gpus = machine.gpus
+            batch = max(1, r.batch_per_gpu * gpus // r.mp)
+            shape = dict(layers=r.layers, hidden=r.hidden, heads=r.heads, gpus=gpus)
             tp = min(r.mp, machine.links.gpus_per_node)
-            layouts = [(tp, batch // (r.gpus // tp), batch, "paper's layout" if tp == r.mp else
-                        f"tp {tp} (the paper's {r.mp} exceeds a node), same global batch"),
-                       (1, 1, r.gpus, "tp 1, one sample per GPU")]
+            layouts = [(tp, max(1, batch // (gpus // tp)), batch, "paper's layout" if tp == r.mp else
+                        f"tp {tp} (the paper's {r.mp} exceeds a node), the paper's samples per GPU"),
+                       (1, 1, gpus, "tp 1, one sample per GPU")]
             for tp_, mb, gb, what in layouts:
                 p = predict(machine, tp=tp_, micro_batch=mb, global_batch=gb, grad_bits=grad_bits, block=block,
                             **shape)
-                out.append(format_prediction(f"\n{model} ({r.layers} layers × {r.hidden}) on {r.gpus} GPUs, "
+                out.append(format_prediction(f"\n{model} ({r.layers} layers × {r.hidden}) on {gpus} GPUs, "
                                              f"{machine.name}; {what}: tp {tp_}, micro-batch {mb}, "
                                              f"global batch {gb}", p))
     return "\n".join(out)
