@@ -104,3 +104,17 @@ def test_largest_on_64_h100_keeps_the_trained_aspect(capsys):
     assert out["device"]["fits"] and out["device"]["gpu_memory_bytes"] == 80 * GIB
     assert "32 ≤ hidden/layers ≤ 131" in out["shape_rule"]
     assert out["params"] > 200e9
+
+
+def test_run_configs_gpu_names_its_links_and_peak():
+    """cluster.gpu of a run config (the probe's α-β prediction, metrics' MFU): the preset's node at the config's
+    GPUs per node; the DGX-2's are the paper's (comm_model.PAPER_LINKS)."""
+    from zero3d.analysis.cluster import links_for_gpu
+    from zero3d.analysis.comm_model import PAPER_LINKS
+    from pretrain.metrics import PEAK_TFLOPS
+    assert links_for_gpu("V100", 16) == PAPER_LINKS
+    h100 = links_for_gpu("H100", 4)
+    assert (h100.gpus_per_node, h100.nvswitch_bandwidth, h100.ib_bandwidth_per_node) == (4, 900e9, 400e9)
+    assert PEAK_TFLOPS["H100"] == {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0} and "bf16" not in PEAK_TFLOPS["V100"]
+    with pytest.raises(ValueError, match="cluster.gpu = 'B200' has no node preset for the α-β model; valid: V100, A100"):
+        links_for_gpu("B200", 8)

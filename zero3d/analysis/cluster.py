@@ -30,6 +30,11 @@ class GPUKind:
         if self.bf16_tflops is not None and not self.bf16_tflops > 0:
             raise ValueError(f"bf16_tflops = {self.bf16_tflops} is invalid; must be > 0 (or None: no bf16)")
 
+    def peak_tflops(self) -> dict:
+        """{dtype: dense TFLOP/s} for the dtypes this GPU has tensor cores (or plain fp32) for."""
+        peaks = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}
+        return {dtype: float(value) for dtype, value in peaks.items() if value is not None}
+
     def peak_flops(self, precision: str) -> float:
         """Dense peak in FLOP/s at `precision` (estimate.PRECISIONS)."""
         peaks = {"fp16": self.fp16_tflops, "bf16": self.bf16_tflops, "fp32": self.fp32_tflops}
@@ -49,7 +54,11 @@ V100 = GPUKind("V100-SXM3-32GB", 32, 125, None, 15.7)
 A100 = GPUKind("A100-SXM4-80GB", 80, 312, 312, 19.5)
 H100 = GPUKind("H100-SXM5-80GB", 80, 989, 989, 67)
 H200 = GPUKind("H200-SXM-141GB", 141, 989, 989, 67)
-GPU_KINDS = {g.name: g for g in (V100, A100, H100, H200)}
+# PCIe cards run lower clocks: their own peaks (V100 PCIe 112 / 14; H100 PCIe 756 dense / 51)
+V100_PCIE = GPUKind("V100-PCIe-32GB", 32, 112, None, 14.0)
+H100_PCIE = GPUKind("H100-PCIe-80GB", 80, 756, 756, 51)
+# The short keys cluster.gpu and pretrain.metrics (MFU) name the cards by (V100 SXM2 and SXM3 share their peaks)
+GPU_KINDS = {"V100": V100, "V100-PCIe": V100_PCIE, "A100": A100, "H100": H100, "H100-PCIe": H100_PCIE, "H200": H200}
 
 
 @dataclass(frozen=True)
@@ -216,6 +225,17 @@ def with_overrides(spec: ClusterSpec, **overrides) -> ClusterSpec:
 
 
 PAPER_CLUSTER = ClusterSpec().cluster("fp16")
+# The node preset of each GPU_KINDS key (a run config's cluster.gpu): its links for the α-β model
+PRESET_OF_GPU = {"V100": "dgx2-v100", "A100": "dgx-a100", "H100": "dgx-h100", "H200": "dgx-h200"}
+
+
+def links_for_gpu(gpu_key: str, gpus_per_node: int) -> Links:
+    """α-β links of `gpu_key`'s node preset (PRESET_OF_GPU) with `gpus_per_node` GPUs per node (a run
+    config's cluster.gpu and cluster.gpus_per_node); ValueError naming the valid keys otherwise."""
+    if gpu_key not in PRESET_OF_GPU:
+        raise ValueError(f"cluster.gpu = {gpu_key!r} has no node preset for the α-β model; valid: "
+                         f"{', '.join(PRESET_OF_GPU)}")
+    return ClusterSpec(PRESET_OF_GPU[gpu_key], gpus_per_node=gpus_per_node).cluster("fp16").links
 
 
 def add_cluster_flags(ap) -> None:
