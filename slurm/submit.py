@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The repo's own code, not an installed copy (the container's image has one under /workspace).
 sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import Config, ConfigError, load_config, save_resolved, validate_layout  # noqa: E402
+from pretrain.errors import EXIT_INPUT  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
 # SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
@@ -210,12 +211,25 @@ def submit(job: Job) -> str:
     return proc.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
 
 
+class Unstartable(Exception):
+    """The job cannot start (slurm/startable.py): one line per reason, exit EXIT_INPUT."""
+
+
+def refuse_unstartable(cfg: Config, world: int) -> None:
+    """Raise Unstartable with every reason this job cannot start, checked from the repository root."""
+    from slurm.startable import refusals
+    reasons = refusals(cfg, world, REPO_ROOT)
+    if reasons:
+        raise Unstartable("\n".join(f"cannot start {cfg.logging.name}: {r}" for r in reasons))
+
+
 def preflight(config_path: str, overrides: list, world: int) -> Path:
     """Inside the job: validate for the job's `world` ranks (launch.sbatch passes the job's
     SLURM_NTASKS: in a one-task container step the step's own is 1), record config.json and
     job.json, return run_dir."""
     cfg = load_config(config_path, overrides)
     validate_layout(cfg, world)
+    refuse_unstartable(cfg, world)
     run_dir = cfg.run_dir
     save_resolved(cfg, run_dir)
     env = os.environ
@@ -257,9 +271,13 @@ def main(argv=None) -> int:
             return 0
         job = build_job(args.config, args.overrides, cpu=args.cpu, container=args.container,
                         requeue=args.requeue, extra_sbatch=args.sbatch)
+        refuse_unstartable(job.cfg, job.world_size)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except Unstartable as err:
+        print(err, file=sys.stderr)
+        return EXIT_INPUT
     for note in job.notes:
         print(f"note: {job.name}: {note}", file=sys.stderr)
     if args.dry_run:
