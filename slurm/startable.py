@@ -58,6 +58,6 @@ def memory_refusal(cfg: Config, world: int) -> list:
             " = true runs anyway"]
 
 
-def refusals(cfg: Config, world: int, root: Path) -> list:
-    """Every reason the job cannot start, one line each (none: it can)."""
-    return input_refusals(cfg, root) + memory_refusal(cfg, world)
+def refusals(cfg: Config, world: int, root: Path, memory: bool = True) -> list:
+    """Every reason the job cannot start, one line each (none: it can); `memory`: the GPU memory check too."""
+    return input_refusals(cfg, root) + (memory_refusal(cfg, world) if memory else [])

@@ -215,10 +215,12 @@ class Unstartable(Exception):
     """The job cannot start (slurm/startable.py): one line per reason, exit EXIT_INPUT."""
 
 
-def refuse_unstartable(cfg: Config, world: int) -> None:
-    """Raise Unstartable with every reason this job cannot start, checked from the repository root."""
+def refuse_unstartable(cfg: Config, world: int, memory: bool = True) -> None:
+    """Raise Unstartable with every reason this job cannot start, checked from the repository root; `memory`:
+    also the layout against cluster.gpu_memory_gb (not for CPU ranks, nor in the job, where the start-up guard
+    judges the real devices)."""
     from slurm.startable import refusals
-    reasons = refusals(cfg, world, REPO_ROOT)
+    reasons = refusals(cfg, world, REPO_ROOT, memory)
     if reasons:
         raise Unstartable("\n".join(f"cannot start {cfg.logging.name}: {r}" for r in reasons))
 
@@ -229,7 +231,7 @@ def preflight(config_path: str, overrides: list, world: int) -> Path:
     job.json, return run_dir."""
     cfg = load_config(config_path, overrides)
     validate_layout(cfg, world)
-    refuse_unstartable(cfg, world)
+    refuse_unstartable(cfg, world, memory=False)
     run_dir = cfg.run_dir
     save_resolved(cfg, run_dir)
     env = os.environ
@@ -271,7 +273,7 @@ def main(argv=None) -> int:
             return 0
         job = build_job(args.config, args.overrides, cpu=args.cpu, container=args.container,
                         requeue=args.requeue, extra_sbatch=args.sbatch)
-        refuse_unstartable(job.cfg, job.world_size)
+        refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -61,3 +61,14 @@ def test_layout_that_does_not_fit_the_gpus(capsys):
                              f" = 0.01 GiB (0.01 GB) on 4 GPUs (H100); python -m pretrain --estimate shows where it "
                              "goes, train.ignore_memory_estimate = true runs anyway"]
     assert submit.main(TINY + ["--dry-run", "cluster.gpu_memory_gb=0.01", "train.ignore_memory_estimate=true"]) == 0
+    assert submit.main(TINY + ["--dry-run", "--cpu", "cluster.gpu_memory_gb=0.01"]) == 0  # CPU ranks: no device budget
+
+
+def test_sweep_checks_every_job_before_queueing_any(capsys):
+    from slurm import sweep
+    assert sweep.main(["--figure", "2", "--dry-run", "data.corpus=data/missing.jsonl"]) == 3
+    captured = capsys.readouterr()
+    refused = [line for line in captured.err.splitlines() if line.startswith("cannot start fig2_")]
+    assert len(refused) == 20 and all(line.endswith(f"data.corpus: corpus '{REPO}/data/missing.jsonl' does not exist")
+                                      for line in refused)
+    assert "sbatch" not in captured.out  # nothing previewed, nothing queued

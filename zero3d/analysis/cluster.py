@@ -42,8 +42,9 @@ class GPUKind:
             raise ValueError(f"precision {precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
         if peaks[precision] is None:
             valid = ", ".join(p for p, v in peaks.items() if v is not None)
+            bf16 = ", ".join(k for k, g in GPU_KINDS.items() if g.bf16_tflops) if precision == "bf16" else ""
             raise ValueError(f"precision {precision} is invalid on {self.name} (no {precision} tensor cores); "
-                             f"valid: {valid}")
+                             f"valid: {valid}" + (f" (bf16 GPUs: {bf16}; e.g. --cluster dgx-h100)" if bf16 else ""))
         return peaks[precision] * 1e12
 
 
