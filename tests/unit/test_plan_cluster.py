@@ -118,3 +118,15 @@ def test_run_configs_gpu_names_its_links_and_peak():
     assert PEAK_TFLOPS["H100"] == {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0} and "bf16" not in PEAK_TFLOPS["V100"]
     with pytest.raises(ValueError, match="cluster.gpu = 'B200' has no node preset for the α-β model; valid: V100, A100"):
         links_for_gpu("B200", 8)
+
+
+def test_a_run_configs_cluster_section_describes_the_cluster(tmp_path, capsys):
+    """configs/paper/fig2_100B_zero.toml's [cluster] (25 nodes × 16, gpu V100, 32 GiB, time_limit): the paper's
+    cluster exactly; tiny's (1 × 4 H100) the DGX H100 preset at 4 GPUs per node; an unknown gpu one line."""
+    assert spec_from_toml("configs/paper/fig2_100B_zero.toml").cluster() == PAPER_CLUSTER
+    c = spec_from_toml("configs/tiny.toml").cluster("bf16")
+    assert (c.nodes, c.gpus_per_node, c.peak_flops, c.inter_node_bandwidth) == (1, 4, 989e12, 400e9)
+    (tmp_path / "b.toml").write_text('[cluster]\ngpu = "B200"\nnodes = 2\n')
+    with pytest.raises(SystemExit):
+        main(["--plan", "rank", "--cluster-file", str(tmp_path / "b.toml")])
+    assert "[cluster] gpu = 'B200' in " in capsys.readouterr().err

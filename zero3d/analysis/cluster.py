@@ -185,8 +185,11 @@ class ClusterSpec:
     @property
     def custom(self) -> bool:
         """Does any override change the preset's GPUs or links?"""
-        return any(getattr(self, f) is not None for f in ("gpus_per_node", "gpu_peak_tflops", "gpu_memory_gb",
-                                                           "intra_bw", "inter_bw"))
+        node = PRESETS[self.preset]
+        preset = {"gpus_per_node": node.gpus_per_node, "gpu_memory_gb": node.gpu.memory_gb, "gpu_peak_tflops": None,
+                  "intra_bw": node.intra_node_bandwidth / 1e9,
+                  "inter_bw": node.inter_node_bandwidth / node.gpus_per_node / 1e9}
+        return any(getattr(self, f) is not None and getattr(self, f) != value for f, value in preset.items())
 
     def cluster(self, precision: str = "fp16") -> Cluster:
         """The Cluster the models read, its peak at `precision`."""
@@ -207,16 +210,30 @@ class ClusterSpec:
                        efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes)
 
 
+# A run config's [cluster] (pretrain's ClusterConfig) reads as a ClusterSpec too: `gpu` names the preset
+# (PRESET_OF_GPU) and the keys only Slurm needs are skipped
+RUN_ONLY_KEYS = ("min_nodes", "time_limit", "partition", "checkpoint_write_gbps")
+
+
 def spec_from_toml(path: str) -> ClusterSpec:
-    """The `[cluster]` section of a TOML file (keys: ClusterSpec's fields) as a ClusterSpec."""
+    """The `[cluster]` section of a TOML file as a ClusterSpec: ClusterSpec's keys, or a run config's [cluster]
+    (`gpu` = V100 / A100 / H100 / H200 for the preset; its Slurm-only keys skipped)."""
     with open(path, "rb") as f:
         section = tomllib.load(f).get("cluster")
+    keys = list(ClusterSpec.__dataclass_fields__)
     if not isinstance(section, dict):
-        raise ValueError(f"{path} has no [cluster] section; keys: {', '.join(ClusterSpec.__dataclass_fields__)}")
-    unknown = sorted(set(section) - set(ClusterSpec.__dataclass_fields__))
+        raise ValueError(f"{path} has no [cluster] section; keys: {', '.join(keys)}")
+    section = {k: v for k, v in section.items() if k not in RUN_ONLY_KEYS}
+    if "gpu" in section:
+        gpu = section.pop("gpu")
+        if gpu not in PRESET_OF_GPU:
+            raise ValueError(f"[cluster] gpu = {gpu!r} in {path} is invalid; valid: {', '.join(PRESET_OF_GPU)}")
+        if section.get("preset", PRESET_OF_GPU[gpu]) != PRESET_OF_GPU[gpu]:
+            raise ValueError(f"[cluster] gpu = {gpu!r} disagrees with preset = {section['preset']!r} in {path}")
+        section["preset"] = PRESET_OF_GPU[gpu]
+    unknown = sorted(set(section) - set(keys))
     if unknown:
-        raise ValueError(f"[cluster] key {unknown[0]!r} in {path} is invalid; valid: "
-                         f"{', '.join(ClusterSpec.__dataclass_fields__)}")
+        raise ValueError(f"[cluster] key {unknown[0]!r} in {path} is invalid; valid: {', '.join(keys)}, gpu")
     return ClusterSpec(**section)
 
 
