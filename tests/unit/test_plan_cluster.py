@@ -75,6 +75,7 @@ def test_custom_flags_and_toml(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     ("--plan rank --cluster dgx-9", "argument --cluster: invalid choice: 'dgx-9'"),
     ("--plan rank --nodes 0", "cluster nodes = 0 is invalid; must be a positive integer"),
+    ("--plan paper --cluster dgx-h100", "--plan paper judges the paper's runs on the paper's cluster"),
     ("--plan rank --inter-bw -1", "cluster inter_bw = -1.0 is invalid; must be a number > 0"),
     ("--plan rank --precision bf16 --layers 2 --hidden 64 --heads 4 --global-batch 8",
      "precision bf16 is invalid on V100-SXM3-32GB (no bf16 tensor cores); valid: fp16, fp32"),

@@ -229,6 +229,9 @@ def main(argv: Optional[list] = None) -> int:
     if args.largest:
         return _largest(ap, args)
     if args.plan:
+        if described(args):
+            ap.error(f"--plan {args.plan} judges the paper's runs on the paper's cluster; a cluster flag is not used "
+                     "there (your cluster: --plan rank, --largest, --zeropp, --predict-table)")
         from zero3d.analysis.paper_configs import paper_report
         if not os.path.isfile(args.csv):
             ap.error(f"--csv {args.csv!r} is not a file")
