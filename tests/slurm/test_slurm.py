@@ -176,8 +176,13 @@ def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
     """(A job that trains, in container mode, and one preempted and requeued: tests/slurm/test_preemption.py.)"""
     env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
     run_dir = tmp_path / "broken"
+    # a corpus that exists (a missing one is refused before it queues: tests/unit/test_submit_refusal.py) but is
+    # not JSON: the job starts and fails on it
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("not json\n")
     cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
-           "logging.wandb=false", f"logging.run_dir={run_dir}", "data.corpus=/nonexistent/corpus.jsonl"]
+           "logging.wandb=false", f"logging.run_dir={run_dir}", f"data.corpus={corpus}",
+           f"data.cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
@@ -188,6 +193,5 @@ def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
     assert (status["status"], status["world_size"]) == ("failed", 4)
     row = collect.collect_run(run_dir, warmup=1)
     assert (row["status"], row["reason"]) == (
-        "failed", "InputError: data.corpus = '/nonexistent/corpus.jsonl' does not exist; point data.corpus at JSONL "
-                  'files ({"text": ...} a line; .gz/.zst too) or a glob')
+        "failed", f"DataError: {corpus}:1: invalid JSON (Expecting value at column 1)")
     assert status["exit_code"] == 3  # the input-error code the batch script reads

@@ -1,5 +1,5 @@
 """slurm/submit.py refuses a job that cannot start (#39), on the submitting host, before anything is queued: --dry-run,
-a submission and the job's --preflight alike, one line per reason, exit 3."""
+a submission and the job's --preflight alike, one line, exit 3."""
 import sys
 from pathlib import Path
 
@@ -18,25 +18,26 @@ def lines(capsys) -> list:
 
 @pytest.mark.parametrize("mode", [["--dry-run"], ["--preflight", "--world-size", "4"]])
 def test_missing_inputs_each_one_line(mode, capsys, tmp_path):
-    argv = TINY + mode + [f"logging.run_dir={tmp_path / 'run'}", "data.corpus=data/missing.jsonl",
-                          "data.tokenizer_model=data/missing.model"]
-    assert submit.main(argv) == 3
-    assert lines(capsys) == [f"cannot start tiny: data.tokenizer_model: tokenizer model '{REPO}/data/missing.model' "
-                             "does not exist",
-                             f"cannot start tiny: data.corpus: corpus '{REPO}/data/missing.jsonl' does not exist"]
+    """The paths every rank checks at start-up (pretrain/runtime/preflight.py), checked from the repository root
+    the job runs in; the preflight writes nothing for a job that cannot start."""
+    run = [f"logging.run_dir={tmp_path / 'run'}"]
+    assert submit.main(TINY + mode + run + ["data.corpus=data/missing.jsonl"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.corpus = 'data/missing.jsonl' does not exist (relative to the "
+                             f"working directory {REPO}); point data.corpus at JSONL files ({{\"text\": ...}} a line; "
+                             ".gz/.zst too) or a glob"]
+    assert submit.main(TINY + mode + run + ["data.tokenizer_model=data/missing.model"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.tokenizer_model = 'data/missing.model' does not exist (relative "
+                             f"to the working directory {REPO}); point it at a sentencepiece .model file, or unset it "
+                             "to train one from data.corpus"]
     assert not (tmp_path / "run").exists()  # the preflight wrote nothing
 
 
-def test_blend_prefix_without_its_files(capsys, tmp_path):
-    (tmp_path / "half.idx").write_bytes(b"")  # the .bin is missing too; the .idx is checked first
-    argv = TINY + ["--dry-run", f"data.blend={tmp_path / 'gone'} {tmp_path / 'half'}",
-                   f"data.tokenizer_model={tmp_path / 'tok.model'}"]
+def test_blend_prefix_without_its_index(capsys, tmp_path):
+    (tmp_path / "half.bin").write_bytes(b"")
+    argv = TINY + ["--dry-run", f"data.blend={tmp_path / 'half'}", "data.tokenizer_model=data/corpus.jsonl"]
     assert submit.main(argv) == 3
-    found = lines(capsys)
-    assert found[1:] == [f"cannot start tiny: data.blend: indexed dataset '{tmp_path}/gone' is incomplete: "
-                         f"{tmp_path}/gone.idx does not exist",
-                         f"cannot start tiny: data.blend: indexed dataset '{tmp_path}/half' is incomplete: "
-                         f"{tmp_path}/half.bin does not exist"]
+    assert lines(capsys) == [f"cannot start tiny: data.blend = '{tmp_path}/half.idx' does not exist; {tmp_path}/half.idx"
+                             " is missing; run python -m pretrain.preprocess to write it, or fix the prefix in data.blend"]
 
 
 def test_tokenizer_larger_than_the_model(capsys, tmp_path):
@@ -69,6 +70,6 @@ def test_sweep_checks_every_job_before_queueing_any(capsys):
     assert sweep.main(["--figure", "2", "--dry-run", "data.corpus=data/missing.jsonl"]) == 3
     captured = capsys.readouterr()
     refused = [line for line in captured.err.splitlines() if line.startswith("cannot start fig2_")]
-    assert len(refused) == 20 and all(line.endswith(f"data.corpus: corpus '{REPO}/data/missing.jsonl' does not exist")
-                                      for line in refused)
+    assert len(refused) == 20 and all(f": data.corpus = 'data/missing.jsonl' does not exist (relative to the working "
+                                          f"directory {REPO}); " in line for line in refused)
     assert "sbatch" not in captured.out  # nothing previewed, nothing queued
