@@ -176,8 +176,8 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     env = {"ZERO3D_TASKS_PER_NODE": str(c.gpus_per_node)} if elastic else {}
     if container:
         env["ZERO3D_CONTAINER"] = container
-    # launch.sbatch requeues an interrupted run unless told not to: say which, so its default never decides
-    env["ZERO3D_REQUEUE"] = "1" if requeue else "0"
+    if requeue:  # without it launch.sbatch follows the job's own Slurm flag (--no-requeue here: no requeue)
+        env["ZERO3D_REQUEUE"] = "1"
     notes = []
     if warning >= limit:
         notes.append(f"the stop warning (USR1 {warning} s before the limit, for a "

@@ -133,8 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus-per-node", type=int, help="nodes with this many GPUs (default: the configs' 16)")
     parser.add_argument("--group", help="W&B group for the sweep's runs (default: figN, from the configs)")
     parser.add_argument("--container", metavar="IMAGE", help="pyxis/enroot image for the ranks")
-    parser.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
-                        help="requeue after preemption / SIGUSR1 checkpoints (default on; --no-requeue: off)")
+    parser.add_argument("--requeue", action="store_true", help="requeue after preemption / SIGUSR1 checkpoints")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks (local test cluster)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch argument")
     parser.add_argument("--include-oom", action="store_true",

@@ -40,7 +40,7 @@ def test_requeue_is_on_unless_opted_out(capsys):
     assert sbatch.startswith("sbatch:    ZERO3D_REQUEUE=1 sbatch") and " --requeue " in sbatch
     assert submit.main(["--config", "configs/tiny.toml", "--dry-run", "--no-requeue"]) == 0
     sbatch = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sbatch:"))
-    assert sbatch.startswith("sbatch:    ZERO3D_REQUEUE=0 sbatch") and " --no-requeue " in sbatch
+    assert sbatch.startswith("sbatch:    sbatch") and " --no-requeue " in sbatch  # the launcher reads the job's flag
 
 
 STUB_PY = """#!/bin/bash
@@ -54,12 +54,21 @@ echo "OMP=$OMP_NUM_THREADS CONN=${CUDA_DEVICE_MAX_CONNECTIONS:-unset}" > "$RUN/e
 printf '{\\n  "status": "interrupted"\\n}\\n' > "$RUN/status.json"
 """
 
+SCONTROL = """#!/bin/bash
+# show hostnames: the node; show job: the job's fields, Requeue as $REQUEUABLE; requeue: recorded
+echo "scontrol $*" >> "$RUN/scontrol.txt"
+case "$1 $2" in
+    "show hostnames") echo node1 ;;
+    "show job") echo "JobId=$3 JobName=tiny Requeue=${REQUEUABLE:-1} Restarts=0" ;;
+esac
+"""
+
 
 def launch(tmp_path, tp, **env):
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     for name, text in (("py", STUB_PY.format(tp=tp)), ("srun", STUB_SRUN),
-                       ("scontrol", '#!/bin/bash\necho "scontrol $*" >> "$RUN/scontrol.txt"\necho node1\n')):
+                       ("scontrol", SCONTROL)):
         (bin_ / name).write_text(text)
         (bin_ / name).chmod(0o755)
     run = tmp_path / f"run{tp}"
@@ -76,7 +85,9 @@ def launch(tmp_path, tp, **env):
 def test_launch_env_at_tp2_and_tp1(tmp_path):
     proc, env, scontrol = launch(tmp_path, 2)
     assert env == ["OMP=12", "CONN=1"]  # 96 CPUs on the node ÷ 8 ranks; TP 2: one CUDA connection
-    assert proc.returncode == 0 and "requeue 7" in scontrol  # interrupted: requeued by default
-    proc, env, scontrol = launch(tmp_path, 1, SLURM_CPUS_PER_TASK="5", ZERO3D_REQUEUE="0")
+    assert proc.returncode == 0 and "requeue 7" in scontrol  # interrupted, a requeueable job: requeued
+    proc, env, scontrol = launch(tmp_path, 1, SLURM_CPUS_PER_TASK="5", REQUEUABLE="0")
     assert env == ["OMP=5", "CONN=unset"]  # --cpus-per-task wins; TP 1 leaves CUDA's default
-    assert proc.returncode == 75 and "requeue" not in scontrol and "--no-requeue" in proc.stdout
+    assert proc.returncode == 75 and "scontrol requeue" not in scontrol and "--no-requeue" in proc.stdout
+    proc, _, scontrol = launch(tmp_path, 1, REQUEUABLE="1", ZERO3D_REQUEUE="0")  # told not to: not requeued
+    assert proc.returncode == 75 and "scontrol requeue" not in scontrol
