@@ -160,7 +160,8 @@ def render(row: Row, label, note: str, gpus: int, batch: int, total: int,
         "", "[precision]", f'dtype = "{dtype}"' + (
             "  # the paper's fp16 mixed precision with dynamic loss scaling (precision.* defaults; facts §7)"
             if dtype == "fp16" else ""),
-        "", "[data]", 'corpus = "data/corpus.jsonl"', 'cache_dir = "runs/data"',
+        "", "[data]", "# corpus: the default (data/corpus.jsonl), left unset so data.blend=... overrides meet no unused key",
+        'cache_dir = "runs/data"',
         "", "[train]", f"steps = {STEPS}", f"micro_batch_size = {batch}", f"global_batch_size = {total}",
         "eval_interval = 0  # a throughput run",
         "save_final = false  # no multi-TB checkpoint at the end (a stop signal still saves one)",

@@ -10,19 +10,13 @@ from typing import Callable, Optional
 import psutil
 import torch
 
+from zero3d.analysis.cluster import GPU_KINDS
 
-# Dense (no sparsity) peak TFLOP/s per GPU from NVIDIA's datasheets. bf16/fp16 are tensor-core
-# peaks; fp32 is the non-tensor-core peak, which is what fp32 matmuls get with TF32 off (torch's
-# default for matmuls). V100 has no bf16. A100 PCIe and SXM share their peaks; H100 PCIe and V100
-# PCIe run lower clocks, so they have their own rows rather than borrowing the SXM numbers.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "V100": {"fp16": 125.0, "fp32": 15.7},  # SXM2
-    "V100-PCIe": {"fp16": 112.0, "fp32": 14.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
-    "H100-PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
-}
+
+# Dense (no sparsity) peak TFLOP/s per GPU, bf16/fp16 tensor-core and plain fp32 (what fp32 matmuls get with
+# TF32 off, torch's default): one table, zero3d.analysis.cluster's GPU kinds (the planner reads the same).
+# V100 has no bf16; PCIe cards run lower clocks, so they have their own rows.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {key: gpu.peak_tflops() for key, gpu in GPU_KINDS.items()}
 
 # First match wins. Variants whose peaks differ and are not in the table (H100/H200 NVL, V100S,
 # GH200) must map to nothing: no MFU beats a wrong MFU.

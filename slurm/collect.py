@@ -12,6 +12,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from pretrain.config import RESOLVED_CONFIG  # noqa: E402
 from pretrain.summary import read_records, summary_from_records  # noqa: E402
+from zero3d.analysis.cluster import add_cluster_flags  # noqa: E402
 
 DEFAULT_WARMUP = 10  # steps left out of the medians: allocator growth, NCCL set-up, first-step compiles
 # Only figures the facts sheet states (§4.6, §4.11); all approximate ("over", "about", "under").
@@ -168,7 +169,8 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def write_tables(rows: list, out: Path) -> list:
+def write_tables(rows: list, out: Path, paper: bool = True) -> list:
+    """table.csv and table.md of `rows` (COLUMNS) under `out`; `paper`: list the paper's figures for comparison."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "table.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
@@ -182,7 +184,7 @@ def write_tables(rows: list, out: Path) -> list:
     if shrinks := sorted({r.get("shrink", 1) for r in rows} - {1}):  # CPU ranks: the paper's figures do not compare
         text += (f"\n\nScaled down (slurm/sweep.py --cpu --shrink {'/'.join(map(str, shrinks))}): every model shape "
                  "÷ N on CPU ranks; `model` is the paper's row, `params` the model trained.")
-    elif refs:
+    elif refs and paper:
         text += "\n\nReported in the paper:\n" + "\n".join(refs)
     text += "\n"
     (out / "table.md").write_text(text)
@@ -212,8 +214,9 @@ def bar_slots(rows: list) -> tuple:
     return keys, slots
 
 
-def plot(rows: list, path: Path) -> tuple:
-    """Bars of TFLOP/s per GPU and aggregate PFLOP/s per run, ZeRO vs baseline, with the paper's figures.
+def plot(rows: list, path: Path, kind: str = "measured", paper: bool = True) -> tuple:
+    """Bars of TFLOP/s per GPU and aggregate PFLOP/s per run, ZeRO vs baseline, with the paper's figures
+    (`paper`); `kind` names the bars in the legend ("measured", or "predicted" for --predict).
 
     The legend lists only what is drawn; runs whose medians include warm-up steps are hatched.
     Returns (path, legend labels).
@@ -227,7 +230,7 @@ def plot(rows: list, path: Path) -> tuple:
     shrinks = sorted({r.get("shrink", 1) for r in rows})
     fig, axes = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(keys) + 2), 8), sharex=True)
     colors = {"zero": "tab:blue", "baseline": "tab:orange"}
-    names = {"zero": "ZeRO (measured)", "baseline": "baseline (measured)"}
+    names = {"zero": f"ZeRO ({kind})", "baseline": f"baseline ({kind})"}
     legend = {}
     for ax, metric, label in zip(axes, ("tflops_per_gpu", "pflops"), ("TFLOP/s per GPU", "aggregate PFLOP/s")):
         for i, r in enumerate(rows):
@@ -241,7 +244,7 @@ def plot(rows: list, path: Path) -> tuple:
                         (0, 0), 1, 1, facecolor="white", edgecolor="black", hatch=hatch)
             else:
                 ax.text(x, 0, r["status"], rotation=90, ha="center", va="bottom", fontsize=8)
-        for figure, system, lo, hi, key, value, text in PAPER_FIGURES if shrinks == [1] else ():  # not at ÷N
+        for figure, system, lo, hi, key, value, text in PAPER_FIGURES if shrinks == [1] and paper else ():
             # a point belongs to the run of that size label; a span to the runs inside it (±10%)
             idx = [i for i, r in enumerate(rows) if key == metric and r["system"] == system
                    and r["figure"] in (figure, "")
@@ -272,6 +275,24 @@ def plot(rows: list, path: Path) -> tuple:
     return path, list(legend)
 
 
+def predict(parser, args) -> int:
+    """--predict: the predicted Figure 2 table on the described cluster, as table.csv / table.md / scaling.png."""
+    from zero3d.analysis.cluster import PAPER_CLUSTER, spec_from_args
+    from zero3d.analysis.predict_table import default_csv, format_rows, predict_rows
+    try:
+        cluster = spec_from_args(args).cluster(args.precision)
+        rows = predict_rows(cluster, default_csv(), args.sizes.split(",") if args.sizes else None, args.precision)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    out, paper = Path(args.out), cluster == PAPER_CLUSTER
+    written = write_tables(rows, out, paper=paper)
+    if not args.no_plot:
+        written.append(plot(rows, out / "scaling.png", kind="predicted", paper=paper)[0])
+    print(format_rows(cluster, rows))
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="slurm/collect.py", description=__doc__)
     parser.add_argument("run_dirs", nargs="*", help="run directories (runs/<name>)")
@@ -283,7 +304,15 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="the TOML the given run directories ran with, for a run without config.json")
     parser.add_argument("--runs-dir", default=str(REPO_ROOT / "runs"),
                         help="with --figure/--all: where the runs are, DIR/<name> (a --shrink N sweep: runs/shrinkN)")
+    parser.add_argument("--predict", action="store_true",
+                        help="no runs: Figure 2's ZeRO rows predicted on the described cluster (zero3d.analysis."
+                             "predict_table), written as the measured table and plot are")
+    parser.add_argument("--sizes", help="--predict: Figure 2 rows to keep, e.g. 8B,20B (default: all)")
+    parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="--predict's dtype")
+    add_cluster_flags(parser)
     args = parser.parse_args(argv)
+    if args.predict:
+        return predict(parser, args)
     runs = [(Path(d), args.config) for d in args.run_dirs]
     for d in args.run_dirs:  # named on the command line: it must be there
         if not Path(d).is_dir():

@@ -12,6 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The repo's own code, not an installed copy (the container's image has one under /workspace).
 sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
+from pretrain.errors import EXIT_INPUT  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
 # SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
@@ -74,17 +75,26 @@ def warning_seconds(cfg: Config, world: int) -> int:
     return int(min(WARNING_MAX_S, max(WARNING_FLOOR_S, -(-needed // 1))))
 
 
+TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
+
+
 def time_limit_seconds(text: str) -> int:
-    """Slurm's [D-]HH:MM:SS / MM:SS / MM → seconds."""
-    days, _, clock = text.rpartition("-")
-    parts = [int(p) for p in clock.split(":")]
-    if len(parts) == 1:
-        parts = [0, parts[0], 0]
-    elif len(parts) == 2 and not days:
-        parts = [0, *parts]
-    while len(parts) < 3:
-        parts.append(0)
-    return int(days or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    """Slurm's --time in any of its forms (TIME_FORMS; "1-12" is a day and 12 hours) → seconds; ValueError
+    naming the bad value otherwise."""
+    days, dash, clock = str(text).strip().partition("-")
+    if not dash:
+        days, clock = "", days
+    fields = clock.split(":")
+    if not all(f.isdigit() for f in fields + ([days] if dash else [])) or len(fields) > 3:
+        raise ValueError(f"time limit {text!r} is invalid; Slurm's forms: {TIME_FORMS}")
+    numbers = [int(f) for f in fields]
+    if dash:  # D-HH, D-HH:MM, D-HH:MM:SS: hours first
+        hours, minutes, seconds = numbers + [0] * (3 - len(numbers))
+    elif len(numbers) == 3:  # HH:MM:SS
+        hours, minutes, seconds = numbers
+    else:  # MM, MM:SS: minutes first
+        hours, (minutes, seconds) = 0, (numbers + [0])[:2]
+    return int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
 
 
 def tensor_span(cfg: Config) -> str:
@@ -137,6 +147,10 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
             raise ConfigError(f"cluster.min_nodes = {c.min_nodes}: on {count} node(s) of {c.gpus_per_node}: {err}",
                               fix="raise cluster.min_nodes, or choose a train.global_batch_size every node count "
                                   "in the range divides") from None
+    try:
+        limit = time_limit_seconds(c.time_limit)
+    except ValueError:
+        raise ConfigError(f"cluster.time_limit = {c.time_limit!r} is invalid; Slurm's forms: {TIME_FORMS}") from None
     run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
     warning = warning_seconds(cfg, world)
     elastic = len(node_counts(cfg)) > 1
@@ -161,10 +175,9 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     env = {"ZERO3D_TASKS_PER_NODE": str(c.gpus_per_node)} if elastic else {}
     if container:
         env["ZERO3D_CONTAINER"] = container
-    if requeue:
+    if requeue:  # without it launch.sbatch follows the job's own Slurm flag (--no-requeue here: no requeue)
         env["ZERO3D_REQUEUE"] = "1"
     notes = []
-    limit = time_limit_seconds(c.time_limit)
     if warning >= limit:
         notes.append(f"the stop warning (USR1 {warning} s before the limit, for a "
                      f"{checkpoint_bytes(cfg) / 1e9:.0f} GB checkpoint at cluster.checkpoint_write_gbps = "
@@ -197,6 +210,20 @@ def submit(job: Job) -> str:
     return proc.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
 
 
+class Unstartable(Exception):
+    """The job cannot start (slurm/startable.py): one line per reason, exit EXIT_INPUT."""
+
+
+def refuse_unstartable(cfg: Config, world: int, memory: bool = True) -> None:
+    """Raise Unstartable with every reason this job cannot start, checked from the repository root; `memory`:
+    also the layout against cluster.gpu_memory_gb (not for CPU ranks, nor in the job, where the start-up guard
+    judges the real devices)."""
+    from slurm.startable import refusals
+    reasons = refusals(cfg, world, REPO_ROOT, memory)
+    if reasons:
+        raise Unstartable("\n".join(f"cannot start {cfg.logging.name}: {r}" for r in reasons))
+
+
 def preflight(config_path: str, overrides: list, world: int) -> Path:
     """Inside the job, once, before hundreds of ranks start: validate for the job's `world` ranks
     (launch.sbatch passes the job's SLURM_NTASKS: in a one-task container step the step's own is 1) and
@@ -204,6 +231,7 @@ def preflight(config_path: str, overrides: list, world: int) -> Path:
     every start check (a refused start leaves a finished run's records as they were)."""
     cfg = load_config(config_path, overrides)
     validate_layout(cfg, world)
+    refuse_unstartable(cfg, world, memory=False)
     return cfg.run_dir
 
 
@@ -215,8 +243,9 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true",
                         help="CPU ranks (local test cluster): no --gpus, nodes × gpus_per_node tasks")
     parser.add_argument("--container", metavar="IMAGE", help="run the ranks in this pyxis/enroot image")
-    parser.add_argument("--requeue", action="store_true",
-                        help="requeue on preemption, or when the ranks exit 75 after a SIGUSR1 checkpoint")
+    parser.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=True,
+                        help="requeue on preemption, or when the ranks stop after a SIGUSR1 checkpoint (default on; "
+                             "--no-requeue: the job ends with exit 75 and is resubmitted by hand)")
     parser.add_argument("--sbatch", action="append", default=[], metavar="ARG",
                         help="extra sbatch argument, e.g. --sbatch=--account=abc (repeatable)")
     parser.add_argument("--preflight", action="store_true", help=argparse.SUPPRESS)  # launch.sbatch's own step
@@ -236,9 +265,13 @@ def main(argv=None) -> int:
             return 0
         job = build_job(args.config, args.overrides, cpu=args.cpu, container=args.container,
                         requeue=args.requeue, extra_sbatch=args.sbatch)
+        refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except Unstartable as err:
+        print(err, file=sys.stderr)
+        return EXIT_INPUT
     for note in job.notes:
         print(f"note: {job.name}: {note}", file=sys.stderr)
     if args.dry_run:

@@ -8,7 +8,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import ConfigError, load_config  # noqa: E402
-from slurm.submit import build_job, launch_preview, submit  # noqa: E402
+from slurm.submit import EXIT_INPUT, Unstartable, build_job, launch_preview, refuse_unstartable, submit  # noqa: E402
 
 CONFIGS = REPO_ROOT / "configs/paper"
 OOM_OVERRIDE = "train.ignore_memory_estimate=true"  # --include-oom: let the paper's out-of-memory jobs run out
@@ -174,6 +174,15 @@ def main(argv=None) -> int:
         return 2
     for job in skipped:
         print(f"skipped {job.name}: {job.cfg.paper.reason} (--include-oom submits it)", file=sys.stderr)
+    unstartable = []  # every job checked before any is queued (slurm/startable.py)
+    for job in jobs:
+        try:
+            refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu)
+        except Unstartable as err:
+            unstartable.append(str(err))
+    if unstartable:
+        print("\n".join(unstartable), file=sys.stderr)
+        return EXIT_INPUT
     failures = 0
     for job in jobs:
         for note in job.notes:

@@ -25,7 +25,7 @@ from pretrain.sections import DataConfig
 from pretrain.data.corpus import DataError, expand_inputs
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
 from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import Tokenizer, train_tokenizer
+from pretrain.data.tokenizer import Tokenizer, check_vocab, train_tokenizer
 
 @dataclass(frozen=True)
 class DataFiles:
@@ -50,13 +50,6 @@ class DatasetTokenizer:
     @property
     def eos(self) -> int:
         return self.eod
-
-
-def _check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
-    if tokenizer.vocab_size > model_vocab_size:
-        raise DataError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than model.vocab_size "
-                        f"{model_vocab_size}; raise model.vocab_size or use a smaller tokenizer "
-                        f"({tokenizer.model_path})")
 
 
 def _digest(*parts: object) -> str:
@@ -110,7 +103,7 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
     """
     tokenizer = None if data.tokenizer_model is None else Tokenizer(data.tokenizer_model)
     if tokenizer is not None:
-        _check_vocab(tokenizer, vocab_size)  # before any expensive work
+        check_vocab(tokenizer, vocab_size)  # before any expensive work
     blend, blend_per_split = _blends(data)
     if blend is None and blend_per_split is None:
         tokenizer_path, prefix = build_corpus_files(data.corpus, data.tokenizer_model, data.cache_dir, vocab_size)
@@ -213,7 +206,7 @@ def open_datasets(files: DataFiles, data: DataConfig, seq_length: int, seed: int
     valid is None when valid_samples is 0 or the split gives validation no documents.
     """
     tokenizer = Tokenizer(files.tokenizer_path)
-    _check_vocab(tokenizer, model_vocab_size)
+    check_vocab(tokenizer, model_vocab_size)
     config = dataset_config(files, data, tokenizer, seq_length, seed, [train_samples, valid_samples, 0])
     _check_split_sizes(config, seq_length)
     train, valid, _ = BlendedMegatronDatasetBuilder(

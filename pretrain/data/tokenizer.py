@@ -8,7 +8,7 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from pretrain.data.corpus import read_documents
+from pretrain.data.corpus import DataError, read_documents
 
 MAX_SENTENCES = 2_000_000  # sentences a tokenizer trains on, sampled from a bigger corpus
 SAMPLE_SEED = 1234
@@ -143,3 +143,11 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """DataError when the tokenizer's ids would not fit the model's embedding (model.vocab_size)."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise DataError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than model.vocab_size "
+                        f"{model_vocab_size}; raise model.vocab_size or use a smaller tokenizer "
+                        f"({tokenizer.model_path})")

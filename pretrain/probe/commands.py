@@ -7,7 +7,8 @@ from pretrain import metrics
 from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, device_estimate
 from pretrain.probe.rank import probe_rank, rss_bytes
-from zero3d.analysis.comm_model import PAPER_LINKS, comm_breakdown
+from zero3d.analysis.cluster import links_for_gpu
+from zero3d.analysis.comm_model import comm_breakdown
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
 from zero3d.analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
 from pretrain.probe.report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
@@ -20,7 +21,8 @@ def timing_report(cfg: Config, world: int, run) -> dict:
     m = cfg.model
     compute = sum(run.phase_seconds.values()) / run.steps
     flops = m.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
-    per_step_comm = comm_breakdown(run.collectives, PAPER_LINKS)
+    # the config's GPU's node (cluster.gpu: DGX-2 for V100, DGX A100/H100/H200) at its GPUs per node
+    per_step_comm = comm_breakdown(run.collectives, links_for_gpu(cfg.cluster.gpu, cfg.cluster.gpus_per_node))
     per_step_comm = {k: v / run.steps for k, v in per_step_comm.items()}
     predicted = compute + sum(per_step_comm.values())
     peak = metrics.device_peak_tflops("cuda" if run.cuda_max_allocated is not None else "cpu",

@@ -176,19 +176,24 @@ def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
     """(A job that trains, in container mode, and one preempted and requeued: tests/slurm/test_preemption.py.)"""
     env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
     run_dir = tmp_path / "broken"
+    # a corpus that exists (a missing one is refused before it queues: tests/unit/test_submit_refusal.py) but is
+    # not JSON: the job starts and fails on it
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("not json\n")
     cmd = [sys.executable, "slurm/submit.py", "--cpu", "--config", "configs/tiny.toml", "train.steps=4",
-           "logging.wandb=false", f"logging.run_dir={run_dir}", "data.corpus=/nonexistent/corpus.jsonl"]
+           "logging.wandb=false", f"logging.run_dir={run_dir}", f"data.corpus={corpus}",
+           f"data.cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
     state = wait_for(cluster, job_id, run_dir / "slurm-*.out")
     log = (run_dir / f"slurm-{job_id}.out").read_text()
-    # a refused start writes nothing into the run directory (Slurm's own log aside): the batch script
-    # reads no status.json and exits with the ranks' code, the input-error code
+    # the start is refused on the corpus, which writes nothing into the run directory (Slurm's own log aside):
+    # the batch script reads no status.json and exits with rank 0's code, the input-error code
     assert state["JobState"] == "FAILED" and state["ExitCode"] == "3:0" and "run status: none" in log, log
     assert sorted(p.name for p in run_dir.iterdir()) == [f"slurm-{job_id}.out"]
-    line = ("error: data.corpus = '/nonexistent/corpus.jsonl' does not exist (data): point data.corpus at JSONL "
-            'files ({"text": ...} a line; .gz/.zst too) or a glob')
+    line = (f"error: {corpus}:1: invalid JSON (Expecting value at column 1) (data): fix the file, or point "
+            "data.corpus / data.blend at another")
     assert line in log.splitlines() and "Traceback" not in log, log
     row = collect.collect_run(run_dir, "configs/tiny.toml", warmup=1)
     assert (row["status"], row["reason"]) == ("failed", f"no status.json; 0/4 steps logged; {line}")

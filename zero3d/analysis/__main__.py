@@ -1,12 +1,12 @@
 """`python -m zero3d.analysis`: the memory estimator, the paper's tables and the planner from the command line."""
 import argparse
-import dataclasses
 import json
 import os
 import sys
 from typing import Optional
 
-from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, V100_MEMORY_BYTES,
+from zero3d.analysis.cluster import add_cluster_flags, described, spec_from_args
+from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS,
                                      estimate_from_shape, format_breakdown, model_state_bytes, padded_vocab)
 from zero3d.analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                               offload_breakdown)
@@ -58,9 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
     ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
     ap.add_argument("--prefetch-units", type=int, default=ZERO.prefetch_units, help="stage 3 units gathered ahead")
-    ap.add_argument("--gpu-memory-gb", type=float, default=V100_MEMORY_BYTES / GIB,
-                    help="GPU memory in GiB, as cards are labelled and as cluster.gpu_memory_gb is read "
-                         "(docs/estimator.md, Budget); default 32 = a V100-32GB")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table (not with --plan)")
     off = ap.add_argument_group("offload (ZeRO-Offload / ZeRO-Infinity; docs/estimator.md, Offload)")
@@ -73,7 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--largest", action="store_true",
                      help="the largest GPT whose device memory fits: bisects layers at --hidden/--heads, or at "
                           "the Figure 7 shapes, 5120 × 40, then hidden + 1024 (heads = hidden / 128) until not "
-                          "one layer fits; --gpus/--vocab/--seq default 1/50257/1024")
+                          "one layer fits; --gpus/--vocab/--seq default 1 (the described cluster's GPUs with a "
+                          "cluster flag)/50257/1024")
+    off.add_argument("--shape-rule", choices=["trained", "free"],
+                     help="--largest: 'trained' searches published aspect ratios (32 <= hidden/layers <= 131, head "
+                          "size 128); 'free' bisects layers at each hidden (the paper's study). Default: free on the "
+                          "paper's cluster, trained with a cluster flag")
+    add_cluster_flags(ap)
+    mode.add_argument("--predict-table", action="store_true",
+                      help="Figure 2's ZeRO rows (1.5B..170B) on the described cluster: the planner's layout, memory "
+                           "and predicted TFLOP/s per GPU (files and plot: python slurm/collect.py --predict)")
+    mode.add_argument("--sizes", help="--predict-table: Figure 2 rows to keep, e.g. 8B,20B (default: all)")
     zpp = ap.add_argument_group("ZeRO++ (node-aware stage 3; docs/estimator.md, ZeRO++)")
     zpp.add_argument("--zeropp", nargs="*", metavar="MODEL",
                      help="α-β step time per link for stage 3, +hpZ, +hybrid, +qwZ, +qgZ and all three on "
@@ -89,7 +96,9 @@ def _zeropp(ap: argparse.ArgumentParser, args) -> int:
     if args.quant_block < 2 or args.quant_block % 2:
         ap.error(f"--quant-block {args.quant_block} is invalid; must be an even integer >= 2")
     try:
-        print(zeropp_report(args.csv, tuple(args.zeropp) or ("100B", "170B"), args.grad_bits, args.quant_block))
+        clusters = {"clusters": (args.spec.cluster(args.precision),)} if described(args) else {}
+        print(zeropp_report(args.csv, tuple(args.zeropp) or ("100B", "170B"), args.grad_bits, args.quant_block,
+                            **clusters))
     except ValueError as err:
         ap.error(str(err))
     return 0
@@ -102,10 +111,13 @@ def _offload_args(args) -> dict:
 
 def _largest(ap: argparse.ArgumentParser, args) -> int:
     """--largest: the biggest GPT whose device memory fits with the requested offload."""
+    from zero3d.analysis.shapes import TRAINED
     shapes = ((args.hidden, args.heads),) if args.hidden and args.heads else None
-    gpus = args.gpus or 1
+    rule_name = args.shape_rule or ("trained" if described(args) else "free")
+    rule = TRAINED if rule_name == "trained" and shapes is None else None
+    gpus = args.gpus or (args.spec.cluster().gpus if described(args) else 1)
     try:
-        found = largest_offload_gpt(
+        found = largest_offload_gpt(rule=rule,
             hidden_heads=shapes, gpus=gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
             vocab=args.vocab or 50257, seq=args.seq or 1024, recompute=args.recompute,
             bucket_elements=args.bucket_elements, precision=args.precision,
@@ -115,7 +127,7 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
     o = found.offload
     if args.json:
         out = {"layers": found.layers, "hidden": found.hidden, "heads": found.heads, "params": found.params,
-               "gpus": gpus, "tp": args.tp, "stage": args.stage, "micro_batch": args.micro_batch}
+               "shape_rule": rule.describe() if rule else "free", "gpus": gpus, "tp": args.tp, "stage": args.stage, "micro_batch": args.micro_batch}
         if found.layers:
             out.update(grads_on_host=o.grads_on_host, device=o.device.to_dict(), offload_host_bytes=o.host_bytes,
                        offload_nvme_bytes=o.nvme_bytes, offload_pcie_bytes_per_step=o.pcie_bytes_per_step)
@@ -129,6 +141,8 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
           f"{found.params / 1e9:.2f}B parameters on {gpus} GPU(s), tp {args.tp}, stage {args.stage}, "
           f"micro-batch {args.micro_batch}, recompute {args.recompute}, {args.precision}, "
           f"gradients {'on the host' if o.grads_on_host else 'on the device'}")
+    print(rule.describe() if rule else "shape rule: free (layers bisected at each hidden size; --shape-rule trained: "
+          "published aspect ratios)" if shapes is None else f"shape: given (hidden {found.hidden}, {found.heads} heads)")
     print(format_breakdown(o.device, "device memory:"))
     if args.offload_optimizer != "none":
         print(format_offload(o))
@@ -136,13 +150,13 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
 
 
 def _rank(ap: argparse.ArgumentParser, args) -> int:
-    """--plan rank: feasible layouts for a shape on the paper cluster, best modelled throughput first."""
-    from zero3d.analysis.planner import GPT2_VOCAB, PAPER_CLUSTER, PAPER_SEQ, format_candidates, plan
+    """--plan rank: feasible layouts for a shape on the described cluster, best modelled throughput first."""
+    from zero3d.analysis.planner import GPT2_VOCAB, PAPER_SEQ, format_candidates, plan
     if None in (args.layers, args.hidden, args.heads):
         ap.error("--plan rank needs --layers, --hidden, --heads and one of --global-batch, --batch-per-gpu")
-    cluster = dataclasses.replace(PAPER_CLUSTER, gpu_memory_bytes=args.gpu_memory_gb * GIB)
-    gpus = args.gpus or cluster.gpus
     try:
+        cluster = args.spec.cluster(args.precision)
+        gpus = args.gpus or cluster.gpus
         found = plan(cluster, layers=args.layers, hidden=args.hidden, heads=args.heads, gpus=gpus,
                      vocab=args.vocab or GPT2_VOCAB, seq=args.seq or PAPER_SEQ,
                      global_batch=args.global_batch, batch_per_gpu=args.batch_per_gpu,
@@ -183,12 +197,27 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"--bucket-elements {args.bucket_elements} is invalid; must be > 0 (--no-cb: no CB)")
     if args.table1 or args.table2:
         return _print_tables(args)
-    if args.zeropp is not None:
-        return _zeropp(ap, args)
     if not 0 <= args.margin_fraction < 1:
         ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
-    if args.gpu_memory_gb <= 0:
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         ap.error(f"--gpu-memory-gb {args.gpu_memory_gb} is invalid; must be > 0")
+    try:
+        args.spec = spec_from_args(args)
+    except (ValueError, OSError) as err:
+        ap.error(str(err))
+    args.gpu_memory_gb = args.spec.gpu_memory_bytes / GIB
+    if args.zeropp is not None:
+        return _zeropp(ap, args)
+    if args.predict_table:
+        from zero3d.analysis.predict_table import format_rows, predict_rows
+        try:
+            cluster = args.spec.cluster(args.precision)
+            rows = predict_rows(cluster, args.csv, args.sizes.split(",") if args.sizes else None, args.precision,
+                                args.gpus)
+        except ValueError as err:
+            ap.error(str(err))
+        print(format_rows(cluster, rows))
+        return 0
     if args.plan and args.json:
         ap.error(f"--json is not available with --plan {args.plan} (its report is text); "
                  "--json works with --table1/--table2, --params, --largest and a shape")
@@ -200,6 +229,9 @@ def main(argv: Optional[list] = None) -> int:
     if args.largest:
         return _largest(ap, args)
     if args.plan:
+        if described(args):
+            ap.error(f"--plan {args.plan} judges the paper's runs on the paper's cluster; a cluster flag is not used "
+                     "there (your cluster: --plan rank, --largest, --zeropp, --predict-table)")
         from zero3d.analysis.paper_configs import paper_report
         if not os.path.isfile(args.csv):
             ap.error(f"--csv {args.csv!r} is not a file")

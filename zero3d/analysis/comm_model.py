@@ -237,10 +237,6 @@ def link_bytes(collectives: list) -> tuple[Fraction, Fraction]:
             sum((c.inter_bytes for c in collectives), Fraction(0)))
 
 
-H100_LINKS = Links(gpus_per_node=8, nvswitch_bandwidth=900e9,  # NVLink 4, 900 GB/s per GPU (as the V100's 300)
-                   ib_bandwidth_per_node=8 * 400e9 / 8)  # 8 × 400 Gb/s NDR per node
-
-
 def link_seconds(c: LinkCollective, links: Links) -> float:
     """α-β time of one collective: α per ring step (InfiniBand's when it sends across nodes) plus the
     slower of its two links, which run at once: intra bytes at the GPU's NVSwitch bandwidth, inter

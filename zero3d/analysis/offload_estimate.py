@@ -157,11 +157,13 @@ def largest_offload_gpt(*, hidden_heads: Optional[tuple] = None, gpus: int = 1, 
                         offload_optimizer: str = "cpu", offload_params: str = "none",
                         nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES,
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
-                        margin_fraction: float = DEFAULT_MARGIN_FRACTION) -> LargestOffload:
+                        margin_fraction: float = DEFAULT_MARGIN_FRACTION, rule=None) -> LargestOffload:
     """Bisect the layer count at each (hidden, heads); the shape with the most parameters wins.
 
     `hidden_heads` None: growing_shapes(), skipping those tp does not divide, up to the first shape where
-    not one layer fits (memory at one layer grows with hidden, so no larger shape fits either).
+    not one layer fits (memory at one layer grows with hidden, so no larger shape fits either). `rule` (a
+    shapes.ShapeRule, with hidden_heads None): its shapes instead, the layers capped at its most and none
+    below its fewest, up to the first shape where its fewest layers do not fit.
     """
     if not isinstance(tp, int) or tp <= 0 or gpus % tp:
         raise ValueError(f"gpus = {gpus} is not divisible by tp = {tp}; tp must be a positive divisor of gpus")
@@ -177,10 +179,14 @@ def largest_offload_gpt(*, hidden_heads: Optional[tuple] = None, gpus: int = 1, 
 
     best = LargestOffload(0, 0, 0, 0, None)
     grow = hidden_heads is None
-    for hidden, heads in growing_shapes() if grow else hidden_heads:
+    shapes = hidden_heads if not grow else rule.shapes() if rule else growing_shapes()
+    for hidden, heads in shapes:
         if grow and (heads % tp or hidden % tp):
             continue
         layers = largest_fitting_layers(lambda n: at(n, hidden, heads).fits)
+        if rule is not None:
+            fewest, most = rule.layer_bounds(hidden)
+            layers = min(layers, most) if layers >= fewest else 0
         if grow and not layers:
             break
         params = gpt_param_count(layers, hidden, vocab, seq) if layers else 0

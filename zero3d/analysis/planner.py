@@ -3,6 +3,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
 from zero3d.analysis.comm_model import STAGE_MODES, Links, collectives_per_pass, dp_collectives, link_seconds
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
@@ -12,51 +13,6 @@ from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 
 GPT2_VOCAB = 50257
 PAPER_SEQ = 1024  # the only sequence length the paper uses
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """A homogeneous GPU cluster; bandwidths are per GPU unless named per node."""
-
-    name: str
-    gpus_per_node: int
-    nodes: int
-    gpu_memory_bytes: float
-    intra_node_bandwidth: float  # bytes/s per GPU inside a node
-    inter_node_bandwidth: float  # bytes/s per NODE, shared by its GPUs
-    peak_flops: float  # per GPU, training precision
-    pcie_bandwidth: float  # bytes/s per GPU between host and device
-    efficiency: float  # share of peak the compute sustains when no communication is exposed
-    host_memory_bytes: float  # per NODE, shared by its GPUs (ZeRO-Offload's host states)
-    nvme_bytes: float  # per NODE (ZeRO-Infinity's files)
-
-    @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-    @property
-    def inter_node_bandwidth_per_gpu(self) -> float:
-        return self.inter_node_bandwidth / self.gpus_per_node
-
-    def holds_offload(self, o: OffloadBreakdown, gpus: int, margin_fraction: float) -> bool:
-        """Do a node's GPUs' host and NVMe bytes fit its memory and disks, less the margin?"""
-        on_node = min(gpus, self.gpus_per_node)
-        return (o.host_bytes * on_node <= (1 - margin_fraction) * self.host_memory_bytes
-                and o.nvme_bytes * on_node <= (1 - margin_fraction) * self.nvme_bytes)
-
-
-PAPER_CLUSTER = Cluster(
-    name="paper: 25 DGX-2 × 16 V100-SXM3-32GB",
-    gpus_per_node=16, nodes=25, gpu_memory_bytes=V100_MEMORY_BYTES,
-    intra_node_bandwidth=300e9,  # NVSwitch, 300 GB/s per link (paper §4.1)
-    inter_node_bandwidth=8 * 100e9 / 8,  # 8 × 100 Gb/s InfiniBand EDR per node
-    peak_flops=125e12,  # 15 PF is "over 30% of peak" on 400 GPUs → 125 TFLOP/s fp16
-    pcie_bandwidth=15.75e9,  # PCIe 3.0 x16, one direction, nominal
-    # Megatron-LM's single-V100 baseline sustains 39 TFLOP/s = 31% of peak (Shoeybi et al. 2019)
-    efficiency=39e12 / 125e12,
-    host_memory_bytes=24 * 64 * 2**30,  # 24 × 64 GB DDR4 DIMMs (paper §4.1; DIMMs are labelled in GiB)
-    nvme_bytes=2 * 960e9,  # 2 × Samsung 960 GB NVMe SSDs (paper §4.1; disks are labelled in 10^9)
-)
 
 
 @dataclass(frozen=True)
@@ -98,16 +54,15 @@ PLANNER_MODES = {stage: modes[1:] for stage, modes in STAGE_MODES.items()}
 NODE_MODES = ("+hpZ", "qwZ+hpZ+qgZ", "+hybrid")
 
 
-def dp_per_node(cluster: "Cluster", gpus: int, tp: int) -> int:
+def dp_per_node(cluster: Cluster, gpus: int, tp: int) -> int:
     """DP ranks (stride tp) that share a node: tp-wide TP groups fill the node, the DP group strides across."""
     m = max(1, min(gpus, cluster.gpus_per_node) // tp)
     return m if (gpus // tp) % m == 0 else 1
 
 
-def cluster_links(cluster: "Cluster") -> Links:
-    """comm_model's link settings for a planner Cluster (bandwidths; the latencies are Links' defaults)."""
-    return Links(gpus_per_node=cluster.gpus_per_node, nvswitch_bandwidth=cluster.intra_node_bandwidth,
-                 ib_bandwidth_per_node=cluster.inter_node_bandwidth)
+def cluster_links(cluster: Cluster) -> Links:
+    """comm_model's link settings for a planner Cluster (Cluster.links)."""
+    return cluster.links
 
 
 # Table III: every configuration also runs C_B and M_D

@@ -1,37 +1,20 @@
 """`python -m zero3d.analysis --zeropp`: α-β step time per link for stage 3 and its ZeRO++ modes on the paper's rows."""
 from dataclasses import dataclass
 
-from zero3d.analysis.comm_model import (H100_LINKS, PAPER_LINKS, ZEROPP_MODES, Links, collectives_per_pass,
-                                        link_bytes, link_seconds, zeropp_collectives)
-from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, V100_MEMORY_BYTES, estimate_from_shape,
-                                      extra_state_bytes, gpt_param_count, GB)
+from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster, ClusterSpec
+from zero3d.analysis.comm_model import ZEROPP_MODES, collectives_per_pass, link_bytes, link_seconds, zeropp_collectives
+from zero3d.analysis.estimate import DEFAULT_BUCKET_ELEMENTS, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
 from zero3d.analysis.paper_configs import load_paper_runs
 from zero3d.analysis.flops import gpt_flops_per_step
-from zero3d.analysis.planner import PAPER_CLUSTER, PAPER_SEQ, GPT2_VOCAB
+from zero3d.analysis.planner import PAPER_SEQ, GPT2_VOCAB
 
-H100_PEAK_FLOPS = 989e12  # dense bf16 tensor cores, H100 SXM data sheet
-GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Machine:
-    """A GPU cluster for the prediction: its links, peak FLOP/s and memory per GPU."""
-
-    name: str
-    links: Links
-    peak_flops: float
-    gpu_memory_bytes: float
+# The report's default machines: the paper's DGX-2 nodes and DGX H100 nodes (cluster.PRESETS). Compute runs at
+# each cluster's `efficiency`: Megatron-LM's V100 share, assumed for the H100.
+DGX2 = PAPER_CLUSTER
+H100 = ClusterSpec("dgx-h100", nodes=50).cluster("bf16")  # 400 GPUs, as the paper's rows
 
 
-DGX2 = Machine("DGX-2: 16 V100 per node, NVSwitch, 8 × 100 Gb/s IB per node", PAPER_LINKS,
-               PAPER_CLUSTER.peak_flops, V100_MEMORY_BYTES)
-H100 = Machine("H100: 8 per node, NVLink 4, 8 × 400 Gb/s IB per node", H100_LINKS, H100_PEAK_FLOPS, 80 * GIB)
-# Sustained share of peak: the planner's (Megatron-LM's single-V100 39 of 125 TFLOP/s); for the H100
-# the same share is an assumption, not a measurement.
-EFFICIENCY = PAPER_CLUSTER.efficiency
-
-
-def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int, tp: int, micro_batch: int,
+def predict(machine: Cluster, *, layers: int, hidden: int, heads: int, gpus: int, tp: int, micro_batch: int,
             global_batch: int, grad_bits: int = 4, block: int = 256,
             bucket_elements: int = DEFAULT_BUCKET_ELEMENTS) -> dict:
     """Per mode: bytes per link per rank, the α-β communication time per step (α per ring step of every
@@ -46,7 +29,7 @@ def predict(machine: Machine, *, layers: int, hidden: int, heads: int, gpus: int
         raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = {micro_batch} × {dp}")
     psi = gpt_param_count(layers, hidden, GPT2_VOCAB, PAPER_SEQ, tp)
     compute = gpt_flops_per_step(layers, hidden, PAPER_SEQ, GPT2_VOCAB, global_batch, True) / (
-        gpus * machine.peak_flops * EFFICIENCY)
+        gpus * machine.peak_flops * machine.efficiency)
     memory = estimate_from_shape(layers=layers, hidden=hidden, heads=heads, vocab=GPT2_VOCAB, seq=PAPER_SEQ,
                                  gpus=gpus, tp=tp, stage=3, micro_batch=micro_batch, recompute="full",
                                  pa=tp > 1, gpu_memory_bytes=machine.gpu_memory_bytes)
@@ -83,12 +66,13 @@ def format_prediction(title: str, p: dict) -> str:
     return "\n".join(lines)
 
 
-def zeropp_report(csv_path, models=("100B", "170B"), grad_bits: int = 4, block: int = 256) -> str:
+def zeropp_report(csv_path, models=("100B", "170B"), grad_bits: int = 4, block: int = 256,
+                  clusters: tuple = (DGX2, H100)) -> str:
     """The paper's 400-GPU ZeRO rows of Figure 2 (as the CSV lays them out, and with TP 1 at one sample
-    per GPU, the layout ZeRO++ evaluates) on DGX-2 and H100 nodes."""
+    per GPU, the layout ZeRO++ evaluates) on each of `clusters` (default: DGX-2 and DGX H100 nodes)."""
     header = ("ZeRO++ modes at stage 3, α-β per link (bytes and seconds per rank per step; 'step s': compute + "
               "communication, 'overlap s': the larger of the two; gain against stage 3). qwZ int8, qgZ "
-              f"int{grad_bits}, {block}-element blocks with fp32 scales. Compute at {EFFICIENCY:.0%} of peak "
+              f"int{grad_bits}, {block}-element blocks with fp32 scales. Compute at {clusters[0].efficiency:.0%} of peak "
               "(Megatron-LM's V100 share; assumed for the H100). 'extra GB': hpZ's secondary parameter copy, "
               "hybrid's node-only sharding; 'memory': the stage-3 estimate (full recompute, Pa where tp > 1) plus it, "
               "against the GPU.")
@@ -98,17 +82,19 @@ def zeropp_report(csv_path, models=("100B", "170B"), grad_bits: int = 4, block: 
         if model not in runs:
             raise ValueError(f"model {model!r} has no Figure 2 ZeRO row; valid: {', '.join(runs)}")
         r = runs[model]
-        batch = r.batch_per_gpu * (r.gpus // r.mp)
-        shape = dict(layers=r.layers, hidden=r.hidden, heads=r.heads, gpus=r.gpus)
-        for machine in (DGX2, H100):
+        for machine in clusters:
+            # the cluster's GPUs at the paper's samples per GPU (400 GPUs on the default machines: the paper's batch)
+            gpus = machine.gpus
+            batch = max(1, r.batch_per_gpu * gpus // r.mp)
+            shape = dict(layers=r.layers, hidden=r.hidden, heads=r.heads, gpus=gpus)
             tp = min(r.mp, machine.links.gpus_per_node)
-            layouts = [(tp, batch // (r.gpus // tp), batch, "paper's layout" if tp == r.mp else
-                        f"tp {tp} (the paper's {r.mp} exceeds a node), same global batch"),
-                       (1, 1, r.gpus, "tp 1, one sample per GPU")]
+            layouts = [(tp, max(1, batch // (gpus // tp)), batch, "paper's layout" if tp == r.mp else
+                        f"tp {tp} (the paper's {r.mp} exceeds a node), the paper's samples per GPU"),
+                       (1, 1, gpus, "tp 1, one sample per GPU")]
             for tp_, mb, gb, what in layouts:
                 p = predict(machine, tp=tp_, micro_batch=mb, global_batch=gb, grad_bits=grad_bits, block=block,
                             **shape)
-                out.append(format_prediction(f"\n{model} ({r.layers} layers × {r.hidden}) on {r.gpus} GPUs, "
+                out.append(format_prediction(f"\n{model} ({r.layers} layers × {r.hidden}) on {gpus} GPUs, "
                                              f"{machine.name}; {what}: tp {tp_}, micro-batch {mb}, "
                                              f"global batch {gb}", p))
     return "\n".join(out)

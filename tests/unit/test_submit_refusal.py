@@ -1,0 +1,75 @@
+"""slurm/submit.py refuses a job that cannot start (#39), on the submitting host, before anything is queued: --dry-run,
+a submission and the job's --preflight alike, one line, exit 3."""
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from slurm import submit  # noqa: E402
+
+TINY = ["--config", "configs/tiny.toml"]
+
+
+def lines(capsys) -> list:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("cannot start")]
+
+
+@pytest.mark.parametrize("mode", [["--dry-run"], ["--preflight", "--world-size", "4"]])
+def test_missing_inputs_each_one_line(mode, capsys, tmp_path):
+    """The paths every rank checks at start-up (pretrain/runtime/preflight.py), checked from the repository root
+    the job runs in; the preflight writes nothing for a job that cannot start."""
+    run = [f"logging.run_dir={tmp_path / 'run'}"]
+    assert submit.main(TINY + mode + run + ["data.corpus=data/missing.jsonl"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.corpus = 'data/missing.jsonl' does not exist (relative to the "
+                             f"working directory {REPO}); point data.corpus at JSONL files ({{\"text\": ...}} a line; "
+                             ".gz/.zst too) or a glob"]
+    assert submit.main(TINY + mode + run + ["data.tokenizer_model=data/missing.model"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.tokenizer_model = 'data/missing.model' does not exist (relative "
+                             f"to the working directory {REPO}); point it at a sentencepiece .model file, or unset it "
+                             "to train one from data.corpus"]
+    assert not (tmp_path / "run").exists()  # the preflight wrote nothing
+
+
+def test_blend_prefix_without_its_index(capsys, tmp_path):
+    (tmp_path / "half.bin").write_bytes(b"")
+    argv = TINY + ["--dry-run", f"data.blend={tmp_path / 'half'}", "data.tokenizer_model=data/corpus.jsonl"]
+    assert submit.main(argv) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.blend = '{tmp_path}/half.idx' does not exist; {tmp_path}/half.idx"
+                             " is missing; run python -m pretrain.preprocess to write it, or fix the prefix in data.blend"]
+
+
+def test_tokenizer_larger_than_the_model(capsys, tmp_path):
+    """A 400-piece sentencepiece model against model.vocab_size 384: its ids would index past the embedding."""
+    from pretrain.data.tokenizer import train_tokenizer
+    model = train_tokenizer(REPO / "data/corpus.jsonl", tmp_path / "tok", 400, max_sentences=2000)
+    assert submit.main(TINY + ["--dry-run", f"data.tokenizer_model={model}", "model.vocab_size=384"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.tokenizer_model: tokenizer vocabulary 400 is larger than "
+                             f"model.vocab_size 384; raise model.vocab_size or use a smaller tokenizer ({model})"]
+    assert submit.main(TINY + ["--dry-run", f"data.tokenizer_model={model}", "model.vocab_size=400"]) == 0
+
+
+def test_layout_that_does_not_fit_the_gpus(capsys):
+    """tiny on 4 GPUs of 0.01 GiB (1.07e7 bytes): its own estimate (pretrain --estimate's) does not fit."""
+    from pretrain.config import load_config
+    from pretrain.memory_check import device_estimate
+    cfg = load_config("configs/tiny.toml", ["cluster.gpu_memory_gb=0.01"])
+    total = device_estimate(cfg, 4, 0.01 * 2**30)[0].total_bytes
+    assert total > 0.01 * 2**30
+    assert submit.main(TINY + ["--dry-run", "cluster.gpu_memory_gb=0.01"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: the memory estimate {total / 1e9:.2f} GB exceeds cluster.gpu_memory_gb"
+                             f" = 0.01 GiB (0.01 GB) on 4 GPUs (H100); python -m pretrain --estimate shows where it "
+                             "goes, train.ignore_memory_estimate = true runs anyway"]
+    assert submit.main(TINY + ["--dry-run", "cluster.gpu_memory_gb=0.01", "train.ignore_memory_estimate=true"]) == 0
+    assert submit.main(TINY + ["--dry-run", "--cpu", "cluster.gpu_memory_gb=0.01"]) == 0  # CPU ranks: no device budget
+
+
+def test_sweep_checks_every_job_before_queueing_any(capsys):
+    from slurm import sweep
+    assert sweep.main(["--figure", "2", "--dry-run", "data.corpus=data/missing.jsonl"]) == 3
+    captured = capsys.readouterr()
+    refused = [line for line in captured.err.splitlines() if line.startswith("cannot start fig2_")]
+    assert len(refused) == 20 and all(f": data.corpus = 'data/missing.jsonl' does not exist (relative to the working "
+                                          f"directory {REPO}); " in line for line in refused)
+    assert "sbatch" not in captured.out  # nothing previewed, nothing queued
