@@ -1,4 +1,5 @@
-"""Reads JSONL text corpora (files and globs, gzip or zstd compressed), with errors naming the file and line."""
+"""Reads text corpora: JSONL (gzip or zstd compressed too), Parquet and Arrow IPC, from files and globs, with
+errors naming the file and line (row). Columnar files stream in record batches (pretrain/data/columnar.py)."""
 import glob
 import gzip
 import io
@@ -11,7 +12,9 @@ from typing import BinaryIO, Callable, Iterator, Optional, Sequence
 
 import zstandard
 
-SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd")
+COLUMNAR_SUFFIXES = (".parquet", ".arrow", ".feather")
+SUFFIXES = JSONL_SUFFIXES + COLUMNAR_SUFFIXES
 CHUNK_BYTES = 1 << 20  # lines handed to a tokenizing worker at a time
 
 
@@ -32,8 +35,8 @@ def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:
             if not path.is_file():
                 raise DataError(f"corpus {match!r} does not exist")
             if not path.name.endswith(SUFFIXES):
-                raise DataError(f"corpus {match!r} is not JSONL: expected one of {', '.join(SUFFIXES)} "
-                                '({"text": ...} a line; .gz and .zst compressed)')
+                raise DataError(f"corpus {match!r} is not JSONL, Parquet or Arrow: expected one of "
+                                f"{', '.join(SUFFIXES)} (JSONL: {{\"text\": ...}} a line; .gz and .zst compressed)")
             if path not in files:
                 files.append(path)
     return files
@@ -114,19 +117,40 @@ def document_text(path: str, number: int, line: bytes, key: str) -> Optional[str
     return record[key]
 
 
+def column_text(path: str, row: int, value: Optional[bytes], column: str) -> str:
+    """One Parquet/Arrow row's text. Raises DataError naming path, row and column."""
+    if value is None:
+        raise DataError(f"{path}: row {row} (0-based) has no text: column {column!r} is null there")
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: row {row} (0-based) of column {column!r}: not UTF-8 text ({err.reason} at "
+                        f"byte {err.start})") from None
+
+
 @dataclass
 class Chunk:
-    """Consecutive lines of one file, for one worker: their numbers start at first_line."""
+    """Consecutive lines of one file, for one worker: their numbers start at first_line.
+
+    columnar: the lines are a Parquet/Arrow column's values (UTF-8 bytes, None for null), numbered by
+    row from 0."""
     path: str
     first_line: int
-    lines: list[bytes]
+    lines: list[Optional[bytes]]
     bytes_done: int  # on-disk bytes of all inputs read once this chunk is done (for progress)
+    columnar: bool = False
 
 
-def read_chunks(files: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
-    """The lines of every file in order, grouped into chunks of about chunk_bytes."""
+def read_chunks(files: Sequence[Path], chunk_bytes: int = CHUNK_BYTES, column: str = "text") -> Iterator[Chunk]:
+    """The lines (or `column`'s values) of every file in order, grouped into chunks of about chunk_bytes."""
     done_before = 0
     for path in files:
+        if path.name.endswith(COLUMNAR_SUFFIXES):
+            from pretrain.data.columnar import read_column_chunks
+            for first, values, fraction in read_column_chunks(path, column, chunk_bytes):
+                yield Chunk(str(path), first, values, done_before + int(fraction * path.stat().st_size), True)
+            done_before += path.stat().st_size
+            continue
         with open_lines(path) as (lines, position):
             chunk, size, first = [], 0, 1
             for number, line in enumerate(lines, start=1):
@@ -143,8 +167,9 @@ def read_chunks(files: Sequence[Path], chunk_bytes: int = CHUNK_BYTES) -> Iterat
 def chunk_documents(chunk: Chunk, key: str) -> tuple[list[str], int]:
     """The non-empty documents of a chunk, and how many empty ones (whitespace-only text) it skipped."""
     documents, empty = [], 0
+    read = column_text if chunk.columnar else document_text
     for number, line in enumerate(chunk.lines, start=chunk.first_line):
-        text = document_text(chunk.path, number, line, key)
+        text = read(chunk.path, number, line, key)
         if text is None:
             continue
         if text.strip():
@@ -158,7 +183,7 @@ def read_documents(patterns: str | os.PathLike | Sequence[str | os.PathLike], ke
     """The non-empty documents of JSONL files or globs, in order; raises if there is none."""
     files = expand_inputs([patterns] if isinstance(patterns, (str, os.PathLike)) else patterns)
     found = False
-    for chunk in read_chunks(files):
+    for chunk in read_chunks(files, column=key):
         documents, _ = chunk_documents(chunk, key)
         found = found or bool(documents)
         yield from documents
