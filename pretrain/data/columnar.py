@@ -17,9 +17,11 @@ def _batches(path: Path, column: str) -> Iterator[tuple["object", int, int]]:
         parquet = pq.ParquetFile(path)
         _check_column(path, parquet.schema_arrow, column)
         total, done = parquet.metadata.num_rows, 0
-        for batch in parquet.iter_batches(batch_size=BATCH_ROWS, columns=[column], use_threads=False):
-            yield batch, done, total
-            done += batch.num_rows
+        for group in range(parquet.num_row_groups):  # one at a time: over all, pyarrow reads far ahead
+            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[column],
+                                              use_threads=False):
+                yield batch, done, total
+                done += batch.num_rows
         return
     source = pa.memory_map(str(path))
     try:
