@@ -189,8 +189,8 @@ class DataConfig(Section):
             require(self.eod_id is None, f"data.eod_id = {self.eod_id} applies only to data.tokenizer_kind = 'none' "
                     f"(here {kind!r}, whose tokenizer gives the id)")
         require(not blend or kind == "none" or self.tokenizer_model is not None,
-                "data.blend / data.train_blend need data.tokenizer_model (or data.tokenizer_kind = 'none' with "
-                "data.eod_id); name the tokenizer that made their token ids")
+                "data.blend / data.train_blend need data.tokenizer_model; name the tokenizer that made their token ids "
+                "(or, with no tokenizer file, set data.tokenizer_kind = 'none' and data.eod_id)")
         require(kind in ("sentencepiece", "hf", "none") or self.tokenizer_model is not None,
                 f"data.tokenizer_kind = {kind!r} needs data.tokenizer_model; only sentencepiece and hf are trained "
                 "from the corpus")
