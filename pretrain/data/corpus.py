@@ -205,8 +205,8 @@ def _batches(path: Path, column: str) -> Iterator[tuple["object", int, int]]:
         _check_column(path, parquet.schema_arrow, column)
         total, done = parquet.metadata.num_rows, 0
         for group in range(parquet.num_row_groups):  # one at a time: over all, pyarrow reads far ahead
-            for batch in parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], columns=[column],
-                                              use_threads=False):
+            batches = parquet.iter_batches(BATCH_ROWS, row_groups=[group], columns=[column], use_threads=False)
+            for batch in batches:
                 yield batch, done, total
                 done += batch.num_rows
         return
