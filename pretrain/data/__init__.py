@@ -1,1 +1,2 @@
-"""Data wing: JSONL corpora, the sentencepiece tokenizer, preprocessing to Megatron .bin/.idx, datasets, batches."""
+"""Data wing: JSONL/Parquet/Arrow corpora, tokenizers (one interface, five kinds), preprocessing to Megatron
+.bin/.idx, datasets, batches."""

@@ -249,7 +249,7 @@ def read_column_chunks(path: Path, column: str, chunk_bytes: int) -> Iterator[tu
                     yield first, values, (done + batch.num_rows) / max(total, 1)
                     first, values, size = first + len(values), [], 0
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"corpus {str(path)!r} cannot be read as {'Parquet' if path.name.endswith('.parquet') else 'Arrow IPC'}: "
-                        f"{str(err).splitlines()[0]}") from None
+        kind = "Parquet" if path.name.endswith(".parquet") else "Arrow IPC"
+        raise DataError(f"corpus {str(path)!r} cannot be read as {kind}: {str(err).splitlines()[0]}") from None
     if values:
         yield first, values, 1.0
