@@ -1,2 +1,1 @@
-"""Data wing: JSONL/Parquet/Arrow corpora, tokenizers (one interface, five kinds), preprocessing to Megatron
-.bin/.idx, datasets, batches."""
+"""Data wing: JSONL/Parquet/Arrow corpora, tokenizers of five kinds, preprocessing to .bin/.idx, datasets, batches."""
