@@ -176,3 +176,36 @@ def test_tokenizer_kind_errors(tmp_path, files):
 def test_tokenizer_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_preflight_names_each_kinds_missing_file(tmp_path, files):
+    from pretrain.errors import InputError
+    from pretrain.runtime.preflight import check_paths
+    root, _ = files
+    base = [f"data.corpus={root / 'part.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"logging.run_dir={tmp_path / 'run'}"]
+    gpt2 = base + ["data.tokenizer_kind=gpt2_bpe", f"data.tokenizer_model={root / 'vocab.json'}"]
+    check_paths(load_config(None, gpt2 + [f"data.tokenizer_merges={root / 'merges.txt'}"]))
+    with pytest.raises(InputError, match=r"data.tokenizer_merges = '.*absent\.txt' does not exist; point it at "
+                                         r"GPT-2's merges\.txt"):
+        check_paths(load_config(None, gpt2 + [f"data.tokenizer_merges={tmp_path / 'absent.txt'}"]))
+    with pytest.raises(InputError, match=r"data.tokenizer_model = '.*absent\.tiktoken' does not exist; point it at "
+                                         r"a tiktoken BPE file$"):
+        check_paths(load_config(None, base + ["data.tokenizer_kind=tiktoken",
+                                              f"data.tokenizer_model={tmp_path / 'absent.tiktoken'}"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokenizer-kind", "gpt2_bpe"], "--tokenizer-merges (merges.txt) goes with --tokenizer-kind gpt2_bpe"),
+    (["--tokenizer-merges", "m.txt"], "--tokenizer-merges (merges.txt) goes with --tokenizer-kind gpt2_bpe"),
+    (["--tokenizer-kind", "tiktoken", "--train-tokenizer", "--vocab-size", "300"],
+     "--train-tokenizer trains kinds sentencepiece and hf, not tiktoken"),
+    (["--tokenizer-kind", "hf", "--train-tokenizer", "--vocab-size", "300"], "must end in .json"),
+    (["--tokenizer-eod", "</s>"], "--tokenizer-eod applies to kinds hf, gpt2_bpe and tiktoken"),
+    (["--tokenizer-kind", "none"], "invalid choice: 'none'"),
+])
+def test_preprocess_tokenizer_flag_errors(argv, message, capsys):
+    from pretrain.data.preprocess import parse_args
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--input", "c.jsonl", "--tokenizer-model", "t.model", "--output-prefix", "o", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
