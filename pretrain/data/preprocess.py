@@ -65,6 +65,12 @@ def _init_worker(tokenizer: TokenizerSpec, key: str) -> None:
     _worker.update(tokenizer=load_tokenizer(tokenizer), key=key)
 
 
+def _init_pool_worker(tokenizer: TokenizerSpec, key: str) -> None:
+    """One of N worker processes: one thread each (no `tokenizers` thread pool per worker, no fork warning)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _init_worker(tokenizer, key)
+
+
 def tokenize_chunk(chunk: Chunk) -> TokenizedChunk:
     """Parse, tokenize and pack one chunk (runs in a worker; uses that worker's tokenizer)."""
     tokenizer: TextTokenizer = _worker["tokenizer"]
@@ -89,7 +95,7 @@ def tokenized_chunks(chunks: Iterable[Chunk], tokenizer: TokenizerSpec, key: str
         _init_worker(tokenizer, key)
         yield from map(tokenize_chunk, chunks)
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer, key)) as pool:
+    with multiprocessing.Pool(workers, initializer=_init_pool_worker, initargs=(tokenizer, key)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
