@@ -22,6 +22,9 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
  && PIP_CONSTRAINT=/tmp/torch-constraint.txt pip install --no-cache-dir \
         "megatron-core==0.16.1" \
         "sentencepiece==0.2.3" \
+        "tokenizers==0.23.3" \
+        "tiktoken==0.14.0" \
+        "pyarrow==26.0.1" \
         "numpy>=1.26,<3" \
         "wandb==0.31.0" \
         "psutil==7.2.2" \

@@ -130,8 +130,16 @@ class DataConfig(Section):
     section: ClassVar[str] = "data"
     corpus: str = "data/corpus.jsonl"
     """JSONL file or glob ({"text": ...} a line; .gz/.zst too), used without a blend."""
+    tokenizer_kind: Literal["sentencepiece", "hf", "gpt2_bpe", "tiktoken", "none"] = "sentencepiece"
+    """sentencepiece .model, hf tokenizer.json, gpt2_bpe vocab.json+merges.txt, tiktoken BPE file; none: blend ids."""
     tokenizer_model: Optional[str] = None
-    """Sentencepiece .model; None: trained from the corpus into cache_dir."""
+    """The tokenizer's file (see tokenizer_kind); None: trained from the corpus into cache_dir (sentencepiece, hf)."""
+    tokenizer_merges: Optional[str] = None
+    """gpt2_bpe's merges.txt (tokenizer_model is its vocab.json)."""
+    tokenizer_eod: Optional[str] = None
+    """End-of-document token of hf/gpt2_bpe/tiktoken; None: "<|endoftext|>" (tiktoken adds it last)."""
+    eod_id: Optional[int] = None
+    """tokenizer_kind none: the end-of-document id in the blend's .bin files (< model.vocab_size)."""
     blend: Optional[str] = None
     """Megatron's --data-path: "0.3 prefixA 0.7 prefixB", or "prefixA prefixB" (by size)."""
     train_blend: Optional[str] = None
@@ -159,12 +167,42 @@ class DataConfig(Section):
                 "data.blend and data.train_blend / data.valid_blend are exclusive: a blend is split by data.split, "
                 "per-split blends replace it")
         require(not per_split or self.train_blend is not None, "data.valid_blend needs data.train_blend")
-        require(not (per_split or self.blend) or self.tokenizer_model is not None,
-                "data.blend / data.train_blend need data.tokenizer_model; name the tokenizer that made their token ids")
+        self._check_tokenizer(per_split or self.blend is not None)
         require(self.num_workers is None or self.num_workers >= 0,
                 f"data.num_workers = {self.num_workers} must be >= 0 (or unset: 2 on CUDA, 0 on CPU)")
         for key in ("corpus", "cache_dir"):
             require(bool(getattr(self, key).strip()), f"data.{key} = '' is invalid; name a path")
+
+    def _check_tokenizer(self, blend: bool) -> None:
+        kind = self.tokenizer_kind
+        kinds = "sentencepiece, hf, gpt2_bpe, tiktoken, none"
+        require(kind in kinds.split(", "), f"data.tokenizer_kind = {kind!r} is unknown; kinds: {kinds}")
+        if kind == "none":
+            require(blend, "data.tokenizer_kind = 'none' needs data.blend or data.train_blend (.bin/.idx made "
+                    "elsewhere); a corpus needs a tokenizer")
+            require(self.eod_id is not None, "data.tokenizer_kind = 'none' needs data.eod_id, the end-of-document "
+                    "id in the .bin files")
+            require(self.eod_id >= 0, f"data.eod_id = {self.eod_id} must be >= 0")
+            require(self.tokenizer_model is None, f"data.tokenizer_model = {self.tokenizer_model!r} is set but "
+                    "data.tokenizer_kind = 'none' reads no tokenizer file; unset one of them")
+        else:
+            require(self.eod_id is None, f"data.eod_id = {self.eod_id} applies only to data.tokenizer_kind = 'none' "
+                    f"(here {kind!r}, whose tokenizer gives the id)")
+        require(not blend or kind == "none" or self.tokenizer_model is not None,
+                "data.blend / data.train_blend need data.tokenizer_model; name the tokenizer that made their token ids "
+                "(or, with no tokenizer file, set data.tokenizer_kind = 'none' and data.eod_id)")
+        require(kind in ("sentencepiece", "hf", "none") or self.tokenizer_model is not None,
+                f"data.tokenizer_kind = {kind!r} needs data.tokenizer_model; only sentencepiece and hf are trained "
+                "from the corpus")
+        if kind == "gpt2_bpe":
+            require(self.tokenizer_merges is not None, "data.tokenizer_kind = 'gpt2_bpe' needs data.tokenizer_merges "
+                    "(merges.txt) beside data.tokenizer_model (vocab.json)")
+        else:
+            require(self.tokenizer_merges is None, f"data.tokenizer_merges = {self.tokenizer_merges!r} applies only "
+                    f"to data.tokenizer_kind = 'gpt2_bpe' (here {kind!r})")
+        require(self.tokenizer_eod is None or (kind in ("hf", "gpt2_bpe", "tiktoken") and self.tokenizer_eod != ""),
+                f"data.tokenizer_eod = {self.tokenizer_eod!r} is invalid for data.tokenizer_kind = {kind!r}; it names "
+                "a non-empty end-of-document token for hf, gpt2_bpe or tiktoken (sentencepiece has its own)")
 
     def blends(self) -> dict[str, Blend]:
         """The blends set, by key ("blend", "train_blend", "valid_blend"), as parsed when the section was built."""

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from pretrain.config import Config
 from pretrain.data.corpus import DataError
-from pretrain.data.tokenizer import Tokenizer, TokenizerError, check_vocab
+from pretrain.data.tokenizer import TokenizerError, check_vocab
+from pretrain.data.tokenizers import load_tokenizer, spec_of
 from pretrain.errors import EXIT_INPUT, ConfigError, InputError
 from pretrain.memory_check import device_estimate
 from pretrain.runtime.preflight import check_paths
@@ -24,9 +25,10 @@ def input_refusals(cfg: Config, root: Path) -> list:
             check_paths(cfg)
         except (InputError, ConfigError) as err:
             return [str(err)]
-        if cfg.data.tokenizer_model is not None:
+        spec = spec_of(cfg.data, cfg.model.vocab_size)
+        if spec.model is not None or spec.kind == "none":  # a tokenizer to load (not one trained at start-up)
             try:
-                check_vocab(Tokenizer(cfg.data.tokenizer_model), cfg.model.vocab_size)
+                check_vocab(load_tokenizer(spec), cfg.model.vocab_size)
             except (TokenizerError, DataError) as err:
                 return [f"data.tokenizer_model: {err}"]
     return []

@@ -1,1 +1,1 @@
-"""Data wing: JSONL corpora, the sentencepiece tokenizer, preprocessing to Megatron .bin/.idx, datasets, batches."""
+"""Data wing: JSONL/Parquet/Arrow corpora, tokenizers of five kinds, preprocessing to .bin/.idx, datasets, batches."""

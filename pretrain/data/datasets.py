@@ -9,6 +9,7 @@ and the other ranks load them after a barrier. So a .bin/.idx written by Megatro
 gives here the samples Megatron-LM would train on, for the same seed, sequence length and split.
 """
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,17 +23,28 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from pretrain.blend import Blend
 from pretrain.sections import DataConfig
-from pretrain.data.corpus import DataError, expand_inputs
+from pretrain.data.corpus import DataError, expand_inputs, read_documents
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
 from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import Tokenizer, check_vocab, train_tokenizer
+from pretrain.data.tokenizer import TextTokenizer, check_vocab, sample_sentences, train_tokenizer
+from pretrain.data.tokenizers import TokenizerSpec, load_tokenizer, spec_of, train_hf_tokenizer
+
+HF_TRAIN_DOCUMENTS = 200_000  # documents a byte-level BPE trains on, sampled from a bigger corpus
 
 @dataclass(frozen=True)
 class DataFiles:
-    """What rank 0 prepared and checked, shared with every rank: the tokenizer and the blends to open."""
+    """What rank 0 prepared and checked, shared with every rank: the tokenizer and the blends to open.
+
+    tokenizer_path is the file whose bytes a checkpoint's identity hashes: the sentencepiece .model, or
+    for the other kinds a small JSON in cache_dir holding the kind, its settings and the SHA-256 over
+    every file the tokenizer reads (`TextTokenizer.files_sha256`)."""
     tokenizer_path: str
     blend: Optional[Blend]  # split by data.split ...
     blend_per_split: Optional[list[Optional[Blend]]]  # ... or one blend per split (train, valid, test)
+    tokenizer: Optional[TokenizerSpec] = None  # None: the sentencepiece model at tokenizer_path
+
+    def load_tokenizer(self) -> TextTokenizer:
+        return load_tokenizer(self.tokenizer or TokenizerSpec("sentencepiece", self.tokenizer_path))
 
     def prefixes(self) -> list[str]:
         blends = [self.blend] if self.blend else [b for b in self.blend_per_split or [] if b]
@@ -50,6 +62,20 @@ class DatasetTokenizer:
     @property
     def eos(self) -> int:
         return self.eod
+
+
+def identity_path(tokenizer: TextTokenizer, spec: TokenizerSpec, cache_dir: str | os.PathLike) -> str:
+    """The file a checkpoint's identity hashes for `tokenizer` (see DataFiles); written once, atomically."""
+    if spec.kind == "sentencepiece":
+        return str(spec.model)
+    record = json.dumps({**tokenizer.identity(), "files_sha256": tokenizer.files_sha256()}, sort_keys=True)
+    path = Path(cache_dir) / f"tokenizer-identity-{hashlib.sha256(record.encode()).hexdigest()[:16]}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp_path.write_text(record + "\n")
+        os.replace(tmp_path, path)
+    return str(path)
 
 
 def _digest(*parts: object) -> str:
@@ -72,28 +98,37 @@ def _blends(data: DataConfig) -> tuple[Optional[Blend], Optional[list[Optional[B
     return None, None
 
 
-def build_corpus_files(corpus: str, tokenizer_model: Optional[str], cache_dir: str | os.PathLike,
-                       vocab_size: int) -> tuple[str, str]:
-    """Train the tokenizer (unless given) and tokenize the corpus into cache_dir; idempotent and atomic.
+def build_corpus_files(corpus: str, spec: TokenizerSpec | str | None, cache_dir: str | os.PathLike,
+                       vocab_size: int) -> tuple[TokenizerSpec, str]:
+    """Train the tokenizer (unless given: sentencepiece or hf) and tokenize the corpus into cache_dir;
+    idempotent and atomic. `spec` may be a sentencepiece path, or None for a trained sentencepiece model.
 
-    Cache names hash the input files' paths, mtimes and sizes (with the vocab size for the tokenizer,
-    the tokenizer's bytes for the tokens), so an edited corpus or another tokenizer builds anew.
+    Cache names hash the input files' paths, mtimes and sizes (with the vocab size and kind for the
+    tokenizer, the tokenizer's files_sha256 for the tokens), so an edited corpus or another tokenizer
+    builds anew.
     """
+    if not isinstance(spec, TokenizerSpec):
+        spec = TokenizerSpec("sentencepiece", None if spec is None else str(spec))
     files = expand_inputs([corpus])
     corpus_key = [(f.resolve(), f.stat().st_mtime_ns, f.stat().st_size) for f in files]
-    if tokenizer_model is not None:
-        tokenizer_path = Path(tokenizer_model)
-    else:
+    if spec.model is None and spec.kind == "sentencepiece":
         tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(corpus_key, vocab_size)}.model"
         if not tokenizer_path.is_file():
             train_tokenizer(corpus, tokenizer_path.with_suffix(""), vocab_size)
-    tokenizer_hash = hashlib.sha256(tokenizer_path.read_bytes()).hexdigest()
+        spec = TokenizerSpec("sentencepiece", str(tokenizer_path))
+    elif spec.model is None and spec.kind == "hf":
+        tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(corpus_key, vocab_size, 'hf', spec.eod)}.json"
+        if not tokenizer_path.is_file():
+            documents = sample_sentences(read_documents(corpus), HF_TRAIN_DOCUMENTS)
+            train_hf_tokenizer(documents, tokenizer_path, vocab_size, spec.eod or "<|endoftext|>")
+        spec = TokenizerSpec("hf", str(tokenizer_path), eod=spec.eod)
+    tokenizer_hash = load_tokenizer(spec).files_sha256()
     prefix = str(Path(cache_dir) / f"tokens-{_digest(corpus_key, tokenizer_hash)}")
     try:
         check_indexed_dataset(prefix)
     except DataError:  # absent, or left inconsistent by an interrupted build: build it (again)
-        tokenize_corpus([corpus], tokenizer_path, prefix)
-    return str(tokenizer_path), prefix
+        tokenize_corpus([corpus], spec, prefix)
+    return spec, prefix
 
 
 def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
@@ -101,14 +136,17 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
     check every blend prefix's .bin/.idx (and its token ids against the tokenizer) or build the corpus's
     tokenizer and tokens into data.cache_dir (reused once built).
     """
-    tokenizer = None if data.tokenizer_model is None else Tokenizer(data.tokenizer_model)
+    spec = spec_of(data, vocab_size)
+    tokenizer = None if spec.model is None and spec.kind != "none" else load_tokenizer(spec)
     if tokenizer is not None:
         check_vocab(tokenizer, vocab_size)  # before any expensive work
     blend, blend_per_split = _blends(data)
     if blend is None and blend_per_split is None:
-        tokenizer_path, prefix = build_corpus_files(data.corpus, data.tokenizer_model, data.cache_dir, vocab_size)
-        return DataFiles(tokenizer_path, ([prefix], None), None)
-    files = DataFiles(str(data.tokenizer_model), blend, blend_per_split)
+        spec, prefix = build_corpus_files(data.corpus, spec, data.cache_dir, vocab_size)
+        tokenizer = load_tokenizer(spec)
+        check_vocab(tokenizer, vocab_size)
+        return DataFiles(identity_path(tokenizer, spec, data.cache_dir), ([prefix], None), None, spec)
+    files = DataFiles(identity_path(tokenizer, spec, data.cache_dir), blend, blend_per_split, spec)
     for prefix in files.prefixes():
         check_token_ids(prefix, tokenizer.vocab_size)
     return files
@@ -177,11 +215,12 @@ def _check_split_sizes(config: GPTDatasetConfig, seq_length: int) -> None:
                                 "seq_length")
 
 
-def dataset_config(files: DataFiles, data: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
+def dataset_config(files: DataFiles, data: DataConfig, tokenizer: TextTokenizer, seq_length: int, seed: int,
                    sizes: list[int]) -> GPTDatasetConfig:
     """megatron-core's GPTDatasetConfig as Megatron-LM's pretrain_gpt sets it (no EOD loss masking, no
     position/attention reset); splits that the run reads no sample from (sizes[i] == 0) are not built."""
-    identity = {"class": "SentencePieceTokenizer", "vocab_size": tokenizer.vocab_size,
+    identity = {"class": "SentencePieceTokenizer" if tokenizer.kind == "sentencepiece" else tokenizer.kind,
+                "vocab_size": tokenizer.vocab_size,
                 "data_files": {p: [os.path.getsize(f"{p}.idx"), os.path.getsize(f"{p}.bin")]
                                for p in files.prefixes()}}
     blend_per_split = None if files.blend_per_split is None else \
@@ -197,7 +236,7 @@ def dataset_config(files: DataFiles, data: DataConfig, tokenizer: Tokenizer, seq
 
 
 def open_datasets(files: DataFiles, data: DataConfig, seq_length: int, seed: int, model_vocab_size: int,
-                  train_samples: int, valid_samples: int) -> tuple[TokenBlocks, Optional[TokenBlocks], Tokenizer]:
+                  train_samples: int, valid_samples: int) -> tuple[TokenBlocks, Optional[TokenBlocks], TextTokenizer]:
     """Every rank: megatron-core's train/valid datasets for `files`, as TokenBlocks, and the tokenizer.
 
     train_samples / valid_samples: how many samples the run reads (megatron builds enough epochs; the
@@ -205,7 +244,7 @@ def open_datasets(files: DataFiles, data: DataConfig, seq_length: int, seed: int
     is initialised: rank 0 builds the cached indices, the others wait at a barrier, then load them.
     valid is None when valid_samples is 0 or the split gives validation no documents.
     """
-    tokenizer = Tokenizer(files.tokenizer_path)
+    tokenizer = files.load_tokenizer()
     check_vocab(tokenizer, model_vocab_size)
     config = dataset_config(files, data, tokenizer, seq_length, seed, [train_samples, valid_samples, 0])
     _check_split_sizes(config, seq_length)

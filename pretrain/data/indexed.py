@@ -20,6 +20,7 @@ from pretrain.data.corpus import DataError
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")
 TOKEN_CHECK_LIMIT = 1 << 24  # tokens of each .bin scanned for ids outside the vocabulary before training
+SCAN_TOKENS = 1 << 22  # tokens compared at a time (bounded memory)
 
 
 def token_dtype(vocab_size: int) -> type:
@@ -125,21 +126,44 @@ def check_indexed_dataset(prefix: str | os.PathLike) -> IndexSummary:
     return IndexSummary(bin_path, dtype, lengths, documents)
 
 
+def check_dtype(index: IndexSummary, vocab_size: int) -> None:
+    """Refuse a .bin whose dtype cannot be a tokenizer's of this vocabulary: floats are no token ids, and an
+    integer type too narrow for ids up to vocab_size - 1 (uint16 with 65536 ids or more) means the
+    .bin/.idx was made with another, smaller tokenizer."""
+    if not numpy.issubdtype(index.dtype, numpy.integer):
+        raise DataError(f"{index.bin_path} stores {index.dtype.__name__} values, not integer token ids; "
+                        "write it with python -m pretrain.preprocess or Megatron-LM's preprocess_data")
+    largest = numpy.iinfo(index.dtype).max
+    if largest < vocab_size - 1:
+        raise DataError(f"{index.bin_path} stores {index.dtype.__name__} token ids (at most {largest}) but the "
+                        f"vocabulary has {vocab_size} ids (0..{vocab_size - 1}): it was made with another, smaller "
+                        "tokenizer; name that tokenizer (or its vocabulary: model.vocab_size) or re-run "
+                        "python -m pretrain.preprocess")
+
+
 def check_token_ids(prefix: str | os.PathLike, vocab_size: int, limit: Optional[int] = TOKEN_CHECK_LIMIT) -> None:
-    """Refuse a .bin holding a token id >= vocab_size, scanning its first `limit` tokens (None: all).
+    """Refuse a .bin whose dtype does not fit the vocabulary (check_dtype) or that holds a token id
+    outside 0..vocab_size-1, scanning its first `limit` tokens (None: all), naming the document.
 
     A .bin made with a larger tokenizer is caught here, before training; a bad id past the limit is
     caught when its sample is read (pretrain.data.datasets.TokenBlocks).
     """
     index = check_indexed_dataset(prefix)
+    check_dtype(index, vocab_size)
     count = index.num_tokens if limit is None else min(limit, index.num_tokens)
     if count == 0:
         return
     tokens = numpy.memmap(index.bin_path, dtype=index.dtype, mode="r", shape=(count,))
-    largest = int(tokens.max())
-    if largest >= vocab_size:
-        position = int(numpy.argmax(tokens >= vocab_size))
-        raise DataError(f"{index.bin_path} holds token id {int(tokens[position])} (token {position}) but the "
-                        f"tokenizer has {vocab_size} ids (0..{vocab_size - 1}): the .bin/.idx was made with "
-                        "another, larger tokenizer; use that tokenizer (data.tokenizer_model) or re-run "
+    for start in range(0, count, SCAN_TOKENS):
+        window = tokens[start:start + SCAN_TOKENS]
+        if int(window.max()) < vocab_size and int(window.min()) >= 0:
+            continue
+        position = start + int(numpy.argmax((window >= vocab_size) | (window < 0)))
+        sequence = int(numpy.searchsorted(numpy.cumsum(index.sequence_lengths, dtype=numpy.int64), position,
+                                          side="right"))
+        document = int(numpy.searchsorted(index.document_indices, sequence, side="right")) - 1
+        raise DataError(f"{index.bin_path} holds token id {int(tokens[position])} (document {document}, token "
+                        f"{position} of the file) but the tokenizer has {vocab_size} ids (0..{vocab_size - 1}): "
+                        "the .bin/.idx was made with another, larger tokenizer; use that tokenizer "
+                        "(data.tokenizer_model, or model.vocab_size with data.tokenizer_kind = 'none') or re-run "
                         "python -m pretrain.preprocess")

@@ -1,12 +1,14 @@
-"""Tokenizes JSONL corpora into Megatron .bin/.idx with N worker processes, showing progress.
+"""Tokenizes JSONL, Parquet or Arrow corpora into Megatron .bin/.idx with N worker processes, showing progress.
 
     python -m pretrain.preprocess --input 'data/owt/*.jsonl.zst' --tokenizer-model tok.model \\
         --output-prefix out/owt --workers 16
+    python -m pretrain.preprocess --input 'data/fw/*.parquet' --tokenizer-kind gpt2_bpe \\
+        --tokenizer-model vocab.json --tokenizer-merges merges.txt --output-prefix out/fw
     python -m pretrain.preprocess --input data/corpus.jsonl --tokenizer-model tok.model --output-prefix out/c \\
         --train-tokenizer --vocab-size 512
 
-Workers parse and tokenize chunks of lines; the main process reads the files and writes the tokens in
-input order, so the output does not depend on the number of workers.
+Workers parse and tokenize chunks of lines (or record-batch rows); the main process reads the files and
+writes the tokens in input order, so the output does not depend on the number of workers or the format.
 """
 import argparse
 import multiprocessing
@@ -21,9 +23,12 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy
 from tqdm import tqdm
 
-from pretrain.data.corpus import CHUNK_BYTES, Chunk, DataError, chunk_documents, expand_inputs, read_chunks
+from pretrain.data.corpus import (CHUNK_BYTES, Chunk, DataError, chunk_documents, expand_inputs, read_chunks,
+                                  read_documents)
 from pretrain.data.indexed import IndexedWriter, check_indexed_dataset, token_dtype
-from pretrain.data.tokenizer import MAX_SENTENCES, Tokenizer, TokenizerError, train_tokenizer
+from pretrain.data.tokenizer import MAX_SENTENCES, TextTokenizer, TokenizerError, sample_sentences, train_tokenizer
+from pretrain.data.tokenizers import DEFAULT_EOD, KINDS, TokenizerSpec, load_tokenizer, train_hf_tokenizer
+from pretrain.errors import EXIT_INPUT
 
 LOG_INTERVAL_S = 30.0
 
@@ -51,13 +56,24 @@ class PreprocessStats:
 _worker: dict = {}  # per worker process: the loaded tokenizer and the JSON key
 
 
-def _init_worker(tokenizer_model: str, key: str) -> None:
-    _worker.update(tokenizer=Tokenizer(tokenizer_model), key=key)
+def _spec(tokenizer: "TokenizerSpec | str | os.PathLike") -> TokenizerSpec:
+    """A TokenizerSpec as it is, a path as a sentencepiece model."""
+    return tokenizer if isinstance(tokenizer, TokenizerSpec) else TokenizerSpec("sentencepiece", str(tokenizer))
+
+
+def _init_worker(tokenizer: TokenizerSpec, key: str) -> None:
+    _worker.update(tokenizer=load_tokenizer(tokenizer), key=key)
+
+
+def _init_pool_worker(tokenizer: TokenizerSpec, key: str) -> None:
+    """One of N worker processes: one thread each (no `tokenizers` thread pool per worker, no fork warning)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _init_worker(tokenizer, key)
 
 
 def tokenize_chunk(chunk: Chunk) -> TokenizedChunk:
     """Parse, tokenize and pack one chunk (runs in a worker; uses that worker's tokenizer)."""
-    tokenizer: Tokenizer = _worker["tokenizer"]
+    tokenizer: TextTokenizer = _worker["tokenizer"]
     documents, empty = chunk_documents(chunk, _worker["key"])
     ids = tokenizer.encode_batch(documents)
     for document in ids:
@@ -68,7 +84,7 @@ def tokenize_chunk(chunk: Chunk) -> TokenizedChunk:
     return TokenizedChunk(lengths, tokens, empty, chunk.bytes_done)
 
 
-def tokenized_chunks(chunks: Iterable[Chunk], tokenizer_model: str, key: str,
+def tokenized_chunks(chunks: Iterable[Chunk], tokenizer: TokenizerSpec, key: str,
                      workers: int) -> Iterator[TokenizedChunk]:
     """tokenize_chunk over the chunks, results in input order; `workers` processes (1: this one).
 
@@ -76,10 +92,10 @@ def tokenized_chunks(chunks: Iterable[Chunk], tokenizer_model: str, key: str,
     task queue); leaving the generator early terminates the pool.
     """
     if workers == 1:
-        _init_worker(tokenizer_model, key)
+        _init_worker(tokenizer, key)
         yield from map(tokenize_chunk, chunks)
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer_model, key)) as pool:
+    with multiprocessing.Pool(workers, initializer=_init_pool_worker, initargs=(tokenizer, key)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
@@ -121,24 +137,27 @@ class Progress:
             self.bar.close()
 
 
-def tokenize_corpus(inputs: Sequence[str | os.PathLike], tokenizer_model: str | os.PathLike,
+def tokenize_corpus(inputs: Sequence[str | os.PathLike], tokenizer_model: "TokenizerSpec | str | os.PathLike",
                     output_prefix: str | os.PathLike, workers: int = 1, key: str = "text",
                     progress: str = "off", log_interval_s: float = LOG_INTERVAL_S,
                     chunk_bytes: int = CHUNK_BYTES) -> PreprocessStats:
     """Tokenize every document of the inputs (files or globs) into <output_prefix>.bin/.idx.
 
-    progress: "auto" (bar on a terminal, else log lines), "bar", "log" or "off".
+    tokenizer_model: a TokenizerSpec, or the path of a sentencepiece model. key: the JSON field or the
+    Parquet/Arrow column holding the text. progress: "auto" (bar on a terminal, else log lines), "bar",
+    "log" or "off".
     """
     if workers < 1:
         raise DataError(f"workers {workers} must be at least 1")
     files = expand_inputs(inputs)
-    tokenizer = Tokenizer(tokenizer_model)
+    spec = _spec(tokenizer_model)
+    tokenizer = load_tokenizer(spec)
     stats = PreprocessStats(files=len(files), dtype=token_dtype(tokenizer.vocab_size).__name__)
     start = time.perf_counter()
     meter = Progress(sum(f.stat().st_size for f in files), progress, log_interval_s)
     try:
         with IndexedWriter(output_prefix, tokenizer.vocab_size) as writer:
-            for result in tokenized_chunks(read_chunks(files, chunk_bytes), str(tokenizer_model), key, workers):
+            for result in tokenized_chunks(read_chunks(files, chunk_bytes, key), spec, key, workers):
                 ends = numpy.cumsum(result.lengths)
                 for begin, end in zip(ends - result.lengths, ends):
                     writer.add_document(result.tokens[begin:end])
@@ -160,18 +179,29 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike], tokenizer_model: str | 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pretrain.preprocess", description=__doc__.splitlines()[0])
     parser.add_argument("--input", required=True, nargs="+",
-                        help="JSONL files or globs ({\"text\": ...} a line; .jsonl.gz and .jsonl.zst too)")
+                        help="files or globs: JSONL ({\"text\": ...} a line; .jsonl.gz, .jsonl.zst too), "
+                             ".parquet, or Arrow IPC (.arrow, .feather; file or stream format)")
+    text_kinds = [kind for kind in KINDS if kind != "none"]
+    parser.add_argument("--tokenizer-kind", default="sentencepiece", choices=text_kinds,
+                        help="what --tokenizer-model is (default %(default)s)")
     parser.add_argument("--tokenizer-model", required=True,
-                        help="sentencepiece .model to use, or to write with --train-tokenizer")
+                        help="sentencepiece .model, hf tokenizer.json, gpt2_bpe vocab.json or tiktoken BPE file; "
+                             "written with --train-tokenizer (sentencepiece, hf)")
+    parser.add_argument("--tokenizer-merges", help="gpt2_bpe's merges.txt")
+    parser.add_argument("--tokenizer-eod", help="end-of-document token of hf, gpt2_bpe, tiktoken "
+                                                "(default <|endoftext|>)")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
-    parser.add_argument("--json-key", default="text", help="the field holding each document's text")
+    parser.add_argument("--text-column", "--json-key", dest="text_column", default="text",
+                        help="the JSON field or Parquet/Arrow column holding each document's text")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="tokenizing processes (default: all cores)")
     parser.add_argument("--train-tokenizer", action="store_true",
-                        help="train a BPE tokenizer on --input first, saved as --tokenizer-model")
+                        help="train a BPE tokenizer (sentencepiece, or hf byte-level) on --input first, saved "
+                             "as --tokenizer-model")
     parser.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer")
     parser.add_argument("--tokenizer-sentences", type=int, default=MAX_SENTENCES,
-                        help="lines the tokenizer trains on, sampled from the corpus (default %(default)s)")
+                        help="lines (hf: documents) the tokenizer trains on, sampled from the corpus "
+                             "(default %(default)s)")
     parser.add_argument("--log-interval", type=float, default=LOG_INTERVAL_S,
                         help="seconds between progress lines when stderr is not a terminal")
     args = parser.parse_args(argv)
@@ -179,28 +209,40 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--train-tokenizer needs --vocab-size")
     if args.vocab_size is not None and not args.train_tokenizer:
         parser.error("--vocab-size only applies with --train-tokenizer")
-    if args.train_tokenizer and not args.tokenizer_model.endswith(".model"):
-        parser.error(f"--tokenizer-model {args.tokenizer_model!r} must end in .model")
+    suffix = {"sentencepiece": ".model", "hf": ".json"}.get(args.tokenizer_kind)
+    if args.train_tokenizer and suffix is None:
+        parser.error(f"--train-tokenizer trains kinds sentencepiece and hf, not {args.tokenizer_kind}")
+    if args.train_tokenizer and not args.tokenizer_model.endswith(suffix):
+        parser.error(f"--tokenizer-model {args.tokenizer_model!r} must end in {suffix}")
+    if (args.tokenizer_merges is None) != (args.tokenizer_kind != "gpt2_bpe"):
+        parser.error("--tokenizer-merges (merges.txt) goes with --tokenizer-kind gpt2_bpe, and only with it")
+    if args.tokenizer_eod is not None and args.tokenizer_kind == "sentencepiece":
+        parser.error("--tokenizer-eod applies to kinds hf, gpt2_bpe and tiktoken (sentencepiece has its own)")
     if args.workers < 1:
         parser.error(f"--workers {args.workers} must be at least 1")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """0 when written; EXIT_INPUT (3) with one line on stderr when an input or the tokenizer is unusable."""
     args = parse_args(argv)
+    spec = TokenizerSpec(args.tokenizer_kind, args.tokenizer_model, args.tokenizer_merges, args.tokenizer_eod)
     try:
-        if args.train_tokenizer:
+        if args.train_tokenizer and args.tokenizer_kind == "hf":
+            documents = sample_sentences(read_documents(args.input, args.text_column), args.tokenizer_sentences)
+            train_hf_tokenizer(documents, args.tokenizer_model, args.vocab_size, args.tokenizer_eod or DEFAULT_EOD)
+        elif args.train_tokenizer:
             train_tokenizer(args.input, args.tokenizer_model[: -len(".model")], args.vocab_size,
-                            args.tokenizer_sentences, args.json_key)
+                            args.tokenizer_sentences, args.text_column)
+        if args.train_tokenizer:
             print(f"trained tokenizer {args.tokenizer_model} (vocab_size {args.vocab_size})")
-        stats = tokenize_corpus(args.input, args.tokenizer_model, args.output_prefix, args.workers,
-                                args.json_key, "auto", args.log_interval)
+        stats = tokenize_corpus(args.input, spec, args.output_prefix, args.workers,
+                                args.text_column, "auto", args.log_interval)
         check_indexed_dataset(args.output_prefix)
     except (DataError, TokenizerError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_INPUT
     print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx from {stats.files} file(s): "
           f"{stats.documents} documents ({stats.empty} empty skipped), {stats.tokens} tokens ({stats.dtype}), "
           f"{stats.input_bytes / 1e6:.1f} MB in {stats.seconds:.1f} s ({stats.tokens / stats.seconds:,.0f} tokens/s)")
     return 0
-

@@ -1,10 +1,15 @@
-"""Trains and wraps a sentencepiece BPE tokenizer whose end-of-document id separates documents."""
+"""The tokenizer interface every kind implements, and the sentencepiece kind: trained here or loaded.
+
+The other kinds (a Hugging Face tokenizer.json, GPT-2's vocab.json + merges.txt, a tiktoken BPE file,
+and "none" for token files made elsewhere) live in pretrain/data/tokenizers.py.
+"""
+import hashlib
 import io
 import os
 import random
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import sentencepiece as spm
 
@@ -20,6 +25,56 @@ UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 class TokenizerError(ValueError):
     """A tokenizer cannot be trained or loaded; the message names the file or the size at fault."""
+
+
+class TextTokenizer:
+    """What the data pipeline asks of a tokenizer, whatever its kind.
+
+    Subclasses set `kind` and `files` (every file the tokenizer reads) and implement encode, decode,
+    vocab_size and eod_id; `eod_id` is appended after every document.
+    """
+
+    kind: str = ""
+    files: tuple[Path, ...] = ()
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod_id(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        """The beginning-of-sequence id, or None where the kind has none (zero3d never inserts it)."""
+        return None
+
+    @property
+    def model_path(self) -> Optional[Path]:
+        """The main file (model, tokenizer.json, vocab.json, BPE file); None for kind "none"."""
+        return self.files[0] if self.files else None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def identity(self) -> dict:
+        """What besides the files' bytes decides the ids (the kind, its settings)."""
+        return {"kind": self.kind}
+
+    def files_sha256(self) -> str:
+        """SHA-256 over the kind, its settings and the bytes of every file the tokenizer reads (in order):
+        the tokenizer's part of a checkpoint's identity and of the token cache's key."""
+        digest = hashlib.sha256(repr(sorted(self.identity().items())).encode())
+        for path in self.files:
+            digest.update(b"\0" + hashlib.sha256(Path(path).read_bytes()).digest())
+        return digest.hexdigest()
 
 
 def _lines(documents: Iterable[str]) -> Iterator[str]:
@@ -107,11 +162,13 @@ def train_tokenizer(corpus: str | os.PathLike | Sequence[str | os.PathLike], mod
     return model_path
 
 
-class Tokenizer:
-    """A loaded sentencepiece model: encode/decode plus the ids the data pipeline needs."""
+class Tokenizer(TextTokenizer):
+    """Kind "sentencepiece": a loaded sentencepiece model (zero3d's own trained tokenizer)."""
+
+    kind = "sentencepiece"
 
     def __init__(self, model_path: str | os.PathLike):
-        self.model_path = Path(model_path)
+        self.files = (Path(model_path),)
         if not self.model_path.is_file():
             raise TokenizerError(f"tokenizer model {str(self.model_path)!r} does not exist")
         self._sp = spm.SentencePieceProcessor()
@@ -130,6 +187,10 @@ class Tokenizer:
         return self._sp.vocab_size()
 
     @property
+    def bos_id(self) -> Optional[int]:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    @property
     def eod_id(self) -> int:
         """Appended after every document, as Megatron's preprocess_data does with --append-eod."""
         return self._sp.eos_id()
@@ -145,7 +206,7 @@ class Tokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
-def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+def check_vocab(tokenizer: "TextTokenizer", model_vocab_size: int) -> None:
     """DataError when the tokenizer's ids would not fit the model's embedding (model.vocab_size)."""
     if tokenizer.vocab_size > model_vocab_size:
         raise DataError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than model.vocab_size "

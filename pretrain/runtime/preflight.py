@@ -48,8 +48,12 @@ def check_paths(cfg: Config) -> None:
     _directory_setting("data.cache_dir", cfg.data.cache_dir)
     d = cfg.data
     if d.tokenizer_model is not None:
-        _input_file("data.tokenizer_model", d.tokenizer_model,
-                    "point it at a sentencepiece .model file, or unset it to train one from data.corpus")
+        what = {"sentencepiece": "a sentencepiece .model file", "hf": "a Hugging Face tokenizer.json",
+                "gpt2_bpe": "GPT-2's vocab.json", "tiktoken": "a tiktoken BPE file"}[d.tokenizer_kind]
+        trained = ", or unset it to train one from data.corpus" if d.tokenizer_kind in ("sentencepiece", "hf") else ""
+        _input_file("data.tokenizer_model", d.tokenizer_model, f"point it at {what}{trained}")
+    if d.tokenizer_merges is not None:
+        _input_file("data.tokenizer_merges", d.tokenizer_merges, "point it at GPT-2's merges.txt")
     blends = d.blends()
     for key, (prefixes, _) in blends.items():
         for prefix in prefixes:
@@ -58,7 +62,7 @@ def check_paths(cfg: Config) -> None:
                             f"{prefix}{suffix} is missing; run python -m pretrain.preprocess to write it, or "
                             f"fix the prefix in data.{key}")
     if not blends:
-        fix = 'point data.corpus at JSONL files ({"text": ...} a line; .gz/.zst too) or a glob'
+        fix = 'point data.corpus at JSONL files ({"text": ...} a line; .gz/.zst too), Parquet or Arrow files, or a glob'
         if glob.has_magic(d.corpus):
             if not glob.glob(d.corpus, recursive=True):
                 raise InputError(f"data.corpus = {d.corpus!r} matches no file{_relative_note(d.corpus)}",

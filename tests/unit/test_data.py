@@ -177,7 +177,7 @@ def test_corpus_errors(tmp_path):
     with pytest.raises(DataError, match=r"corpus pattern '.*nothing-\*\.jsonl' matches no file"):
         list(read_documents(str(tmp_path / "nothing-*.jsonl")))
     (tmp_path / "notes.txt").write_text("text\n")
-    with pytest.raises(DataError, match=r"corpus '.*notes\.txt' is not JSONL: expected one of \.jsonl, "):
+    with pytest.raises(DataError, match=r"corpus '.*notes\.txt' is not JSONL, Parquet or Arrow: expected one of \.jsonl, "):
         list(read_documents(tmp_path / "notes.txt"))
     (tmp_path / "empty.jsonl").write_text('{"text": "  "}\n\n{"text": ""}\n')
     with pytest.raises(DataError, match=r"corpus .*empty\.jsonl has no non-empty document"):
@@ -215,7 +215,7 @@ def test_cli_trains_tokenizer_and_writes_the_same_tokens(tmp_path, built, capsys
     assert Path(f"{out}.bin").read_bytes() == Path(f"{built[1]}.bin").read_bytes()
     assert "from 1 file(s): 643 documents (0 empty skipped)" in capsys.readouterr().out
     assert preprocess_cli.main(["--input", str(tmp_path / "none.jsonl"), "--tokenizer-model", str(model),
-                                "--output-prefix", str(out)]) == 1
+                                "--output-prefix", str(out)]) == 3
     assert "none.jsonl' does not exist" in capsys.readouterr().err
 
 
@@ -252,7 +252,9 @@ def test_token_ids_outside_the_tokenizer_are_refused(built):
     largest = max(max(d) for d in documents)
     stream = [t for d in documents for t in d]
     first_bad = next(i for i, t in enumerate(stream) if t >= 300)
-    with pytest.raises(DataError, match=rf"tokens\.bin holds token id {stream[first_bad]} \(token {first_bad}\) "
+    bad_document = next(n for n, d in enumerate(documents) if max(d) >= 300)
+    with pytest.raises(DataError, match=rf"tokens\.bin holds token id {stream[first_bad]} \(document {bad_document}, "
+                                        rf"token {first_bad} of the file\) "
                                         r"but the tokenizer has 300 ids \(0\.\.299\): the \.bin/\.idx was made "
                                         r"with another, larger tokenizer"):
         check_token_ids(prefix, 300)

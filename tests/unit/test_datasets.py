@@ -158,7 +158,7 @@ def test_tokenizers_that_do_not_fit_are_refused_first(tmp_path, data):
                                  tokenizer_model=str(data.tokenizer.model_path)), 256)
     assert not (tmp_path / "cache").exists()  # refused before reading the corpus or building anything
     small = train_tokenizer(CORPUS, tmp_path / "small", 360)
-    with pytest.raises(DataError, match=r"megatron\.bin holds token id 3\d\d \(token \d+\) but the tokenizer has 360 "
+    with pytest.raises(DataError, match=r"megatron\.bin holds token id 3\d\d \(document \d+, token \d+ of the file\) but the tokenizer has 360 "
                                         r"ids \(0\.\.359\)"):
         prepare_files(DataConfig(blend=f"0.5 {data.low} 0.5 {data.megatron} 1 {data.high}",
                                  tokenizer_model=str(small)), VOCAB)

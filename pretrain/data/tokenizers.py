@@ -1,0 +1,234 @@
+"""Tokenizer kinds besides sentencepiece, behind one interface (tokenizer.TextTokenizer), and `load_tokenizer`.
+
+  "hf"        a Hugging Face tokenizer.json, through the `tokenizers` library (or one trained here:
+              byte-level BPE, `train_hf_tokenizer`)
+  "gpt2_bpe"  GPT-2's vocab.json + merges.txt: `tokenizers`' byte-level BPE from those files, GPT-2's ids
+  "tiktoken"  a tiktoken BPE ranks file, loaded locally, split with GPT-2's pattern (GPT2_PATTERN)
+  "none"      token files made elsewhere: no tokenizer file, ids are the vocabulary (megatron's NullTokenizer)
+
+Nothing is downloaded: every kind reads only the files it is given.
+"""
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+from pretrain.data.tokenizer import TextTokenizer, Tokenizer, TokenizerError
+
+KINDS = ("sentencepiece", "hf", "gpt2_bpe", "tiktoken", "none")
+DEFAULT_EOD = "<|endoftext|>"
+# tiktoken's "gpt2" split pattern (the regex of `tokenizers`' ByteLevel pre-tokenizer, GPT-2's encoder.py).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _existing(path: str | os.PathLike, what: str) -> Path:
+    if not Path(path).is_file():
+        raise TokenizerError(f"{what} {str(path)!r} does not exist")
+    return Path(path)
+
+
+def _byte_level(tokenizer):
+    """GPT-2's byte-level pre-tokenizer and decoder on a `tokenizers` model (no prefix space added)."""
+    from tokenizers import decoders, pre_tokenizers
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+class _HFBased(TextTokenizer):
+    """A `tokenizers.Tokenizer`; the end-of-document id is the id of the token string `eod`."""
+
+    def _setup(self, hf, eod: str, source: str) -> None:
+        self._hf, self.eod = hf, eod
+        self._eod_id = hf.token_to_id(eod)
+        if self._eod_id is None:
+            raise TokenizerError(f"tokenizer {source} has no token {eod!r} to end documents with; set "
+                                 "data.tokenizer_eod (--tokenizer-eod) to one of its tokens")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def identity(self) -> dict:
+        return {"kind": self.kind, "eod": self.eod}
+
+
+class HFTokenizer(_HFBased):
+    """Kind "hf": a Hugging Face tokenizer.json."""
+    kind = "hf"
+
+    def __init__(self, path: str | os.PathLike, eod: Optional[str] = None):
+        from tokenizers import Tokenizer as HF
+        self.files = (_existing(path, "tokenizer.json"),)
+        try:
+            hf = HF.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            raise TokenizerError(f"tokenizer.json {str(path)!r} is not a Hugging Face tokenizer: {err}") from None
+        self._setup(hf, eod or DEFAULT_EOD, repr(str(path)))
+
+
+class GPT2BPETokenizer(_HFBased):
+    """Kind "gpt2_bpe": GPT-2's vocab.json + merges.txt as `tokenizers`' byte-level BPE (GPT-2's ids)."""
+    kind = "gpt2_bpe"
+
+    def __init__(self, vocab: str | os.PathLike, merges: str | os.PathLike, eod: Optional[str] = None):
+        from tokenizers import Tokenizer as HF
+        from tokenizers.models import BPE
+        self.files = (_existing(vocab, "vocab.json"), _existing(merges, "merges.txt"))
+        try:
+            hf = _byte_level(HF(BPE.from_file(str(vocab), str(merges))))
+        except Exception as err:
+            raise TokenizerError(f"vocab.json {str(vocab)!r} and merges.txt {str(merges)!r} are not a GPT-2 "
+                                 f"BPE: {err}") from None
+        self._setup(hf, eod or DEFAULT_EOD, f"{str(vocab)!r}")
+
+
+class TiktokenTokenizer(TextTokenizer):
+    """Kind "tiktoken": a tiktoken BPE ranks file (base64 token, rank a line), GPT2_PATTERN, and the
+    end-of-document string added as a special token after the highest rank (as GPT-2's 50256)."""
+    kind = "tiktoken"
+
+    def __init__(self, path: str | os.PathLike, eod: Optional[str] = None):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+        self.files = (_existing(path, "tiktoken BPE file"),)
+        self.eod = eod or DEFAULT_EOD
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as err:
+            raise TokenizerError(f"tiktoken BPE file {str(path)!r} does not parse (base64 token and rank a "
+                                 f"line): {err}") from None
+        if not ranks:
+            raise TokenizerError(f"tiktoken BPE file {str(path)!r} holds no token")
+        self._eod_id = max(ranks.values()) + 1
+        self._enc = tiktoken.Encoding(f"zero3d:{Path(path).name}", pat_str=GPT2_PATTERN,
+                                      mergeable_ranks=ranks, special_tokens={self.eod: self._eod_id})
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(texts, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+    def identity(self) -> dict:
+        return {"kind": self.kind, "eod": self.eod, "pattern": GPT2_PATTERN}
+
+
+class NullTokenizer(TextTokenizer):
+    """Kind "none" (megatron's NullTokenizer): .bin/.idx made elsewhere, ids 0..vocab_size-1 with a given
+    end-of-document id; its "text" is the ids written in decimal, separated by spaces."""
+    kind = "none"
+
+    def __init__(self, vocab_size: int, eod_id: int):
+        if not 0 <= eod_id < vocab_size:
+            raise TokenizerError(f"data.eod_id = {eod_id} is outside the vocabulary 0..{vocab_size - 1} "
+                                 "(model.vocab_size)")
+        self._vocab_size, self._eod_id = vocab_size, eod_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod_id
+
+    def encode(self, text: str) -> list[int]:
+        return [int(word) for word in text.split()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def identity(self) -> dict:
+        return {"kind": self.kind, "vocab_size": self._vocab_size, "eod_id": self._eod_id}
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """How to load a tokenizer: picklable, so preprocessing workers load their own."""
+    kind: str = "sentencepiece"
+    model: Optional[str] = None  # .model, tokenizer.json, vocab.json or the tiktoken BPE file
+    merges: Optional[str] = None  # gpt2_bpe's merges.txt
+    eod: Optional[str] = None  # the end-of-document token string (hf, gpt2_bpe, tiktoken)
+    vocab_size: Optional[int] = None  # kind "none": model.vocab_size
+    eod_id: Optional[int] = None  # kind "none"
+
+    def load(self) -> TextTokenizer:
+        return load_tokenizer(self)
+
+
+def spec_of(data, vocab_size: int) -> TokenizerSpec:
+    """The tokenizer a DataConfig's keys name; vocab_size: model.vocab_size, the vocabulary of kind none."""
+    return TokenizerSpec(data.tokenizer_kind, data.tokenizer_model, data.tokenizer_merges, data.tokenizer_eod,
+                         vocab_size if data.tokenizer_kind == "none" else None, data.eod_id)
+
+
+def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
+    """The tokenizer `spec` names; TokenizerError (one line naming the file) when it cannot be loaded."""
+    if spec.kind not in KINDS:
+        raise TokenizerError(f"tokenizer kind {spec.kind!r} is unknown; kinds: {', '.join(KINDS)}")
+    if spec.kind == "none":
+        return NullTokenizer(int(spec.vocab_size), int(spec.eod_id))
+    if spec.model is None:
+        raise TokenizerError(f"tokenizer kind {spec.kind!r} needs a file (data.tokenizer_model)")
+    if spec.kind == "sentencepiece":
+        return Tokenizer(spec.model)
+    if spec.kind == "hf":
+        return HFTokenizer(spec.model, spec.eod)
+    if spec.kind == "gpt2_bpe":
+        if spec.merges is None:
+            raise TokenizerError("tokenizer kind 'gpt2_bpe' needs merges.txt (data.tokenizer_merges) beside "
+                                 "vocab.json (data.tokenizer_model)")
+        return GPT2BPETokenizer(spec.model, spec.merges, spec.eod)
+    return TiktokenTokenizer(spec.model, spec.eod)
+
+
+def train_hf_tokenizer(documents: Iterable[str], path: str | os.PathLike, vocab_size: int,
+                       eod: str = DEFAULT_EOD) -> Path:
+    """Train a byte-level BPE (GPT-2's scheme) with `tokenizers` and write its tokenizer.json atomically.
+
+    vocab_size counts the 256 byte tokens, the merges and `eod`, added last (as GPT-2's 50256).
+    Deterministic for the same documents; callers pass the same bounded sample sentencepiece trains on.
+    """
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+    from tokenizers.trainers import BpeTrainer
+    if vocab_size < 257:
+        raise TokenizerError(f"vocab_size {vocab_size} is too small for a byte-level BPE: the 256 byte "
+                             "tokens and the end-of-document token need at least 257")
+    hf = _byte_level(HF(BPE()))
+    trainer = BpeTrainer(vocab_size=vocab_size - 1, initial_alphabet=ByteLevel.alphabet(), show_progress=False,
+                         special_tokens=[])
+    hf.train_from_iterator(documents, trainer=trainer)
+    hf.add_special_tokens([eod])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp_path.write_text(hf.to_str(pretty=True))
+    os.replace(tmp_path, path)
+    return path
