@@ -24,7 +24,7 @@ def test_missing_inputs_each_one_line(mode, capsys, tmp_path):
     assert submit.main(TINY + mode + run + ["data.corpus=data/missing.jsonl"]) == 3
     assert lines(capsys) == [f"cannot start tiny: data.corpus = 'data/missing.jsonl' does not exist (relative to the "
                              f"working directory {REPO}); point data.corpus at JSONL files ({{\"text\": ...}} a line; "
-                             ".gz/.zst too) or a glob"]
+                             ".gz/.zst too), Parquet or Arrow files, or a glob"]
     assert submit.main(TINY + mode + run + ["data.tokenizer_model=data/missing.model"]) == 3
     assert lines(capsys) == [f"cannot start tiny: data.tokenizer_model = 'data/missing.model' does not exist (relative "
                              f"to the working directory {REPO}); point it at a sentencepiece .model file, or unset it "
