@@ -15,12 +15,12 @@ import argparse
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Optional
 
+from pretrain.runtime.launch import free_port
 from pretrain.errors import EXIT_CONFIG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NUMERICAL, EXIT_OK, EXIT_PEER, \
     EXIT_REQUEUE, EXIT_UNEXPECTED
 
@@ -59,12 +59,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """In the rank, before exec: SIGKILL when the launcher dies (Linux), then a session of its own."""
     try:
@@ -96,17 +90,18 @@ def exit_status(code: int) -> int:
 
 
 def supervise(procs: list[subprocess.Popen], grace_s: float, first_rank: int) -> int:
-    """Wait for every rank. The first to fail decides the exit code; the others get `grace_s` to exit on
-    their own (an agreed error ends them all), then SIGKILL."""
+    """Wait for every rank. The first to fail decides the exit code (of several seen failed in the same look,
+    the lowest rank whose failure is not a peer timeout, 5, which a dead peer causes); the others get
+    `grace_s` to exit on their own (an agreed error ends them all), then SIGKILL."""
     failed: Optional[tuple[int, int]] = None
     deadline = None
     while True:
         codes = [p.poll() for p in procs]
         if failed is None:
-            for local, code in enumerate(codes):
-                if code not in (None, EXIT_OK, EXIT_REQUEUE):
-                    failed, deadline = (first_rank + local, code), time.monotonic() + grace_s
-                    break
+            bad = [(first_rank + local, code) for local, code in enumerate(codes)
+                   if code not in (None, EXIT_OK, EXIT_REQUEUE)]
+            if bad:  # seen at once: a cause (a kill, the rank's own error) before a peer's timeout it caused
+                failed, deadline = min(bad, key=lambda f: (f[1] == EXIT_PEER, f[0])), time.monotonic() + grace_s
         if all(c is not None for c in codes):
             break
         if deadline is not None and time.monotonic() > deadline:

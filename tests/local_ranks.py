@@ -5,18 +5,13 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import traceback
 from pathlib import Path
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pretrain.runtime.launch import free_port  # noqa: F401 - the tests' rendezvous ports too
 
 
 def _rank_main(fn, rank, world_size, port, args, queue, stacks_dir):

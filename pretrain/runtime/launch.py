@@ -75,6 +75,22 @@ def env_world_size() -> int:
     return int(raw) if raw.isdigit() else 0
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port in 20000-32767, below Linux's ephemeral range (32768-60999), from which gloo's and NCCL's
+    connections (and every other outgoing socket) take theirs: a port the kernel hands out for binding to 0
+    could be taken by one of those before the rendezvous binds it (EADDRINUSE)."""
+    import random
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise InputError("no free port in 20000-32767 for the rendezvous", "environment", "set MASTER_PORT")
+
+
 def launcher_env() -> dict:
     """rank / world / local rank / master from torchrun, else Slurm's srun, else a single process."""
     env = os.environ
@@ -92,10 +108,7 @@ def launcher_env() -> dict:
             rank=_env_int("SLURM_PROCID"), world_size=_env_int("SLURM_NTASKS", minimum=1),
             local_rank=_env_int("SLURM_LOCALID", "0"), master_addr=env.get("MASTER_ADDR", nodes[0]),
             master_port=port))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(port))
+    return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(free_port()))
 
 
 def node_name() -> str:

@@ -88,14 +88,22 @@ def test_ctrl_c_once_stops_with_a_checkpoint_twice_at_once_and_a_killed_rank_is_
                              "above says why)"
     assert "Traceback" not in err
 
-    # Ctrl-C twice: ended within seconds, one line, exit 130, no new checkpoint
+    # Ctrl-C twice: ended within seconds, one line, exit 130, no new checkpoint. Steps of 4 micro-batches
+    # (about a second) and 0.3 s between the two: the first is taken (a signal that arrives while the same
+    # one is still pending merges with it) and the second lands in the same step, or in the stop's save
     before = logged(run_dir)
-    proc = launch(SLOW, run_dir, tmp_path)
+    proc = launch(SLOW + ["train.global_batch_size=32"], run_dir, tmp_path)
     wait_for_step(proc, run_dir, before + 1)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
     sent = time.monotonic()
+    for _ in range(10):  # Ctrl-C pressed again (and again, as a user would, should a press merge with the first)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=0.3)
+            break
+        except subprocess.TimeoutExpired:
+            pass
     _, err = proc.communicate(timeout=60)
     ended_after = time.monotonic() - sent
     print(f"two SIGINTs: the ranks ended {ended_after:.2f} s after the second")

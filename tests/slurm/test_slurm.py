@@ -195,5 +195,5 @@ def test_a_failing_job_is_reported_with_its_cause(cluster, tmp_path):
     line = (f"error: {corpus}:1: invalid JSON (Expecting value at column 1) (data): fix the file, or point "
             "data.corpus / data.blend at another")
     assert line in log.splitlines() and "Traceback" not in log, log
-    row = collect.collect_run(run_dir, "configs/tiny.toml", warmup=1)
-    assert (row["status"], row["reason"]) == ("failed", f"no status.json; 0/4 steps logged; {line}")
+    row = collect.collect_run(run_dir, "configs/tiny.toml", warmup=1)  # (the TOML's 40 steps, not the override's 4)
+    assert (row["status"], row["reason"]) == ("failed", f"no status.json; 0/40 steps logged; {line}")

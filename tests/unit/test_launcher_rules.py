@@ -1,0 +1,55 @@
+"""The launcher's verdict from its ranks' exit codes, and its flags, without starting a process."""
+import pytest
+
+from pretrain.launcher import parse_args, supervise
+
+
+class Exited:
+    """A rank that has already exited with `code` (negative: killed by that signal)."""
+
+    def __init__(self, code: int):
+        self.returncode = code
+        self.killed = False
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        self.killed = True
+
+
+@pytest.mark.parametrize("codes,expected,line", [
+    ([0, 0, 0], 0, None),
+    ([75, 75, 0], 75, None),
+    ([5, -9, 5], 137, "launcher: rank 1 was killed by SIGKILL; the other ranks were stopped"),
+    ([5, 5, 3], 3, "launcher: rank 2 exited with code 3 (input error); the other ranks were stopped"),
+    ([2, 2, 2], 2, "launcher: rank 0 exited with code 2 (config error); the other ranks were stopped"),
+    ([5, 5, 0], 5, "launcher: rank 0 exited with code 5 (peer timeout); the other ranks were stopped"),
+    ([0, 130, 130], 130, "launcher: rank 1 exited with code 130 (interrupted at once); the other ranks were stopped"),
+], ids=["ok", "interrupted", "killed-before-peer-timeouts", "cause-before-peer-timeouts", "agreed-error", "only-timeouts",
+        "second-sigint"])
+def test_the_first_cause_decides_the_code_and_the_line(codes, expected, line, capsys):
+    assert supervise([Exited(c) for c in codes], grace_s=0.0, first_rank=0) == expected
+    err = capsys.readouterr().err
+    assert (err.strip() or None) == (None if line is None else line + " (its own line above says why)")
+
+
+def test_a_node_names_its_global_ranks(capsys):
+    assert supervise([Exited(0), Exited(3)], grace_s=0.0, first_rank=4) == 3
+    assert capsys.readouterr().err.startswith("launcher: rank 5 exited with code 3 (input error)")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: must be >= 1"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-port", "29500"], "--node-rank 2: must be in 0..1"),
+    (["--nnodes", "2"], "--nnodes > 1 needs --master-port (the same on every node)"),
+])
+def test_bad_flags_are_one_line_before_any_rank_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_other_argument_is_the_ranks():
+    args, rest = parse_args(["--nproc-per-node", "4", "--config", "configs/tiny.toml", "zero.stage=3", "~data.corpus"])
+    assert (args.nproc_per_node, rest) == (4, ["--config", "configs/tiny.toml", "zero.stage=3", "~data.corpus"])
