@@ -103,7 +103,7 @@ def bars_in_png(path: Path) -> list:
     return counts
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)  # 3x its quiet time (~380 s: 20 jobs queued on 2 nodes): a hang, not the suite's load
 def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster2, tmp_path):
     cluster = cluster2
     from pretrain.data.datasets import build_corpus_files
@@ -119,7 +119,7 @@ def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster2, tmp_path):
     nodes_used = set()
     try:
         for name, job_id in jobs.items():
-            state = wait_for(cluster, job_id, runs / name / "slurm-*.out", timeout=300)
+            state = wait_for(cluster, job_id, runs / name / "slurm-*.out", timeout=900)  # queued behind the others
             assert state["JobState"] == "COMPLETED", (runs / name / f"slurm-{job_id}.out").read_text()[-3000:]
             nodes_used.add(state["NodeList"])
     finally:  # on a failure, end the other jobs now: a slurmstepd outlives the fixture's slurmd
