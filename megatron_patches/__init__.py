@@ -1,4 +1,4 @@
-"""The only place zero3d patches megatron-core: CPU/gloo mode (cpu.py); nothing is patched on CUDA."""
+"""The only place zero3d patches megatron-core: CPU/gloo mode (cpu.py), and its import made lean (lean.py)."""
 from megatron_patches.cpu import (apply_cpu_patches, cpu_patches_applied, tied_embeddings_stay_on_cpu,
                                   undo_cpu_patches)
 from megatron_patches.version import MEGATRON_TESTED, check_megatron_version

@@ -10,6 +10,7 @@ attention bias, sliding windows, non-vanilla softmax, causal attention with uneq
 Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
 """
 import torch
+import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType

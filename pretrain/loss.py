@@ -10,6 +10,7 @@ parameters and hooks untouched) which returns the per-token loss instead of logi
 therefore hold its weight for the whole computation, and re-gather it in backward before the recomputation.
 """
 import torch
+import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear

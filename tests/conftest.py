@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import megatron_patches.lean  # noqa: F401  (test processes and their forked ranks import megatron-core lean)
+
 SLURM_TIER = Path(__file__).parent / "slurm"
 
 

@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 
 import torch
+import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.checkpointable import (CheckpointableShardedTensor,
                                                                         LocalShardsContainer)

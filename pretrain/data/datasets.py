@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy
 import torch
+import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy
 import torch
+import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from pretrain.data.corpus import DataError

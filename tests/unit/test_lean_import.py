@@ -1,0 +1,94 @@
+"""megatron_patches.lean: megatron-core imported without torch.compile's set-up and wandb, with nothing else changed."""
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_patches.lean import HideModules, compile_on_first_call
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_decorated_function_is_compiled_once_at_its_first_call_with_its_options():
+    calls = []
+
+    def fake_compile(fn, **options):
+        calls.append((fn.__name__, options))
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    lazy = compile_on_first_call(fake_compile)
+
+    @lazy
+    def double(x):
+        return 2 * x
+
+    @lazy(dynamic=False, fullgraph=True)
+    def square(x):
+        """Squares."""
+        return x * x
+
+    assert calls == [] and double.__name__ == "double" and square.__doc__ == "Squares."
+    assert double(3) == ("compiled", 6) and double(4) == ("compiled", 8)
+    assert square(5) == ("compiled", 25)
+    assert calls == [("double", {}), ("square", {"dynamic": False, "fullgraph": True})]
+
+
+def test_hidden_modules_import_as_if_absent_and_others_import():
+    name = "imaplib"  # stdlib, imported by nothing here
+    sys.modules.pop(name, None)
+    hidden = HideModules([name])
+    sys.meta_path.insert(0, hidden)
+    try:
+        with pytest.raises(ImportError, match="imaplib is not imported while megatron-core loads"):
+            importlib.import_module(name)
+        assert importlib.import_module("poplib").__name__ == "poplib"
+    finally:
+        sys.meta_path.remove(hidden)
+    assert importlib.import_module(name).__name__ == name
+
+
+def test_training_modules_import_megatron_without_dynamo_inductor_or_wandb():
+    """A fresh process importing what a rank imports (the probe needs TorchDynamo for its fake tensors): megatron-core is in, the unused set-up is not, torch.compile
+    is torch's own again, and megatron's fused kernels are compiled on first call (the lazy decorator)."""
+    code = ("import sys, json, torch\n"
+            "real = torch.compile\n"
+            "import pretrain.train, pretrain.model, pretrain.preprocess, pretrain.export\n"
+            "import megatron.core.jit as jit\n"
+            "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+            "print(json.dumps({'megatron': 'megatron.core' in sys.modules,\n"
+            "  'loaded': sorted(m for m in ('torch._dynamo', 'torch._inductor', 'wandb') if m in sys.modules),\n"
+            "  'compile_restored': torch.compile is real, 'jit_fuser': jit.jit_fuser.__qualname__,\n"
+            "  'bias_gelu_wrapped': bias_gelu.__wrapped__.__name__}))\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, cwd=REPO,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found == {"megatron": True, "loaded": [], "compile_restored": True,
+                     "jit_fuser": "compile_on_first_call.<locals>.lazy_compile", "bias_gelu_wrapped": "bias_gelu"}
+
+
+def test_wandb_still_imports_for_zero3d_after_megatron():
+    import megatron_patches.lean  # noqa: F401
+    assert "megatron.core" in sys.modules and not any(isinstance(f, HideModules) for f in sys.meta_path)
+    assert torch.compile.__module__ == "torch"
+    assert importlib.import_module("wandb").__name__ == "wandb"
+
+
+def test_every_module_importing_megatron_at_its_top_imports_it_lean_first():
+    """Whichever of them a process imports first, megatron-core arrives lean: `import megatron_patches.lean` comes
+    before each module-level megatron import (imports inside functions run after some module-level one)."""
+    import ast
+    late = []
+    for path in sorted((REPO / "pretrain").rglob("*.py")):
+        lean_seen = False
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            lean_seen |= "megatron_patches.lean" in names
+            if any(n == "megatron" or n.startswith("megatron.") for n in names) and not lean_seen:
+                late.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert late == []
