@@ -64,10 +64,13 @@ def test_samples_restart_positions_and_mask_attention_at_each_document(documents
         restarts += int((positions[1:] == 0).sum())
     assert restarts > 40  # the samples cross many boundaries
     cfg = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=10"])
-    batch = Batches(train, cfg.train, config, SimpleNamespace(dp_rank=0, grad_accum=2, device=torch.device("cpu"))).get(1, 1)
+    rank = SimpleNamespace(dp_rank=0, grad_accum=2, device=torch.device("cpu"))
+    batch = Batches(train, cfg.train, config, rank).get(1, 1)
     assert {k: tuple(v.shape) for k, v in batch.items()} == {
         "tokens": (2, SEQ + 1), "position_ids": (2, SEQ), "attention_mask": (2, 1, SEQ, SEQ), "loss_mask": (2, SEQ)}
     assert batch["attention_mask"].dtype == torch.bool and torch.equal(batch["tokens"][1], train.sample(7)["tokens"])
+    loaded = Batches(train, cfg.train, DataConfig(num_workers=1), rank).get(1, 1)  # a DataLoader worker's batch
+    assert batch.keys() == loaded.keys() and all(torch.equal(batch[k], loaded[k]) for k in batch)
 
 
 def test_only_the_fields_of_the_keys_set_are_carried(documents, tmp_path, world):
