@@ -7,6 +7,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from pretrain import attention
 from pretrain.attention import resolve
 from pretrain.config import ConfigError, DataConfig, load_config
 from pretrain.data.batch import loss_tokens, token_mean
@@ -120,6 +121,8 @@ def test_document_keys_need_an_end_of_document_id():
     check_eod(no_eos, DataConfig())  # without the keys, no EOD is needed
 
 
-def test_auto_attention_takes_sdpa_where_the_document_mask_applies():
+def test_auto_attention_takes_sdpa_where_the_document_mask_applies(monkeypatch):
+    monkeypatch.setattr(attention, "_te_importable", lambda: True)  # a GPU node with Transformer Engine
+    assert resolve("auto", on_cuda=True, zero_recompute=False) == "te"
     assert resolve("auto", on_cuda=True, zero_recompute=False, document_mask=True) == "sdpa"
     assert resolve("local", on_cuda=True, zero_recompute=False, document_mask=True) == "local"
