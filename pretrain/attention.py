@@ -7,8 +7,8 @@ Causal attention uses `is_causal` and ignores `attention_mask` (no mask is neede
 arbitrary masks are passed to SDPA: megatron's bool mask (True = masked) inverted, or an additive float bias
 as it is. Document boundaries (data.reset_attention_mask) make the layers' mask type arbitrary: the batch's
 block-causal mask, turned once per forward into the bias all layers share (`shared_attention_bias`). GQA
-repeats key/value heads as megatron does. What it cannot honour is refused at construction or call: packed sequences,
-attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
+repeats key/value heads as megatron does. What it cannot honour is refused at construction or call: packed
+sequences, attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
 Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
 """
 import torch

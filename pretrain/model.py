@@ -79,9 +79,8 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     megatron's local layers (with `TorchLayerNorm` where apex is missing) whose core attention is
     `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
     from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from pretrain.attention import SDPAttention, resolve
     documents = cfg.data.reset_attention_mask

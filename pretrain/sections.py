@@ -220,7 +220,8 @@ class DataConfig(Section):
         return tuple(key for key in DOCUMENT_FIELDS if getattr(self, key))
 
     def document_fields(self) -> tuple[str, ...]:
-        """megatron-core's per-sample fields those keys change, carried with each token block (pretrain/data/batch.py)."""
+        """megatron-core's per-sample fields those keys change, carried with each token block
+        (pretrain/data/batch.py)."""
         return tuple(DOCUMENT_FIELDS[key] for key in self.document_keys())
 
     def blends(self) -> dict[str, Blend]:

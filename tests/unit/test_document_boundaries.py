@@ -56,7 +56,8 @@ def test_samples_restart_positions_and_mask_attention_at_each_document(documents
         assert set(sample) == {"tokens", "position_ids", "attention_mask", "loss_mask"}
         inputs = sample["tokens"][:-1]
         positions, mask, loss_mask = by_hand(inputs)
-        texts = [set(piece.tolist()) - {EOD} for piece in torch.tensor_split(inputs, (inputs == EOD).nonzero()[:, 0] + 1)]
+        ends = (inputs == EOD).nonzero()[:, 0] + 1
+        texts = [set(piece.tolist()) - {EOD} for piece in torch.tensor_split(inputs, ends)]
         assert all(len(t) <= 1 for t in texts)  # between two EODs one document of the .bin: its EOD is its end
         assert all(a != b for a, b in zip(texts, texts[1:]) if a and b)
         assert torch.equal(sample["position_ids"], positions), i
