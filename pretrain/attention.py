@@ -4,9 +4,11 @@
 value [s, b, heads, head_dim]; returns [s, b, heads·head_dim]) and replaces the baddbmm + masked softmax
 over a materialized [b·h, s, s] score tensor with one SDPA call (flash / memory-efficient / cuDNN on GPU).
 Causal attention uses `is_causal` and ignores `attention_mask` (no mask is needed or built); padding /
-arbitrary masks are passed to SDPA (megatron's convention, True = masked, inverted). GQA repeats key/value
-heads as megatron does. What it cannot honour is refused at construction or call: packed sequences,
-attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
+arbitrary masks are passed to SDPA: megatron's bool mask (True = masked) inverted, or an additive float bias
+as it is. Document boundaries (data.reset_attention_mask) make the layers' mask type arbitrary: the batch's
+block-causal mask, turned once per forward into the bias all layers share (`shared_attention_bias`). GQA
+repeats key/value heads as megatron does. What it cannot honour is refused at construction or call: packed
+sequences, attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
 Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
 """
 import torch
@@ -49,9 +51,7 @@ class SDPAttention(DotProductAttention):
         if causal and query.shape[0] != key.shape[0]:
             raise ValueError(f"model.attention = 'sdpa': causal attention needs equal query and key lengths, got "
                              f"{query.shape[0]} and {key.shape[0]}")
-        mask = None
-        if not causal and mask_type != AttnMaskType.no_mask and attention_mask is not None:
-            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attends
+        mask = None if causal or mask_type == AttnMaskType.no_mask else sdpa_mask(attention_mask, mask_type)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout = self.attention_dropout.p if self.training else 0.0
@@ -68,9 +68,33 @@ class SDPAttention(DotProductAttention):
                                                                 is_causal=causal, scale=self.sdpa_scale)
 
 
-def resolve(choice: str, on_cuda: bool, zero_recompute: bool) -> str:
+def sdpa_mask(attention_mask, mask_type):
+    """SDPA's attn_mask from megatron's: a bool mask (True = masked out) inverted (SDPA: True = attends), an
+    additive float bias as it is; an arbitrary mask type without a mask is refused (it would attend everywhere)."""
+    if attention_mask is None:
+        if mask_type == AttnMaskType.arbitrary:
+            raise ValueError("model.attention = 'sdpa' with document boundaries (data.reset_attention_mask) needs "
+                             "the batch's attention_mask; got None")
+        return None
+    return attention_mask if attention_mask.is_floating_point() else ~attention_mask
+
+
+def shared_attention_bias(block, args, kwargs):
+    """A forward pre-hook of the decoder (TransformerBlock): its bool attention mask (True = masked out) as one
+    additive bias (0 / -inf, the layers' dtype) that every layer's SDPA takes and keeps for backward as it is;
+    given the bool mask, SDPA would build and keep its own [b, 1, s, s] bias in each layer."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=block.config.params_dtype, device=mask.device)
+        kwargs["attention_mask"] = bias.masked_fill_(mask, float("-inf"))
+    return args, kwargs
+
+
+def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: bool = False) -> str:
     """The attention `model.attention` = `choice` runs: "te", "sdpa" or "local". `auto` is Transformer Engine
-    on GPU where importable (and no ZeRO-R layer class is needed), else SDPA; `te` is refused where it can't run."""
+    on GPU where importable (and no ZeRO-R layer class is needed) unless a `document_mask` must be applied
+    (data.reset_attention_mask: config validation refuses 'te' with it), else SDPA; `te` is refused where it
+    can't run."""
     if choice not in CHOICES:
         raise ValueError(f"model.attention = {choice!r} is invalid; valid values: {', '.join(map(repr, CHOICES))}")
     te = on_cuda and not zero_recompute and _te_importable()
@@ -80,7 +104,7 @@ def resolve(choice: str, on_cuda: bool, zero_recompute: bool) -> str:
                "ZeRO-R's recomputed layers (zero.partition_activations / cpu / contiguous) use megatron's local layers")
         raise ValueError(f"model.attention = 'te' cannot run here: {why}; use 'auto', 'sdpa' or 'local'")
     if choice == "auto":
-        return "te" if te else "sdpa"
+        return "te" if te and not document_mask else "sdpa"
     return choice
 
 

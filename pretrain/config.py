@@ -287,6 +287,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              f"optimizer.decay_steps = {o.decay_steps} is invalid; must be >= 1 (or unset: train.steps)")
     _check_irrelevant(cfg)
     evaluating, d = t.eval_interval > 0, cfg.data
+    _require(not (d.reset_attention_mask and m.attention == "te"),
+             "data.reset_attention_mask = true with model.attention = 'te' is refused: Transformer Engine's layers "
+             "apply only their causal mask, not the per-sample document mask; use model.attention = 'auto', 'sdpa' "
+             "or 'local'")
     _require(not (evaluating and d.per_split() and d.valid_blend is None),
              f"train.eval_interval = {t.eval_interval} needs data.valid_blend with data.train_blend "
              "(or train.eval_interval = 0)")

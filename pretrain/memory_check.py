@@ -2,7 +2,8 @@
 from typing import Optional
 
 from pretrain.config import Config, ConfigError
-from zero3d.analysis.estimate import GB, MemoryBreakdown, estimate_from_shape, format_breakdown
+from zero3d.analysis.estimate import (GB, PRECISIONS, MemoryBreakdown, document_mask_bytes, estimate_from_shape,
+                                      format_breakdown)
 from zero3d.analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
 from zero3d.config import ZeroConfig
 
@@ -21,7 +22,24 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes,
         loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.secondary_partition == "node",
         hybrid=z.hybrid == "node", dp_per_node=dp_per_node(cfg, world_size),
-        attention=attention_kind(m.attention))
+        attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size))
+
+
+def mask_bytes(cfg: Config, world_size: int) -> int:
+    """The per-sample attention masks data.reset_attention_mask puts on each rank (estimate.document_mask_bytes):
+    the step's micro-batches all at once, one bias per micro-batch in flight (the pipeline's stages at most)."""
+    if not cfg.data.reset_attention_mask:
+        return 0
+    m = cfg.model
+    return document_mask_bytes(m.seq_length, cfg.train.micro_batch_size, accumulation(cfg, world_size),
+                               cfg.parallel.pipeline, PRECISIONS[cfg.precision.dtype].activation_bytes,
+                               attention_kind(m.attention))
+
+
+def accumulation(cfg: Config, world_size: int) -> int:
+    """Micro-batches per step on each rank (at least 1: the estimate of a layout that does not divide)."""
+    t, p = cfg.train, cfg.parallel
+    return max(1, t.global_batch_size // (t.micro_batch_size * (world_size // (p.tensor * p.pipeline))))
 
 
 def attention_kind(choice: str) -> str:
@@ -49,10 +67,9 @@ def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float) -> tu
     estimate, settings = estimate_config(cfg, world_size, gpu_memory_bytes), offload_settings(cfg.zero)
     if settings["offload_optimizer"] == "none" and settings["offload_params"] == "none":
         return estimate, None
-    gpus, t = world_size // cfg.parallel.pipeline, cfg.train
-    accumulation = max(1, t.global_batch_size // (t.micro_batch_size * (gpus // cfg.parallel.tensor)))
-    offload = offload_breakdown(estimate, stage=cfg.zero.stage, gpus=gpus, tp=cfg.parallel.tensor,
-                                precision=cfg.precision.dtype, accumulation=accumulation, **settings)
+    offload = offload_breakdown(estimate, stage=cfg.zero.stage, gpus=world_size // cfg.parallel.pipeline,
+                                tp=cfg.parallel.tensor, precision=cfg.precision.dtype,
+                                accumulation=accumulation(cfg, world_size), **settings)
     return offload.device, offload
 
 

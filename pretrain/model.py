@@ -3,6 +3,8 @@
 CPU runs need no patched attention mask or norm: the causal mask is passed to `GPTModel.forward`
 (`attention_mask`), the layer norm is chosen in the spec (`TorchLayerNorm`, which also serves
 sequence parallelism), and ZeRO-R's recompute is a layer class in the spec (`ZeroRecomputeLayer`).
+Document boundaries (data.reset_attention_mask) set the self-attention's mask type to megatron's
+`arbitrary` in the spec, so the batch's block-causal mask is applied (not is_causal / the causal kernels).
 """
 import dataclasses
 from typing import Optional
@@ -10,6 +12,7 @@ from typing import Optional
 import torch
 
 from pretrain.config import Config
+from pretrain.data.batch import field, token_mean, tokens_of
 from zero3d.activations import ActivationCheckpointing, checkpoint
 from zero3d.config import ZeroConfig
 
@@ -76,10 +79,12 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     megatron's local layers (with `TorchLayerNorm` where apex is missing) whose core attention is
     `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from pretrain.attention import SDPAttention, resolve
-    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None)
+    documents = cfg.data.reset_attention_mask
+    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents)
     if attention == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec()
     layer = specs.get_gpt_layer_local_spec()
@@ -88,6 +93,9 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     if attention == "sdpa":
         self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
             self_attention.submodules, core_attention=SDPAttention))
+    if documents:  # the batch's mask is applied as given: SDPA gets it instead of is_causal, local's softmax too
+        self_attention = dataclasses.replace(
+            self_attention, params={**(self_attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary})
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention))
     if activations is not None:
@@ -147,6 +155,9 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
                          post_process=parallel_state.is_pipeline_last_stage(), **chunked)
+    if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
+        from pretrain.attention import shared_attention_bias
+        model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)
     if cfg.model.compile:  # each layer's forward through torch.compile
         for layer in model.decoder.layers:
             layer.compile(backend=COMPILE_BACKEND)
@@ -156,6 +167,11 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
             with_kwargs=True)
     # As Megatron's Float16Module does: every parameter in the training dtype (layer norms too).
     return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
+
+
+def _has_sdpa(model) -> bool:
+    from pretrain.attention import SDPAttention
+    return any(isinstance(module, SDPAttention) for module in model.modules())
 
 
 def parallel_groups(model, topo):
@@ -190,20 +206,27 @@ def gather_units(model) -> list[tuple]:
     return [unit for unit in units if unit[1] is not None]
 
 
-def gpt_inputs(tokens: torch.Tensor):
-    """(inputs, positions, attention_mask, labels) of a [batch, seq+1] token block. The causal mask
-    (True = masked) is explicit on CPU, where megatron's default one would be built on "cuda" (only
-    `model.attention = "local"` reads it: SDPA applies `is_causal` without a mask); on GPU it is None
-    and the fused causal kernels apply it."""
+def gpt_inputs(batch):
+    """(inputs, positions, attention_mask, labels) of a micro-batch (pretrain/data/batch.py): its token block
+    [batch, seq+1] cut into inputs and labels, and its position ids and attention mask where the run's
+    document-boundary keys carry them. Otherwise positions count from 0 and the causal mask (True = masked) is
+    explicit on CPU, where megatron's default one would be built on "cuda" (only `model.attention = "local"`
+    reads it: SDPA applies `is_causal` without a mask); on GPU it is None and the fused causal kernels apply it."""
+    tokens = tokens_of(batch)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
-    positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
-    mask = None if inputs.is_cuda else torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
+    positions = field(batch, "position_ids")
+    if positions is None:
+        positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
+    mask = field(batch, "attention_mask")
+    if mask is None and not inputs.is_cuda:
+        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
     return inputs, positions, mask, labels
 
 
-def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of a [batch, seq+1] token block (megatron's vocab-parallel cross entropy)."""
-    inputs, positions, mask, labels = gpt_inputs(tokens)
+def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Next-token loss of a micro-batch (megatron's vocab-parallel cross entropy): the mean over its tokens, or
+    with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean)."""
+    inputs, positions, mask, labels = gpt_inputs(batch)
     per_token = model(inputs, positions, mask, labels=labels)
-    return per_token.float().mean()
+    return token_mean(per_token, field(batch, "loss_mask"), loss_tokens)

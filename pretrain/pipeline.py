@@ -1,17 +1,22 @@
 """Micro-batches through megatron-core's pipeline schedule (1F1B), with zero3d's engine doing the rest."""
+from typing import Optional
+
 import torch
 
+from pretrain.data.batch import field, token_mean, tokens_of
 from pretrain.model import gpt_inputs
 
 
-def pipeline_micro_batches(engine, micro_batches: list[torch.Tensor], seq_length: int,
-                           forward_only: bool) -> list[torch.Tensor]:
+def pipeline_micro_batches(engine, micro_batches: list, seq_length: int, forward_only: bool,
+                           loss_tokens: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """Forward (and backward) of all micro-batches across the pipeline stages.
 
     megatron's schedule runs backward itself: the engine scales the loss (grad_scale_func) and
     finishes the step's backward once all micro-batches are done (finalize_model_grads_func:
-    tied-embedding sums and, for stage 2, the last buckets). Returns the per-micro-batch losses
-    on the last stage, nothing elsewhere.
+    tied-embedding sums and, for stage 2, the last buckets). Every stage reads the same micro-batch,
+    so each one's position ids and document mask reach every stage's layers; the loss mask, the last
+    stage's loss (÷ `loss_tokens`, see pretrain.data.batch.token_mean). Returns the per-micro-batch
+    losses on the last stage, nothing elsewhere.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -20,16 +25,17 @@ def pipeline_micro_batches(engine, micro_batches: list[torch.Tensor], seq_length
     config.finalize_model_grads_func = lambda *args, **kwargs: engine.finish_backward()
 
     def forward_step(data_iterator, model):
-        inputs, positions, mask, labels = gpt_inputs(next(data_iterator))  # middle stages ignore them
+        batch = next(data_iterator)
+        inputs, positions, mask, labels = gpt_inputs(batch)  # middle stages read only the mask
         output = engine(inputs, positions, mask, labels=labels)
 
         def loss_func(per_token):
-            loss = per_token.float().mean()
+            loss = token_mean(per_token, field(batch, "loss_mask"), loss_tokens)
             return loss, {"loss": loss.detach().clone()}  # megatron then divides `loss` in place
         return output, loss_func
 
     results = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=engine.model,
         num_microbatches=len(micro_batches), seq_length=seq_length,
-        micro_batch_size=micro_batches[0].shape[0], forward_only=forward_only)
+        micro_batch_size=tokens_of(micro_batches[0]).shape[0], forward_only=forward_only)
     return [r["loss"] for r in results]

@@ -120,6 +120,9 @@ class ParallelConfig(Section):
 
 
 BLEND_KEYS = ("blend", "train_blend", "valid_blend")
+# data's document-boundary keys → the per-sample field of megatron-core's GPTDataset each one changes
+DOCUMENT_FIELDS = {"reset_position_ids": "position_ids", "reset_attention_mask": "attention_mask",
+                   "eod_mask_loss": "loss_mask"}
 
 
 @dataclass
@@ -154,6 +157,14 @@ class DataConfig(Section):
     """DataLoader worker processes per rank; None: 2 on CUDA, 0 on CPU."""
     pin_memory: bool = True
     """On CUDA: batches staged in pinned memory and copied asynchronously."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each end-of-document token of a packed sample (Megatron's --reset-position-ids)."""
+    reset_attention_mask: bool = False
+    """Tokens attend only within their own document of a packed sample: a block-causal mask (Megatron's
+    --reset-attention-mask; model.attention sdpa or local, auto takes sdpa)."""
+    eod_mask_loss: bool = False
+    """No loss where the input token is the end-of-document token: the loss is the mean over the other tokens
+    of the global batch (Megatron's --eod-mask-loss; pretrain/data/batch.py)."""
 
     def check(self) -> None:
         try:
@@ -203,6 +214,15 @@ class DataConfig(Section):
         require(self.tokenizer_eod is None or (kind in ("hf", "gpt2_bpe", "tiktoken") and self.tokenizer_eod != ""),
                 f"data.tokenizer_eod = {self.tokenizer_eod!r} is invalid for data.tokenizer_kind = {kind!r}; it names "
                 "a non-empty end-of-document token for hf, gpt2_bpe or tiktoken (sentencepiece has its own)")
+
+    def document_keys(self) -> tuple[str, ...]:
+        """The document-boundary keys set: reset_position_ids, reset_attention_mask, eod_mask_loss."""
+        return tuple(key for key in DOCUMENT_FIELDS if getattr(self, key))
+
+    def document_fields(self) -> tuple[str, ...]:
+        """megatron-core's per-sample fields those keys change, carried with each token block
+        (pretrain/data/batch.py)."""
+        return tuple(DOCUMENT_FIELDS[key] for key in self.document_keys())
 
     def blends(self) -> dict[str, Blend]:
         """The blends set, by key ("blend", "train_blend", "valid_blend"), as parsed when the section was built."""

@@ -14,6 +14,7 @@ from pretrain import metrics
 from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
 from pretrain.sections import TrainConfig
+from pretrain.data.batch import collate, loss_tokens, to_device
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
@@ -51,12 +52,14 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
 
 def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, forward_only=False) -> list:
     """Forward (and backward, loss ÷ accumulation) of each micro-batch; returns this rank's losses
-    (none on pipeline stages that do not compute the loss)."""
+    (none on pipeline stages that do not compute the loss). With loss masks each loss is its masked sum ÷
+    the step's mean unmasked count per micro-batch (pretrain.data.batch.loss_tokens)."""
+    normaliser = loss_tokens(micro_batches, topo.dp_group)
     if topo.pp > 1:
-        return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only)
+        return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only, normaliser)
     losses = []
-    for tokens in micro_batches:
-        loss = gpt_loss(engine, tokens)
+    for batch in micro_batches:
+        loss = gpt_loss(engine, batch, normaliser)
         if not forward_only:
             engine.backward(loss / len(micro_batches))
         losses.append(loss.detach())
@@ -136,8 +139,8 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     validation samples, each DP rank its share, so the value does not depend on the layout."""
     engine.eval()
     n, per_rank = cfg.train.micro_batch_size, cfg.train.global_batch_size // topo.dp
-    micro_batches = [torch.stack([valid.sample(k * cfg.train.global_batch_size + topo.dp_rank * per_rank + m * n + j)
-                                  for j in range(n)]).to(topo.device)
+    micro_batches = [to_device(collate([valid.sample(k * cfg.train.global_batch_size + topo.dp_rank * per_rank
+                                                     + m * n + j) for j in range(n)]), topo.device)
                      for k in range(cfg.train.eval_iters) for m in range(per_rank // n)]
     losses = run_micro_batches(engine, micro_batches, cfg, topo, forward_only=True)
     engine.train()

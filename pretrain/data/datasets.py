@@ -132,6 +132,15 @@ def build_corpus_files(corpus: str, spec: TokenizerSpec | str | None, cache_dir:
     return spec, prefix
 
 
+def check_eod(tokenizer: TextTokenizer, data: DataConfig) -> None:
+    """Document boundaries are found by the end-of-document id: a tokenizer without one is refused."""
+    if data.document_keys() and not 0 <= tokenizer.eod_id < tokenizer.vocab_size:
+        keys = ", ".join(f"data.{key} = true" for key in data.document_keys())
+        raise DataError(f"{keys} needs an end-of-document id, but the {tokenizer.kind} tokenizer "
+                        f"{tokenizer.model_path} has none (eod id {tokenizer.eod_id}); use a tokenizer with one "
+                        "(sentencepiece: an eos piece)")
+
+
 def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
     """Rank 0's part, before any dataset is opened: check the tokenizer against the model, then either
     check every blend prefix's .bin/.idx (and its token ids against the tokenizer) or build the corpus's
@@ -141,11 +150,13 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
     tokenizer = None if spec.model is None and spec.kind != "none" else load_tokenizer(spec)
     if tokenizer is not None:
         check_vocab(tokenizer, vocab_size)  # before any expensive work
+        check_eod(tokenizer, data)
     blend, blend_per_split = _blends(data)
     if blend is None and blend_per_split is None:
         spec, prefix = build_corpus_files(data.corpus, spec, data.cache_dir, vocab_size)
         tokenizer = load_tokenizer(spec)
         check_vocab(tokenizer, vocab_size)
+        check_eod(tokenizer, data)
         return DataFiles(identity_path(tokenizer, spec, data.cache_dir), ([prefix], None), None, spec)
     files = DataFiles(identity_path(tokenizer, spec, data.cache_dir), blend, blend_per_split, spec)
     for prefix in files.prefixes():
@@ -156,10 +167,13 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
 class TokenBlocks(torch.utils.data.Dataset):
     """The seq_length+1 tokens each megatron sample is cut from (its tokens, then its last label).
 
-    sample(i) is what the training loop reads: inputs are block[:-1], labels block[1:]."""
+    sample(i) is what the training loop reads: inputs are block[:-1], labels block[1:]; with `fields`
+    (DataConfig.document_fields) a dict of the block ("tokens") and megatron's per-sample fields of those
+    names (pretrain/data/batch.py)."""
 
-    def __init__(self, dataset, prefixes: list[str], vocab_size: int, split: str):
+    def __init__(self, dataset, prefixes: list[str], vocab_size: int, split: str, fields: tuple[str, ...] = ()):
         self.dataset, self.prefixes, self.vocab_size, self.split = dataset, prefixes, vocab_size, split
+        self.fields = fields
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -167,7 +181,7 @@ class TokenBlocks(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.sample(index)
 
-    def sample(self, index: int) -> torch.Tensor:
+    def sample(self, index: int) -> torch.Tensor | dict:
         if not 0 <= index < len(self.dataset):
             raise IndexError(f"{self.split} sample {index} is beyond the {len(self.dataset)} samples built for "
                              f"this run (train.steps × train.global_batch_size for training)")
@@ -178,6 +192,8 @@ class TokenBlocks(torch.utils.data.Dataset):
             raise DataError(f"token id {int(block.max())} in {prefix}.bin ({self.split} sample {index}) is outside "
                             f"the tokenizer's {self.vocab_size} ids: the .bin/.idx was made with a larger "
                             "tokenizer")
+        if self.fields:
+            return {"tokens": block, **{name: item[name] for name in self.fields}}
         return block
 
     def source(self, index: int) -> str:
@@ -218,8 +234,9 @@ def _check_split_sizes(config: GPTDatasetConfig, seq_length: int) -> None:
 
 def dataset_config(files: DataFiles, data: DataConfig, tokenizer: TextTokenizer, seq_length: int, seed: int,
                    sizes: list[int]) -> GPTDatasetConfig:
-    """megatron-core's GPTDatasetConfig as Megatron-LM's pretrain_gpt sets it (no EOD loss masking, no
-    position/attention reset); splits that the run reads no sample from (sizes[i] == 0) are not built."""
+    """megatron-core's GPTDatasetConfig as Megatron-LM's pretrain_gpt sets it, with data.reset_position_ids,
+    reset_attention_mask and eod_mask_loss (the [1, s, s] mask is built only with reset_attention_mask); splits
+    that the run reads no sample from (sizes[i] == 0) are not built."""
     identity = {"class": "SentencePieceTokenizer" if tokenizer.kind == "sentencepiece" else tokenizer.kind,
                 "vocab_size": tokenizer.vocab_size,
                 "data_files": {p: [os.path.getsize(f"{p}.idx"), os.path.getsize(f"{p}.bin")]
@@ -230,7 +247,8 @@ def dataset_config(files: DataFiles, data: DataConfig, tokenizer: TextTokenizer,
         random_seed=seed, sequence_length=seq_length, blend=files.blend, blend_per_split=blend_per_split,
         split=data.split if files.blend is not None else None, path_to_cache=str(data.cache_dir),
         tokenizer=DatasetTokenizer(tokenizer.vocab_size, tokenizer.eod_id, -1, identity),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
+        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss, create_attention_mask=data.reset_attention_mask)
     if config.split_matrix is not None:  # the split's book-ends stay; unread splits are not built
         config.split_matrix = [bounds if size else None for bounds, size in zip(config.split_matrix, sizes)]
     return config
@@ -251,7 +269,8 @@ def open_datasets(files: DataFiles, data: DataConfig, seq_length: int, seed: int
     _check_split_sizes(config, seq_length)
     train, valid, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, valid_samples, 0], lambda: True, config).build()
-    return (TokenBlocks(train, _split_prefixes(files, 0), tokenizer.vocab_size, "training"),
+    fields = data.document_fields()
+    return (TokenBlocks(train, _split_prefixes(files, 0), tokenizer.vocab_size, "training", fields),
             None if valid is None else TokenBlocks(valid, _split_prefixes(files, 1), tokenizer.vocab_size,
-                                                   "validation"),
+                                                   "validation", fields),
             tokenizer)

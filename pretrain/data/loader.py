@@ -3,6 +3,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from pretrain.data.batch import collate, to_device
 from pretrain.sections import DataConfig, TrainConfig
 
 CUDA_WORKERS = 2  # data.num_workers unset: DataLoader workers per rank on CUDA (0 on CPU)
@@ -67,16 +68,17 @@ class Batches:
         first = self.position(step) + (self.topo.dp_rank * self.grad_accum + micro_index) * self.micro
         return list(range(first, first + self.micro))
 
-    def get(self, step: int, micro_index: int) -> torch.Tensor:
-        """The (micro_batch_size, seq_length + 1) tokens of this rank's micro-batch, on its device."""
+    def get(self, step: int, micro_index: int):
+        """This rank's micro-batch on its device: the (micro_batch_size, seq_length + 1) tokens, or with
+        document boundaries a dict of them and their per-sample fields (pretrain/data/batch.py)."""
         if self.num_workers == 0 and not self.pin_memory:
-            tokens = torch.stack([self.dataset.sample(i) for i in self.indices(step, micro_index)])
-            return tokens.to(self.topo.device)
+            return to_device(collate([self.dataset.sample(i) for i in self.indices(step, micro_index)]),
+                             self.topo.device)
         if (step, micro_index) != self._expected:  # first call, or out of order: restart the loader there
             self._start_loader(step, micro_index)
-        tokens = next(self._loader)
+        batch = next(self._loader)
         self._expected = next(self._next, None)
-        return tokens.to(self.topo.device, non_blocking=self.pin_memory)
+        return to_device(batch, self.topo.device, non_blocking=self.pin_memory)
 
     def _start_loader(self, step: int, micro_index: int) -> None:
         plan = _Plan(self, step, micro_index)

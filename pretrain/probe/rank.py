@@ -24,13 +24,20 @@ _state: dict = {}  # what fake_topology set up and release_topology undoes
 
 
 class SyntheticTokens:
-    """Token blocks of the right shape (the probe measures memory and time, not learning)."""
+    """Token blocks of the right shape (the probe measures memory and time, not learning), with the per-sample
+    `fields` of document boundaries (DataConfig.document_fields) shaped and typed as megatron's dataset gives them."""
 
-    def __init__(self, vocab: int, seq_length: int):
-        self.vocab, self.seq_length = vocab, seq_length
+    def __init__(self, vocab: int, seq_length: int, fields: tuple[str, ...] = ()):
+        self.vocab, self.seq_length, self.fields = vocab, seq_length, fields
 
-    def sample(self, i: int) -> torch.Tensor:
-        return (torch.arange(self.seq_length + 1) * (i % 7 + 1) + i) % self.vocab
+    def sample(self, i: int):
+        block = (torch.arange(self.seq_length + 1) * (i % 7 + 1) + i) % self.vocab
+        if not self.fields:
+            return block
+        s = self.seq_length
+        made = {"position_ids": lambda: torch.arange(s), "loss_mask": lambda: torch.ones(s),
+                "attention_mask": lambda: torch.ones(1, s, s, dtype=torch.bool).triu(1)}
+        return {"tokens": block, **{name: made[name]() for name in self.fields}}
 
 
 @contextlib.contextmanager
@@ -233,7 +240,8 @@ def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankR
         model.register_forward_hook(lambda *_: phases.enter("backward"))
         engine.optimizer.register_step_pre_hook(lambda *_: phases.enter("optimizer step"))
         engine.optimizer.register_step_post_hook(lambda *_: phases.enter("gather"))
-        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
+        batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length, cfg.data.document_fields()),
+                          cfg.train, cfg.data, topo)
         step_seconds = []
         engine.train()
         # On a GPU the tracker (a Python dispatch mode) would slow every kernel launch: CUDA's own

@@ -164,16 +164,17 @@ def test_quantized_modes_are_refused_on_fake_tensors(capsys):
 ATTN = dict(s=256, b=2, h=64, a=4, t=2)  # bf16 (e = 2), hidden and attention dropout 0 (the defaults)
 
 
-def _attention_probe(capsys, layers, attention):
-    """(activation peak executed, the estimate's working set) of rank 1 of TP 2, recompute none, one step."""
+def _attention_probe(capsys, layers, attention, *extra, micro_batches=1):
+    """(activation peak executed, the estimate) of rank 1 of TP 2, recompute none, one step."""
     s, b, h, a, t = ATTN.values()
     code = probe.main(["--config", "configs/tiny.toml", "--world", str(t), "--rank", "1", "--steps", "1", "--json",
                        f"model.num_layers={layers}", f"model.seq_length={s}", f"model.hidden_size={h}",
                        f"model.num_attention_heads={a}", f"parallel.tensor={t}", f"train.micro_batch_size={b}",
-                       f"train.global_batch_size={b}", "precision.dtype=\"bf16\"", f"model.attention=\"{attention}\""])
+                       f"train.global_batch_size={b * micro_batches}", "precision.dtype=\"bf16\"",
+                       f"model.attention=\"{attention}\"", *extra])
     out = json.loads(capsys.readouterr().out)
     assert code == 0
-    return out["run"]["category_peaks"]["activations"], out["estimate"]["working_set_bytes"]
+    return out["run"]["category_peaks"]["activations"], out["estimate"]
 
 
 def test_fused_attention_estimate_is_what_a_probed_sdpa_layer_holds(capsys):
@@ -185,7 +186,7 @@ def test_fused_attention_estimate_is_what_a_probed_sdpa_layer_holds(capsys):
     logsumexp: 327,680 + 3,407,872 / 2 = 2,031,616 B."""
     s, b, h, a, t = ATTN.values()
     (one, est_one), (two, est_two) = (_attention_probe(capsys, n, "auto") for n in (1, 2))
-    assert (est_one, est_two) == (724_992, 2 * 724_992)
+    assert (est_one["working_set_bytes"], est_two["working_set_bytes"]) == (724_992, 2 * 724_992)
     cfg = load_config("configs/tiny.toml", [f"model.seq_length={s}", f"model.hidden_size={h}", f"parallel.tensor={t}",
                                             f"model.num_attention_heads={a}",
                                             f"train.micro_batch_size={b}", "precision.dtype=\"bf16\"",
@@ -198,3 +199,16 @@ def test_fused_attention_estimate_is_what_a_probed_sdpa_layer_holds(capsys):
     # output and its bf16 copy (6 B per score, ÷ t), and no logsumexp: a·s²·b·6/2 − 4·a·s·b/2 = 1,568,768 B more.
     (one_local, _), (two_local, _) = (_attention_probe(capsys, n, "local") for n in (1, 2))
     assert (two_local - one_local) - (two - one) == 1_572_864 - 4_096
+
+
+@pytest.mark.parametrize("attention,bias", [("sdpa", 2), ("local", 0)])
+def test_document_mask_estimate_is_what_the_probed_step_holds_more(capsys, attention, bias):
+    """data.reset_attention_mask, 3 micro-batches of b = 2, s = 256 (bf16): the step's three [2, 1, 256, 256] bool
+    masks (3 × 131,072 B) and, for SDPA, one bf16 bias (262,144 B) shared by both layers, in the estimate's
+    activations; executed, less the [1, 1, s, s] causal mask a CPU step builds without them (65,536 B)."""
+    s, b = ATTN["s"], ATTN["b"]
+    off, est_off = _attention_probe(capsys, 2, attention, micro_batches=3)
+    on, est_on = _attention_probe(capsys, 2, attention, "data.reset_attention_mask=true", micro_batches=3)
+    assert est_on["mask_bytes"] == 3 * b * s * s + bias * b * s * s and est_off["mask_bytes"] == 0
+    assert est_on["activation_bytes"] - est_off["activation_bytes"] == est_on["mask_bytes"]
+    assert on - off == est_on["mask_bytes"] - s * s

@@ -134,6 +134,17 @@ def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, 
     return whole + (split + attention_state_bytes(attention, s, b, a, e)) // t
 
 
+def document_mask_bytes(seq: int, micro_batch: int, micro_batches: int, in_flight: int, act_bytes: int,
+                        attention: str) -> int:
+    """Per-sample attention masks of document boundaries (pretrain's data.reset_attention_mask): the step's
+    [b, 1, s, s] bool masks, one byte each, all on the device from the step's start (its micro-batches are
+    loaded together), and under fused attention (SDPA) the additive [b, 1, s, s] bias of `act_bytes` each
+    micro-batch in flight keeps for backward (one per forward, shared by its layers); whole on every TP rank."""
+    per_mask = micro_batch * seq * seq
+    bias = per_mask * act_bytes * min(in_flight, micro_batches) if attention == "fused" else 0
+    return micro_batches * per_mask + bias
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Per-GPU bytes by category; total = model states + activations + buffers + margin."""
@@ -150,6 +161,7 @@ class MemoryBreakdown:
     gpu_memory_bytes: float
     margin_fraction: float = DEFAULT_MARGIN_FRACTION
     host_bytes: float = 0.0  # Pa+cpu: checkpoints moved to host memory
+    mask_bytes: float = 0.0  # per-sample attention masks of document boundaries (document_mask_bytes)
 
     @property
     def model_state_bytes(self) -> float:
@@ -157,7 +169,7 @@ class MemoryBreakdown:
 
     @property
     def activation_bytes(self) -> float:
-        return self.checkpoint_bytes + self.working_set_bytes + self.logits_bytes
+        return self.checkpoint_bytes + self.working_set_bytes + self.logits_bytes + self.mask_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -227,14 +239,15 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
                         gpu_memory_bytes: float = V100_MEMORY_BYTES,
                         margin_fraction: float = DEFAULT_MARGIN_FRACTION,
                         loss_chunk_tokens: int = 0, secondary_partition: bool = False, hybrid: bool = False,
-                        dp_per_node: int = 1, attention: str = "local") -> MemoryBreakdown:
+                        dp_per_node: int = 1, attention: str = "local", mask_bytes: float = 0.0) -> MemoryBreakdown:
     """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py).
     ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
     `hybrid` shards the model states over the node's m ranks instead of all dp. `attention` (ATTENTION_KINDS):
     "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
-    softmax statistics, in every layer's activations and so in the working set."""
+    softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
+    attention masks (document_mask_bytes), counted with the activations."""
     validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
                    pa_cpu, precision, bucket_elements, prefetch_units, attention)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
@@ -283,7 +296,8 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
-        gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host))
+        gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),
+        mask_bytes=float(mask_bytes))
 
 
 def largest_fitting_layers(fits) -> int:
@@ -307,9 +321,11 @@ def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> st
     rows = [("parameters", m.param_bytes), ("gradients", m.grad_bytes),
             ("optimizer states (incl. master)", m.optimizer_bytes), ("  = model states", m.model_state_bytes),
             ("activation checkpoints", m.checkpoint_bytes), ("layer working set", m.working_set_bytes),
-            ("logits (fp32, loss)", m.logits_bytes), ("  = activations", m.activation_bytes),
-            ("temporary buffers", m.buffer_bytes),
-            (f"margin ({m.margin_fraction:.0%} of GPU)", m.margin_bytes), ("total", m.total_bytes)]
+            ("logits (fp32, loss)", m.logits_bytes)]
+    if m.mask_bytes:
+        rows.append(("attention masks (documents)", m.mask_bytes))
+    rows += [("  = activations", m.activation_bytes), ("temporary buffers", m.buffer_bytes),
+             (f"margin ({m.margin_fraction:.0%} of GPU)", m.margin_bytes), ("total", m.total_bytes)]
     if m.host_bytes:
         rows.append(("host memory (Pa+cpu checkpoints)", m.host_bytes))
     verdict = "fits" if m.fits else "does NOT fit"
