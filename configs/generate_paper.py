@@ -18,6 +18,12 @@ from zero3d.analysis.planner import PAPER_CONFIGS  # noqa: E402
 DEFAULT_CSV = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
 DEFAULT_OUT = REPO_ROOT / "configs/paper"
 GPT2_VOCAB = 50257
+# The paper's data: OpenWebText (facts §4.2) in GPT-2's BPE, 50,257 tokens (§4.5's labels count 50257·h of
+# embeddings). Its two files are the user's to supply (nothing is downloaded); every job names them here, relative
+# to the repository root the job runs in (slurm/README.md, Data). Missing, slurm/submit.py refuses the job in one
+# line before it queues.
+GPT2_VOCAB_JSON = "data/gpt2/vocab.json"
+GPT2_MERGES_TXT = "data/gpt2/merges.txt"
 SEQ_LENGTH = 1024  # facts §4.3: the only sequence length in the paper
 STEPS = 100  # a throughput run: enough steps for a median after warm-up
 # CB: the paper gives no size. 50M elements is 100 MB per bucket in 16-bit (200 MB in fp32): messages
@@ -143,7 +149,8 @@ def render(row: Row, label, note: str, gpus: int, batch: int, total: int,
         f"# Figure {row.figure} (appendix numbering, facts §8.1), {row.model} {row.system}, {gpus} GPUs"
         + (f", ZeRO configuration {label}" if label else "") + ".",
         f"# ZeRO settings: {note}.",
-        "# Data: override data.tokenizer_model and data.blend with OpenWebText .bin/.idx prefixes (slurm/README.md).",
+        f"# Data: GPT-2's BPE, its vocab.json and merges.txt supplied at {GPT2_VOCAB_JSON} and {GPT2_MERGES_TXT};",
+        "# the demo corpus until data.blend names OpenWebText .bin/.idx prefixes made with them (slurm/README.md).",
         "",
         "[model]",
         f"num_layers = {row.layers}", f"hidden_size = {row.hidden}", f"num_attention_heads = {row.heads}",
@@ -160,7 +167,10 @@ def render(row: Row, label, note: str, gpus: int, batch: int, total: int,
         "", "[precision]", f'dtype = "{dtype}"' + (
             "  # the paper's fp16 mixed precision with dynamic loss scaling (precision.* defaults; facts §7)"
             if dtype == "fp16" else ""),
-        "", "[data]", "# corpus: the default (data/corpus.jsonl), left unset so data.blend=... overrides meet no unused key",
+        "", "[data]", 'tokenizer_kind = "gpt2_bpe"  # the paper\'s GPT-2 vocabulary (vocab_size 50257)',
+        f'tokenizer_model = "{GPT2_VOCAB_JSON}"  # GPT-2\'s vocab.json, supplied by you (slurm/README.md, Data)',
+        f'tokenizer_merges = "{GPT2_MERGES_TXT}"  # GPT-2\'s merges.txt, beside it',
+        "# corpus: the default (data/corpus.jsonl), left unset so data.blend=... overrides meet no unused key",
         'cache_dir = "runs/data"',
         "", "[train]", f"steps = {STEPS}", f"micro_batch_size = {batch}", f"global_batch_size = {total}",
         "eval_interval = 0  # a throughput run",

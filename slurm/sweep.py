@@ -13,6 +13,9 @@ from slurm.submit import EXIT_INPUT, Unstartable, build_job, launch_preview, ref
 CONFIGS = REPO_ROOT / "configs/paper"
 OOM_OVERRIDE = "train.ignore_memory_estimate=true"  # --include-oom: let the paper's out-of-memory jobs run out
 MIN_VOCAB = 512  # --shrink: sentencepiece's 256 byte pieces plus room for learned ones
+# --shrink: GPT-2's 50,257 ids (the paper configs' tokenizer) would index past the shrunk embedding, so the scaled-down
+# jobs go back to the default tokenizer, a sentencepiece of the shrunk vocabulary trained from the demo corpus.
+SHRUNK_TOKENIZER = ["~data.tokenizer_kind", "~data.tokenizer_model", "~data.tokenizer_merges"]
 
 
 def figure_configs(figure=None, configs_dir: Path = CONFIGS) -> list:
@@ -84,7 +87,8 @@ def out_of_order(cfgs: dict, n: int, nodes: int, ranks_per_node: int):
 
 
 def shrink_overrides(paths: list, n: int, nodes: int, ranks_per_node: int, runs_dir: str) -> dict:
-    """{config path: overrides} for --cpu --shrink n; raises ConfigError where the paper's size order is lost."""
+    """{config path: overrides} for --cpu --shrink n (the tokenizer: SHRUNK_TOKENIZER); raises ConfigError where the
+    paper's size order is lost."""
     cfgs = {p.stem: load_config(p) for p in paths}
     if bad := out_of_order(cfgs, n, nodes, ranks_per_node):
         (_, pa, a), (_, pb, b) = bad
@@ -92,8 +96,8 @@ def shrink_overrides(paths: list, n: int, nodes: int, ranks_per_node: int, runs_
         raise ConfigError(f"--shrink {n} is invalid for these jobs: {a} (Ψ = {pa:,}) would not be smaller than "
                           f"{b} (Ψ = {pb:,}), as in the paper; the largest --shrink that keeps the order: {best}")
     return {p: [f"{k}={v}" for k, v in shrink_plan(cfgs[p.stem], n, nodes, ranks_per_node).items()]
-            + [f"logging.run_dir={runs_dir}/{p.stem}", f"logging.wandb_group={cfgs[p.stem].logging.wandb_group}"
-               f"-shrink{n}"] for p in paths}
+            + SHRUNK_TOKENIZER + [f"logging.run_dir={runs_dir}/{p.stem}",
+                                  f"logging.wandb_group={cfgs[p.stem].logging.wandb_group}-shrink{n}"] for p in paths}
 
 
 def describe_shrunk(cfg) -> str:

@@ -51,7 +51,7 @@ def probe_command(cfg: Config, world: int, args) -> int:
     estimate, _ = device_estimate(cfg, world, memory)  # with offload: what stays on the device
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
-    rows = estimate_rows(estimate, run.model_states, run.category_peaks, peak,
+    rows = estimate_rows(estimate, run.model_states, run.peak_by_category, peak,
                          run.host_peak_by_category.get("activations", 0))
     if run.cuda_max_allocated is not None:  # on a GPU: model states (engine) and the allocator's peak only
         rows = [r for r in rows if r[0].startswith(("params", "grads", "optimizer", "peak"))]

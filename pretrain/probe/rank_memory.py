@@ -63,6 +63,9 @@ class PhaseMemTracker(MemTracker):
     """MemTracker whose peaks are kept per step phase, with device and host memory apart.
 
     - Tensors first allocated during reduction, optimizer step or gather count as temporaries.
+    - Stage 3's gathered parameters (`gathered_now()`: the units' full buffers) count as temporaries whenever
+      they were gathered (MemTracker would call a unit params, or activations when a recomputation gathered
+      it): the estimator's "gathered units" buffer term.
     - `host_bytes_now()` is the host memory inside the simulated device's snapshot, per category
       (Pa+cpu checkpoints: activations; ZeRO-Offload: optimizer, params) plus "untracked" host bytes
       that never were in it; it is taken out of the device figures (on a real GPU host tensors sit on
@@ -75,6 +78,7 @@ class PhaseMemTracker(MemTracker):
         super().__init__()
         self.phases, self.device = phases, device
         self.host_bytes_now = host_bytes_now or dict
+        self.gathered_now: Callable[[], list] = list  # register_engine_state: stage 3's gathered buffers
         self.phase_peaks = {p: PhasePeak() for p in PHASES}
         self.category_peaks = dict.fromkeys(CATEGORIES, 0)
         self.host_peak = 0
@@ -165,10 +169,22 @@ class PhaseMemTracker(MemTracker):
         for ref, nbytes in snap.items():
             if ref != _TOTAL_KEY:
                 out[CATEGORY_OF[ref]] += nbytes
+        for category, nbytes in self._gathered_by_category():
+            out[category] -= nbytes
+            out["temporaries"] += nbytes
         if self.device.type == "cpu":
             for category, nbytes in self._host_now().items():
                 if category in out:
                     out[category] -= nbytes
+        return out
+
+    def _gathered_by_category(self) -> list:
+        """[(category it was tracked under, bytes)] of each gathered parameter buffer on this device."""
+        out = []
+        for t in self.gathered_now():
+            winfo, _ = self._WINFO.get(t.untyped_storage(), (None, None))
+            if winfo is not None and winfo.device == self.device:
+                out.append((CATEGORY_OF[winfo.reftype], winfo.mem_consumed))
         return out
 
     def peak(self) -> tuple[str, PhasePeak]:
@@ -180,6 +196,8 @@ class PhaseMemTracker(MemTracker):
 def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
     """The engine's buffers, allocated before tracking: parameters, gradients, fp32 masters."""
     tracker.track_external(engine.model)
+    units = getattr(engine, "units", ())  # stage 3: gather units, `full` while gathered
+    tracker.gathered_now = lambda: [full for unit in units if unit.full for full in unit.full]
     for g in engine.groups.values():
         tracker.register(_MemRefType.PARAM, g.param_flat)
         tracker.register(_MemRefType.GRAD, g.grads)

@@ -15,15 +15,15 @@ def device_bytes(memory_gb: float) -> int:
     return int(memory_gb * GIB)
 
 
-def estimate_rows(estimate: MemoryBreakdown, model_states: dict, category_peaks: dict, peak_bytes: int,
+def estimate_rows(estimate: MemoryBreakdown, model_states: dict, at_peak: dict, peak_bytes: int,
                   host_bytes: int) -> list:
-    """[(category, estimated bytes, executed bytes)]: model states as held between steps, the
-    other categories at their own peak, and the whole peak."""
+    """[(category, estimated bytes, executed bytes)]: model states as held between steps, activations and
+    temporaries at the rank's peak (`at_peak`: the moment the estimate's sum stands for), and the whole peak."""
     return [("params", estimate.param_bytes, model_states["params"]),
             ("grads", estimate.grad_bytes, model_states["grads"]),
             ("optimizer (fp32 master + moments)", estimate.optimizer_bytes, model_states["optimizer"]),
-            ("activations", estimate.activation_bytes, category_peaks["activations"]),
-            ("temporaries (buffers)", estimate.buffer_bytes, category_peaks["temporaries"]),
+            ("activations at the peak", estimate.activation_bytes, at_peak["activations"]),
+            ("temporaries (buffers) at the peak", estimate.buffer_bytes, at_peak["temporaries"]),
             ("peak (without margin)", estimate.total_bytes - estimate.margin_bytes, peak_bytes),
             ("host (Pa+cpu)", estimate.host_bytes, host_bytes)]
 

@@ -38,6 +38,23 @@ def _input_file(key: str, path: str | Path, fix: str) -> None:
         raise InputError(f"{key} = {str(path)!r} {what}{_relative_note(path)}", "input files", fix)
 
 
+GPT2_FILES_DOC = "slurm/README.md, Data"  # where to get GPT-2's vocab.json and merges.txt, and where they go
+
+
+def _gpt2_bpe_files(vocab: str, merges: str) -> None:
+    """GPT-2's vocab.json (data.tokenizer_model) and merges.txt (data.tokenizer_merges), supplied by the user: the
+    first missing one named, with where GPT-2's files go (and the other too when it is missing as well)."""
+    files = (("data.tokenizer_model", vocab, "vocab.json"), ("data.tokenizer_merges", merges, "merges.txt"))
+    missing = [(key, path, name) for key, path, name in files if not Path(path).is_file()]
+    if not missing:
+        return
+    (key, path, name), others = missing[0], missing[1:]
+    keys = " and ".join(k for k, _, _ in missing)
+    fix = (f"put GPT-2's {name} there" + "".join(f" and its {n} at {str(p)!r}" for _, p, n in others)
+           + f" ({GPT2_FILES_DOC}), or point {keys} at your {'copies' if others else 'copy'}")
+    _input_file(key, path, fix)
+
+
 def check_paths(cfg: Config) -> None:
     """Directories the run writes and input files it reads, checked before any process group starts."""
     _directory_setting("logging.run_dir", cfg.run_dir)
@@ -47,13 +64,13 @@ def check_paths(cfg: Config) -> None:
     _directory_setting("train.save_dir", cfg.train.save_dir)
     _directory_setting("data.cache_dir", cfg.data.cache_dir)
     d = cfg.data
-    if d.tokenizer_model is not None:
+    if d.tokenizer_kind == "gpt2_bpe":
+        _gpt2_bpe_files(d.tokenizer_model, d.tokenizer_merges)
+    elif d.tokenizer_model is not None:
         what = {"sentencepiece": "a sentencepiece .model file", "hf": "a Hugging Face tokenizer.json",
-                "gpt2_bpe": "GPT-2's vocab.json", "tiktoken": "a tiktoken BPE file"}[d.tokenizer_kind]
+                "tiktoken": "a tiktoken BPE file"}[d.tokenizer_kind]
         trained = ", or unset it to train one from data.corpus" if d.tokenizer_kind in ("sentencepiece", "hf") else ""
         _input_file("data.tokenizer_model", d.tokenizer_model, f"point it at {what}{trained}")
-    if d.tokenizer_merges is not None:
-        _input_file("data.tokenizer_merges", d.tokenizer_merges, "point it at GPT-2's merges.txt")
     blends = d.blends()
     for key, (prefixes, _) in blends.items():
         for prefix in prefixes:

@@ -6,20 +6,31 @@ from pathlib import Path
 import pytest
 
 from doc_commands import REPO, documented_commands, run
+from gpt2_files import write_gpt2_files
 
 WORKERS = 3  # subprocesses at once: most of each command is interpreter start-up and imports
-LINKED = ("pretrain", "zero3d", "slurm", "megatron_patches", "data", "tools", "bench", "pyproject.toml")
+LINKED = ("pretrain", "zero3d", "megatron_patches", "tools", "bench", "pyproject.toml")
+# Copied, not linked: the generator and slurm/submit.py find the repository root from their own file (a link would
+# resolve to the checkout), so the generator writes here and submit.py checks this root's data/ and runs/.
+COPIED = ("configs", "slurm")
 
 
 @pytest.fixture(scope="session")
 def sandbox(tmp_path_factory) -> Path:
-    """A working directory that looks like the repository root: code and data linked, configs/ copied
-    (the generator resolves its default output from its own file, so even a regression writes here,
-    never into the committed configs/paper), runs/ and results/ its own."""
+    """A working directory that looks like the repository root: code and data files linked, configs/ and slurm/
+    copied (COPIED: even a regression of the generator writes here, never into the committed configs/paper), runs/
+    and results/ its own, and data/gpt2/ holding GPT-2-format stand-ins (tests/gpt2_files.py) for the vocab.json
+    and merges.txt a user supplies for the paper configs."""
     root = tmp_path_factory.mktemp("docs")
     for name in LINKED:
         (root / name).symlink_to(REPO / name)
-    shutil.copytree(REPO / "configs", root / "configs", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "data").mkdir()
+    for entry in (REPO / "data").iterdir():
+        if entry.name != "gpt2":
+            (root / "data" / entry.name).symlink_to(entry)
+    write_gpt2_files(root / "data" / "gpt2")
+    for name in COPIED:
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
 

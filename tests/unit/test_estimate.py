@@ -166,13 +166,41 @@ def test_breakdown_terms():
     none = estimate_from_shape(stage=3, bucket_elements=None, **shape)
     assert none.working_set_bytes == 10 * m.working_set_bytes and none.param_bytes == 2 * psi / 8
     unit = max(est.layer_param_count(1024, 4), est.embedding_param_count(1024, 50257, 1024, 4))
-    assert none.buffer_bytes == 4 * psi + 2 * unit * 2
+    # stage 3 without CB: the 4Ψ fused buffer, two gathered units, the output layer's bucket in flight (V_pad·h/t
+    # in fp16) and local attention's two score gradients less the freed fc1/GeLU outputs,
+    # (2·16·1024²·2·2 − 2·1024·2·4096·2) / 4 = 25,165,824 (> fc2's 1024·2·1024·2 + 1024·2·4096·2/4 = 8,388,608)
+    output_bucket = padded_vocab(50257, 4) * 1024 // 4 * 2
+    assert none.buffer_bytes == 4 * psi + 2 * unit * 2 + output_bucket + 25_165_824
     fp32 = estimate_from_shape(stage=0, precision="fp32", **shape)
     assert fp32.model_state_bytes == 16 * psi and fp32.working_set_bytes > none.working_set_bytes
     # chunked loss (pretrain/loss.py): one chunk's fp32 logits; a chunk beyond the 2048 tokens holds them all
     for chunk, tokens in ((500, 500), (4096, 2 * 1024)):
         chunked = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, **shape)
         assert chunked.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 4
+
+
+def test_stage3_buffers_of_the_13b_h100_layout_by_hand():
+    """The planner's top layout for a 13B model on 4 × 8 H100 (#39): 40 × 5120, 40 heads, s 1024, V 50257 (padded
+    50304), tp 1 × dp 32, stage 3, micro-batch 16, bf16, full recompute, CB 5e7, fused attention (model.attention
+    "auto"). Each buffer term by hand (docs/estimator.md, Temporary buffers); tests/unit/test_probe.py probes it."""
+    s, b, h, a, v_pad = 1024, 16, 5120, 40, 50304
+    layer = 12 * h * h + 13 * h
+    shape = dict(seq=s, micro_batch=b, hidden=h, heads=a, vocab=50257, tp=1, bucket_elements=50_000_000,
+                 precision="bf16", prefetch_units=1, attention="fused")
+    psi = gpt_param_count(40, h, 50257, s)
+    terms = est.buffer_terms(stage=3, psi=psi, **shape)
+    assert terms == {"gradient bucket": 4 * h * h * 2,  # fc2's weight, 104.9M > CB: a bucket of its own, bf16
+                     "gathered units": 2 * layer * 2,  # the layer computed + one prefetched (> the embedding)
+                     "output-layer bucket": v_pad * h * 2,
+                     "activation gradients": s * b * h * 2 + s * b * 4 * h * 2}  # fc2's output and input gradients
+    m = estimate_from_shape(layers=40, gpus=32, stage=3, recompute="full", loss_chunk_tokens=1024,
+                            gpu_memory_bytes=80 * 2**30, **{k: v for k, v in shape.items() if k != "prefetch_units"})
+    assert m.buffer_bytes == sum(terms.values()) == 2_822_246_400
+    # local attention: its two score gradients less the freed fc1/GeLU outputs outgrow fc2's
+    local = est.buffer_terms(stage=3, psi=psi, **(shape | {"attention": "local"}))["activation gradients"]
+    assert local == 2 * a * s * s * b * 2 - 2 * s * b * 4 * h * 2 > terms["activation gradients"]
+    # stages 0-2 keep the paper's one fp32 CB bucket
+    assert est.buffer_terms(stage=2, psi=psi, **shape) == {"gradient buffer": 4 * 50_000_000}
 
 
 @pytest.mark.parametrize("bad, message", [

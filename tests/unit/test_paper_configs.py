@@ -60,22 +60,26 @@ def test_every_csv_row_has_a_job_and_every_job_names_its_row():
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.stem)
-def test_every_job_validates_and_dry_runs(path, capsys):
+def test_every_job_validates_and_dry_runs(path, capsys, gpt2_overrides):
     cfg = load_config(path)
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     assert validate_layout(cfg, world) == 1  # the paper's batches need no accumulation
     assert cfg.logging.name == path.stem and cfg.logging.wandb_group == path.stem.split("_")[0]
     assert cfg.model.recompute == "full" and cfg.model.seq_length == 1024 and cfg.model.vocab_size == 50257
+    # GPT-2's BPE files at the documented paths, which the user supplies (tests/gpt2_files.py stands in for them)
+    d = cfg.data
+    assert (d.tokenizer_kind, d.tokenizer_model, d.tokenizer_merges) == (
+        "gpt2_bpe", generate_paper.GPT2_VOCAB_JSON, generate_paper.GPT2_MERGES_TXT)
     # a job the paper reports out of memory is refused before it queues (exit 3, one line) unless told to run
     # anyway, as slurm/sweep.py tells it (train.ignore_memory_estimate = true)
-    oom, ignore = cfg.paper.expected == "oom", []
-    assert submit.main(["--config", str(path), "--dry-run"]) == (3 if oom else 0)
+    oom, ignore = cfg.paper.expected == "oom", list(gpt2_overrides)
+    assert submit.main(["--config", str(path), "--dry-run", *ignore]) == (3 if oom else 0)
     if oom:
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"cannot start {path.stem}: the memory estimate ") and "\n" not in err, err
         ignore += ["train.ignore_memory_estimate=true"]
         assert submit.main(["--config", str(path), "--dry-run", *ignore]) == 0
-        cfg = load_config(path, ignore)
+    cfg = load_config(path, ignore)
     out = capsys.readouterr().out
     rel = path.relative_to(REPO)
     sbatch = next(line for line in out.splitlines() if line.startswith("sbatch:"))
@@ -164,14 +168,24 @@ def test_plan_csv_judges_each_job_as_its_config_and_agrees_with_estimate():
         assert v.memory.total_bytes == config_report(cfg, world)[0].total_bytes, p.name
 
 
-def test_sweep_skips_jobs_the_paper_reports_out_of_memory_unless_asked(capsys):
-    assert sweep.main(["--figure", "5", "--dry-run"]) == 0
+def test_sweep_skips_jobs_the_paper_reports_out_of_memory_unless_asked(capsys, gpt2_overrides):
+    assert sweep.main(["--figure", "5", "--dry-run", *gpt2_overrides]) == 0
     captured = capsys.readouterr()
     submitted = [line.split(":")[0] for line in captured.out.splitlines() if line.startswith("fig5_")]
     assert sorted(submitted) == ["fig5_100B_zero_c4", "fig5_100B_zero_c5"] + [f"fig5_40B_zero_c{i}" for i in range(1, 6)]
     assert "skipped fig5_100B_zero_c1: the paper reports 100B out of memory in C1" in captured.err
-    assert sweep.main(["--figure", "5", "--dry-run", "--include-oom"]) == 0
+    assert sweep.main(["--figure", "5", "--dry-run", "--include-oom", *gpt2_overrides]) == 0
     assert "10 jobs (dry run, nothing submitted); 0 the paper" in capsys.readouterr().out
+
+
+def test_shrunk_jobs_train_their_own_tokenizer():
+    """--cpu --shrink: GPT-2's 50,257 ids would index past the shrunk embedding (vocab 2095 at ÷24), so the scaled-down
+    jobs go back to a sentencepiece of their vocabulary trained from the demo corpus and need no GPT-2 files."""
+    from slurm.startable import refusals
+    path = PAPER / "fig2_100B_zero.toml"
+    cfg = load_config(path, sweep.shrink_overrides([path], 24, 2, 2, "runs/shrink24")[path])
+    assert (cfg.data.tokenizer_kind, cfg.data.tokenizer_model, cfg.data.tokenizer_merges) == ("sentencepiece", None, None)
+    assert cfg.model.vocab_size == 2095 and refusals(cfg, 4, REPO, memory=False) == []
 
 
 def test_bucket_matches_the_estimator_default():
@@ -206,13 +220,13 @@ def test_gpus_per_node_8_and_fp16_regenerate(tmp_path):
     assert load_config(out / "fig2_40B_baseline.toml").cluster.nodes == 48  # 384 GPUs
 
 
-def test_sweep_dry_run_covers_a_figure_with_group_and_node_size(capsys):
-    assert sweep.main(["--figure", "4", "--dry-run", "--group", "trial", "--gpus-per-node", "8"]) == 0
+def test_sweep_dry_run_covers_a_figure_with_group_and_node_size(capsys, gpt2_overrides):
+    assert sweep.main(["--figure", "4", "--dry-run", "--group", "trial", "--gpus-per-node", "8", *gpt2_overrides]) == 0
     out = capsys.readouterr().out
     sbatch_lines = [line for line in out.splitlines() if line.startswith("fig4_")]
     assert len(sbatch_lines) == 5
     assert all("--nodes=50" in line and "logging.wandb_group=trial" in line for line in sbatch_lines)
-    assert sweep.main(["--all", "--dry-run"]) == 0
+    assert sweep.main(["--all", "--dry-run", *gpt2_overrides]) == 0
     assert f"{len(JOBS) - 3} jobs (dry run, nothing submitted); 3 the paper" in capsys.readouterr().out
 
 

@@ -65,11 +65,42 @@ def test_layout_that_does_not_fit_the_gpus(capsys):
     assert submit.main(TINY + ["--dry-run", "--cpu", "cluster.gpu_memory_gb=0.01"]) == 0  # CPU ranks: no device budget
 
 
-def test_sweep_checks_every_job_before_queueing_any(capsys):
+def test_sweep_checks_every_job_before_queueing_any(capsys, gpt2_overrides):
     from slurm import sweep
-    assert sweep.main(["--figure", "2", "--dry-run", "data.corpus=data/missing.jsonl"]) == 3
+    assert sweep.main(["--figure", "2", "--dry-run", "data.corpus=data/missing.jsonl", *gpt2_overrides]) == 3
     captured = capsys.readouterr()
     refused = [line for line in captured.err.splitlines() if line.startswith("cannot start fig2_")]
     assert len(refused) == 20 and all(f": data.corpus = 'data/missing.jsonl' does not exist (relative to the working "
                                           f"directory {REPO}); " in line for line in refused)
     assert "sbatch" not in captured.out  # nothing previewed, nothing queued
+
+
+PAPER_100B = ["--config", str(REPO / "configs/paper/fig2_100B_zero.toml")]
+
+
+@pytest.mark.parametrize("mode", [["--dry-run"], ["--preflight", "--world-size", "400"]])
+def test_paper_config_without_gpt2s_files_is_one_line(mode, capsys, monkeypatch, tmp_path):
+    """The paper configs name GPT-2's vocab.json and merges.txt at data/gpt2/ (configs/generate_paper.py), which the
+    user supplies: in a checkout without them (here `tmp_path` as the root the job runs in, so files a user put in
+    this checkout change nothing), one line naming the missing file and where GPT-2's go, exit 3, nothing queued."""
+    monkeypatch.setattr(submit, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(submit, "submit", lambda job: pytest.fail("nothing may be queued"))
+    assert submit.main(PAPER_100B + mode) == 3
+    assert lines(capsys) == [f"cannot start fig2_100B_zero: data.tokenizer_model = 'data/gpt2/vocab.json' does not "
+                             f"exist (relative to the working directory {tmp_path}); put GPT-2's vocab.json there and "
+                             "its merges.txt at 'data/gpt2/merges.txt' (slurm/README.md, Data), or point "
+                             "data.tokenizer_model and data.tokenizer_merges at your copies"]
+    (tmp_path / "data/gpt2").mkdir(parents=True)
+    (tmp_path / "data/gpt2/vocab.json").write_text("{}")
+    assert submit.main(PAPER_100B + mode) == 3
+    assert lines(capsys) == [f"cannot start fig2_100B_zero: data.tokenizer_merges = 'data/gpt2/merges.txt' does not "
+                             f"exist (relative to the working directory {tmp_path}); put GPT-2's merges.txt there "
+                             "(slurm/README.md, Data), or point data.tokenizer_merges at your copy"]
+
+
+@pytest.mark.parametrize("mode", [["--dry-run"], ["--preflight", "--world-size", "400"]])
+def test_paper_config_with_gpt2_format_files_passes(mode, capsys, gpt2_overrides, tmp_path):
+    """With files in GPT-2's format (tests/gpt2_files.py, 260 tokens <= model.vocab_size 50257) and the shipped corpus,
+    the 100B job can start: the dry run previews it, the preflight prints its run directory."""
+    assert submit.main(PAPER_100B + mode + gpt2_overrides + [f"logging.run_dir={tmp_path / 'run'}"]) == 0
+    assert lines(capsys) == []

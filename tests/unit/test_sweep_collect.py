@@ -10,9 +10,9 @@ from slurm import collect, sweep  # noqa: E402
 OOM_JOBS = {"fig5_100B_zero_c1", "fig5_100B_zero_c2", "fig5_100B_zero_c3"}  # [paper] expected = "oom"
 
 
-def test_include_oom_turns_the_memory_guard_off_for_those_jobs_only(monkeypatch, capsys):
+def test_include_oom_turns_the_memory_guard_off_for_those_jobs_only(monkeypatch, capsys, gpt2_overrides):
     monkeypatch.setattr(sweep, "launch_preview", lambda job: "")
-    assert sweep.main(["--figure", "5", "--include-oom", "--dry-run"]) == 0
+    assert sweep.main(["--figure", "5", "--include-oom", "--dry-run", *gpt2_overrides]) == 0
     lines = {ln.split(":")[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("fig5_")}
     assert OOM_JOBS < set(lines)
     for name, line in lines.items():

@@ -186,8 +186,9 @@ def test_preflight_names_each_kinds_missing_file(tmp_path, files):
             f"logging.run_dir={tmp_path / 'run'}"]
     gpt2 = base + ["data.tokenizer_kind=gpt2_bpe", f"data.tokenizer_model={root / 'vocab.json'}"]
     check_paths(load_config(None, gpt2 + [f"data.tokenizer_merges={root / 'merges.txt'}"]))
-    with pytest.raises(InputError, match=r"data.tokenizer_merges = '.*absent\.txt' does not exist; point it at "
-                                         r"GPT-2's merges\.txt"):
+    with pytest.raises(InputError, match=r"data.tokenizer_merges = '.*absent\.txt' does not exist; put GPT-2's "
+                                         r"merges\.txt there \(slurm/README\.md, Data\), or point "
+                                         r"data.tokenizer_merges at your copy$"):
         check_paths(load_config(None, gpt2 + [f"data.tokenizer_merges={tmp_path / 'absent.txt'}"]))
     with pytest.raises(InputError, match=r"data.tokenizer_model = '.*absent\.tiktoken' does not exist; point it at "
                                          r"a tiktoken BPE file$"):

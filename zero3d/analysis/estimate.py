@@ -145,6 +145,73 @@ def document_mask_bytes(seq: int, micro_batch: int, micro_batches: int, in_fligh
     return micro_batches * per_mask + bias
 
 
+def backward_transient_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int, act_bytes: int = 2,
+                             ffn_hidden: Optional[int] = None, attention: str = "local") -> int:
+    """Activation gradients alive beside the working set while a layer back-propagates (the last layer, first
+    in backward, recomputed under full recomputation): the larger of two moments of its backward.
+
+    - fc2, the MLP's output GEMM: the gradient arriving at its output, s·b·h·e (whole on every TP rank), and
+      the one it produces for its input, s·b·f·e/t (its weight's gradient lands in a bucket:
+      `gradient_bucket_elements`);
+    - local attention's score backward: the gradients of the dropout output and of the softmax output,
+      2·a·s²·b·e/t, less the fc1 and GeLU outputs the MLP's backward has freed by then, 2·s·b·f·e/t. Fused
+      attention (ATTENTION_KINDS) keeps no scores, so fc2's moment is the one.
+    """
+    s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, act_bytes
+    f = ffn_hidden or 4 * h
+    fc2 = s * b * h * e + s * b * f * e // t
+    if attention != "local":
+        return fc2
+    scores = (2 * a * s * s * b * e - 2 * s * b * f * e) // t
+    return max(fc2, scores)
+
+
+def gradient_bucket_elements(psi: int, hidden: int, tp: int, ffn_hidden: Optional[int],
+                             bucket_elements: Optional[int]) -> int:
+    """Elements of the stage 3 gradient bucket a layer's backward fills first: the one holding fc2's weight
+    (h·f/t, the first gradient a layer makes). zero3d/flat.py's `bucket_members` closes a bucket at
+    >= bucket_elements and gives a larger parameter a bucket of its own; a bucket never spans two gather units,
+    so it is at most the layer's parameters. Without CB (None): the whole Ψ."""
+    if bucket_elements is None:
+        return psi
+    f = ffn_hidden or 4 * hidden
+    return max(hidden * f // tp, min(bucket_elements, layer_param_count(hidden, tp, ffn_hidden)))
+
+
+def buffer_terms(*, stage: int, psi: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int,
+                 tp: int, bucket_elements: Optional[int], precision: str, prefetch_units: int,
+                 ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+                 attention: str = "local") -> dict:
+    """{term: bytes} of the temporary buffers at the rank's peak; `buffer_bytes` is their sum.
+
+    Stages 0-2 (the paper's ZeRO-100B, whose tables and maxima this estimator reproduces): the paper's fused
+    fp32 gradient buffer, 4Ψ (§III-B), capped by CB at one bucket, 4·min(CB, Ψ). Their executed backward
+    transients (docs/estimator.md, Rank-local probe) stay inside the margin, as in the paper's accounting.
+
+    Stage 3 (not in the paper: this engine, zero3d/stage3.py) at its peak, the backward of the last layer,
+    every checkpoint still held (docs/estimator.md, Temporary buffers):
+    - "gradient bucket": the bucket fc2's weight gradient lands in, b_g·gradient_bucket_elements (the
+      compute dtype: GradientBuckets stages in it; without CB the paper's 4Ψ fused buffer instead);
+    - "gathered units": the unit being computed plus `prefetch_units` gathered ahead, (1 + p)·U·b_p, U the
+      largest unit (a layer's or the embedding's TP slice);
+    - "output-layer bucket": the output layer's weight gradient, V_pad·h/t elements in a bucket of its own
+      (its unit's only weight), reduce-scattered just before the last layer's backward and held until two more
+      buckets launch (zero3d/buckets.py, MAX_BUCKETS_IN_FLIGHT), b_g·V_pad·h/t;
+    - "activation gradients": backward_transient_bytes.
+    """
+    p = PRECISIONS[precision]
+    if stage != 3:
+        return {"gradient buffer": 4 * (psi if bucket_elements is None else min(bucket_elements, psi))}
+    bucket = gradient_bucket_elements(psi, hidden, tp, ffn_hidden, bucket_elements)
+    largest_unit = max(layer_param_count(hidden, tp, ffn_hidden),
+                       embedding_param_count(hidden, vocab, seq, tp, vocab_divisible_by))
+    return {"gradient bucket": (4 if bucket_elements is None else p.grad_bytes) * bucket,
+            "gathered units": (1 + prefetch_units) * largest_unit * p.param_bytes,
+            "output-layer bucket": padded_vocab(vocab, tp, vocab_divisible_by) * hidden // tp * p.grad_bytes,
+            "activation gradients": backward_transient_bytes(seq, micro_batch, hidden, heads, tp,
+                                                             p.activation_bytes, ffn_hidden, attention)}
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Per-GPU bytes by category; total = model states + activations + buffers + margin."""
@@ -156,7 +223,7 @@ class MemoryBreakdown:
     checkpoint_bytes: float  # recomputation checkpoints kept on the device
     working_set_bytes: float  # per-layer activations (all layers without recomputation, one with)
     logits_bytes: float
-    buffer_bytes: float  # fused/bucketed fp32 gradient buffer + stage-3 gathered parameters
+    buffer_bytes: float  # temporary buffers at the peak: the sum of buffer_terms
     margin_bytes: float
     gpu_memory_bytes: float
     margin_fraction: float = DEFAULT_MARGIN_FRACTION
@@ -284,14 +351,11 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
         # the one layer being recomputed and back-propagated (fused attention: no [b·a, s, s] buffer either)
         working = float(layer_bytes)
 
-    # The fused fp32 gradient buffer is 4Ψ (paper §III-B); CB caps it at one bucket.
-    fused = psi if bucket_elements is None else min(bucket_elements, psi)
-    buffers = fused * 4.0
-    if stage == 3:
-        # the unit being computed plus `prefetch_units` ahead, gathered whole (this rank's TP slice)
-        largest_unit = max(layer_param_count(hidden, tp, ffn_hidden),
-                           embedding_param_count(hidden, vocab, seq, tp, vocab_divisible_by))
-        buffers += (1 + prefetch_units) * largest_unit * prec.param_bytes
+    terms = buffer_terms(stage=stage, psi=psi, seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads,
+                         vocab=vocab, tp=tp, bucket_elements=bucket_elements, precision=precision,
+                         prefetch_units=prefetch_units, ffn_hidden=ffn_hidden,
+                         vocab_divisible_by=vocab_divisible_by, attention=attention)
+    buffers = float(sum(terms.values()))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
