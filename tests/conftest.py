@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 import megatron_patches.lean  # noqa: F401  (test processes and their forked ranks import megatron-core lean)
+import torch._dynamo  # noqa: F401,E402  (imported by every optimizer's first call: once here, not in each forked rank)
 
 SLURM_TIER = Path(__file__).parent / "slurm"
 

@@ -1,6 +1,7 @@
 """Multi-node jobs on the real local 2-node Slurm: TP inside nodes, a lost node requeued, elastic resume."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,7 +116,9 @@ def test_two_node_job_matches_one_node_survives_a_lost_node_and_resumes_at_eithe
     # the job requeued by Slurm (NODE_FAIL) and resumed on the node left from the last complete checkpoint.
     assert ended_after < 15 + 60, ended_after  # train.timeout_minutes (15 s) + Slurm's node timeout + slack
     assert (previous["status"], previous["exit_code"]) == ("failed", 5), previous
-    assert previous["reason"].startswith("lost ranks 2, 3 on z3node2: RuntimeError: "), previous
+    # the node's ranks that no longer answered when the others looked: both, or rank 2 alone when rank 3 (killed a
+    # moment after it) still marked itself alive (seen once in ~10 runs)
+    assert re.match(r"lost ranks? (2, 3|2|3) on z3node2: RuntimeError: ", previous["reason"]), previous
     assert "a peer rank exited or lost its connection" in previous["error"], previous
     assert json.loads((lost_dir / "status.previous.json").read_text()) == previous  # kept by the requeued job
     assert "restart 1" in lost_log, lost_log
