@@ -18,39 +18,25 @@ Glossary (the paper's names → the code):
   (zero3d/placement.py: "none" on the device; "cpu": offload.py; "nvme": nvme.py) and stage 3's
   `offload_params`; see docs/offload.md. Byte accounting: accounting.py.
 - N_d, Ψ: data-parallel size (`engine.dp.size`), parameters per TP rank.
+
+The package's names are imported on first use (PEP 562): `zero3d.config` and `zero3d.analysis`, which the config,
+the planner and the Slurm tools read, load without torch.
 """
-import dataclasses
-from typing import Callable, Optional
+import importlib
 
-from zero3d.comm import CommStats
-from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig, ZeroConfigError
-from zero3d.engine import DataParallelEngine, EngineSettings, ParallelGroups, StepResult
-from zero3d.flat import FlatLayout
-from zero3d.precision import LossScaler
-from zero3d.stage0 import ReplicatedEngine
-from zero3d.stage1 import OptimizerShardedEngine
-from zero3d.stage2 import GradientShardedEngine
-from zero3d.stage3 import ParameterShardedEngine
-
-STAGES = {0: ReplicatedEngine, 1: OptimizerShardedEngine, 2: GradientShardedEngine,
-          3: ParameterShardedEngine}
+HOMES = {"wrap_model": "zero3d.wrap", "STAGES": "zero3d.wrap", "DataParallelEngine": "zero3d.engine",
+         "EngineSettings": "zero3d.engine", "ParallelGroups": "zero3d.engine", "StepResult": "zero3d.engine",
+         "LossScaleConfig": "zero3d.config", "OptimizerConfig": "zero3d.config", "ZeroConfig": "zero3d.config",
+         "ZeroConfigError": "zero3d.config", "LossScaler": "zero3d.precision", "CommStats": "zero3d.comm",
+         "FlatLayout": "zero3d.flat"}
+__all__ = list(HOMES)
 
 
-def wrap_model(model, settings: EngineSettings, groups: ParallelGroups,
-               units: Optional[Callable] = None) -> DataParallelEngine:
-    """Apply ZeRO-DP stage `settings.zero.stage` to `model` over `groups.dp_group`; the loop then only sees
-    the interface. `units` (stage 3: model -> [(name, module[, parameters handed at call time])]) overrides
-    `settings.units`.
-    """
-    stage = settings.zero.stage
-    if stage not in STAGES:
-        raise ValueError(f"zero.stage = {stage!r} is invalid; valid stages: {sorted(STAGES)}")
-    if stage == 3 and groups.tied:
-        raise ValueError("ZeRO stage 3 does not support gradients summed over another group (weights "
-                         "tied across pipeline stages, sequence-parallel layer norms); use zero.stage <= 2")
-    settings = dataclasses.replace(settings, units=units if units is not None else settings.units)
-    return STAGES[stage](model, settings, groups)
+def __getattr__(name: str):
+    if name not in HOMES:
+        raise AttributeError(f"module 'zero3d' has no attribute {name!r}")
+    return getattr(importlib.import_module(HOMES[name]), name)
 
 
-__all__ = ["wrap_model", "STAGES", "DataParallelEngine", "EngineSettings", "ParallelGroups", "StepResult",
-           "LossScaleConfig", "LossScaler", "OptimizerConfig", "CommStats", "FlatLayout", "ZeroConfig", "ZeroConfigError"]
+def __dir__():
+    return sorted(list(globals()) + __all__)

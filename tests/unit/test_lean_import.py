@@ -1,4 +1,4 @@
-"""megatron_patches.lean: megatron-core imported without torch.compile's set-up and wandb, with nothing else changed."""
+"""Imports made lean: megatron-core without torch.compile set-up and wandb; zero3d's names on first use."""
 import importlib
 import json
 import subprocess
@@ -92,3 +92,20 @@ def test_every_module_importing_megatron_at_its_top_imports_it_lean_first():
             if any(n == "megatron" or n.startswith("megatron.") for n in names) and not lean_seen:
                 late.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert late == []
+
+
+def test_the_config_planner_and_slurm_tools_load_without_torch():
+    """zero3d's names load on first use: what `submit.py`, `collect.py`, `sweep.py` and the planner import pulls in
+    no torch (2.7 s of CPU each, at every submission, preflight and doc command), and the names still resolve."""
+    code = ("import sys, json\n"
+            "import slurm.submit, slurm.collect, slurm.sweep, zero3d.analysis.__main__, pretrain.config\n"
+            "loaded = 'torch' in sys.modules\n"
+            "import zero3d, zero3d.wrap\n"
+            "print(json.dumps({'torch': loaded, 'wrap': zero3d.wrap_model is zero3d.wrap.wrap_model,\n"
+            "                  'stages': sorted(zero3d.STAGES), 'all': all(hasattr(zero3d, n) for n in zero3d.__all__)}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == {"torch": False, "wrap": True, "stages": [0, 1, 2, 3], "all": True}
+    import zero3d
+    with pytest.raises(AttributeError, match="module 'zero3d' has no attribute 'wrap_models'"):
+        zero3d.wrap_models
