@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     parser.add_argument("--predict", action="store_true",
                         help="no runs: Figure 2's ZeRO rows predicted on the described cluster (zero3d.analysis."
                              "predict_table), written as the measured table and plot are")
-    parser.add_argument("--sizes", help="--predict: Figure 2 rows to keep, e.g. 8B,20B (default: all)")
+    parser.add_argument("--sizes", help="with --figure/--all or --predict: the rows to keep, e.g. 8B,20B (default: all)")
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="--predict's dtype")
     add_cluster_flags(parser)
     args = parser.parse_args(argv)
@@ -320,7 +320,15 @@ def main(argv=None) -> int:
                   f"error: run directory {d!r} is not a directory", file=sys.stderr)
             return 2
     if args.figure is not None or args.all:
-        runs += figure_runs(args.figure, runs_dir=Path(args.runs_dir))
+        from slurm.sweep import select_sizes
+        try:
+            picked = select_sizes([cfg for _, cfg in figure_runs(args.figure)], args.sizes.split(",") if args.sizes else None)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        runs += [(d, cfg) for d, cfg in figure_runs(args.figure, runs_dir=Path(args.runs_dir)) if cfg in picked]
+    elif args.sizes:
+        parser.error("--sizes picks rows of --figure N, --all or --predict")
     if not runs:
         parser.error("give run directories, --figure N or --all")
     try:

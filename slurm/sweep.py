@@ -30,6 +30,22 @@ def figure_configs(figure=None, configs_dir: Path = CONFIGS) -> list:
     return found
 
 
+def size_label(path: Path) -> str:
+    """The paper's row label of a generated config, as the CSV writes it: fig2_1p5B_zero.toml -> "1.5B"."""
+    return path.stem.split("_")[1].replace("p", ".")
+
+
+def select_sizes(paths: list, sizes) -> list:
+    """The configs of the given rows (labels such as "1.5B", "100B"; None: all), in their order."""
+    if not sizes:
+        return paths
+    valid = sorted({size_label(p) for p in paths}, key=lambda label: float(label[:-1]))
+    bad = [s for s in sizes if s not in valid]
+    if bad:
+        raise ConfigError(f"--sizes {bad[0]} is not a row of these configs; valid: {', '.join(valid)}")
+    return [p for p in paths if size_label(p) in sizes]
+
+
 def node_overrides(path: Path, gpus_per_node) -> list:
     """Re-spread a job's GPUs over nodes of `gpus_per_node` GPUs, keeping the world size the paper used."""
     if gpus_per_node is None:
@@ -150,14 +166,17 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, help="with --shrink: nodes per job (default 2)")
     parser.add_argument("--ranks-per-node", type=int, help="with --shrink: CPU ranks per node (default 2)")
     parser.add_argument("--runs-dir", help="with --shrink: run directories DIR/<name> (default runs/shrinkN)")
+    parser.add_argument("--sizes", help="only these rows, e.g. 1.5B,100B (default: every row)")
     args = parser.parse_args(argv)
     if error := shrink_errors(args):
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
         paths = figure_configs(None if args.all else args.figure, Path(args.configs_dir))
+        # the shrink keeps every row's size order, so it is planned over the whole figure before --sizes picks rows
         shrunk = {} if args.shrink is None else shrink_overrides(
             paths, args.shrink, args.nodes or 2, args.ranks_per_node or 2, args.runs_dir or f"runs/shrink{args.shrink}")
+        paths = select_sizes(paths, args.sizes.split(",") if args.sizes else None)
         jobs, skipped = [], []
         for path in paths:  # build (and so validate) every job before submitting any
             overrides = node_overrides(path, args.gpus_per_node) + shrunk.get(path, []) + list(args.overrides)

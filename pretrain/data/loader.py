@@ -80,7 +80,16 @@ class Batches:
         self._expected = next(self._next, None)
         return to_device(batch, self.topo.device, non_blocking=self.pin_memory)
 
+    def close(self) -> None:
+        """End the DataLoader workers now (a loader left to the garbage collector can stall up to 5 s a worker
+        in its shutdown's join; seen with gloo's threads in the process)."""
+        shutdown = getattr(self._loader, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._loader, self._expected = None, None
+
     def _start_loader(self, step: int, micro_index: int) -> None:
+        self.close()  # the previous stream's workers, if any
         plan = _Plan(self, step, micro_index)
         if step >= self.last_step:  # past the configured run (an extra evaluation or test): one batch
             plan = [self.indices(step, micro_index)]

@@ -187,12 +187,15 @@ def host_bytes(acts, engine):
     """Host memory now, by the tracker category it would otherwise count under: the Pa+cpu
     checkpoints (the MD buffer when there is one, else the slices) and ZeRO-Offload's host master,
     Adam moments, gradient shards and stage 3 parameter shards; its staging buffers were never tracked."""
+    # asked at every dispatched op: the engine's accounting (a walk over every buffer) only where states are on the host
+    offloaded = any(key.startswith("host_") for key in engine.state_bytes())
+
     def now() -> dict:
         out = {"activations": 0}
         if acts is not None and acts.cpu:
             out["activations"] = acts.buffer.nbytes if acts.contiguous and acts.buffer is not None else acts.host_bytes
-        state = engine.state_bytes()
-        if any(key.startswith("host_") for key in state):  # the placement keeps states in host memory
+        if offloaded:  # the placement keeps states in host memory
+            state = engine.state_bytes()
             out["optimizer"] = state.get("host_master_params", 0) + state.get("host_optimizer_states", 0)
             out["params"] = state.get("host_params", 0)
             out["grads"] = engine.placement.held_grad_bytes()  # stages 2/3 "cpu": the shard lives there only

@@ -123,8 +123,8 @@ class PhaseMemTracker(MemTracker):
 
     def _update_peak_stats(self, peak_state) -> None:
         # Replaces MemTracker's per-module bookkeeping (quadratic in modules × ops) by per-phase peaks.
-        by_category = self.now_by_category()
         host_now = self._host_now()
+        by_category = self.now_by_category(host_now)
         host = sum(host_now.values())
         for name, nbytes in host_now.items():
             self.host_category_peaks[name] = max(self.host_category_peaks.get(name, 0), nbytes)
@@ -162,8 +162,9 @@ class PhaseMemTracker(MemTracker):
 
     # ------------------------------------------------------------ results
 
-    def now_by_category(self) -> dict:
-        """Device bytes per category right now (model states between steps, when called then)."""
+    def now_by_category(self, host_now: Optional[dict] = None) -> dict:
+        """Device bytes per category right now (model states between steps, when called then); `host_now`:
+        _host_now() when the caller has it."""
         snap = self._curr_mem_snap.get(self.device, {})
         out = dict.fromkeys(CATEGORIES, 0)
         for ref, nbytes in snap.items():
@@ -173,7 +174,7 @@ class PhaseMemTracker(MemTracker):
             out[category] -= nbytes
             out["temporaries"] += nbytes
         if self.device.type == "cpu":
-            for category, nbytes in self._host_now().items():
+            for category, nbytes in (self._host_now() if host_now is None else host_now).items():
                 if category in out:
                     out[category] -= nbytes
         return out

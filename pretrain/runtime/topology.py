@@ -91,7 +91,8 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     # megatron converts with timedelta(minutes=...), so a fraction of a minute passes through.
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
                                              pipeline_model_parallel_size=cfg.parallel.pipeline,
-                                             distributed_timeout_minutes=cfg.train.timeout_minutes)
+                                             distributed_timeout_minutes=cfg.train.timeout_minutes,
+                                             create_gloo_process_groups=False)
     # megatron seeds only the CUDA generators: the CPU one is seeded here, identically on every rank.
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)

@@ -8,7 +8,7 @@ import torch
 from ranks import run_ranks
 from gpt_harness import assert_close_runs
 
-STEPS = 20
+STEPS = 10  # each step compared; the loss of one step is one batch's, so "it trains" compares 3-step means
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 
 
@@ -23,7 +23,7 @@ def test_stages_match_stage0_fp32(tp, dp, accum, gpt_run):
     # micro 2 × DP × accum = global batch
     extra = [f"train.global_batch_size={2 * dp * accum}"]
     ref = run(gpt_run, tp, dp, 0, extra)
-    assert ref[0]["loss"][-1] < ref[0]["loss"][0]  # it trains
+    assert sum(ref[0]["loss"][-3:]) < sum(ref[0]["loss"][:3])  # it trains
     for stage in (1, 2):
         assert_close_runs(ref, run(gpt_run, tp, dp, stage, extra), rtol=1e-5)
 

@@ -16,9 +16,12 @@ from tests.slurm.jobs import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 # Submitted to the 2-node local cluster (`cluster2`): each row is one node × 2 ranks (TP inside the node as the
-# paper's rows keep it), so Slurm places the 20 jobs on both nodes, two at a time. NODES = 2 spans them, at 2× the CPU.
+# paper's rows keep it), so Slurm places the jobs on both nodes, two at a time. NODES = 2 spans them, at 2× the CPU.
 NODES, RANKS_PER_NODE, SHRINK, STEPS, WARMUP = 1, 2, 24, 3, 1
 FIG2 = ["1p5B", "8B", "20B", "40B", "60B", "80B", "100B", "120B", "140B", "170B"]  # reproduction-configs.csv
+# Three rows through Slurm (the smallest, TP 1; the 100B and 170B, TP 2), both systems: 6 of the figure's 20 jobs
+# (each job is 3 Python processes importing torch: the other 14 rows would add 14 × ~20 s of CPU, nothing new).
+SIZES = ["1.5B", "100B", "170B"]
 
 
 def run_sweep(*args, env=None):
@@ -59,6 +62,8 @@ def test_dry_run_lists_every_row_and_bad_values_get_one_line(capsys):
            ("--shrink", "8"): "--shrink 8 needs --cpu",
            ("--cpu", "--shrink", "8", "--nodes", "0"): "--nodes 0 is invalid; must be an integer >= 1",
            ("--cpu", "--nodes", "2"): "they need --cpu --shrink N",
+           ("--cpu", "--shrink", "8", "--sizes", "100B,7B"): "--sizes 7B is not a row of these configs; valid: 1.5B, 8B,"
+                                                           " 20B, 40B, 60B, 80B, 100B, 120B, 140B, 170B",
            ("--cpu", "--shrink", "8", "--gpus-per-node", "8"): "--gpus-per-node does not apply with --shrink"}
     for args, message in bad.items():
         assert sweep.main(["--figure", "2", *args, "--dry-run"]) == 2, args
@@ -103,7 +108,7 @@ def bars_in_png(path: Path) -> list:
     return counts
 
 
-@pytest.mark.timeout(1200)  # 3x its quiet time (~380 s: 20 jobs queued on 2 nodes): a hang, not the suite's load
+@pytest.mark.timeout(900)  # 3x its quiet time (~120 s: 6 jobs queued on 2 nodes, two at a time): a hang, not load
 def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster2, tmp_path):
     cluster = cluster2
     from pretrain.data.datasets import build_corpus_files
@@ -111,11 +116,12 @@ def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster2, tmp_path):
     env = cluster.env(dict(os.environ, ZERO3D_PYTHON=sys.executable, WANDB_MODE="disabled"))
     runs = tmp_path / "runs"
     proc = run_sweep("--cpu", "--shrink", str(SHRINK), "--nodes", str(NODES), "--ranks-per-node",
-                     str(RANKS_PER_NODE), "--runs-dir", str(runs), f"train.steps={STEPS}", "logging.wandb=false",
+                     str(RANKS_PER_NODE), "--runs-dir", str(runs), "--sizes", ",".join(SIZES), f"train.steps={STEPS}", "logging.wandb=false",
                      "logging.log_interval=1", env=env)
     assert proc.returncode == 0, proc.stderr
     jobs = dict(line.split("\t") for line in proc.stdout.splitlines())
-    assert sorted(jobs) == sorted(f"fig2_{s}_{k}" for s in FIG2 for k in ("zero", "baseline"))
+    names = sorted(f"fig2_{s.replace('.', 'p')}_{k}" for s in SIZES for k in ("zero", "baseline"))
+    assert sorted(jobs) == names
     nodes_used = set()
     try:
         for name, job_id in jobs.items():
@@ -130,10 +136,10 @@ def test_shrunk_figure2_through_slurm_into_table_and_plot(cluster2, tmp_path):
             time.sleep(1)
     assert nodes_used == {"z3node1", "z3node2"}, nodes_used  # the sweep ran on both nodes of the cluster
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, "slurm/collect.py", "--figure", "2", "--runs-dir", str(runs), "--out",
-                           str(out), "--warmup", str(WARMUP)], capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run([sys.executable, "slurm/collect.py", "--figure", "2", "--sizes", ",".join(SIZES), "--runs-dir",
+                           str(runs), "--out", str(out), "--warmup", str(WARMUP)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert_table_matches_runs(runs, out, sorted(jobs), NODES * RANKS_PER_NODE, STEPS, WARMUP)
+    assert_table_matches_runs(runs, out, names, NODES * RANKS_PER_NODE, STEPS, WARMUP)
 
 
 def assert_table_matches_runs(runs: Path, out: Path, names: list, world: int, steps: int, warmup: int):

@@ -115,7 +115,10 @@ def run_stream(train, steps: range, dp: int, **start) -> list[torch.Tensor]:
                              f"data.num_workers={start.pop('workers', 0)}"])
     ranks = [Batches(train, cfg.train, cfg.data, SimpleNamespace(dp_rank=r, grad_accum=2, device=torch.device("cpu")), **start)
              for r in range(dp)]
-    return [batches.get(step, micro) for step in steps for batches in ranks for micro in range(2)]
+    out = [batches.get(step, micro) for step in steps for batches in ranks for micro in range(2)]
+    for batches in ranks:
+        batches.close()
+    return out
 
 
 @pytest.mark.parametrize("workers", [0, 2])
