@@ -89,6 +89,9 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     out["padded_numels"] = {name: g.layout.padded_numel for name, g in engine.groups.items()}
     out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
     out["activations"] = activations.report() if activations else {}
+    from megatron.core import parallel_state
+    # megatron's gloo copy of each DP group (a full TCP mesh at start-up, a polling thread a rank): never read here
+    out["megatron_gloo_dp_group"] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
     dist.barrier()
     return out
 

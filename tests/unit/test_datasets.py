@@ -1,5 +1,6 @@
 """Tests GPT samples through megatron-core: Megatron's samples token for token, blends, splits, resume position."""
 import json
+import multiprocessing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -118,6 +119,7 @@ def run_stream(train, steps: range, dp: int, **start) -> list[torch.Tensor]:
     out = [batches.get(step, micro) for step in steps for batches in ranks for micro in range(2)]
     for batches in ranks:
         batches.close()
+    assert multiprocessing.active_children() == []  # close() ended the workers now, not at garbage collection
     return out
 
 
