@@ -6,8 +6,9 @@ collective timeouts) leave the CPU idle; run in series with the CPU-bound tiers 
 waiting lane's is printed when both have ended, then one closing line with the totals. The exit code is non-zero
 when either lane failed. Arguments after `--` go to both pytest runs (e.g. `-k resume`, `-x`).
 
-The waiting lane alone would end minutes before the compute lane, a core idle from then on: files marked
-`side_lane` (CPU-bound ones, a few minutes of the compute lane's time) run in it, so both lanes end together.
+The compute lane runs on COMPUTE_WORKERS pytest-xdist workers, a whole file at a time (`--dist loadfile`: a file's
+module fixtures and the dist tier's session cache of reference runs stay in one worker), each taking the next file
+when it is free: a 2-core machine is busy for the whole suite, instead of idling once the waiting lane has ended.
 
     python tools/run_suite.py [--serial] [-- PYTEST_ARGS...]
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "-m", "pytest", "-q", "-rs", "--timeout", "900"]
+COMPUTE_WORKERS = 2  # pytest-xdist workers of the compute lane
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
@@ -42,10 +44,11 @@ def main(argv=None) -> int:
         return subprocess.call(BASE + ["tests"] + args.pytest_args, cwd=REPO)
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as waits_log:
-        waits = subprocess.Popen(BASE + ["-m", "waits or side_lane", "tests"] + args.pytest_args, cwd=REPO,
+        waits = subprocess.Popen(BASE + ["-m", "waits", "tests"] + args.pytest_args, cwd=REPO,
                                  stdout=waits_log, stderr=subprocess.STDOUT, text=True)
         # Stream the compute lane live (CI logs and terminals both want progress), keeping a copy to count.
-        proc = subprocess.Popen(BASE + ["-m", "not waits and not side_lane", "tests"] + args.pytest_args, cwd=REPO,
+        compute = BASE + ["-n", str(COMPUTE_WORKERS), "--dist", "loadfile", "-m", "not waits", "tests"]
+        proc = subprocess.Popen(compute + args.pytest_args, cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         compute_text = []
         for line in proc.stdout:
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
         waits_rc = waits.wait()
         waits_log.seek(0)
         waits_text = waits_log.read()
-    print("\n---- the waiting lane (-m 'waits or side_lane': Slurm tier, fail-fast timeouts, balancing files) ----")
+    print("\n---- the waiting lane (-m waits: Slurm tier, fail-fast timeouts) ----")
     sys.stdout.write(waits_text)
     counts = {}
     for lane in ("".join(compute_text), waits_text):

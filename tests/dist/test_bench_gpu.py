@@ -6,10 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.side_lane  # CPU-bound: run beside the Slurm tier (tools/run_suite.py)
-
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -15,8 +15,6 @@ import pytest
 import ranks  # noqa: F401 - megatron imported before the forks below
 from local_ranks import free_port
 
-pytestmark = pytest.mark.side_lane  # CPU-bound: run beside the Slurm tier (tools/run_suite.py)
-
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
          "model.vocab_size=512", "train.micro_batch_size=2", "train.global_batch_size=8", "train.eval_interval=0",

@@ -13,8 +13,6 @@ from pretrain.probe.rank import probe_rank, run_rank_steps
 from pretrain.runtime.topology import init_topology
 from ranks import run_ranks
 
-pytestmark = pytest.mark.side_lane  # CPU-bound: run beside the Slurm tier (tools/run_suite.py)
-
 TP, DP = 2, 2
 LAYOUT = [f"parallel.tensor={TP}", "train.global_batch_size=8", "model.num_layers=2", "model.hidden_size=64",
           "model.seq_length=32", "model.vocab_size=256"]
