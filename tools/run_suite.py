@@ -6,10 +6,6 @@ collective timeouts) leave the CPU idle; run in series with the CPU-bound tiers 
 waiting lane's is printed when both have ended, then one closing line with the totals. The exit code is non-zero
 when either lane failed. Arguments after `--` go to both pytest runs (e.g. `-k resume`, `-x`).
 
-The compute lane runs on COMPUTE_WORKERS pytest-xdist workers, a whole file at a time (`--dist loadfile`: a file's
-module fixtures and the dist tier's session cache of reference runs stay in one worker), each taking the next file
-when it is free: a 2-core machine is busy for the whole suite, instead of idling once the waiting lane has ended.
-
     python tools/run_suite.py [--serial] [-- PYTEST_ARGS...]
 """
 import argparse
@@ -22,7 +18,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "-m", "pytest", "-q", "-rs", "--timeout", "900"]
-COMPUTE_WORKERS = 2  # pytest-xdist workers of the compute lane
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
@@ -47,8 +42,7 @@ def main(argv=None) -> int:
         waits = subprocess.Popen(BASE + ["-m", "waits", "tests"] + args.pytest_args, cwd=REPO,
                                  stdout=waits_log, stderr=subprocess.STDOUT, text=True)
         # Stream the compute lane live (CI logs and terminals both want progress), keeping a copy to count.
-        compute = BASE + ["-n", str(COMPUTE_WORKERS), "--dist", "loadfile", "-m", "not waits", "tests"]
-        proc = subprocess.Popen(compute + args.pytest_args, cwd=REPO,
+        proc = subprocess.Popen(BASE + ["-m", "not waits", "tests"] + args.pytest_args, cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         compute_text = []
         for line in proc.stdout:
