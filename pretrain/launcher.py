@@ -132,7 +132,14 @@ def main(argv=None) -> int:
     for local in range(args.nproc_per_node):
         procs.append(subprocess.Popen([sys.executable, "-m", "pretrain", *rest], env=rank_env(args, local, port),
                                       preexec_fn=_die_with_parent))
-    return supervise(procs, args.grace_seconds, args.node_rank * args.nproc_per_node)
+    try:
+        return supervise(procs, args.grace_seconds, args.node_rank * args.nproc_per_node)
+    finally:
+        # Every rank has exited: a further Ctrl-C (a user pressing again) has nothing left to stop, and must not
+        # kill the launcher while it exits (status -SIGINT instead of the ranks' code). Ignored, not default:
+        # Python's finalisation keeps an ignored signal ignored.
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The launcher's verdict from its ranks' exit codes, and its flags, without starting a process."""
+import signal
+
 import pytest
 
-from pretrain.launcher import parse_args, supervise
+from pretrain import launcher
+from pretrain.launcher import FORWARDED, parse_args, supervise
 
 
 class Exited:
@@ -53,3 +56,17 @@ def test_bad_flags_are_one_line_before_any_rank_starts(argv, message, capsys):
 def test_every_other_argument_is_the_ranks():
     args, rest = parse_args(["--nproc-per-node", "4", "--config", "configs/tiny.toml", "zero.stage=3", "~data.corpus"])
     assert (args.nproc_per_node, rest) == (4, ["--config", "configs/tiny.toml", "zero.stage=3", "~data.corpus"])
+
+
+def test_a_signal_after_the_ranks_exited_cannot_kill_the_launcher(monkeypatch, capsys):
+    """Ctrl-C pressed again while the launcher exits: ignored (the ranks' 130 stands), not Python's default
+    handling, which finalisation restores and which would end the launcher by SIGINT (status -2)."""
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: Exited(130))
+    before = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    try:
+        assert launcher.main(["--nproc-per-node", "2", "--config", "configs/tiny.toml"]) == 130
+        assert {sig: signal.getsignal(sig) for sig in FORWARDED} == dict.fromkeys(FORWARDED, signal.SIG_IGN)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert "rank 0 exited with code 130" in capsys.readouterr().err
