@@ -321,12 +321,13 @@ def main(argv=None) -> int:
             return 2
     if args.figure is not None or args.all:
         from slurm.sweep import select_sizes
+        found = figure_runs(args.figure, runs_dir=Path(args.runs_dir))
         try:
-            picked = select_sizes([cfg for _, cfg in figure_runs(args.figure)], args.sizes.split(",") if args.sizes else None)
+            picked = select_sizes([cfg for _, cfg in found], args.sizes.split(",") if args.sizes else None)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        runs += [(d, cfg) for d, cfg in figure_runs(args.figure, runs_dir=Path(args.runs_dir)) if cfg in picked]
+        runs += [(d, cfg) for d, cfg in found if cfg in picked]
     elif args.sizes:
         parser.error("--sizes picks rows of --figure N, --all or --predict")
     if not runs:
