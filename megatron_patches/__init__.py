@@ -1,6 +1,7 @@
-"""The only place zero3d patches megatron-core: CPU/gloo mode (cpu.py), and its import made lean (lean.py)."""
+"""The only place zero3d patches megatron-core: CPU/gloo mode (cpu.py, groups.py) and its import made lean (lean.py)."""
 from megatron_patches.cpu import (apply_cpu_patches, cpu_patches_applied, tied_embeddings_stay_on_cpu,
                                   undo_cpu_patches)
+from megatron_patches.groups import destroy_megatron_groups, one_gloo_group_per_rank_set
 from megatron_patches.version import MEGATRON_TESTED, check_megatron_version
 
 
@@ -13,5 +14,5 @@ def apply(device_type: str) -> None:
         apply_cpu_patches()
 
 
-__all__ = ["apply", "apply_cpu_patches", "undo_cpu_patches", "cpu_patches_applied",
-           "tied_embeddings_stay_on_cpu", "check_megatron_version", "MEGATRON_TESTED"]
+__all__ = ["apply", "apply_cpu_patches", "undo_cpu_patches", "cpu_patches_applied", "tied_embeddings_stay_on_cpu",
+           "one_gloo_group_per_rank_set", "destroy_megatron_groups", "check_megatron_version", "MEGATRON_TESTED"]

@@ -14,7 +14,7 @@ from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",
         "optimizer.warmup_steps=0", "optimizer.lr=1e-3", "optimizer.min_lr=1e-3", "logging.wandb=false",
-        "zero.bucket_elements=1000"]
+        "zero.bucket_elements=4000"]
 
 
 class SyntheticTokens:

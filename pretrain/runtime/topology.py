@@ -1,4 +1,5 @@
 """Process layout: torch.distributed from torchrun or Slurm, then megatron's TP × PP × DP groups."""
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -89,10 +90,11 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
                                 timeout=collective_timeout(cfg))
     dist.distributed_c10d._get_default_store().set(f"{NODE_KEY}{launch['rank']}", node_name())  # for lost_peers
     # megatron converts with timedelta(minutes=...), so a fraction of a minute passes through.
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
-                                             pipeline_model_parallel_size=cfg.parallel.pipeline,
-                                             distributed_timeout_minutes=cfg.train.timeout_minutes,
-                                             create_gloo_process_groups=False)
+    with contextlib.nullcontext() if use_cuda else megatron_patches.one_gloo_group_per_rank_set():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
+                                                 pipeline_model_parallel_size=cfg.parallel.pipeline,
+                                                 distributed_timeout_minutes=cfg.train.timeout_minutes,
+                                                 create_gloo_process_groups=False)
     # megatron seeds only the CUDA generators: the CPU one is seeded here, identically on every rank.
     torch.manual_seed(cfg.train.seed)
     model_parallel_cuda_manual_seed(cfg.train.seed)
@@ -140,6 +142,11 @@ def lost_peers(wait_s: float = LOST_PEER_WAIT_S) -> str:
     for r, node in nodes.items():
         by_node.setdefault(node, []).append(str(r))
     return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} on {node}" for node, rs in by_node.items())
+
+
+def destroy_model_parallel_groups() -> None:
+    """megatron's groups ended, the world group kept: for a process that builds another layout next."""
+    megatron_patches.destroy_megatron_groups()
 
 
 def destroy_topology() -> None:

@@ -86,7 +86,7 @@ def normalised_rank(rank, world_size):
     """PP 1 × DP 2 (2 micro-batches a rank) and PP 2 × DP 1 (4 micro-batches) on the same 4 micro-batches and
     weights: the step's loss, and at DP 2 its gradient, against the mean over non-EOD inputs computed by hand."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from pretrain.runtime.topology import destroy_model_parallel_groups
 
     import zero3d
     from gpt_harness import BASE
@@ -120,7 +120,7 @@ def normalised_rank(rank, world_size):
         p.grad /= topo.dp
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     mean_of_means = sum(float((t * m).sum() / m.sum()) for t, m in zip(per_token, masks)) / len(masks)
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
 
     cfg = load_config(None, BASE + keys + ["parallel.pipeline=2"])
     topo = init_topology(cfg)

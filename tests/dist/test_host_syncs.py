@@ -70,7 +70,7 @@ def no_cuda_syncs():
 
 def syncs_rank(rank, world_size, steps=2):
     import zero3d
-    from megatron.core import parallel_state
+    from pretrain.runtime.topology import destroy_model_parallel_groups
     from pretrain.config import load_config
     from pretrain.model import activation_checkpointing, build_model, parallel_groups
     from pretrain.runtime.topology import init_topology
@@ -104,7 +104,7 @@ def syncs_rank(rank, world_size, steps=2):
                          losses=losses_by_path, stops=stops, written=written,
                          optimizer_tensors=sum(len(g["params"]) for g in engine.optimizer.param_groups),
                          fused=engine.optimizer.defaults.get("fused") or False)
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel_groups()
     return out
 
 

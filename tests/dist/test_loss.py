@@ -11,7 +11,7 @@ CHUNKS = (0, 5, 1024)  # 0: megatron's loss; 5: 7 uneven chunks of the 32 tokens
 
 
 def loss_rank(rank, world_size):
-    from megatron.core import parallel_state
+    from pretrain.runtime.topology import destroy_model_parallel_groups
 
     from pretrain.config import load_config
     from pretrain.model import build_model, gpt_inputs
@@ -37,7 +37,7 @@ def loss_rank(rank, world_size):
             runs[chunk] = dict(loss=per_token.detach(),
                                largest_saved=max([s.numel() for s in saved if s[-1] == vocab_slice] or [0]),
                                grads={n: p.grad.clone() for n, p in model.named_parameters()})
-            parallel_state.destroy_model_parallel()
+            destroy_model_parallel_groups()
         out.append(dict(tp=tp, extra=extra, runs=runs, vocab_slice=vocab_slice,
                         tokens=labels.numel()))
     return out

@@ -25,7 +25,7 @@ def _all_runs(rank, world_size):
     """Every configuration in one launch (torch and megatron imported once): the node topology's groups
     as built for a node-aware mode, then each run of RUNS, megatron's groups rebuilt between them."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from pretrain.runtime.topology import destroy_model_parallel_groups
 
     from pretrain.config import load_config
     from pretrain.runtime.topology import init_topology
@@ -33,11 +33,11 @@ def _all_runs(rank, world_size):
     node = {"dp_global_ranks": list(topo.node.dp_global_ranks), "dp_rank": topo.dp_rank, "node": topo.node.node,
             "intra": dist.get_process_group_ranks(topo.node.intra_group),
             "inter": dist.get_process_group_ranks(topo.node.inter_group)}
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel_groups()
     out = {"node": node}
     for name, overrides in RUNS.items():
         out[name] = run_gpt_steps(rank, world_size, list(COMMON) + list(overrides), STEPS)
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel_groups()
     return out
 
 

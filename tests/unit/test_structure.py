@@ -185,10 +185,11 @@ def test_megatron_internals_only_in_patches_and_model():
 
 
 def test_megatron_patches_stay_small():
-    """The CPU patches and version check within 150 lines; the lean import (lean.py) within 70 more."""
+    """The CPU patches, the gloo groups and the version check within 200 lines; the lean import (lean.py) within
+    70 more."""
     files = {p.name: len(p.read_text().splitlines()) for p in (REPO / "megatron_patches").glob("*.py")}
     lean = files.pop("lean.py")
-    assert sum(files.values()) <= 150 and lean <= 70, f"megatron_patches/: {files}, lean.py {lean} lines"
+    assert sum(files.values()) <= 200 and lean <= 70, f"megatron_patches/: {files}, lean.py {lean} lines"
 
 
 def test_cuda_mode_patches_nothing_and_cpu_mode_is_undone():

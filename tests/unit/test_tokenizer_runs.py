@@ -9,11 +9,11 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_fork import run_pretrain_cli
 from pretrain.data import preprocess as preprocess_cli
 from pretrain.data.datasets import identity_path
 from pretrain.data.tokenizer import train_tokenizer
@@ -70,10 +70,10 @@ def tokenizers(files, tmp_path_factory):  # noqa: F811
 
 
 def run_pretrain(args: list[str]) -> subprocess.CompletedProcess:
-    """The real command, one process (one thread), from the repository root, no launcher variables."""
+    """The real command (its __main__, forked from a process that imported torch once: tests/cli_fork.py), one
+    process (one thread), from the repository root, no launcher variables."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "pretrain", *TINY, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return run_pretrain_cli([*TINY, *args], env, REPO, timeout=300)
 
 
 def snapshot(run_dir: Path) -> dict:

@@ -1,0 +1,77 @@
+"""`python -m pretrain ARGS` run as the command runs, forked from a server that imported torch and megatron once.
+
+A fresh interpreter spends ~5 s of CPU importing them before the first line of a one-step run; the
+forkserver process (multiprocessing's, preloading this module) pays that once per test process. Each run is
+a fork of that clean server, never of pytest's process: `pretrain/__main__.py` executes as `__main__` (its
+warning filters and signal mask included) with the arguments, environment and working directory given, its
+stdout and stderr written to files, its exit status returned.
+"""
+import multiprocessing as mp
+import multiprocessing.forkserver
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+with warnings.catch_warnings():  # megatron's import-time warnings (apex / Transformer Engine absent): not a run's
+    warnings.simplefilter("ignore")
+    import pretrain.train  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the optimizer's first step imports it)
+
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["cli_fork"])
+
+
+def _start_server() -> None:
+    """The server started with this folder importable (Python 3.11's forkserver ignores the parent's sys.path and
+    skips a preload it cannot import: every run would import torch again)."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), before) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+
+
+def _child(argv, env, cwd, out_path, err_path):
+    import runpy
+    code = 1
+    try:
+        for fd, path in ((1, out_path), (2, err_path)):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdout = open(1, "w", closefd=False, buffering=1)
+        sys.stderr = open(2, "w", closefd=False, buffering=1)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = ["pretrain", *argv]
+        runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - what an interpreter prints for an uncaught exception
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_pretrain_cli(argv: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """The command's exit status, stdout and stderr; a run past `timeout` seconds is killed and raises."""
+    _start_server()
+    with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = _CONTEXT.Process(target=_child, args=(list(argv), dict(env), str(cwd), out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["python", "-m", "pretrain", *argv], timeout)
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess(["python", "-m", "pretrain", *argv], proc.exitcode, o.read(), e.read())
