@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
-from zero3d.analysis.flops import gpt_flops_per_step  # noqa: E402
+from zero3d.analysis.flops import gpt_step_flops  # noqa: E402
 
 SHAPE = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
@@ -96,8 +96,8 @@ def timed(step, steps: int, warmup: int, device) -> float:
 
 def row(label: str, step_s: float, shape: dict, device, loss: float) -> dict:
     tokens = shape["micro"] * shape["seq"]
-    flops = gpt_flops_per_step(shape["layers"], shape["hidden"], shape["seq"], padded_vocab(shape["vocab"]),
-                               shape["micro"], recompute=False)
+    flops = gpt_step_flops(shape["layers"], shape["hidden"], shape["seq"], padded_vocab(shape["vocab"]),
+                           shape["micro"], recompute=False, num_attention_heads=shape["heads"])
     perf = throughput_metrics(step_s, tokens, 1, flops, device_peak_tflops(device.type, shape["dtype"]))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {"row": label, "step_s": step_s, "tokens_per_s": perf["perf/tokens_per_s"],

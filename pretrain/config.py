@@ -25,11 +25,19 @@ class OptimizerConfig(engine_config.OptimizerConfig):
     beta2: float = 0.95
     clip_grad: float = 1.0
     min_lr: float = 1e-4
-    """The learning rate the cosine decay ends at, in [0, lr]."""
+    """The learning rate the decay ends at, in [0, lr]."""
     warmup_steps: int = 5
     """Steps of linear warmup from lr / warmup_steps to lr."""
     decay_steps: Optional[int] = None
-    """Step at which the cosine decay reaches min_lr (held there after); unset: train.steps."""
+    """Step at which the decay reaches min_lr (held there after); unset: train.steps."""
+    schedule: Literal["cosine", "linear", "constant", "wsd", "inverse_sqrt"] = "cosine"
+    """After the warmup (pretrain/schedule.py): cosine or linear to min_lr at decay_steps; constant; inverse_sqrt
+    (lr · √(warmup_steps / step), not below min_lr); wsd: warmup-stable-decay, lr held, then decayed over the last
+    decay_fraction of the steps to decay_steps."""
+    decay_fraction: float = 0.2
+    """wsd only: the share of the steps after the warmup (to decay_steps) spent decaying, in (0, 1]."""
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    """wsd only: the decay's shape (1-sqrt: Hägele et al. 2024)."""
 
 
 @dataclass
@@ -285,6 +293,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(o.warmup_steps >= 0, f"optimizer.warmup_steps = {o.warmup_steps} must be >= 0")
     _require(o.decay_steps is None or o.decay_steps >= 1,
              f"optimizer.decay_steps = {o.decay_steps} is invalid; must be >= 1 (or unset: train.steps)")
+    _require(0 < o.decay_fraction <= 1, f"optimizer.decay_fraction = {o.decay_fraction} is invalid; must be in (0, 1]")
+    for key in ("decay_fraction", "decay_shape"):
+        _require(o.schedule == "wsd" or not cfg.is_set(f"optimizer.{key}"),
+                 f"optimizer.{key} is set but optimizer.schedule = {o.schedule!r} does not use it (only 'wsd' "
+                 f"does); remove it or set optimizer.schedule = \"wsd\"")
     _check_irrelevant(cfg)
     evaluating, d = t.eval_interval > 0, cfg.data
     _require(not (d.reset_attention_mask and m.attention == "te"),

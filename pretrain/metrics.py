@@ -1,16 +1,17 @@
-"""Training-loop metrics: throughput and MFU (FLOPs: zero3d.analysis.flops), memory, and the console/JSONL/W&B sinks."""
+"""Training-loop metrics: throughput, MFU and HFU (FLOPs: zero3d.analysis.flops), memory, and the console/JSONL/W&B sinks."""
 import json
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import psutil
 import torch
 
 from zero3d.analysis.cluster import GPU_KINDS
+from zero3d.analysis.flops import StepFlops
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU, bf16/fp16 tensor-core and plain fp32 (what fp32 matmuls get with
@@ -55,56 +56,21 @@ def device_peak_tflops(device_type: str, dtype: str) -> Optional[float]:
 
 
 def throughput_metrics(step_time_s: float, tokens_per_step: int, world_size: int,
-                       flops_per_step: float, peak: Optional[float]) -> dict:
-    """tokens/s, TFLOP/s per GPU (= FLOPs / time / world / 1e12) and MFU (= that / peak, if known)."""
-    tflops_per_gpu = flops_per_step / step_time_s / world_size / 1e12
+                       flops: StepFlops, peak: Optional[float]) -> dict:
+    """tokens/s; TFLOP/s per GPU (hardware FLOPs, recomputation included: the paper's convention) and the model
+    FLOPs' (each matmul of forward and backward once); MFU and HFU (each / the dense peak, if known)."""
+    hardware = flops.hardware / step_time_s / world_size / 1e12
+    model = flops.model / step_time_s / world_size / 1e12
     record = {
         "perf/step_time_s": step_time_s,
         "perf/tokens_per_s": tokens_per_step / step_time_s,
-        "perf/tflops_per_gpu": tflops_per_gpu,
+        "perf/tflops_per_gpu": hardware,
+        "perf/model_tflops_per_gpu": model,
     }
     if peak is not None:
-        record["perf/mfu"] = tflops_per_gpu / peak
+        record["perf/mfu"] = model / peak
+        record["perf/hfu"] = hardware / peak
     return record
-
-
-class StepTimer:
-    """Mean wall time per step over the steps since the last report, turned into throughput metrics."""
-
-    def __init__(self, tokens_per_step: int, flops_per_step: float, world_size: int,
-                 peak: Optional[float], device_type: str = "cpu",
-                 clock: Callable[[], float] = time.perf_counter):
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_step = flops_per_step
-        self.world_size = world_size
-        self.peak = peak
-        self.device_type = device_type
-        self.clock = clock
-        self._start = None
-        self._steps = 0
-
-    def _now(self) -> float:
-        # Kernels run asynchronously: without a sync the clock would stop before the GPU does.
-        if self.device_type == "cuda":
-            torch.cuda.synchronize()
-        return self.clock()
-
-    def start(self) -> None:
-        self._start = self._now()
-        self._steps = 0
-
-    def step(self) -> None:
-        self._steps += 1
-
-    def report(self) -> dict:
-        """Throughput over the steps counted since start()/the last report; restarts the interval."""
-        if self._start is None or self._steps == 0:
-            raise RuntimeError("StepTimer.report() needs start() and at least one step()")
-        now = self._now()
-        record = throughput_metrics((now - self._start) / self._steps, self.tokens_per_step,
-                                    self.world_size, self.flops_per_step, self.peak)
-        self._start, self._steps = now, 0
-        return record
 
 
 def memory_report(device_type: str, state_bytes: dict[str, int]) -> dict:
@@ -129,8 +95,8 @@ def format_record(record: dict) -> str:
               ("train/loss_scale", "scale", "{:.0f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
               ("perf/tflops_per_gpu", "TFLOP/s/GPU", "{:.3g}")]
     parts = [f"{label} {fmt.format(record[key])}" for key, label, fmt in fields if key in record]
-    if "perf/mfu" in record:
-        parts.append(f"MFU {100 * record['perf/mfu']:.1f}%")
+    parts += [f"{label} {100 * record[key]:.1f}%" for key, label in (("perf/mfu", "MFU"), ("perf/hfu", "HFU"))
+              if key in record]
     memory = record.get("mem/max_allocated_bytes", record.get("mem/rss_bytes"))
     if memory is not None:
         parts.append(f"mem {memory / 2**30:.2f} GiB")

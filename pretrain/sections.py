@@ -7,7 +7,7 @@ from typing import ClassVar, Literal, Optional
 from pretrain.blend import Blend, parse_blend, parse_split
 from pretrain.errors import ConfigError
 from zero3d.analysis.estimate import GIB, VOCAB_DIVISIBLE_BY, padded_vocab
-from zero3d.analysis.flops import gpt_flops_per_step
+from zero3d.analysis.flops import StepFlops, gpt_step_flops
 
 
 def require(ok: bool, message: str) -> None:
@@ -92,10 +92,11 @@ class ModelConfig(Section):
         """Megatron's rule (zero3d.analysis.estimate.padded_vocab): a multiple of divisible_by × TP."""
         return padded_vocab(self.vocab_size, tensor_parallel, self.make_vocab_size_divisible_by)
 
-    def flops_per_step(self, tensor_parallel: int, global_batch: int) -> float:
-        """Model FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
-        return gpt_flops_per_step(self.num_layers, self.hidden_size, self.seq_length,
-                                  self.padded_vocab_size(tensor_parallel), global_batch, self.recompute == "full")
+    def flops_per_step(self, tensor_parallel: int, global_batch: int) -> StepFlops:
+        """Model and hardware FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
+        return gpt_step_flops(self.num_layers, self.hidden_size, self.seq_length,
+                              self.padded_vocab_size(tensor_parallel), global_batch, self.recompute == "full",
+                              ffn_hidden=self.ffn_size, num_attention_heads=self.num_attention_heads)
 
     @property
     def ffn_size(self) -> int:

@@ -56,6 +56,8 @@ def summary_from_records(records: list, warmup: int, world_size: int) -> dict:
         "summary/tokens_per_s": _median(measured, "perf/tokens_per_s"),
         "summary/step_time_s": _median(measured, "perf/step_time_s"),
         "summary/mfu": _median(measured, "perf/mfu"),
+        "summary/hfu": _median(measured, "perf/hfu"),
+        "summary/model_tflops_per_gpu": _median(measured, "perf/model_tflops_per_gpu"),
         "summary/peak_mem_bytes": max((p for p in peaks if p is not None), default=None),
         "summary/peak_reserved_bytes": max(reserved, default=None),
         "summary/comm_elements_per_step": _median(measured, "comm/total/elements"),

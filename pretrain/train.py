@@ -13,7 +13,9 @@ import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
 from pretrain.config import Config
+from pretrain.schedule import lr_at  # noqa: F401 - tests replace pretrain.train.lr_at
 from pretrain.sections import TrainConfig
+from zero3d.analysis.flops import StepFlops
 from pretrain.data.batch import collate, loss_tokens, to_device
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import from_rank0
@@ -30,16 +32,6 @@ from pretrain.runtime.status import record_failure, write_status
 from pretrain.runtime.topology import Topology, init_topology, launcher_env, lost_peers
 from pretrain.runtime.lifecycle import abort_now, resume_line, say, start_run, start_watchdog
 from pretrain.runtime.watchdog import Watchdog
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warmup to optimizer.lr, then cosine decay to optimizer.min_lr (step is 0-based)."""
-    o = cfg.optimizer
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    decay_steps = o.decay_steps or cfg.train.steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, decay_steps - o.warmup_steps))
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
@@ -279,7 +271,7 @@ class LoopParts:
     checkpoints: Checkpointer
     layout: dict
     identity: dict
-    flops_per_step: float
+    flops_per_step: StepFlops
     peak: Optional[float]
     stragglers: Stragglers
 

@@ -94,7 +94,7 @@ def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, st
         return row
     rec = last_record(run_dir)
     row.update(loss=rec.get("train/loss"), step_s=rec.get("perf/step_time_s"),
-               tflops=rec.get("perf/tflops_per_gpu"), mfu=rec.get("perf/mfu"),
+               tflops=rec.get("perf/tflops_per_gpu"), mfu=rec.get("perf/mfu"), hfu=rec.get("perf/hfu"),
                max_allocated=rec.get("mem/max_allocated_bytes"), loss_scale=rec.get("train/loss_scale"))
     return row
 
@@ -121,6 +121,7 @@ def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, over
     row["step_s"] = (out.get("timing") or {}).get("compute_s_per_step")
     row["tflops"] = (out.get("timing") or {}).get("tflops_per_rank_measured")
     row["mfu"] = (out.get("timing") or {}).get("mfu")
+    row["hfu"] = (out.get("timing") or {}).get("hfu")
     row["predicted_job_tflops"] = (out.get("timing") or {}).get("predicted_job_tflops_per_gpu")
     row["phase_s"] = (out.get("timing") or {}).get("phase_s_per_step")
     return row
@@ -147,26 +148,28 @@ def write_report(path: Path, info: dict, rows: list, skipped: list, started: flo
              f"NCCL {info['nccl']}, megatron-core {info['megatron_core']}, Transformer Engine "
              f"{'importable' if info['transformer_engine'] else 'not importable'}; "
              f"total wall {time.perf_counter() - started:.0f} s.", "",
-             "| row | world | rc | loss | loss scale | step s | TFLOP/s/GPU | MFU | max allocated GiB | wall s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | world | rc | loss | loss scale | step s | TFLOP/s/GPU | MFU | HFU | max allocated GiB | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["row"].startswith("probe"):
             continue
         lines.append(f"| {r['row']} | {r['world']} | {r['rc']} | {fmt(r.get('loss'), '.4f')} | "
                      f"{fmt(r.get('loss_scale'), 'g')} | {fmt(r.get('step_s'), '.4f')} | {fmt(r.get('tflops'), '.3g')} | "
-                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r['max_allocated'] / 2**30 if r.get('max_allocated') else None, '.2f')} | "
+                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('hfu'), '.1%')} | "
+                     f"{fmt(r['max_allocated'] / 2**30 if r.get('max_allocated') else None, '.2f')} | "
                      f"{r['wall_s']:.0f} |" + (f" error: {r['error'][0]}" if "error" in r else ""))
-    lines += ["", "| probe | rc | peak GB | peak phase | compute s/step | TFLOP/s rank | MFU | predicted job TFLOP/s/GPU | "
-              "phase s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| probe | rc | peak GB | peak phase | compute s/step | TFLOP/s rank | MFU | HFU | predicted job TFLOP/s/GPU | "
+              "phase s | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["row"].startswith("probe"):
             continue
         phases = ", ".join(f"{k} {v:.2f}" for k, v in (r.get("phase_s") or {}).items()) or "—"
         lines.append(f"| {r['row']} | {r['rc']} | {fmt(r['peak_bytes'] / 1e9 if r.get('peak_bytes') else None, '.2f')} | "
                      f"{r.get('peak_phase') or '—'} | {fmt(r.get('step_s'), '.3f')} | {fmt(r.get('tflops'), '.1f')} | "
-                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('predicted_job_tflops'), '.1f')} | {phases} | "
+                     f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('hfu'), '.1%')} | {fmt(r.get('predicted_job_tflops'), '.1f')} | "
+                     f"{phases} | "
                      f"{r['wall_s']:.0f} |")
-        lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} |||||||||")
+        lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} ||||||||||")
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
     if bench:

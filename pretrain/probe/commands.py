@@ -27,11 +27,11 @@ def timing_report(cfg: Config, world: int, run) -> dict:
     predicted = compute + sum(per_step_comm.values())
     peak = metrics.device_peak_tflops("cuda" if run.cuda_max_allocated is not None else "cpu",
                                       cfg.precision.dtype)
-    tflops = flops / world / compute / 1e12
+    tflops, model_tflops = flops.hardware / world / compute / 1e12, flops.model / world / compute / 1e12
     return {"compute_s_per_step": compute, "phase_s_per_step": {k: v / run.steps for k, v in run.phase_seconds.items()},
-            "tflops_per_rank_measured": tflops, "mfu": tflops / peak if peak else None,
-            "comm_s_per_step": per_step_comm, "predicted_job_step_s": predicted,
-            "predicted_job_tflops_per_gpu": flops / world / predicted / 1e12}
+            "tflops_per_rank_measured": tflops, "mfu": model_tflops / peak if peak else None,
+            "hfu": tflops / peak if peak else None, "comm_s_per_step": per_step_comm, "predicted_job_step_s": predicted,
+            "predicted_job_tflops_per_gpu": flops.hardware / world / predicted / 1e12}
 
 
 def probe_command(cfg: Config, world: int, args) -> int:
@@ -96,7 +96,7 @@ def format_probe(out: dict, run, rows: list) -> str:
         t = out["timing"]
         lines += ["", "timing per step (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t["phase_s_per_step"].items()),
                   f"measured compute {t['compute_s_per_step']:.3f} s/step = {t['tflops_per_rank_measured']:.3g} "
-                  f"TFLOP/s on this rank" + (f", MFU {t['mfu']:.1%}" if t["mfu"] else " (no peak known: CPU)"),
+                  f"TFLOP/s on this rank" + (f", MFU {t['mfu']:.1%}, HFU {t['hfu']:.1%}" if t["mfu"] else " (no peak known: CPU)"),
                   "α-β collectives per step: " + (", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
                                                              t["comm_s_per_step"].items()) or "none"),
                   f"predicted job step {t['predicted_job_step_s']:.3f} s = "

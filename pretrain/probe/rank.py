@@ -12,7 +12,8 @@ import torch.distributed as dist
 import megatron_patches
 from pretrain.config import Config, ConfigError, validate_layout
 from pretrain.runtime.topology import Topology
-from pretrain.train import Batches, build_and_wrap, forward_backward, lr_at
+from pretrain.schedule import lr_at
+from pretrain.train import Batches, build_and_wrap, forward_backward
 from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
 from zero3d.accounting import step_counter_bytes
 from zero3d.optim import fused_adamw

@@ -104,19 +104,26 @@ def test_offload_through_the_loop(tmp_path, data_cache):
     assert list(nvme_dir.iterdir()) == []
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_resume_continues_exactly(tmp_path, data_cache, stage):
-    """Stop after 3 steps and resume to 6: steps 4-6 equal an uninterrupted 6-step run."""
-    base = SMALL + data_cache + ["parallel.tensor=2", f"zero.stage={stage}", "train.save_interval=3"]
+WSD_MID_DECAY = ['optimizer.schedule="wsd"', "optimizer.decay_fraction=0.7", 'optimizer.decay_shape="1-sqrt"']
+
+
+@pytest.mark.parametrize("stage, schedule", [(2, []), (3, WSD_MID_DECAY)], ids=["2-cosine", "3-wsd"])
+def test_resume_continues_exactly(tmp_path, data_cache, stage, schedule):
+    """Stop after 3 steps and resume to 6: steps 4-6 equal an uninterrupted 6-step run, their learning rates
+    too (WSD: the resumed steps cross from its stable phase into its decay)."""
+    base = SMALL + data_cache + ["parallel.tensor=2", f"zero.stage={stage}", "train.save_interval=3", *schedule]
     whole, split = tmp_path / "whole", tmp_path / "split"
     run_train(4, base + ["train.steps=6", f"logging.run_dir={json.dumps(str(whole))}"])
     run_train(4, base + ["train.steps=3", "optimizer.decay_steps=6", f"logging.run_dir={json.dumps(str(split))}"])
     run_train(4, base + ["train.steps=6", f"logging.run_dir={json.dumps(str(split))}"])
-    expected = {r["step"]: r["train/loss"] for r in records(whole)}
-    resumed = {r["step"]: r["train/loss"] for r in records(split)}
+    expected = {r["step"]: (r["train/loss"], r["train/lr"]) for r in records(whole)}
+    resumed = {r["step"]: (r["train/loss"], r["train/lr"]) for r in records(split)}
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == expected[step], step
+    lrs = [expected[step][1] for step in (3, 4, 5, 6)]
+    if schedule:  # WSD over 4 steps after a 2-step warmup: 0.7 × 4 → the last 3 decay (steps 4, 5, 6 logged)
+        assert lrs[0] == lrs[1] > lrs[2] > lrs[3]
 
 
 def wandb_summary(store) -> dict:

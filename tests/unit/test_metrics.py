@@ -5,10 +5,10 @@ import json
 import pytest
 
 from pretrain import metrics
-from pretrain.metrics import (ConsoleSink, JsonlSink, MetricsLogger, StepTimer, WandbSink,
+from pretrain.metrics import (ConsoleSink, JsonlSink, MetricsLogger, WandbSink,
                               detect_gpu, make_logger, memory_report,
                               peak_tflops, throughput_metrics, wandb_mode)
-from zero3d.analysis.flops import gpt_flops_per_step
+from zero3d.analysis.flops import StepFlops, gpt_flops_per_step, gpt_step_flops, layer_forward_flops_per_token
 
 
 @pytest.fixture
@@ -45,32 +45,37 @@ def test_flops_matches_megatron_closed_form():
     assert gpt_flops_per_step(L, h, s, V, B, recompute=True) == pytest.approx(closed_form, rel=1e-15)
 
 
+def test_layer_flops_for_another_ffn_grouped_query_attention_and_a_gated_mlp_by_hand():
+    # h = 64, 4 heads of d = 16, 2 query groups (K and V 32 wide), ffn 96 gated (three matrices), s = 32:
+    # Q and output 2·64·64 each = 16,384; K and V 2·64·32 each = 8,192; QKᵀ and AV 2·32·64 each = 8,192;
+    # MLP 3 · 2·64·96 = 36,864. Total 69,632 a token.
+    assert layer_forward_flops_per_token(64, 32, ffn_hidden=96, num_attention_heads=4, num_query_groups=2,
+                                         gated_mlp=True) == 69_632
+    # multi-head, ffn = 4h, no gate: Narayanan's 24·h² + 4·s·h
+    assert layer_forward_flops_per_token(64, 32, num_attention_heads=4) == 24 * 64**2 + 4 * 32 * 64
+    # ffn 96 without a gate: the MLP's 2 · 2·64·96 = 24,576 in place of 16·64² = 65,536
+    assert layer_forward_flops_per_token(64, 32, ffn_hidden=96, num_attention_heads=4) == 24 * 64**2 + 4 * 32 * 64 \
+        - 65_536 + 24_576
+    # a step: model = 3 passes of layers and logits; hardware adds one pass of the layers with recompute
+    step = gpt_step_flops(2, 64, 32, 128, 4, recompute=True, ffn_hidden=96, num_attention_heads=4,
+                          num_query_groups=2, gated_mlp=True)
+    layers, logits = 2 * 69_632 * 4 * 32, 2 * 64 * 128 * 4 * 32
+    assert (step.model, step.hardware) == (3 * (layers + logits), 4 * layers + 3 * logits)
+
+
 # ---------------------------------------------------------------- throughput, peaks
 
 
-def test_throughput_tflops_and_mfu():
+def test_throughput_tflops_mfu_and_hfu():
     peak = peak_tflops("H100", "bf16")
     assert peak == 989.0
-    # 7.912e15 FLOPs in 2 s over 8 GPUs: 7.912e15 / 2 / 8 / 1e12 = 494.5 TFLOP/s/GPU = 50% of 989
-    record = throughput_metrics(2.0, 4096, 8, 7.912e15, peak)
-    assert record == {"perf/step_time_s": 2.0, "perf/tokens_per_s": 2048.0,
-                      "perf/tflops_per_gpu": 494.5, "perf/mfu": 0.5}
-    assert "perf/mfu" not in throughput_metrics(2.0, 4096, 8, 7.912e15, None)
-
-
-def test_step_timer_averages_over_the_interval():
-    ticks = iter([10.0, 13.0, 14.0])
-    timer = StepTimer(tokens_per_step=1000, flops_per_step=6e12, world_size=2, peak=None,
-                      clock=lambda: next(ticks))
-    timer.start()
-    for _ in range(3):
-        timer.step()
-    assert timer.report() == {"perf/step_time_s": 1.0, "perf/tokens_per_s": 1000.0,
-                              "perf/tflops_per_gpu": 3.0}
-    timer.step()  # the next interval starts where the last report ended: one step in 1 s
-    assert timer.report()["perf/step_time_s"] == 1.0
-    with pytest.raises(RuntimeError, match="at least one step"):
-        timer.report()
+    # 7.912e15 hardware FLOPs in 2 s over 8 GPUs: 7.912e15 / 2 / 8 / 1e12 = 494.5 TFLOP/s/GPU = 50% of 989;
+    # model FLOPs 3/4 of that (a recomputed forward on top of three passes): 370.875 TFLOP/s, 37.5%
+    record = throughput_metrics(2.0, 4096, 8, StepFlops(model=5_934_000_000_000_000, hardware=7_912_000_000_000_000),
+                                peak)
+    assert record == {"perf/step_time_s": 2.0, "perf/tokens_per_s": 2048.0, "perf/tflops_per_gpu": 494.5,
+                      "perf/model_tflops_per_gpu": 370.875, "perf/mfu": 0.375, "perf/hfu": 0.5}
+    assert not {"perf/mfu", "perf/hfu"} & set(throughput_metrics(2.0, 4096, 8, StepFlops(6, 8), None))
 
 
 @pytest.mark.parametrize("name, key", [
@@ -113,7 +118,7 @@ def test_memory_report_cpu():
 # ---------------------------------------------------------------- sinks
 
 RECORD = {"train/loss": 5.12341, "train/lr": 1e-3, "train/grad_norm": 1.234,
-          "perf/tokens_per_s": 1234.4, "perf/tflops_per_gpu": 0.0123, "perf/mfu": 0.4123,
+          "perf/tokens_per_s": 1234.4, "perf/tflops_per_gpu": 0.0123, "perf/mfu": 0.4123, "perf/hfu": 0.5498,
           "mem/rss_bytes": 3 * 2**29}
 
 
@@ -124,7 +129,7 @@ def test_console_plain_format(capsys):
     sink.close()
     assert capsys.readouterr().out.splitlines() == [
         "step 10/40 | loss 5.1234 | lr 1.0e-03 | grad_norm 1.23 | tok/s 1234 | TFLOP/s/GPU 0.0123"
-        " | MFU 41.2% | mem 1.50 GiB",
+        " | MFU 41.2% | HFU 55.0% | mem 1.50 GiB",
         "step 20/40 | val_loss 4.5000 | scale 65536",
     ]
 

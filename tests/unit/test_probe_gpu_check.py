@@ -27,12 +27,12 @@ def test_eight_gpus_add_nccl_world_8_rows_and_te_when_importable():
 
 def test_report_names_the_gpu_versions_rows_and_skips(tmp_path):
     rows = [{"row": "stage 0, bf16", "world": 1, "rc": 0, "loss": 6.3282, "loss_scale": 1.0, "step_s": 0.02,
-             "tflops": 0.145, "mfu": 0.0001, "max_allocated": 2**30, "wall_s": 30.0},
+             "tflops": 0.145, "mfu": 0.0001, "hfu": 0.0002, "max_allocated": 2**30, "wall_s": 30.0},
             {"row": "probe 100B --real, 32 GB cap", "rc": 1, "peak_bytes": None, "verdict": "verdict: does NOT fit",
              "wall_s": 50.0}]
     out = tmp_path / "report.md"
     gpu_check.write_report(out, INFO, rows, ["probe 60B: time budget"], started=0.0)
     text = out.read_text()
     assert "**NVIDIA H100 80GB HBM3** × 1; torch 2.11.0, CUDA 13.0, NCCL 2.28.9" in text
-    assert "| stage 0, bf16 | 1 | 0 | 6.3282 | 1 | 0.0200 | 0.145 | 0.0% | 1.00 |" in text
+    assert "| stage 0, bf16 | 1 | 0 | 6.3282 | 1 | 0.0200 | 0.145 | 0.0% | 0.0% | 1.00 |" in text
     assert "verdict: does NOT fit" in text and "Skipped: probe 60B: time budget" in text

@@ -81,7 +81,7 @@ def test_engine_imports_no_analysis_pretrain_or_megatron():
 # loop's own step, so it stands above the loop; the command-line entry modules on top, imported by nothing.
 PRETRAIN_FLOORS = (
     ("ground", ("pretrain", "pretrain.config", "pretrain.sections", "pretrain.errors", "pretrain.metrics",
-                "pretrain.summary", "pretrain.blend")),
+                "pretrain.summary", "pretrain.blend", "pretrain.schedule")),
     ("data wing", ("pretrain.data",)),
     ("runtime wing", ("pretrain.runtime",)),
     ("checkpoint wing", ("pretrain.checkpoint",)),

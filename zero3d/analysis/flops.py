@@ -1,25 +1,55 @@
-"""Model FLOPs of a GPT training step (Megatron-LM convention): the one formula the loop, probe and planner use."""
+"""FLOPs of a GPT training step, model and hardware: the one formula the loop, probe, planner and benchmarks use."""
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """One training step's matmul FLOPs, all ranks together."""
+
+    model: int
+    """Forward and backward once (backward = 2 × forward): what MFU divides, as PaLM and torchtitan define it."""
+    hardware: int
+    """model plus the recomputed forward of the transformer layers (`model.recompute = "full"`): the
+    arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU divides it)."""
+
+
+def layer_forward_flops_per_token(hidden: int, seq_length: int, ffn_hidden: Optional[int] = None,
+                                  num_attention_heads: int = 1, num_query_groups: Optional[int] = None,
+                                  gated_mlp: bool = False) -> int:
+    """One transformer layer's forward matmul FLOPs for one token (2 per multiply-add):
+
+      Q and output projections  2·h·h each
+      K and V projections       2·h·(g·d) each, d = h / heads, g = query groups (g = heads: multi-head)
+      scores QKᵀ and AV         2·s·h each (the whole s × s matrix, as Megatron counts it)
+      MLP                       2·h·f per matrix: two (GELU) or three (gated: SwiGLU)
+
+    With f = 4h, multi-head and no gate: 24·h² + 4·s·h, Narayanan et al. 2021's 24·h²·(1 + s/(6h)).
+    Softmax, norms, biases and activations are not counted (under 1% at these shapes)."""
+    ffn = 4 * hidden if ffn_hidden is None else ffn_hidden
+    groups = num_attention_heads if num_query_groups is None else num_query_groups
+    kv_width = hidden // num_attention_heads * groups
+    projections = 2 * hidden * hidden * 2 + 2 * hidden * kv_width * 2
+    attention = 2 * seq_length * hidden * 2
+    mlp = 2 * hidden * ffn * (3 if gated_mlp else 2)
+    return projections + attention + mlp
+
+
+def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: int, global_batch: int,
+                   recompute: bool, ffn_hidden: Optional[int] = None, num_attention_heads: int = 1,
+                   num_query_groups: Optional[int] = None, gated_mlp: bool = False) -> StepFlops:
+    """Model and hardware FLOPs of one step. `vocab_size`: the padded vocabulary (the logit GEMM's width);
+    the logit layer (2·h·V a token) is never recomputed. Integers throughout, so the counts are exact."""
+    tokens = global_batch * seq_length
+    layers = num_layers * layer_forward_flops_per_token(hidden, seq_length, ffn_hidden, num_attention_heads,
+                                                        num_query_groups, gated_mlp) * tokens
+    logits = 2 * hidden * vocab_size * tokens
+    model = 3 * (layers + logits)
+    return StepFlops(model=model, hardware=model + (layers if recompute else 0))
 
 
 def gpt_flops_per_step(num_layers: int, hidden: int, seq_length: int, vocab_size: int,
                        global_batch: int, recompute: bool) -> float:
-    """Model FLOPs of one training step (all ranks together), Megatron-LM convention.
-
-    Narayanan et al. 2021 (eq. 3), with B = global batch, s = sequence, L = layers, h = hidden,
-    V = vocabulary (pass the padded vocabulary: that is the width the logit GEMM computes):
-
-      transformer layers, one forward:  24·B·s·L·h²·(1 + s/(6h))
-      logit layer, one forward:         2·B·s·h·V
-      step = 3 × layers + 3 × logit            (backward = 2 × forward)
-      step = 4 × layers + 3 × logit            with full recomputation
-
-    i.e. 72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V without recomputation, 96·… with it. The recomputed
-    forward is counted, as Megatron's and the ZeRO paper's TFLOP/s are ("hardware FLOPs"); the logit
-    layer is never recomputed. The layer term assumes ffn = 4h and ignores softmax/norms/biases.
-    """
-    # 24·B·s·L·h²·(1 + s/(6h)) = 24·B·s·L·h² + 4·B·s²·L·h, kept in integers so the result is exact.
-    layers_forward = 24 * global_batch * seq_length * num_layers * hidden ** 2 \
-        + 4 * global_batch * seq_length ** 2 * num_layers * hidden
-    logit_forward = 2 * global_batch * seq_length * hidden * vocab_size
-    layer_passes = 4 if recompute else 3
-    return float(layer_passes * layers_forward + 3 * logit_forward)
+    """Hardware FLOPs of a paper-shaped step (ffn = 4h, multi-head): the paper's tables' convention,
+    72·B·s·L·h²·(1 + s/(6h)) + 6·B·s·h·V without recomputation, 96·… with it."""
+    return float(gpt_step_flops(num_layers, hidden, seq_length, vocab_size, global_batch, recompute).hardware)

@@ -1,0 +1,43 @@
+"""The FLOPs formula (zero3d.analysis.flops) against torch's own count of one step of the built model."""
+import pytest
+
+from gpt_harness import BASE
+from ranks import run_ranks
+
+# megatron's local attention: its QKᵀ and AV are aten matmuls the counter sees (it does not count CPU SDPA's fused
+# kernel at all: 11% of this model's FLOPs would go missing)
+SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
+         "model.vocab_size=512", "train.micro_batch_size=2", "train.global_batch_size=2", 'model.attention="local"']
+
+
+def _counted_step(rank, world_size, overrides):
+    """Matmul FLOPs torch's FlopCounterMode sees in one forward and backward of this config's model."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pretrain.config import load_config
+    from pretrain.model import build_model
+    from pretrain.runtime.topology import init_topology
+    cfg = load_config(None, BASE + SHAPE + list(overrides))
+    topo = init_topology(cfg)
+    model = build_model(cfg, topo.device)
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_length
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s))
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(1)  # megatron's: True where attention is masked
+    with FlopCounterMode(display=False) as counter:
+        loss = model(tokens, torch.arange(s).expand(b, s), mask, labels=tokens).sum()
+        loss.backward()
+    flops = cfg.model.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
+    return {"counted": counter.get_total_flops(), "model": flops.model, "hardware": flops.hardware}
+
+
+@pytest.mark.parametrize("overrides", [[], ['model.recompute="full"'], ["model.ffn_hidden_size=96"],
+                                       ["model.ffn_hidden_size=96", 'model.recompute="full"']],
+                         ids=["gpt2", "gpt2-recompute", "ffn-3h/2", "ffn-3h/2-recompute"])
+def test_formula_equals_torch_flop_counter_within_1_percent(overrides):
+    """Forward and backward once, the recomputed forward too where recompute is on: torch's count of what ran is
+    the hardware FLOPs; the model FLOPs are that less one forward of the layers (recompute) or equal to it."""
+    (out,) = run_ranks(_counted_step, 1, overrides, timeout=180)
+    assert out["hardware"] == pytest.approx(out["counted"], rel=0.01)
+    recompute = any("recompute" in o for o in overrides)
+    assert (out["model"] < 0.9 * out["hardware"]) if recompute else (out["model"] == out["hardware"])

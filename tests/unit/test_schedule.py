@@ -1,0 +1,77 @@
+"""Learning-rate schedules (pretrain/schedule.py): every step against its formula, written out here."""
+import math
+
+import pytest
+
+from pretrain.config import ConfigError, load_config
+from pretrain.schedule import lr_at
+
+LR, MIN, WARMUP, STEPS = 3e-3, 3e-4, 10, 100
+BASE = [f"optimizer.lr={LR}", f"optimizer.min_lr={MIN}", f"optimizer.warmup_steps={WARMUP}", f"train.steps={STEPS}"]
+
+
+def cfg_of(*overrides):
+    return load_config(None, BASE + list(overrides))
+
+
+def warmup(step):
+    return LR * (step + 1) / WARMUP
+
+
+def test_cosine_is_the_schedule_runs_had_before_bit_for_bit():
+    """The default: the expression of the loop before schedules were a choice, so existing runs train as before."""
+    cfg = cfg_of("optimizer.decay_steps=80")
+    for step in range(STEPS):
+        progress = min(1.0, (step - WARMUP) / (80 - WARMUP))
+        legacy = warmup(step) if step < WARMUP else MIN + 0.5 * (LR - MIN) * (1.0 + math.cos(math.pi * progress))
+        assert lr_at(step, cfg) == legacy, step
+
+
+def test_linear_constant_and_inverse_sqrt_at_every_step():
+    linear, constant, inv = (cfg_of(f'optimizer.schedule="{s}"') for s in ("linear", "constant", "inverse_sqrt"))
+    for step in range(STEPS):
+        if step < WARMUP:
+            assert lr_at(step, linear) == lr_at(step, constant) == lr_at(step, inv) == warmup(step)
+            continue
+        # linear: from LR at the end of the warmup to MIN at train.steps, a straight line
+        assert lr_at(step, linear) == pytest.approx(LR - (LR - MIN) * (step - WARMUP) / (STEPS - WARMUP), rel=1e-12)
+        assert lr_at(step, constant) == LR
+        # inverse square root: LR at the warmup's last step, LR·√(10/(step+1)) after, floored at MIN
+        assert lr_at(step, inv) == pytest.approx(max(MIN, LR * math.sqrt(WARMUP / (step + 1))), rel=1e-12)
+    assert lr_at(STEPS - 1, inv) > MIN  # √(10/100) · 3e-3 = 9.5e-4: the floor is not what the test sees
+    assert lr_at(10**6, inv) == MIN
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_wsd_warms_up_holds_then_decays_over_its_last_fraction(shape):
+    """90 steps after the warmup, a quarter of them (22.5 → 22) decaying: steps 10..77 at LR, 78..99 decaying
+    to MIN at step 100 (train.steps), in the shape asked for."""
+    cfg = cfg_of('optimizer.schedule="wsd"', "optimizer.decay_fraction=0.25", f'optimizer.decay_shape="{shape}"')
+    start = STEPS - round(0.25 * (STEPS - WARMUP))
+    assert start == 78
+    left = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+            "1-sqrt": lambda p: 1 - math.sqrt(p)}[shape]
+    for step in range(STEPS + 5):
+        if step < WARMUP:
+            expected = warmup(step)
+        elif step < start:
+            expected = LR
+        else:
+            expected = MIN + (LR - MIN) * left(min(1.0, (step - start) / (STEPS - start)))
+        assert lr_at(step, cfg) == pytest.approx(expected, rel=1e-12), step
+    assert lr_at(STEPS, cfg) == MIN
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (['optimizer.schedule="step"'], "optimizer.schedule"),
+    (['optimizer.schedule="wsd"', "optimizer.decay_fraction=0"], "optimizer.decay_fraction = 0"),
+    (['optimizer.schedule="wsd"', "optimizer.decay_fraction=1.5"], "optimizer.decay_fraction = 1.5 is invalid; must be in (0, 1]"),
+    (['optimizer.schedule="wsd"', 'optimizer.decay_shape="exp"'], "optimizer.decay_shape"),
+    (["optimizer.decay_fraction=0.1"], "optimizer.decay_fraction is set but optimizer.schedule = 'cosine' does not use it"),
+    (['optimizer.schedule="linear"', 'optimizer.decay_shape="cosine"'],
+     "optimizer.decay_shape is set but optimizer.schedule = 'linear' does not use it"),
+])
+def test_bad_schedule_settings_are_one_line_naming_the_value(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        cfg_of(*overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
