@@ -1,10 +1,12 @@
-"""`python -m pretrain ARGS` run as the command runs, forked from a server that imported torch and megatron once.
+"""`python -m MODULE ARGS` or `python SCRIPT ARGS` run as the command runs, forked from a server that imported
+torch and megatron once.
 
 A fresh interpreter spends ~5 s of CPU importing them before the first line of a one-step run; the
 forkserver process (multiprocessing's, preloading this module) pays that once per test process. Each run is
-a fork of that clean server, never of pytest's process: `pretrain/__main__.py` executes as `__main__` (its
-warning filters and signal mask included) with the arguments, environment and working directory given, its
-stdout and stderr written to files, its exit status returned.
+a fork of that clean server, never of pytest's process: the module or script executes as `__main__` (e.g.
+`pretrain/__main__.py` with its warning filters and signal mask) with the arguments, environment and working
+directory given (a script's folder first on sys.path, as the interpreter puts it), its stdout and stderr
+written to files, its exit status returned. The modules a command runs as `__main__` are not preloaded.
 """
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -34,7 +36,7 @@ def _start_server() -> None:
         os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
 
 
-def _child(argv, env, cwd, out_path, err_path):
+def _child(args, env, cwd, out_path, err_path):
     import runpy
     code = 1
     try:
@@ -47,11 +49,18 @@ def _child(argv, env, cwd, out_path, err_path):
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        sys.argv = ["pretrain", *argv]
-        runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, int) and stop.code is not None:
+            print(stop.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - what an interpreter prints for an uncaught exception
         import traceback
         traceback.print_exc()
@@ -61,17 +70,24 @@ def _child(argv, env, cwd, out_path, err_path):
         os._exit(code)
 
 
-def run_pretrain_cli(argv: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
-    """The command's exit status, stdout and stderr; a run past `timeout` seconds is killed and raises."""
+def run_python(args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """`python ARGS` (`-m MODULE ...` or `SCRIPT ...`): exit status, stdout and stderr; a run past `timeout`
+    seconds is killed and raises subprocess.TimeoutExpired."""
     _start_server()
+    command = ["python", *args]
     with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = _CONTEXT.Process(target=_child, args=(list(argv), dict(env), str(cwd), out, err))
+        proc = _CONTEXT.Process(target=_child, args=(list(args), dict(env), str(cwd), out, err))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
             proc.kill()
             proc.join()
-            raise subprocess.TimeoutExpired(["python", "-m", "pretrain", *argv], timeout)
+            raise subprocess.TimeoutExpired(command, timeout)
         with open(out) as o, open(err) as e:
-            return subprocess.CompletedProcess(["python", "-m", "pretrain", *argv], proc.exitcode, o.read(), e.read())
+            return subprocess.CompletedProcess(command, proc.exitcode, o.read(), e.read())
+
+
+def run_pretrain_cli(argv: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m pretrain ARGV`."""
+    return run_python(["-m", "pretrain", *argv], env, cwd, timeout)

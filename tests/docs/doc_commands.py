@@ -3,9 +3,10 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cli_fork import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "slurm/README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
@@ -100,11 +101,12 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 
 
 def run(cmd: DocCommand, cwd: Path) -> subprocess.CompletedProcess:
-    """The command as written, from `cwd`; `python` is this interpreter, launcher variables unset."""
+    """The command as written, from `cwd`, launcher variables unset; `python` is this interpreter, its module or
+    script run as `__main__` in a fork of a server that imported torch and megatron once (tests/cli_fork.py)."""
     argv = list(cmd.argv)
-    if argv[0] in ("python", "python3", ".venv/bin/python"):
-        argv[0] = sys.executable
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"WANDB_MODE": "offline"}
+    if argv[0] in ("python", "python3", ".venv/bin/python"):
+        return run_python(argv[1:], env, cwd, timeout=240)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
