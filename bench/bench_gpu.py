@@ -222,6 +222,11 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats()
         rows.append(make())
     if not args.no_probes:
+        if device.type == "cuda":  # the probes run in subprocesses capped at 32 GB: this process's cached blocks
+            import gc              # (the compiled GPT's, held by dynamo) must not crowd them out of the GPU
+            torch._dynamo.reset()
+            gc.collect()
+            torch.cuda.empty_cache()
         rows += probe_rows(dry, timeout=300, quick=args.quick)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run: tiny shapes, no GPU figure)"
     if args.json:

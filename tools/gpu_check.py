@@ -73,6 +73,13 @@ def versions(env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def error_line(proc) -> list:
+    """The line that names the failure: the last one mentioning an error (torchrun ends on a '====' banner)."""
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    named = [line for line in lines if "Error" in line or "error:" in line]
+    return (named or lines)[-1:] or ["(no output)"]
+
+
 def last_record(run_dir: Path) -> dict:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return json.loads(lines[-1]) if lines else {}
@@ -90,7 +97,7 @@ def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, st
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     row = {"row": label, "world": nproc, "wall_s": time.perf_counter() - t0, "rc": proc.returncode}
     if proc.returncode != 0:
-        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        row["error"] = error_line(proc)
         return row
     rec = last_record(run_dir)
     row.update(loss=rec.get("train/loss"), step_s=rec.get("perf/step_time_s"),
@@ -112,7 +119,7 @@ def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, over
     try:
         out = json.loads(proc.stdout)
     except json.JSONDecodeError:
-        row["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        row["error"] = error_line(proc)
         return row
     row["verdict"] = out["verdict"]["text"]
     run = out.get("run", {})
@@ -138,7 +145,7 @@ def bench_table(env: dict, dry: bool, quick: bool, timeout: float) -> str:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         return f"bench/bench_gpu.py failed (rc {proc.returncode}): " + \
-            ((proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"])[0] + "\n"
+            error_line(proc)[0] + "\n"
     return proc.stdout
 
 
@@ -202,6 +209,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one row of each kind (about half the time)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same rows on CPU/gloo, probes in fake mode")
+    ap.add_argument("--no-bench", action="store_true", help="leave out bench/bench_gpu.py's table (run it apart)")
     ap.add_argument("--out", default=str(REPO / "runs/gpu-check/report.md"))
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
                     help=f"stop starting rows after this many seconds (default {BUDGET_S:.0f})")
@@ -239,7 +247,9 @@ def main(argv=None) -> int:
             continue
         print(json.dumps(results[-1], default=str), flush=True)
     bench, left = "", args.budget_s - (time.perf_counter() - started)
-    if left >= 60:
+    if args.no_bench:
+        skipped.append("bench/bench_gpu.py: --no-bench")
+    elif left >= 60:
         try:
             bench = bench_table(env, args.cpu_dry_run, args.quick, timeout=left)
         except subprocess.TimeoutExpired:

@@ -51,10 +51,9 @@ def probe_command(cfg: Config, world: int, args) -> int:
     estimate, _ = device_estimate(cfg, world, memory)  # with offload: what stays on the device
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
-    rows = estimate_rows(estimate, run.model_states, run.peak_by_category, peak,
+    on_gpu = run.cuda_max_allocated is not None  # model states (the engine's count) and the allocator's peak only
+    rows = estimate_rows(estimate, run.model_states, None if on_gpu else run.peak_by_category, peak,
                          run.host_peak_by_category.get("activations", 0))
-    if run.cuda_max_allocated is not None:  # on a GPU: model states (engine) and the allocator's peak only
-        rows = [r for r in rows if r[0].startswith(("params", "grads", "optimizer", "peak"))]
     out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real" if args.real else "fake",
            "run": dataclasses.asdict(run), "estimate": estimate.to_dict(),
            "comparison": [{"category": n, "estimate_bytes": e, "executed_bytes": x} for n, e, x in rows],
@@ -80,7 +79,8 @@ def format_probe(out: dict, run, rows: list) -> str:
              f"{run.steps} step(s) × {run.micro_batches} micro-batch(es); probe wall {out['probe_wall_s']:.1f} s, "
              f"RSS {out['probe_rss_bytes'] / 2**20:.0f} MiB", "",
              f"peak {run.peak_bytes / GB:.3f} GB in phase '{run.peak_phase}'; at that moment: "
-             + ", ".join(f"{k} {v / GB:.3f}" for k, v in run.peak_by_category.items()),
+             + (", ".join(f"{k} {v / GB:.3f}" for k, v in run.peak_by_category.items())
+                or "(categories are tracked on CPU and fake ranks; CUDA's allocator gives the bytes)"),
              "peak per phase (GB): " + ", ".join(f"{k} {v / GB:.3f}" for k, v in run.phase_peaks.items()),
              f"host memory peak {run.host_peak_bytes / GB:.3f} GB"
              + (" (" + ", ".join(f"{HOST_PARTS.get(k, k)} {v / GB:.3f}" for k, v in run.host_peak_by_category.items() if v)

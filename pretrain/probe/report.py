@@ -1,5 +1,6 @@
 """The probe's tables: executed bytes per category beside the estimate, the verdict, the layer extrapolation."""
 from dataclasses import dataclass
+from typing import Optional
 
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, MemoryBreakdown
 
@@ -15,17 +16,20 @@ def device_bytes(memory_gb: float) -> int:
     return int(memory_gb * GIB)
 
 
-def estimate_rows(estimate: MemoryBreakdown, model_states: dict, at_peak: dict, peak_bytes: int,
+def estimate_rows(estimate: MemoryBreakdown, model_states: dict, at_peak: Optional[dict], peak_bytes: int,
                   host_bytes: int) -> list:
     """[(category, estimated bytes, executed bytes)]: model states as held between steps, activations and
-    temporaries at the rank's peak (`at_peak`: the moment the estimate's sum stands for), and the whole peak."""
-    return [("params", estimate.param_bytes, model_states["params"]),
-            ("grads", estimate.grad_bytes, model_states["grads"]),
-            ("optimizer (fp32 master + moments)", estimate.optimizer_bytes, model_states["optimizer"]),
-            ("activations at the peak", estimate.activation_bytes, at_peak["activations"]),
+    temporaries at the rank's peak (`at_peak`: the moment the estimate's sum stands for), and the whole peak.
+    `at_peak` None (a real GPU: CUDA's allocator counts bytes, not categories): model states and the peak only."""
+    states = [("params", estimate.param_bytes, model_states["params"]),
+              ("grads", estimate.grad_bytes, model_states["grads"]),
+              ("optimizer (fp32 master + moments)", estimate.optimizer_bytes, model_states["optimizer"])]
+    peak = ("peak (without margin)", estimate.total_bytes - estimate.margin_bytes, peak_bytes)
+    if at_peak is None:
+        return [*states, peak]
+    return [*states, ("activations at the peak", estimate.activation_bytes, at_peak["activations"]),
             ("temporaries (buffers) at the peak", estimate.buffer_bytes, at_peak["temporaries"]),
-            ("peak (without margin)", estimate.total_bytes - estimate.margin_bytes, peak_bytes),
-            ("host (Pa+cpu)", estimate.host_bytes, host_bytes)]
+            peak, ("host (Pa+cpu)", estimate.host_bytes, host_bytes)]
 
 
 def relative_gap(estimated: float, executed: float) -> float:
