@@ -1,6 +1,7 @@
 """One typed config tree from TOML and `section.key=value` overrides; the rules that read two sections or more."""
 import dataclasses
 import difflib
+import fnmatch
 import json
 import os
 import tomllib
@@ -279,9 +280,25 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(m.ffn_size % p.tensor == 0,
              f"model.ffn_hidden_size = {m.ffn_size} is not divisible by parallel.tensor = {p.tensor}; "
              "choose a parallel.tensor that divides it")
+    _require(m.shape.groups % p.tensor == 0,
+             f"model.num_query_groups = {m.shape.groups} is not divisible by parallel.tensor = {p.tensor}: each TP "
+             "rank holds whole key/value heads; valid parallel.tensor values: "
+             + ", ".join(str(t) for t in range(1, m.shape.groups + 1)
+                         if m.shape.groups % t == 0 and m.num_attention_heads % t == 0))
+    _require(m.position_embedding == "rope" or not cfg.is_set("model.rope_base"),
+             f"model.rope_base is set but model.position_embedding = {m.position_embedding!r} does not use it; "
+             "remove it or set model.position_embedding = \"rope\"")
+    _require(not (cfg.data.reset_position_ids and m.position_embedding == "rope"),
+             "data.reset_position_ids = true with model.position_embedding = 'rope' is refused: megatron-core's "
+             "rotary embedding takes positions from the sequence, not the batch's position ids; use "
+             "position_embedding = 'learned' or data.reset_position_ids = false")
     _require(not (p.sequence_parallel and z.stage == 3),
              "parallel.sequence_parallel = true with zero.stage = 3 is not supported: the sequence-parallel "
              "layer-norm gradients must be summed over the TP group before stage 3 buckets them")
+    _require(not (m.qk_layernorm and p.tensor > 1 and z.stage == 3),
+             f"model.qk_layernorm = true with parallel.tensor = {p.tensor} and zero.stage = 3 is not supported: each "
+             "TP rank normalises its own heads, so the q/k norm gradients must be summed over the TP group before "
+             "stage 3 buckets them; use zero.stage <= 2, parallel.tensor = 1 or model.qk_layernorm = false")
     _require(not (p.sequence_parallel and z.partition_activations),
              "parallel.sequence_parallel = true with zero.partition_activations = true is refused: with "
              "sequence parallelism each TP rank already stores only its 1/TP of every checkpoint, so Pa "
@@ -299,6 +316,11 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                  f"optimizer.{key} is set but optimizer.schedule = {o.schedule!r} does not use it (only 'wsd' "
                  f"does); remove it or set optimizer.schedule = \"wsd\"")
     _check_irrelevant(cfg)
+    names = m.shape.parameter_names() if o.no_decay_patterns else []
+    for pattern in o.no_decay_patterns:
+        _require(any(fnmatch.fnmatchcase(name, pattern) for name in names),
+                 f"optimizer.no_weight_decay pattern {pattern!r} matches no parameter of this model; names look like "
+                 "embedding.word_embeddings.weight, decoder.layers.0.mlp.linear_fc1.weight, output_layer.weight")
     evaluating, d = t.eval_interval > 0, cfg.data
     _require(not (d.reset_attention_mask and m.attention == "te"),
              "data.reset_attention_mask = true with model.attention = 'te' is refused: Transformer Engine's layers "

@@ -1,8 +1,9 @@
 """Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts."""
+import dataclasses
 from typing import Optional
 
 from pretrain.config import Config, ConfigError
-from zero3d.analysis.estimate import (GB, PRECISIONS, MemoryBreakdown, document_mask_bytes, estimate_from_shape,
+from zero3d.analysis.estimate import (GB, PRECISIONS, MemoryBreakdown, document_mask_bytes, estimate,
                                       format_breakdown)
 from zero3d.analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
 from zero3d.config import ZeroConfig
@@ -13,13 +14,12 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
     m, z = cfg.model, cfg.zero
     # Pipeline stages: one stage's layers, with both the embeddings and the output layer counted
     # (the first and last stages hold one each: an upper bound for either).
-    return estimate_from_shape(
-        layers=m.num_layers // cfg.parallel.pipeline, hidden=m.hidden_size, heads=m.num_attention_heads, vocab=m.vocab_size,
-        seq=m.seq_length, gpus=world_size // cfg.parallel.pipeline, tp=cfg.parallel.tensor, stage=z.stage,
+    return estimate(
+        dataclasses.replace(m.shape, layers=m.num_layers // cfg.parallel.pipeline),
+        gpus=world_size // cfg.parallel.pipeline, tp=cfg.parallel.tensor, stage=z.stage,
         micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, pa=z.partition_activations,
         pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
-        tied=m.tie_embeddings, prefetch_units=z.prefetch_units, ffn_hidden=m.ffn_hidden_size,
-        vocab_divisible_by=m.make_vocab_size_divisible_by, gpu_memory_bytes=gpu_memory_bytes,
+        prefetch_units=z.prefetch_units, gpu_memory_bytes=gpu_memory_bytes,
         loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.secondary_partition == "node",
         hybrid=z.hybrid == "node", dp_per_node=dp_per_node(cfg, world_size),
         attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size))

@@ -1,7 +1,7 @@
 """megatron-core GPTModel from the config, through megatron's public seams: layer specs, config flags, forward args.
 
 CPU runs need no patched attention mask or norm: the causal mask is passed to `GPTModel.forward`
-(`attention_mask`), the layer norm is chosen in the spec (`TorchLayerNorm`, which also serves
+(`attention_mask`), the norm is chosen in the spec (`TorchNorm`, LayerNorm or RMSNorm, which also serves
 sequence parallelism), and ZeRO-R's recompute is a layer class in the spec (`ZeroRecomputeLayer`).
 Document boundaries (data.reset_attention_mask) set the self-attention's mask type to megatron's
 `arbitrary` in the spec, so the batch's block-causal mask is applied (not is_causal / the causal kernels).
@@ -17,6 +17,8 @@ from zero3d.activations import ActivationCheckpointing, checkpoint
 from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NONLINEARITY = {"gelu": torch.nn.functional.gelu, "swiglu": torch.nn.functional.silu}  # swiglu: silu-gated
+NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
 
 
@@ -25,17 +27,21 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-class TorchLayerNorm(torch.nn.LayerNorm):
-    """megatron's WrappedTorchNorm (the norm without apex) for sequence parallelism and fused configs:
-    under SP each TP rank normalises a slice of the sequence, so its weights carry megatron's
-    `sequence_parallel` tag (as apex's FusedLayerNorm sets it) and their gradients are summed over TP."""
+class TorchNorm:
+    """megatron's WrappedTorchNorm (the norm without apex: torch's LayerNorm or RMSNorm, as
+    `config.normalization` says) for sequence parallelism and fused configs: under SP each TP rank
+    normalises a slice of the sequence, so its weights carry megatron's `sequence_parallel` tag (as apex's
+    FusedLayerNorm sets it) and their gradients are summed over TP."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused_fused_options):
-        if config.normalization != "LayerNorm":
-            raise ValueError(f"TorchLayerNorm implements LayerNorm, not {config.normalization!r}")
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        for p in self.parameters():
+    KINDS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused_fused_options):
+        if config.normalization not in cls.KINDS:
+            raise ValueError(f"TorchNorm implements {', '.join(cls.KINDS)}, not {config.normalization!r}")
+        norm = cls.KINDS[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel
+        return norm
 
 
 def _zero_recompute_layer_class():
@@ -76,7 +82,7 @@ def activation_checkpointing(z: ZeroConfig, tp_group) -> Optional[ActivationChec
 
 def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None):
     """The decoder's spec: Transformer Engine's layers when `model.attention` resolves to "te", else
-    megatron's local layers (with `TorchLayerNorm` where apex is missing) whose core attention is
+    megatron's local layers (with `TorchNorm` where apex is missing or the norm is RMSNorm) whose core attention is
     `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.enums import AttnMaskType
@@ -85,11 +91,15 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     from pretrain.attention import SDPAttention, resolve
     documents = cfg.data.reset_attention_mask
     attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents)
+    qk_norm = cfg.model.qk_layernorm
     if attention == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    layer = specs.get_gpt_layer_local_spec()
-    norm = specs.LNImpl if specs.HAVE_APEX else TorchLayerNorm
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    layer = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm)
+    norm = specs.LNImpl if specs.HAVE_APEX and cfg.model.norm == "layernorm" else TorchNorm
     self_attention = layer.submodules.self_attention
+    if qk_norm:  # megatron sums these weights' gradients over TP (each rank normalises its own heads)
+        self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
+            self_attention.submodules, q_layernorm=norm, k_layernorm=norm))
     if attention == "sdpa":
         self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
             self_attention.submodules, core_attention=SDPAttention))
@@ -113,7 +123,10 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         if m.recompute == "full" and not zero_recompute else {}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_size, tensor_model_parallel_size=cfg.parallel.tensor,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_size,
+        gated_linear_unit=m.mlp == "swiglu", activation_func=NONLINEARITY[m.mlp], add_bias_linear=m.bias,
+        normalization=NORMALIZATION[m.norm], layernorm_epsilon=m.norm_epsilon, qk_layernorm=m.qk_layernorm,
+        tensor_model_parallel_size=cfg.parallel.tensor,
         pipeline_model_parallel_size=cfg.parallel.pipeline, pipeline_dtype=DTYPES[dtype],
         sequence_parallel=cfg.parallel.sequence_parallel,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
@@ -124,13 +137,22 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         use_cpu_initialization=not on_cuda,
         # Fusions are CUDA kernels, off on CPU; the softmax and persistent-norm ones are compiled
         # extensions (apex / megatron's fused kernels) used only where importable.
-        bias_activation_fusion=on_cuda, masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
+        # megatron fuses GELU only with a bias to add (SwiGLU with or without)
+        bias_activation_fusion=on_cuda and (m.bias or m.mlp == "swiglu"), masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
         persist_layer_norm=on_cuda and _importable("apex"),
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
         batch_p2p_sync=on_cuda,
         # No CUDA graphs; [] is megatron-core 0.16's spelling of its default "full" scope, which it deprecates.
         cuda_graph_scope=[], **recompute)
+
+
+def position_embedding(m) -> dict:
+    """GPTModel's position-embedding arguments: GPT-2's learned table, or RoPE (base, Llama-3.1 scaling)."""
+    if m.position_embedding == "learned":
+        return {"position_embedding_type": "learned_absolute"}
+    scaling = {"rope_scaling": True, "rope_scaling_factor": m.rope_scaling_factor} if m.rope_scaling_factor else {}
+    return {"position_embedding_type": "rope", "rotary_base": m.rope_base, **scaling}
 
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
@@ -151,7 +173,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
                          config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
                          transformer_layer_spec=layer_spec(cfg, on_cuda, activations),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
-                         max_sequence_length=cfg.model.seq_length, position_embedding_type="learned_absolute",
+                         max_sequence_length=cfg.model.seq_length, **position_embedding(cfg.model),
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
                          post_process=parallel_state.is_pipeline_last_stage(), **chunked)
@@ -185,9 +207,12 @@ def parallel_groups(model, topo):
     if topo.pp > 1 and weight is not None:  # middle stages hold no copy
         tied = {weight: parallel_state.get_embedding_group()}
         excluded = frozenset([weight]) if getattr(weight, "shared", False) else frozenset()  # last stage's copy
+    tp_group = parallel_state.get_tensor_model_parallel_group()
     if model.config.sequence_parallel:  # each TP rank saw a sequence slice: its grad is a partial sum
-        tied.update({p: parallel_state.get_tensor_model_parallel_group()
-                     for p in model.parameters() if getattr(p, "sequence_parallel", False)})
+        tied.update({p: tp_group for p in model.parameters() if getattr(p, "sequence_parallel", False)})
+    if model.config.qk_layernorm and topo.tp > 1:  # each TP rank normalised its own heads: a partial sum too
+        tied.update({p: tp_group for name, p in model.named_parameters()
+                     if "q_layernorm" in name or "k_layernorm" in name})
     return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded,
                                  node_topology=topo.node, gpus_per_node=topo.gpus_per_node)
 

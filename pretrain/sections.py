@@ -6,8 +6,9 @@ from typing import ClassVar, Literal, Optional
 
 from pretrain.blend import Blend, parse_blend, parse_split
 from pretrain.errors import ConfigError
-from zero3d.analysis.estimate import GIB, VOCAB_DIVISIBLE_BY, padded_vocab
-from zero3d.analysis.flops import StepFlops, gpt_step_flops
+from zero3d.analysis.estimate import GIB
+from zero3d.analysis.flops import StepFlops
+from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape
 
 
 def require(ok: bool, message: str) -> None:
@@ -72,6 +73,25 @@ class ModelConfig(Section):
     """Output layer + cross-entropy this many tokens at a time (pretrain/loss.py); 0: megatron's, in one piece."""
     compile: bool = False
     """torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet."""
+    position_embedding: Literal["learned", "rope"] = "learned"
+    """learned: GPT-2's absolute position table (seq_length × hidden); rope: rotary embeddings (Llama)."""
+    rope_base: int = 10000
+    """RoPE's frequency base θ (Llama-3: 500000); read only with position_embedding = "rope"."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama-3.1's RoPE frequency scaling by this factor (Meta's 3.1 models: 8.0); None: no scaling."""
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    """gelu: fc1 → GELU → fc2; swiglu: silu(gate) × up → fc2, ffn_hidden_size wide each (Llama)."""
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """The pre-attention, pre-MLP and final norms (and the q/k norms): LayerNorm (weight, bias) or RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """The norms' epsilon (> 0; Llama-3: 1e-5)."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads: grouped-query attention (Llama-3: 8), 1 = multi-query; None: one per head. Must
+    divide num_attention_heads and be divisible by parallel.tensor."""
+    qk_layernorm: bool = False
+    """A norm over each query and key head before attention (its weights summed over the TP group)."""
+    bias: bool = True
+    """Biases on the linear layers (QKV, projection, fc1, fc2); false: none (Llama)."""
 
     def check(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
@@ -87,20 +107,39 @@ class ModelConfig(Section):
         require(self.init_method_std > 0, f"model.init_method_std = {self.init_method_std} is invalid; must be > 0")
         for key in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, key) < 1.0, f"model.{key} = {getattr(self, key)} must be in [0, 1)")
+        require(self.norm_epsilon > 0, f"model.norm_epsilon = {self.norm_epsilon} is invalid; must be > 0")
+        require(self.num_query_groups is None or (self.num_query_groups > 0
+                                                  and self.num_attention_heads % self.num_query_groups == 0),
+                f"model.num_query_groups = {self.num_query_groups} is invalid; it must divide "
+                f"model.num_attention_heads = {self.num_attention_heads}: valid values "
+                + ", ".join(str(g) for g in range(1, self.num_attention_heads + 1)
+                            if self.num_attention_heads % g == 0))
+        rope = self.position_embedding == "rope"
+        require(self.rope_base > 0, f"model.rope_base = {self.rope_base} is invalid; must be > 0")
+        require(self.rope_scaling_factor is None or (rope and self.rope_scaling_factor >= 1),
+                f"model.rope_scaling_factor = {self.rope_scaling_factor} is invalid; it scales RoPE's frequencies "
+                "(position_embedding = \"rope\") by a factor >= 1 (Llama-3.1: 8.0), or is unset")
+
+    @property
+    def shape(self) -> GPTShape:
+        """The model's arithmetic (zero3d.analysis.gpt_shape): parameters, FLOPs, activations."""
+        return GPTShape(layers=self.num_layers, hidden=self.hidden_size, heads=self.num_attention_heads,
+                        seq=self.seq_length, vocab=self.vocab_size, ffn=self.ffn_hidden_size,
+                        query_groups=self.num_query_groups, mlp=self.mlp, norm=self.norm,
+                        position_embedding=self.position_embedding, bias=self.bias, qk_layernorm=self.qk_layernorm,
+                        tied=self.tie_embeddings, vocab_divisible_by=self.make_vocab_size_divisible_by)
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
-        """Megatron's rule (zero3d.analysis.estimate.padded_vocab): a multiple of divisible_by × TP."""
-        return padded_vocab(self.vocab_size, tensor_parallel, self.make_vocab_size_divisible_by)
+        """Megatron's rule (zero3d.analysis.gpt_shape.padded_vocab): a multiple of divisible_by × TP."""
+        return self.shape.padded_vocab(tensor_parallel)
 
     def flops_per_step(self, tensor_parallel: int, global_batch: int) -> StepFlops:
         """Model and hardware FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
-        return gpt_step_flops(self.num_layers, self.hidden_size, self.seq_length,
-                              self.padded_vocab_size(tensor_parallel), global_batch, self.recompute == "full",
-                              ffn_hidden=self.ffn_size, num_attention_heads=self.num_attention_heads)
+        return self.shape.step_flops(global_batch, self.recompute == "full", tensor_parallel)
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        return self.shape.ffn_size
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Validates a config and submits it to Slurm through slurm/launch.sbatch (or prints what it would submit)."""
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -50,20 +51,17 @@ def checkpoint_bytes(cfg: Config) -> float:
     (pretrain/checkpoint/checkpointer.py), the model in its training dtype plus the fp32 master and Adam's two
     moments: 2Ψ + 12Ψ (fp16/bf16), 4Ψ + 12Ψ (fp32), Ψ the whole model's parameters (the estimator's
     count, vocabulary padded as at this TP size); the headers (manifest, DCP metadata) are negligible."""
-    from zero3d.analysis.estimate import PRECISIONS, gpt_param_count
+    from zero3d.analysis.estimate import PRECISIONS
     m = cfg.model
-    psi = gpt_param_count(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length, tp=1, tied=m.tie_embeddings,
-                          ffn_hidden=m.ffn_hidden_size,
-                          vocab_divisible_by=m.make_vocab_size_divisible_by * cfg.parallel.tensor)
+    psi = dataclasses.replace(m.shape, vocab_divisible_by=m.make_vocab_size_divisible_by * cfg.parallel.tensor).params()
     return (PRECISIONS[cfg.precision.dtype].param_bytes + 12) * psi
 
 
 def step_seconds(cfg: Config, world: int) -> float:
-    """One training step at ASSUMED_TFLOPS_PER_GPU (Megatron's FLOPs formula, full recomputation)."""
-    m = cfg.model
-    tokens = cfg.train.global_batch_size * m.seq_length
-    h, layers = m.hidden_size, m.num_layers
-    flops = 96 * tokens * layers * h * h * (1 + m.seq_length / (6 * h)) + 6 * tokens * h * m.vocab_size
+    """One training step at ASSUMED_TFLOPS_PER_GPU: the model's hardware FLOPs with full recomputation
+    (GPTShape.step_flops over the tokenizer's vocabulary, Megatron's 96·B·s·L·h²·(1 + s/6h) + 6·B·s·h·V for GPT-2)."""
+    shape = dataclasses.replace(cfg.model.shape, vocab_divisible_by=1)
+    flops = shape.step_flops(cfg.train.global_batch_size, recompute=True).hardware
     return flops / (world * ASSUMED_TFLOPS_PER_GPU * 1e12)
 
 

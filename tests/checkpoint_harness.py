@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 import zero3d
 from gpt_harness import BASE, SyntheticTokens
-from pretrain.checkpoint.checkpointer import Checkpointer
+from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity
 from pretrain.config import load_config
 from pretrain.model import build_model, parallel_groups
 from pretrain.runtime.topology import destroy_topology, init_topology
@@ -19,7 +19,7 @@ def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
     return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
                       "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings,
-                      "padded_vocab_size": m.padded_vocab_size(cfg.parallel.tensor)},
+                      "padded_vocab_size": m.padded_vocab_size(cfg.parallel.tensor), **architecture_identity(m)},
             "vocab_size": m.vocab_size, "data_prefix": "synthetic", "tokenizer_sha256": tokenizer_sha256}
 
 

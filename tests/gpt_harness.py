@@ -1,5 +1,4 @@
 """Shared test body: a few training steps of a tiny megatron GPTModel under zero3d, on synthetic tokens."""
-import re
 import zlib
 
 import torch
@@ -31,21 +30,27 @@ class SyntheticTokens:
 
 
 def init_by_global_name(model) -> None:
-    """Draw every weight from a generator seeded by its global name (layer number, not the stage's
-    local index; a tied output layer is the word embedding), so any pipeline split of the model
-    starts from the same weights. Whole tensors: TP = 1 only."""
-    for name, p in model.named_parameters():
-        key = name
-        if (m := re.match(r"decoder\.layers\.(\d+)\.(.*)", name)):
-            key = f"layer{model.decoder.layers[int(m[1])].layer_number}.{m[2]}"
-        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-            key = "embedding.word_embeddings.weight"
-        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    """Draw every weight matrix as a slice of one global tensor seeded by its checkpoint key (megatron's
+    sharded_state_dict: global shape and offsets, so any TP size and pipeline split of the model starts from
+    the same weights; a SwiGLU fc1 from its [gate; up] halves, a tied output layer as the word embedding);
+    norm weights 1, biases 0."""
+    from pretrain.checkpoint.tensors import model_templates
+    params = dict(model.named_parameters())
+    for name, parts in model_templates(model).items():
+        p = params[name]
         with torch.no_grad():
-            if p.dim() > 1:
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
-            else:
+            if p.dim() <= 1:
                 p.fill_(1.0 if "layernorm.weight" in name else 0.0)
+                continue
+            for part in parts:
+                sh = part.sh
+                g = torch.Generator().manual_seed(zlib.crc32(sh.key.encode()))
+                full = 0.02 * torch.randn(tuple(sh.global_shape), generator=g)
+                shape = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+                box = full[tuple(slice(o, o + n) for o, n in zip(sh.global_offset, shape))]
+                p[part.row:part.row + sh.local_shape[0]].copy_(box.reshape(sh.local_shape))
+    missing = set(params) - set(model_templates(model))
+    assert not missing, f"parameters outside megatron's sharded_state_dict: {sorted(missing)}"
 
 
 def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout_free_init=False):
@@ -88,6 +93,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     # Flat buffer sizes with each bucket padded to a multiple of N_d, and buckets per group.
     out["padded_numels"] = {name: g.layout.padded_numel for name, g in engine.groups.items()}
     out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
+    out["decaying"] = sorted(slot.name for g in engine.groups.values() if g.decays for slot in g.layout.slots)
     out["activations"] = activations.report() if activations else {}
     from megatron.core import parallel_state
     # megatron's gloo copy of each DP group (a full TCP mesh at start-up, a polling thread a rank): never read here

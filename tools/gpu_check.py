@@ -2,8 +2,9 @@
 
 Rows: NCCL world 1 (and world N when N > 1 GPUs) training of configs/tiny.toml for ZeRO stages 0-3
 in fp16 and bf16; Pa+cpu (pinned host memory, side-stream copies) with MD; the Transformer Engine
-layer spec when importable; `python -m pretrain.probe --real` of the 8B, 60B and 100B paper rank
-slices under a 32 GB cap (a slice that does not fit is a verdict, not a crash); then
+layer spec when importable; `python -m pretrain.probe --real` of the Llama-3 8B recipe's rank slice
+(configs/llama3_8b.toml, 80 GB) and of the 8B, 60B and 100B paper rank slices under a 32 GB cap (a slice
+that does not fit is a verdict, not a crash); then
 bench/bench_gpu.py's throughput table (zero3d beside a plain-PyTorch GPT; the slices in bf16 and fp16).
 
 The machine may lack megatron-core and a package index: wheels in `.whl/` (git-ignored) are
@@ -40,6 +41,8 @@ PA_CPU_ROW = ("stage 2, bf16, recompute + Pa + Pa+cpu (pinned, side stream) + MD
 TE_ROW = ("stage 2, bf16, Transformer Engine layer spec", ["zero.stage=2", "precision.dtype=\"bf16\""])
 PROBES = [("8B", "configs/paper/fig2_8B_zero.toml"), ("60B", "configs/paper/fig2_60B_zero.toml"),
           ("100B", "configs/paper/fig2_100B_zero.toml")]
+# a Llama-shaped rank slice (RoPE, SwiGLU, RMSNorm, GQA; SDPA) on the 80 GB card its recipe names
+LLAMA_PROBE = ("Llama-3 8B", "configs/llama3_8b.toml", 80)
 
 
 def ensure_megatron(wheel_dir: Path = REPO / ".whl") -> dict:
@@ -106,15 +109,16 @@ def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, st
     return row
 
 
-def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, overrides=()) -> dict:
-    """`probe --real` of the paper rank slice under a 32 GB cap (dry run: fake tensors, 2 layers)."""
+def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, overrides=(), memory_gb: int = 32) -> dict:
+    """`probe --real` of a rank slice under a `memory_gb` cap (the paper's V100s: 32; dry run: fake tensors,
+    2 layers)."""
     cmd = [sys.executable, "-W", "ignore", "-m", "pretrain.probe", "--config", config, "--json",
-           "--memory-gb", "32", "--steps", "2", *overrides]
+           "--memory-gb", str(memory_gb), "--steps", "2", *overrides]
     cmd += ["model.num_layers=2"] if dry else ["--real"]
     name = " ".join([name, *overrides])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    row = {"row": f"probe {name}" + (" (dry run: fake, 2 layers)" if dry else " --real, 32 GB cap"),
+    row = {"row": f"probe {name}" + (" (dry run: fake, 2 layers)" if dry else f" --real, {memory_gb} GB cap"),
            "wall_s": time.perf_counter() - t0, "rc": proc.returncode}
     try:
         out = json.loads(proc.stdout)
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
     probes = PROBES[:1] if args.quick else PROBES
     # Order: two training rows (the stack works on CUDA), then the probes (the heaviest, most wanted
     # rows), then the rest; rows that would start past the budget are listed as skipped.
-    jobs = [("train", i, row) for i, row in enumerate(rows[:2])] + [("probe", None, p) for p in probes] \
+    jobs = [("train", i, row) for i, row in enumerate(rows[:2])] + [("probe", None, p) for p in [LLAMA_PROBE, *probes]] \
         + [("train", i + 2, row) for i, row in enumerate(rows[2:])]
     results = []
     for kind, index, job in jobs:
@@ -241,7 +245,7 @@ def main(argv=None) -> int:
             if kind == "train":
                 results.append(train_row(job[0], job[1], job[2], env, index, steps, timeout=left))
             else:
-                results.append(probe_row(job[0], job[1], env, args.cpu_dry_run, timeout=left))
+                results.append(probe_row(job[0], job[1], env, args.cpu_dry_run, timeout=left, memory_gb=(job + (32,))[2]))
         except subprocess.TimeoutExpired:
             skipped.append(f"{label}: did not finish inside the time budget")
             continue

@@ -205,6 +205,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     # Gradients are scaled so their global norm is at most this; 0 disables clipping.
     clip_grad: float = 0.0
+    # Parameters that never decay beside biases and norms (which never do): comma-separated fnmatch patterns of
+    # their names, e.g. "embedding.*" (word and position embeddings) or "*.linear_fc1.weight"; "" for none.
+    no_weight_decay: str = ""
 
     def __post_init__(self):
         _raise_first((
@@ -215,7 +218,14 @@ class OptimizerConfig:
             (0 <= self.beta2 < 1, f"optimizer.beta2 = {self.beta2} is invalid; must be in [0, 1)"),
             (self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0"),
             (self.weight_decay >= 0, f"optimizer.weight_decay = {self.weight_decay} is invalid; must be >= 0"),
+            (all(p.strip() for p in self.no_weight_decay.split(",")) or not self.no_weight_decay,
+             f"optimizer.no_weight_decay = {self.no_weight_decay!r} has an empty pattern; give comma-separated "
+             "fnmatch patterns of parameter names, e.g. \"embedding.*,output_layer.weight\""),
         ))
+
+    @property
+    def no_decay_patterns(self) -> tuple:
+        return tuple(p.strip() for p in self.no_weight_decay.split(",") if p.strip())
 
     @property
     def betas(self) -> tuple:

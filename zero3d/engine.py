@@ -138,7 +138,7 @@ class DataParallelEngine:
         self.pre_scale, self.post_scale = 1.0 / predivide, predivide / dp_size
         self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
         self.copier = Copier(self.device)  # device <-> host copies of offloaded states (counts their bytes)
-        self.groups = self._build_groups(param_groups(model))
+        self.groups = self._build_groups(param_groups(model, settings.optimizer.no_decay_patterns))
         self.placement = self._build_placement()  # where the masters and Adam states live
         self.optimizer = self.placement.optimizer
 

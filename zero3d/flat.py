@@ -13,6 +13,7 @@ one all-gather, and bucket b's piece sits at shard offset b.start / N_d.
 Contract (checkpoints and the gradient norm rely on it): each (parameter, DP rank) owns at most one
 contiguous range of the flattened parameter — `FlatLayout.slots_in_shard(dp_rank)` lists them.
 """
+import fnmatch
 from dataclasses import dataclass
 
 import torch
@@ -147,12 +148,13 @@ def bucket_members(numels: list[int], bucket_elements: int) -> list[list[int]]:
 DECAY_NAMES = {True: "decay", False: "no_decay"}  # a group's name part for its weight-decay class
 
 
-def param_groups(model: nn.Module) -> dict[bool, list[tuple[str, nn.Parameter]]]:
-    """Trainable parameters by whether weight decay applies to them: matrices decay, biases and norms do not."""
+def param_groups(model: nn.Module, no_decay: tuple = ()) -> dict[bool, list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters by whether weight decay applies to them: matrices decay, biases and norms do not,
+    nor any parameter whose name matches a `no_decay` fnmatch pattern (optimizer.no_weight_decay)."""
     groups: dict[bool, list] = {True: [], False: []}
     for name, p in model.named_parameters():  # deduplicated: tied weights appear once
         if p.requires_grad:
-            groups[p.dim() > 1].append((name, p))
+            groups[p.dim() > 1 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)].append((name, p))
     dtypes = {p.dtype for ps in groups.values() for _, p in ps}
     if len(dtypes) > 1:
         raise ValueError(f"zero3d needs one parameter dtype per model, found {sorted(map(str, dtypes))}")

@@ -44,9 +44,19 @@ def run_identity(m: ModelConfig, tensor_parallel: int, tokenizer_model: Path, da
     return {"model": {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
                       "num_attention_heads": m.num_attention_heads, "ffn_hidden_size": m.ffn_size,
                       "seq_length": m.seq_length, "tie_embeddings": m.tie_embeddings,
-                      "padded_vocab_size": m.padded_vocab_size(tensor_parallel)},
+                      "padded_vocab_size": m.padded_vocab_size(tensor_parallel), **architecture_identity(m)},
             "vocab_size": m.vocab_size, "data_prefix": str(data_prefix),
             "tokenizer_sha256": hashlib.sha256(Path(tokenizer_model).read_bytes()).hexdigest()}
+
+
+def architecture_identity(m: ModelConfig) -> dict:
+    """The decoder's architecture keys a resume must match (read.ARCHITECTURE_BEFORE_KEYS: checkpoints older than
+    these keys); RoPE's base and scaling only where RoPE is on."""
+    rope = m.position_embedding == "rope"
+    return {"position_embedding": m.position_embedding, "rope_base": m.rope_base if rope else None,
+            "rope_scaling_factor": m.rope_scaling_factor if rope else None, "mlp": m.mlp, "norm": m.norm,
+            "norm_epsilon": m.norm_epsilon, "num_query_groups": m.shape.groups, "qk_layernorm": m.qk_layernorm,
+            "bias": m.bias}
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -227,8 +227,17 @@ def read_checkpoint(step_dir: Path) -> tuple[dict, object]:
     return manifest, metadata
 
 
+# What every checkpoint written before the architecture keys (checkpointer.architecture_identity) trained: GPT-2's.
+ARCHITECTURE_BEFORE_KEYS = {"position_embedding": "learned", "rope_base": None, "rope_scaling_factor": None,
+                            "mlp": "gelu", "norm": "layernorm", "norm_epsilon": 1e-5, "qk_layernorm": False,
+                            "bias": True}
+
+
 def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
     """Refuse a checkpoint of another model, tokenizer or data set, naming what differs."""
+    if isinstance(saved.get("model"), dict) and "mlp" not in saved["model"]:  # older than the architecture keys
+        saved = dict(saved, model={**ARCHITECTURE_BEFORE_KEYS,
+                                   "num_query_groups": saved["model"].get("num_attention_heads"), **saved["model"]})
     diffs = []
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key), now.get(key)

@@ -8,10 +8,11 @@ contiguous boxes that range covers, so any other layout can read any part of it 
 """
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.strategies.checkpointable import (CheckpointableShardedTensor,
                                                                         LocalShardsContainer)
 
@@ -61,32 +62,64 @@ def is_main_replica(replica_id) -> bool:
     return all(i == 0 for i in tuple(replica_id)[:-1])
 
 
+@dataclass(frozen=True)
+class Part:
+    """Rows [row, row + sh.local_shape[0]) of a parameter's TP-local tensor and where megatron puts them globally."""
+
+    row: int
+    sh: ShardedTensor
+
+
 def model_templates(model) -> dict:
-    """{parameter name: megatron ShardedTensor} (key, global shape and offset, replica id)."""
-    return {name: sh for name, sh in model.sharded_state_dict().items() if isinstance(sh, ShardedTensor)}
+    """{parameter name: [Part]} from megatron's `model.sharded_state_dict()`: a parameter's ShardedTensor (key,
+    global shape and offset, replica id), or the ShardedTensors of its factory, each over the local rows it
+    covers — SwiGLU's fc1 holds [gate; up] rows on each TP rank, which megatron stores as one global
+    [gate of every rank; up of every rank] tensor, so a checkpoint reads back at any TP size."""
+    out = {}
+    for name, sh in model.sharded_state_dict().items():
+        if isinstance(sh, ShardedTensor):
+            out[name] = [Part(0, sh)]
+        elif isinstance(sh, ShardedTensorFactory):
+            parts, row = [], 0
+            for built in sh.build():
+                if not isinstance(built, ShardedTensor) or tuple(built.local_shape[1:]) != tuple(sh.data.shape[1:]):
+                    raise CheckpointError(f"parameter {name!r}: megatron's sharded-state factory builds "
+                                          f"{type(built).__name__} pieces this checkpoint cannot cut into rows")
+                parts.append(Part(row, built))
+                row += built.local_shape[0]
+            if row != sh.data.shape[0]:
+                raise CheckpointError(f"parameter {name!r}: megatron's factory covers {row} of its "
+                                      f"{sh.data.shape[0]} local rows")
+            out[name] = parts
+    return out
 
 
 def parameter_names(templates: dict) -> dict:
     """{checkpoint key: parameter name}, a stacked decoder layer's index left as "{layer}" (the
     global layer is the key's first offset): how the export names the tensors it unstacks."""
     out = {}
-    for name, sh in templates.items():
+    for name, parts in templates.items():
+        sh = parts[0].sh
         if not is_main_replica(sh.replica_id):
             continue
         if sh.prepend_axis_num:
-            parts = name.split(".")
-            index = next(i for i, part in enumerate(parts) if part.isdigit())
-            name = ".".join(parts[:index] + ["{layer}"] + parts[index + 1:])
+            pieces = name.split(".")
+            index = next(i for i, piece in enumerate(pieces) if piece.isdigit())
+            name = ".".join(pieces[:index] + ["{layer}"] + pieces[index + 1:])
         out[sh.key] = name
     return out
 
 
-def _piece_shards(key: str, sh: ShardedTensor, piece, tensor: torch.Tensor) -> list[ShardedTensor]:
-    prepend = sh.prepend_axis_num
+def _piece_shards(key: str, part: Part, piece, tensor: torch.Tensor) -> list[ShardedTensor]:
+    """The boxes of the piece's elements [lo, hi) (of the local tensor, `tensor` holding them) inside `part`."""
+    sh, prepend = part.sh, part.sh.prepend_axis_num
+    inner = math.prod(piece.shape[1:])
+    start, end = part.row * inner, (part.row + sh.local_shape[0]) * inner
+    lo, hi = max(piece.lo, start), min(piece.hi, end)
     out = []
-    for offset, size in flat_range_boxes(piece.shape, piece.lo, piece.hi):
-        start = flat_index(piece.shape, offset) - piece.lo
-        data = tensor[start:start + math.prod(size)].view((1,) * prepend + tuple(size))
+    for offset, size in flat_range_boxes(tuple(sh.local_shape), lo - start, hi - start):
+        first = start + flat_index(tuple(sh.local_shape), offset) - piece.lo
+        data = tensor[first:first + math.prod(size)].view((1,) * prepend + tuple(size))
         global_offset = (*sh.global_offset[:prepend],
                          *(base + o for base, o in zip(sh.global_offset[prepend:], offset)))
         out.append(ShardedTensor(key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
@@ -103,23 +136,25 @@ def sharded_state(pieces: list, templates: dict, states: tuple, writing: bool) -
     """
     shards = defaultdict(list)
     for piece in pieces:
-        sh = templates.get(piece.name)
-        if sh is None:
+        parts = templates.get(piece.name)
+        if parts is None:
             raise CheckpointError(f"parameter {piece.name!r} is not in megatron's sharded_state_dict")
-        if tuple(sh.local_shape) != tuple(piece.shape):
-            raise CheckpointError(f"parameter {piece.name!r}: megatron's local shape {tuple(sh.local_shape)} "
+        local = (sum(p.sh.local_shape[0] for p in parts), *parts[0].sh.local_shape[1:])
+        if local != tuple(piece.shape):
+            raise CheckpointError(f"parameter {piece.name!r}: megatron's local shape {local} "
                                   f"differs from the engine's {tuple(piece.shape)}")
-        if writing and not is_main_replica(sh.replica_id):
+        if writing and not is_main_replica(parts[0].sh.replica_id):
             continue
         for state in states:
-            key = PREFIXES[state] + sh.key
-            shards[key] += _piece_shards(key, sh, piece, piece.tensors[state])
+            for part in parts:
+                shards[PREFIXES[state] + part.sh.key] += _piece_shards(PREFIXES[state] + part.sh.key, part, piece,
+                                                                       piece.tensors[state])
     return {key: (CheckpointableShardedTensor.from_sh_ten(s[0]) if len(s) == 1 else
                   LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(x) for x in s]))
             for key, s in shards.items()}
 
 
-
 def global_shapes(templates: dict, states: tuple) -> dict:
     """{DCP key: global shape} of every tensor a sharded_state() over these templates can hold."""
-    return {PREFIXES[state] + sh.key: tuple(sh.global_shape) for sh in templates.values() for state in states}
+    return {PREFIXES[state] + part.sh.key: tuple(part.sh.global_shape) for parts in templates.values()
+            for part in parts for state in states}

@@ -28,16 +28,28 @@ def _counted_step(rank, world_size, overrides):
         loss = model(tokens, torch.arange(s).expand(b, s), mask, labels=tokens).sum()
         loss.backward()
     flops = cfg.model.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
-    return {"counted": counter.get_total_flops(), "model": flops.model, "hardware": flops.hardware}
+    shape = cfg.model.shape
+    return {"counted": counter.get_total_flops(), "model": flops.model, "hardware": flops.hardware,
+            "names": sorted(n for n, _ in model.named_parameters()), "expected_names": sorted(shape.parameter_names()),
+            "params": sum(p.numel() for p in model.parameters()), "expected_params": shape.params()}
+
+
+LLAMA = ['model.mlp="swiglu"', "model.num_query_groups=2", 'model.position_embedding="rope"', 'model.norm="rmsnorm"',
+         "model.bias=false", "model.ffn_hidden_size=96", "model.qk_layernorm=true"]
 
 
 @pytest.mark.parametrize("overrides", [[], ['model.recompute="full"'], ["model.ffn_hidden_size=96"],
-                                       ["model.ffn_hidden_size=96", 'model.recompute="full"']],
-                         ids=["gpt2", "gpt2-recompute", "ffn-3h/2", "ffn-3h/2-recompute"])
+                                       ["model.ffn_hidden_size=96", 'model.recompute="full"'],
+                                       ['model.mlp="swiglu"'], ["model.num_query_groups=1"],
+                                       LLAMA, LLAMA + ['model.recompute="full"']],
+                         ids=["gpt2", "gpt2-recompute", "ffn-3h/2", "ffn-3h/2-recompute", "swiglu", "mqa",
+                              "llama", "llama-recompute"])
 def test_formula_equals_torch_flop_counter_within_1_percent(overrides):
     """Forward and backward once, the recomputed forward too where recompute is on: torch's count of what ran is
     the hardware FLOPs; the model FLOPs are that less one forward of the layers (recompute) or equal to it."""
     (out,) = run_ranks(_counted_step, 1, overrides, timeout=180)
     assert out["hardware"] == pytest.approx(out["counted"], rel=0.01)
+    # the same GPTShape counts the built model's parameters exactly and names each one
+    assert (out["params"], out["names"]) == (out["expected_params"], out["expected_names"])
     recompute = any("recompute" in o for o in overrides)
     assert (out["model"] < 0.9 * out["hardware"]) if recompute else (out["model"] == out["hardware"])

@@ -8,7 +8,8 @@ from zero3d.analysis import estimate as est
 from zero3d.analysis import __main__ as cli
 from zero3d.analysis import paper_tables as tables
 from zero3d.analysis import planner
-from zero3d.analysis.estimate import GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab
+from zero3d.analysis.estimate import (GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab,
+                                      paper_shape)
 from zero3d.analysis.flops import gpt_flops_per_step
 
 # Table I as printed (facts §1.4); * marks bold. Columns: 7.5B, 128B, 1T × P_os, P_os+g, P_os+g+p.
@@ -188,7 +189,9 @@ def test_stage3_buffers_of_the_13b_h100_layout_by_hand():
     shape = dict(seq=s, micro_batch=b, hidden=h, heads=a, vocab=50257, tp=1, bucket_elements=50_000_000,
                  precision="bf16", prefetch_units=1, attention="fused")
     psi = gpt_param_count(40, h, 50257, s)
-    terms = est.buffer_terms(stage=3, psi=psi, **shape)
+    gpt = est.GPTShape(layers=40, hidden=h, heads=a, seq=s, vocab=50257)
+    layout = {k: v for k, v in shape.items() if k not in ("seq", "hidden", "heads", "vocab")}
+    terms = est.buffer_terms(gpt, stage=3, psi=psi, **layout)
     assert terms == {"gradient bucket": 4 * h * h * 2,  # fc2's weight, 104.9M > CB: a bucket of its own, bf16
                      "gathered units": 2 * layer * 2,  # the layer computed + one prefetched (> the embedding)
                      "output-layer bucket": v_pad * h * 2,
@@ -197,10 +200,10 @@ def test_stage3_buffers_of_the_13b_h100_layout_by_hand():
                             gpu_memory_bytes=80 * 2**30, **{k: v for k, v in shape.items() if k != "prefetch_units"})
     assert m.buffer_bytes == sum(terms.values()) == 2_822_246_400
     # local attention: its two score gradients less the freed fc1/GeLU outputs outgrow fc2's
-    local = est.buffer_terms(stage=3, psi=psi, **(shape | {"attention": "local"}))["activation gradients"]
+    local = est.buffer_terms(gpt, stage=3, psi=psi, **(layout | {"attention": "local"}))["activation gradients"]
     assert local == 2 * a * s * s * b * 2 - 2 * s * b * 4 * h * 2 > terms["activation gradients"]
     # stages 0-2 keep the paper's one fp32 CB bucket
-    assert est.buffer_terms(stage=2, psi=psi, **shape) == {"gradient buffer": 4 * 50_000_000}
+    assert est.buffer_terms(gpt, stage=2, psi=psi, **layout) == {"gradient buffer": 4 * 50_000_000}
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -289,7 +292,7 @@ def test_planner_ranks_the_papers_100b_layout():
 def test_planner_super_linear_scaling_of_figure_3():
     # 60B (75 × 8192), MP 16, C4; per-GPU batch grows with freed memory: 16, 48, 48, 64
     psi = gpt_param_count(75, 8192, 50257, 1024, tp=16)
-    rate = {gpus: planner.step_time(planner.PAPER_CLUSTER, layers=75, hidden=8192, vocab=50257, seq=1024,
+    rate = {gpus: planner.step_time(planner.PAPER_CLUSTER, model=paper_shape(8192, 75, 64, 50257, 1024),
                                     gpus=gpus, tp=16, zero=planner.PAPER_CONFIGS["C4"], micro_batch=b,
                                     global_batch=b * gpus // 16, params_per_rank=psi)["samples_per_s"]
             for gpus, b in ((64, 16), (128, 48), (256, 48), (400, 64))}

@@ -2,7 +2,7 @@
 import pytest
 
 from zero3d.analysis import planner
-from zero3d.analysis.estimate import GIB, estimate_from_shape, gpt_param_count
+from zero3d.analysis.estimate import GIB, estimate_from_shape, gpt_param_count, paper_shape
 
 CLUSTER = planner.PAPER_CLUSTER
 NODE_HOST = 0.9 * 24 * 64 * GIB  # paper §4.1: 24 × 64 GB DIMMs per DGX-2, less the 10% margin
@@ -14,7 +14,7 @@ def test_a_shape_that_fits_on_the_device_gets_no_offload_layout():
     offloaded layout would fit too."""
     found = planner.plan(layers=24, hidden=2048, heads=16, gpus=16, global_batch=16)
     assert found and all(c.offload is None and not c.zero.offloaded and c.pcie_s == 0 for c in found)
-    shape = dict(layers=24, hidden=2048, heads=16, vocab=50257, seq=1024, gpus=16, recompute="full", precision="fp16")
+    shape = dict(model=paper_shape(2048, 24, 16, 50257, 1024), gpus=16, recompute="full", precision="fp16")
     offloaded = planner._candidate(CLUSTER, shape, 1, planner.ZeroChoice(2, offload_optimizer="cpu"), 1, 16,
                                    50_000_000, 0.1)
     assert offloaded is not None and offloaded.offload.host_bytes > 0

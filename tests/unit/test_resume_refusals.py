@@ -29,7 +29,34 @@ def test_tp_that_pads_the_vocabulary_differently_is_refused_naming_padded_vocab_
     (["model.hidden_size=64"], "data/a", r"model\.hidden_size: saved 32, now 64"),
     (["model.num_layers=3"], "data/a", r"model\.num_layers: saved 2, now 3"),
     ([], "data/b", r"data_prefix: saved 'data/a', now 'data/b'"),
-], ids=["hidden", "layers", "data_prefix"])
+    (['model.mlp="swiglu"'], "data/a", r"model\.mlp: saved 'gelu', now 'swiglu'"),
+    (["model.num_query_groups=2"], "data/a", r"model\.num_query_groups: saved 4, now 2"),
+    (['model.position_embedding="rope"'], "data/a", r"model\.position_embedding: saved 'learned', now 'rope'.*"
+                                                     r"model\.rope_base: saved None, now 10000"),
+    (['model.norm="rmsnorm"'], "data/a", r"model\.norm: saved 'layernorm', now 'rmsnorm'"),
+], ids=["hidden", "layers", "data_prefix", "mlp", "query_groups", "rope", "norm"])
 def test_another_model_shape_or_data_prefix_is_refused(tmp_path, overrides, prefix, diff):
     with pytest.raises(CheckpointError, match="written for another model, tokenizer or data: .*" + diff):
         check_identity(tmp_path, identity(tmp_path), identity(tmp_path, overrides, prefix=prefix))
+
+
+GPT2_IDENTITY_KEYS = {"num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                      "tie_embeddings", "padded_vocab_size"}
+
+
+@pytest.mark.parametrize("overrides,diff", [
+    ([], None),
+    (['model.mlp="swiglu"'], r"model\.mlp: saved 'gelu', now 'swiglu'"),
+    (["model.bias=false"], r"model\.bias: saved True, now False"),
+    (["model.num_query_groups=1"], r"model\.num_query_groups: saved 4, now 1"),
+], ids=["gpt2", "swiglu", "no-bias", "mqa"])
+def test_a_checkpoint_older_than_the_architecture_keys_is_the_gpt2_it_was(tmp_path, overrides, diff):
+    """Checkpoints written before the architecture keys carry only GPT-2's shape keys: they resume as GPT-2
+    (learned positions, GELU, LayerNorm, biases, one KV head per head) and are refused by anything else."""
+    old = identity(tmp_path)
+    old["model"] = {k: v for k, v in old["model"].items() if k in GPT2_IDENTITY_KEYS}
+    if diff is None:
+        check_identity(tmp_path, old, identity(tmp_path))
+    else:
+        with pytest.raises(CheckpointError, match=diff):
+            check_identity(tmp_path, old, identity(tmp_path, overrides))

@@ -7,7 +7,8 @@ from typing import Optional
 
 from zero3d.analysis.cluster import add_cluster_flags, described, spec_from_args
 from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS,
-                                     estimate_from_shape, format_breakdown, model_state_bytes, padded_vocab)
+                                     estimate, format_breakdown, model_state_bytes, padded_vocab)
+from zero3d.analysis.gpt_shape import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
 from zero3d.analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                               offload_breakdown)
 from zero3d.config import ZeroConfig
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-cb", action="store_true", help="no CB: one 4Ψ fused fp32 gradient buffer instead")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
     ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
+    arch = ap.add_argument_group("architecture (default GPT-2's; a Llama-3: --ffn 14336 --query-groups 8 --mlp swiglu "
+                                 "--norm rmsnorm --position-embedding rope --no-bias)")
+    arch.add_argument("--ffn", type=int, help="MLP width (each of gate and up under SwiGLU); default 4 × hidden")
+    arch.add_argument("--query-groups", type=int, help="key/value heads (GQA); default one per head")
+    arch.add_argument("--mlp", choices=list(MLPS), default="gelu")
+    arch.add_argument("--norm", choices=list(NORMS), default="layernorm")
+    arch.add_argument("--position-embedding", choices=list(POSITION_EMBEDDINGS), default="learned")
+    arch.add_argument("--no-bias", action="store_true", help="no biases on the linear layers")
+    arch.add_argument("--qk-layernorm", action="store_true", help="a norm over each query and key head")
     ap.add_argument("--prefetch-units", type=int, default=ZERO.prefetch_units, help="stage 3 units gathered ahead")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table (not with --plan)")
@@ -149,6 +159,14 @@ def _largest(ap: argparse.ArgumentParser, args) -> int:
     return 0
 
 
+def model_shape(args, vocab: int, seq: int) -> GPTShape:
+    """The GPTShape the flags describe (ValueError naming a bad value)."""
+    return GPTShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=seq, vocab=vocab, ffn=args.ffn,
+                    query_groups=args.query_groups, mlp=args.mlp, norm=args.norm,
+                    position_embedding=args.position_embedding, bias=not args.no_bias,
+                    qk_layernorm=args.qk_layernorm, tied=args.tied)
+
+
 def _rank(ap: argparse.ArgumentParser, args) -> int:
     """--plan rank: feasible layouts for a shape on the described cluster, best modelled throughput first."""
     from zero3d.analysis.planner import GPT2_VOCAB, PAPER_SEQ, format_candidates, plan
@@ -157,8 +175,7 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
     try:
         cluster = args.spec.cluster(args.precision)
         gpus = args.gpus or cluster.gpus
-        found = plan(cluster, layers=args.layers, hidden=args.hidden, heads=args.heads, gpus=gpus,
-                     vocab=args.vocab or GPT2_VOCAB, seq=args.seq or PAPER_SEQ,
+        found = plan(cluster, model=model_shape(args, args.vocab or GPT2_VOCAB, args.seq or PAPER_SEQ), gpus=gpus,
                      global_batch=args.global_batch, batch_per_gpu=args.batch_per_gpu,
                      recompute=args.recompute, precision=args.precision,
                      bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction)
@@ -259,11 +276,10 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"missing {', '.join(missing)} (or use --params, --table1, --table2, --plan)")
     pa = args.pa or args.pa_cpu
     try:
-        m = estimate_from_shape(
-            layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq,
-            gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
+        m = estimate(
+            model_shape(args, args.vocab, args.seq), gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
             recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
-            precision=args.precision, tied=args.tied, prefetch_units=args.prefetch_units,
+            precision=args.precision, prefetch_units=args.prefetch_units,
             gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction)
         offload = None
         if args.offload_optimizer != "none" or args.offload_params != "none":

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
+from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 from zero3d.config import ZeroConfig
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
@@ -19,7 +20,6 @@ V100_MEMORY_BYTES = 32 * GIB
 # §4.10, §4.11).
 DEFAULT_MARGIN_FRACTION = 0.10
 DEFAULT_BUCKET_ELEMENTS = ZeroConfig.bucket_elements  # CB: the engine's zero.bucket_elements default
-VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
 
 
 @dataclass(frozen=True)
@@ -40,35 +40,28 @@ PRECISIONS = {
 }
 
 
-def padded_vocab(vocab: int, tp: int = 1, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Megatron pads the vocabulary up to a multiple of divisible_by × tp."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
+def paper_shape(hidden: int, layers: int = 1, heads: int = 1, vocab: int = 1, seq: int = 1, tied: bool = False,
+                ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> GPTShape:
+    """The paper's GPT-2-shaped decoder (learned positions, GELU, LayerNorm, biases, multi-head) as a GPTShape."""
+    return GPTShape(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=ffn_hidden, tied=tied,
+                    vocab_divisible_by=vocab_divisible_by)
 
 
 def layer_param_count(hidden: int, tp: int = 1, ffn_hidden: Optional[int] = None) -> int:
-    """Parameters of one transformer layer on one TP rank (12h² + 13h at tp = 1, ffn = 4h)."""
-    ffn = ffn_hidden or 4 * hidden
-    # qkv w+b, proj w, fc1 w+b, fc2 w are split across the TP ranks ...
-    split = 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden * ffn + ffn + ffn * hidden
-    # ... proj bias, fc2 bias and the two LayerNorms (weight + bias) are whole on every rank.
-    whole = hidden + hidden + 2 * 2 * hidden
-    return split // tp + whole
+    """Parameters of one GPT-2 layer on one TP rank (12h² + 13h at tp = 1, ffn = 4h): GPTShape.layer_params."""
+    return paper_shape(hidden, ffn_hidden=ffn_hidden).layer_params(tp)
 
 
 def embedding_param_count(hidden: int, vocab: int, seq: int, tp: int = 1,
                           vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
     """Word embedding (this rank's slice of the padded vocabulary) + learned position embedding."""
-    return padded_vocab(vocab, tp, vocab_divisible_by) * hidden // tp + seq * hidden
+    return paper_shape(hidden, vocab=vocab, seq=seq, vocab_divisible_by=vocab_divisible_by).embedding_params(tp)
 
 
 def gpt_param_count(layers: int, hidden: int, vocab: int, seq: int, tp: int = 1, tied: bool = False,
                     ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
     """Parameters on one TP rank of megatron-core's GPTModel (local spec, learned positions, biases)."""
-    output_layer = 0 if tied else padded_vocab(vocab, tp, vocab_divisible_by) * hidden // tp
-    final_layernorm = 2 * hidden
-    return (layers * layer_param_count(hidden, tp, ffn_hidden) + final_layernorm + output_layer
-            + embedding_param_count(hidden, vocab, seq, tp, vocab_divisible_by))
+    return paper_shape(hidden, layers, 1, vocab, seq, tied, ffn_hidden, vocab_divisible_by).params(tp)
 
 
 def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16") -> tuple:
@@ -119,19 +112,16 @@ def attention_state_bytes(attention: str, seq: int, micro_batch: int, heads: int
 
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
                            act_bytes: int = 2, ffn_hidden: Optional[int] = None, attention: str = "local") -> int:
-    """Korthikanti et al. 2022 (no sequence parallelism) activations one layer keeps for backward.
+    """Korthikanti et al. 2022 (no sequence parallelism) activations one GPT-2 layer keeps for backward
+    (GPTShape.layer_activation_bytes for any shape).
 
     At 2-byte activations, ffn = 4h and local attention this is s·b·h·(10 + 24/t + 5·a·s/(h·t)); dropout
     masks are 1 byte per element whatever the activation dtype, so the general form keeps them apart.
     Fused attention (ATTENTION_KINDS) replaces the 5·a·s/(h·t) score term by a·s·b·4/t bytes of statistics.
     """
-    s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, act_bytes
-    f = ffn_hidden or 4 * h
-    # whole on every rank: 2 LayerNorm inputs, qkv input, fc1 input (e each) + 2 dropout masks (1)
-    whole = s * b * h * (4 * e + 2)
-    # split by tp: Q, K, V and proj input (4·e·sbh), fc1 output and GeLU output (2·e·sbf)
-    split = s * b * (4 * e * h + 2 * e * f)
-    return whole + (split + attention_state_bytes(attention, s, b, a, e)) // t
+    shape = paper_shape(hidden, heads=heads, seq=seq, ffn_hidden=ffn_hidden)
+    return shape.layer_activation_bytes(micro_batch, tp, act_bytes,
+                                        attention_state_bytes(attention, seq, micro_batch, heads, act_bytes))
 
 
 def document_mask_bytes(seq: int, micro_batch: int, micro_batches: int, in_flight: int, act_bytes: int,
@@ -145,8 +135,8 @@ def document_mask_bytes(seq: int, micro_batch: int, micro_batches: int, in_fligh
     return micro_batches * per_mask + bias
 
 
-def backward_transient_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int, act_bytes: int = 2,
-                             ffn_hidden: Optional[int] = None, attention: str = "local") -> int:
+def backward_transient_bytes(shape: GPTShape, micro_batch: int, tp: int, act_bytes: int = 2,
+                             attention: str = "local") -> int:
     """Activation gradients alive beside the working set while a layer back-propagates (the last layer, first
     in backward, recomputed under full recomputation): the larger of two moments of its backward.
 
@@ -154,33 +144,29 @@ def backward_transient_bytes(seq: int, micro_batch: int, hidden: int, heads: int
       the one it produces for its input, s·b·f·e/t (its weight's gradient lands in a bucket:
       `gradient_bucket_elements`);
     - local attention's score backward: the gradients of the dropout output and of the softmax output,
-      2·a·s²·b·e/t, less the fc1 and GeLU outputs the MLP's backward has freed by then, 2·s·b·f·e/t. Fused
-      attention (ATTENTION_KINDS) keeps no scores, so fc2's moment is the one.
+      2·a·s²·b·e/t, less the fc1 and activation outputs the MLP's backward has freed by then (2·s·b·f·e/t,
+      3·s·b·f·e/t gated). Fused attention (ATTENTION_KINDS) keeps no scores, so fc2's moment is the one.
     """
-    s, b, h, a, t, e = seq, micro_batch, hidden, heads, tp, act_bytes
-    f = ffn_hidden or 4 * h
-    fc2 = s * b * h * e + s * b * f * e // t
+    s, b, h, a, t, e = shape.seq, micro_batch, shape.hidden, shape.heads, tp, act_bytes
+    fc2 = s * b * h * e + s * b * shape.ffn_size * e // t
     if attention != "local":
         return fc2
-    scores = (2 * a * s * s * b * e - 2 * s * b * f * e) // t
+    scores = (2 * a * s * s * b * e - shape.mlp_activation_bytes(b, e)) // t
     return max(fc2, scores)
 
 
-def gradient_bucket_elements(psi: int, hidden: int, tp: int, ffn_hidden: Optional[int],
-                             bucket_elements: Optional[int]) -> int:
+def gradient_bucket_elements(shape: GPTShape, psi: int, tp: int, bucket_elements: Optional[int]) -> int:
     """Elements of the stage 3 gradient bucket a layer's backward fills first: the one holding fc2's weight
     (h·f/t, the first gradient a layer makes). zero3d/flat.py's `bucket_members` closes a bucket at
     >= bucket_elements and gives a larger parameter a bucket of its own; a bucket never spans two gather units,
     so it is at most the layer's parameters. Without CB (None): the whole Ψ."""
     if bucket_elements is None:
         return psi
-    f = ffn_hidden or 4 * hidden
-    return max(hidden * f // tp, min(bucket_elements, layer_param_count(hidden, tp, ffn_hidden)))
+    return max(shape.hidden * shape.ffn_size // tp, min(bucket_elements, shape.layer_params(tp)))
 
 
-def buffer_terms(*, stage: int, psi: int, seq: int, micro_batch: int, hidden: int, heads: int, vocab: int,
-                 tp: int, bucket_elements: Optional[int], precision: str, prefetch_units: int,
-                 ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp: int,
+                 bucket_elements: Optional[int], precision: str, prefetch_units: int,
                  attention: str = "local") -> dict:
     """{term: bytes} of the temporary buffers at the rank's peak; `buffer_bytes` is their sum.
 
@@ -202,14 +188,13 @@ def buffer_terms(*, stage: int, psi: int, seq: int, micro_batch: int, hidden: in
     p = PRECISIONS[precision]
     if stage != 3:
         return {"gradient buffer": 4 * (psi if bucket_elements is None else min(bucket_elements, psi))}
-    bucket = gradient_bucket_elements(psi, hidden, tp, ffn_hidden, bucket_elements)
-    largest_unit = max(layer_param_count(hidden, tp, ffn_hidden),
-                       embedding_param_count(hidden, vocab, seq, tp, vocab_divisible_by))
+    bucket = gradient_bucket_elements(shape, psi, tp, bucket_elements)
+    largest_unit = max(shape.layer_params(tp), shape.embedding_params(tp))
     return {"gradient bucket": (4 if bucket_elements is None else p.grad_bytes) * bucket,
             "gathered units": (1 + prefetch_units) * largest_unit * p.param_bytes,
-            "output-layer bucket": padded_vocab(vocab, tp, vocab_divisible_by) * hidden // tp * p.grad_bytes,
-            "activation gradients": backward_transient_bytes(seq, micro_batch, hidden, heads, tp,
-                                                             p.activation_bytes, ffn_hidden, attention)}
+            "output-layer bucket": shape.padded_vocab(tp) * shape.hidden // tp * p.grad_bytes,
+            "activation gradients": backward_transient_bytes(shape, micro_batch, tp, p.activation_bytes,
+                                                             attention)}
 
 
 @dataclass(frozen=True)
@@ -265,20 +250,21 @@ class MemoryBreakdown:
         return out
 
 
-def validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute,
-                   pa, pa_cpu, precision, bucket_elements=None, prefetch_units=1, attention="local") -> None:
-    """Raise ValueError naming the bad value and what would be valid."""
-    for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("vocab", vocab),
-                        ("seq", seq), ("gpus", gpus), ("tp", tp), ("micro_batch", micro_batch)):
+def validate_layout(shape: GPTShape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision,
+                    bucket_elements=None, prefetch_units=1, attention="local") -> None:
+    """Raise ValueError naming the bad value and what would be valid (the shape validated itself)."""
+    for name, value in (("gpus", gpus), ("tp", tp), ("micro_batch", micro_batch)):
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} = {value!r} is invalid; must be a positive integer")
-    if hidden % heads:
-        raise ValueError(f"hidden = {hidden} is not divisible by heads = {heads}")
-    for name, value in (("heads", heads), ("hidden", hidden), ("gpus", gpus)):
+    for name, value in (("heads", shape.heads), ("query_groups", shape.groups), ("hidden", shape.hidden),
+                        ("gpus", gpus)):
         if value % tp:
-            valid = [d for d in range(1, heads + 1) if heads % d == 0 and hidden % d == 0 and gpus % d == 0]
+            valid = [d for d in range(1, shape.heads + 1)
+                     if shape.heads % d == 0 and shape.groups % d == 0 and shape.hidden % d == 0 and gpus % d == 0]
             raise ValueError(f"{name} = {value} is not divisible by tp = {tp}; valid tp values: "
                              f"{', '.join(map(str, valid))}")
+    if shape.ffn_size % tp:
+        raise ValueError(f"ffn_hidden = {shape.ffn_size} is invalid; must be > 0 and divisible by tp = {tp}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage = {stage!r} is invalid; valid stages: 0, 1, 2, 3")
     if recompute not in ("none", "full"):
@@ -297,17 +283,22 @@ def validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_bat
         raise ValueError(f"attention = {attention!r} is invalid; valid: {', '.join(map(repr, ATTENTION_KINDS))}")
 
 
-def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, gpus: int,
-                        tp: int = 1, stage: int = ZeroConfig.stage, micro_batch: int = 1, recompute: str = "none",
-                        pa: bool = False, pa_cpu: bool = False,
-                        bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
-                        tied: bool = False, prefetch_units: int = ZeroConfig.prefetch_units,
+def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, tied: bool = False,
                         ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
-                        gpu_memory_bytes: float = V100_MEMORY_BYTES,
-                        margin_fraction: float = DEFAULT_MARGIN_FRACTION,
-                        loss_chunk_tokens: int = 0, secondary_partition: bool = False, hybrid: bool = False,
-                        dp_per_node: int = 1, attention: str = "local", mask_bytes: float = 0.0) -> MemoryBreakdown:
-    """Per-GPU memory of a GPT on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
+                        **layout) -> MemoryBreakdown:
+    """`estimate` of the paper's GPT-2-shaped decoder given by its dimensions (the tables' and searches' form)."""
+    return estimate(GPTShape(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=ffn_hidden,
+                             tied=tied, vocab_divisible_by=vocab_divisible_by), **layout)
+
+
+def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig.stage, micro_batch: int = 1,
+             recompute: str = "none", pa: bool = False, pa_cpu: bool = False,
+             bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
+             prefetch_units: int = ZeroConfig.prefetch_units, gpu_memory_bytes: float = V100_MEMORY_BYTES,
+             margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0,
+             secondary_partition: bool = False, hybrid: bool = False, dp_per_node: int = 1,
+             attention: str = "local", mask_bytes: float = 0.0) -> MemoryBreakdown:
+    """Per-GPU memory of the GPT `shape` on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py).
     ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
@@ -315,17 +306,15 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
     "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
     softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
     attention masks (document_mask_bytes), counted with the activations."""
-    validate_shape(layers, hidden, heads, vocab, seq, gpus, tp, stage, micro_batch, recompute, pa,
-                   pa_cpu, precision, bucket_elements, prefetch_units, attention)
+    validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
+                    prefetch_units, attention)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
         raise ValueError(f"gpu_memory_bytes = {gpu_memory_bytes} must be > 0 and margin_fraction = "
                          f"{margin_fraction} in [0, 1)")
-    if ffn_hidden is not None and (ffn_hidden <= 0 or ffn_hidden % tp):
-        raise ValueError(f"ffn_hidden = {ffn_hidden} is invalid; must be > 0 and divisible by tp = {tp}")
     prec = PRECISIONS[precision]
     dp = gpus // tp
-    vocab_pad = padded_vocab(vocab, tp, vocab_divisible_by)
-    psi = gpt_param_count(layers, hidden, vocab, seq, tp, tied, ffn_hidden, vocab_divisible_by)
+    seq, hidden = shape.seq, shape.hidden
+    psi = shape.params(tp)
     if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
         raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
     param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
@@ -334,27 +323,27 @@ def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq
         param += extra_state_bytes("+hpZ", psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
-    layer_bytes = layer_activation_bytes(seq, micro_batch, hidden, heads, tp, e, ffn_hidden, attention)
+    layer_bytes = shape.layer_activation_bytes(micro_batch, tp, e, attention_state_bytes(
+        attention, seq, micro_batch, shape.heads, e))
     # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
     tokens = micro_batch * seq
-    logits = (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * vocab_pad // tp * 4
+    logits = (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * shape.padded_vocab(tp) // tp * 4
     host = 0.0
     if recompute == "none":
-        checkpoints, working = 0.0, float(layers * layer_bytes)
+        checkpoints, working = 0.0, float(shape.layers * layer_bytes)
     else:
         # one checkpoint per layer (its input), sliced over the TP group under Pa
-        checkpoints = layers * micro_batch * seq * hidden * e / (tp if pa else 1)
+        checkpoints = shape.layers * micro_batch * seq * hidden * e / (tp if pa else 1)
         if pa_cpu:
             checkpoints, host = 0.0, checkpoints
         # the one layer being recomputed and back-propagated (fused attention: no [b·a, s, s] buffer either)
         working = float(layer_bytes)
 
-    terms = buffer_terms(stage=stage, psi=psi, seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads,
-                         vocab=vocab, tp=tp, bucket_elements=bucket_elements, precision=precision,
-                         prefetch_units=prefetch_units, ffn_hidden=ffn_hidden,
-                         vocab_divisible_by=vocab_divisible_by, attention=attention)
+    terms = buffer_terms(shape, stage=stage, psi=psi, micro_batch=micro_batch, tp=tp,
+                         bucket_elements=bucket_elements, precision=precision, prefetch_units=prefetch_units,
+                         attention=attention)
     buffers = float(sum(terms.values()))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer,

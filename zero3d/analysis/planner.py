@@ -6,9 +6,9 @@ from typing import Optional
 from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
 from zero3d.analysis.comm_model import STAGE_MODES, Links, collectives_per_pass, dp_collectives, link_seconds
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
-                                      V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
-                                      largest_fitting_layers)
-from zero3d.analysis.flops import gpt_flops_per_step
+                                      V100_MEMORY_BYTES, MemoryBreakdown, estimate, estimate_from_shape,
+                                      gpt_param_count, largest_fitting_layers, paper_shape)
+from zero3d.analysis.gpt_shape import GPTShape
 from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 
 GPT2_VOCAB = 50257
@@ -96,17 +96,19 @@ class Candidate:
         return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s + self.pcie_s
 
 
-def step_time(cluster: Cluster, *, layers, hidden, vocab, seq, gpus, tp, zero: ZeroChoice, micro_batch,
+def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
               global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
               bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> dict:
-    """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner."""
+    """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
+    hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included)."""
+    layers, hidden, seq = model.layers, model.hidden, model.seq
     dp = gpus // tp
     if global_batch % (micro_batch * dp):
         raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = "
                          f"{micro_batch} × {dp}")
     accumulation = global_batch // (micro_batch * dp)
     act_bytes = PRECISIONS[precision].activation_bytes
-    flops = gpt_flops_per_step(layers, hidden, seq, vocab, global_batch, recompute == "full")
+    flops = model.step_flops(global_batch, recompute == "full", tp).hardware
     compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
     micro_compute = compute / accumulation
     # MP link: NVSwitch while the TP group stays inside a node, else the node's share of IB
@@ -153,14 +155,16 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: int, vocab: int = GPT2_VOCAB,
-         seq: int = PAPER_SEQ, global_batch: Optional[int] = None, batch_per_gpu: Optional[int] = None,
+def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidden: Optional[int] = None,
+         heads: Optional[int] = None, vocab: int = GPT2_VOCAB, seq: int = PAPER_SEQ, model: Optional[GPTShape] = None,
+         global_batch: Optional[int] = None, batch_per_gpu: Optional[int] = None,
          gpus: Optional[int] = None, recompute: str = "full",
          bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
          margin_fraction: float = DEFAULT_MARGIN_FRACTION,
          tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True) -> list:
     """Every layout that fits, best modelled throughput first.
 
+    The model: `model` (any GPTShape), or the paper's GPT-2 shape by `layers`, `hidden`, `heads`, `vocab`, `seq`.
     Give `global_batch` (fixed samples per step) or `batch_per_gpu` (samples per DP rank, the paper's
     per-GPU batch: the global batch then grows with the DP degree). Only when no layout fits on the
     device alone (and `offload`), the first of OFFLOAD_TIERS under which some layout fits the device and
@@ -172,10 +176,13 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: int, hidden: int, heads: i
     batch = global_batch if batch_per_gpu is None else batch_per_gpu
     if batch <= 0:
         raise ValueError(f"batch = {batch} is invalid; must be a positive integer")
+    if (model is None) == (None in (layers, hidden, heads)):
+        raise ValueError("give the model as `model` (a GPTShape) or as layers, hidden and heads, not both")
+    model = model or paper_shape(hidden, layers, heads, vocab, seq)
     gpus = gpus or cluster.gpus
-    tps = tp_choices or [t for t in _divisors(gpus) if heads % t == 0 and hidden % t == 0]
-    shape = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, gpus=gpus, recompute=recompute,
-                 precision=precision)
+    tps = tp_choices or [t for t in _divisors(gpus) if model.heads % t == 0 and model.groups % t == 0
+                         and model.hidden % t == 0 and model.ffn_size % t == 0]
+    shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision)
 
     def search(offload_optimizer: str = "none", offload_params: str = "none") -> list:
         found = []
@@ -225,11 +232,12 @@ def _micro_batches(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, ste
 def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_batch: int, step_batch: int,
                bucket_elements: Optional[int], margin_fraction: float) -> Optional[Candidate]:
     """The layout with its memory and modelled time, or None when it does not fit."""
-    memory = estimate_from_shape(**shape, tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
-                                 pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements,
-                                 gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction,
-                                 secondary_partition="hpZ" in zero.zeropp, hybrid=zero.zeropp == "+hybrid",
-                                 dp_per_node=dp_per_node(cluster, shape["gpus"], tp))
+    memory = estimate(shape["model"], gpus=shape["gpus"], recompute=shape["recompute"],
+                      precision=shape["precision"], tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
+                      pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements,
+                      gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction,
+                      secondary_partition="hpZ" in zero.zeropp, hybrid=zero.zeropp == "+hybrid",
+                      dp_per_node=dp_per_node(cluster, shape["gpus"], tp))
     offload = None
     if zero.offloaded:
         offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
@@ -240,8 +248,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
             return None
     if not memory.fits:
         return None
-    timing = step_time(cluster, layers=shape["layers"], hidden=shape["hidden"], vocab=shape["vocab"],
-                       seq=shape["seq"], gpus=shape["gpus"], tp=tp, zero=zero, micro_batch=micro_batch,
+    timing = step_time(cluster, model=shape["model"], gpus=shape["gpus"], tp=tp, zero=zero, micro_batch=micro_batch,
                        global_batch=step_batch, params_per_rank=memory.params_per_rank,
                        recompute=shape["recompute"], precision=shape["precision"],
                        pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements)

@@ -3,7 +3,7 @@ Predicted scaling table). Rows carry slurm/collect.py's columns, so its table an
 from pathlib import Path
 
 from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
-from zero3d.analysis.estimate import gpt_param_count
+from zero3d.analysis.estimate import gpt_param_count, paper_shape
 from zero3d.analysis.paper_configs import load_paper_runs
 from zero3d.analysis.planner import GPT2_VOCAB, PAPER_SEQ, plan, step_time
 
@@ -43,10 +43,10 @@ def predict_rows(cluster: Cluster, csv_path, sizes=None, precision: str = "fp16"
     gpus = gpus or cluster.gpus
     rows = []
     for run in figure2_runs(csv_path, sizes):
-        shape = dict(layers=run.layers, hidden=run.hidden, vocab=GPT2_VOCAB, seq=PAPER_SEQ)
+        shape = dict(model=paper_shape(run.hidden, run.layers, run.heads, GPT2_VOCAB, PAPER_SEQ))
         paper_batch = run.batch_per_gpu * run.gpus // run.mp
         batch = max(1, round(paper_batch * gpus / run.gpus))
-        found = plan(cluster, heads=run.heads, gpus=gpus, global_batch=batch, recompute="full", precision=precision,
+        found = plan(cluster, gpus=gpus, global_batch=batch, recompute="full", precision=precision,
                      **shape)
         params = gpt_param_count(run.layers, run.hidden, GPT2_VOCAB, PAPER_SEQ)
         row = dict(run=f"predicted {run.model}", figure=2, model=run.model, shrink=1, system="zero", gpus=gpus,

@@ -1,0 +1,167 @@
+"""GPTShape: a GPT decoder's arithmetic in one place — padded vocabulary, parameters per TP rank, FLOPs, activations.
+
+The config (pretrain's `model` section), the estimator, the planner, the probe and the metrics all ask it;
+the counts are megatron-core 0.16.1's GPTModel with its local layer spec (tests/dist/test_gpt_shape.py holds
+them to the built model, element for element).
+"""
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from zero3d.analysis.flops import StepFlops, gpt_step_flops
+
+VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
+MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned", "rope")
+
+
+def padded_vocab(vocab: int, tp: int = 1, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron pads the vocabulary up to a multiple of divisible_by × tp."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """A decoder-only transformer: GPT-2's (the defaults) or a Llama-shaped one (RoPE, SwiGLU, RMSNorm, GQA,
+    no biases, untied head). Validated when built: a bad value raises ValueError naming it and what is valid."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    """The tokenizer's vocabulary; the embedding holds `padded_vocab(tp)` rows."""
+    ffn: Optional[int] = None
+    """MLP width (each of the gate and up projections under SwiGLU); None: 4 × hidden."""
+    query_groups: Optional[int] = None
+    """Key/value heads (GQA; 1: MQA); None: one per query head."""
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    position_embedding: Literal["learned", "rope"] = "learned"
+    bias: bool = True
+    """Biases on the linear layers (QKV, projection, fc1, fc2)."""
+    qk_layernorm: bool = False
+    """A norm over each query and key head (head_dim wide, shared by the heads)."""
+    tied: bool = False
+    """The output layer reuses the word embedding."""
+    vocab_divisible_by: int = VOCAB_DIVISIBLE_BY
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "heads", "seq", "vocab", "vocab_divisible_by"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} = {value!r} is invalid; must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden = {self.hidden} is not divisible by heads = {self.heads}")
+        if self.ffn is not None and (not isinstance(self.ffn, int) or self.ffn <= 0):
+            raise ValueError(f"ffn = {self.ffn!r} is invalid; must be a positive integer (or None: 4 × hidden)")
+        if self.query_groups is not None and (not isinstance(self.query_groups, int) or self.query_groups <= 0
+                                              or self.heads % self.query_groups):
+            valid = [g for g in range(1, self.heads + 1) if self.heads % g == 0]
+            raise ValueError(f"query_groups = {self.query_groups!r} is invalid; it must divide heads = {self.heads}: "
+                             f"valid values {', '.join(map(str, valid))}")
+        for name, choices in (("mlp", MLPS), ("norm", NORMS), ("position_embedding", POSITION_EMBEDDINGS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} = {getattr(self, name)!r} is invalid; valid: {', '.join(map(repr, choices))}")
+
+    # ------------------------------------------------------------------ derived sizes
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def groups(self) -> int:
+        return self.query_groups or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key (and of the value) projection: query groups × head size."""
+        return self.groups * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        return self.mlp == "swiglu"
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        return padded_vocab(self.vocab, tp, self.vocab_divisible_by)
+
+    # ------------------------------------------------------------------ parameters on one TP rank
+
+    def norm_params(self, width: int) -> int:
+        """A LayerNorm has a weight and a bias, an RMSNorm a weight only."""
+        return width * (2 if self.norm == "layernorm" else 1)
+
+    def layer_params(self, tp: int = 1) -> int:
+        """One transformer layer on one TP rank: 12h² + 13h for GPT-2 at tp = 1 (ffn = 4h)."""
+        h, f, m = self.hidden, self.ffn_size, 2 if self.gated else 1
+        qkv = h + 2 * self.kv_width
+        # split across TP: the QKV and fc1 (column-parallel) weights and biases, the projection and fc2 weights
+        split = h * qkv + h * h + h * f * m + f * h + (qkv + f * m if self.bias else 0)
+        # whole on every rank: the projection and fc2 biases (row-parallel), the two norms, the q/k norms
+        whole = (2 * h if self.bias else 0) + 2 * self.norm_params(h) \
+            + (2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0)
+        return split // tp + whole
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """The word embedding (this rank's slice of the padded vocabulary) and learned positions (none: RoPE)."""
+        positions = self.seq * self.hidden if self.position_embedding == "learned" else 0
+        return self.padded_vocab(tp) * self.hidden // tp + positions
+
+    def output_params(self, tp: int = 1) -> int:
+        return 0 if self.tied else self.padded_vocab(tp) * self.hidden // tp
+
+    def params(self, tp: int = 1) -> int:
+        """Parameters on one TP rank of the whole model (every pipeline stage together)."""
+        return (self.layers * self.layer_params(tp) + self.norm_params(self.hidden) + self.output_params(tp)
+                + self.embedding_params(tp))
+
+    def parameter_names(self) -> list:
+        """megatron-core GPTModel's parameter names (local layer spec, one pipeline stage holding every layer):
+        what optimizer.no_weight_decay's patterns are checked against."""
+        norm = ("weight", "bias") if self.norm == "layernorm" else ("weight",)
+        linear = ("weight", "bias") if self.bias else ("weight",)
+        layer = [f"input_layernorm.{w}" for w in norm] + [f"pre_mlp_layernorm.{w}" for w in norm]
+        layer += [f"self_attention.{m}.{w}" for m in ("linear_qkv", "linear_proj") for w in linear]
+        layer += [f"self_attention.{m}.{w}" for m in ("q_layernorm", "k_layernorm") for w in norm
+                  if self.qk_layernorm]
+        layer += [f"mlp.{m}.{w}" for m in ("linear_fc1", "linear_fc2") for w in linear]
+        names = ["embedding.word_embeddings.weight"]
+        names += ["embedding.position_embeddings.weight"] if self.position_embedding == "learned" else []
+        names += [f"decoder.layers.{i}.{n}" for i in range(self.layers) for n in layer]
+        names += [f"decoder.final_layernorm.{w}" for w in norm] + ([] if self.tied else ["output_layer.weight"])
+        return names
+
+    # ------------------------------------------------------------------ FLOPs
+
+    def step_flops(self, global_batch: int, recompute: bool, tp: int = 1) -> StepFlops:
+        """Model and hardware FLOPs of one step over the vocabulary padded for `tp` (zero3d.analysis.flops)."""
+        return gpt_step_flops(self.layers, self.hidden, self.seq, self.padded_vocab(tp), global_batch, recompute,
+                              ffn_hidden=self.ffn_size, num_attention_heads=self.heads,
+                              num_query_groups=self.groups, gated_mlp=self.gated)
+
+    # ------------------------------------------------------------------ activations (bytes, one TP rank)
+
+    def layer_activation_bytes(self, micro_batch: int, tp: int, act_bytes: int, attention_state: int) -> int:
+        """Activations one layer keeps for backward (Korthikanti et al. 2022, no sequence parallelism), with
+        `attention_state` the bytes core attention keeps beyond Q, K, V and its output (all heads).
+
+        Whole on every rank: both norm inputs, the QKV and fc1 inputs (e each) and two 1-byte dropout masks.
+        Split by TP: Q and the projection input (e·h each), K and V (e·g·d each), fc1's output (e·f, 2·e·f
+        gated) and the activation's output (e·f); q/k norms keep their inputs too (e·(h + g·d)).
+        GPT-2 at 2 bytes: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with local attention."""
+        s, b, h, e = self.seq, micro_batch, self.hidden, act_bytes
+        f, m = self.ffn_size, 2 if self.gated else 1
+        whole = s * b * h * (4 * e + 2)
+        split = s * b * e * (2 * h + 2 * self.kv_width + f * m + f
+                             + (h + self.kv_width if self.qk_layernorm else 0))
+        return whole + (split + attention_state) // tp
+
+    def mlp_activation_bytes(self, micro_batch: int, act_bytes: int) -> int:
+        """fc1's output and the activation's output, all TP ranks: what the MLP's backward frees."""
+        return self.seq * micro_batch * self.ffn_size * act_bytes * (3 if self.gated else 2)
