@@ -42,7 +42,7 @@ def bench_rank(rank, world_size, args):
     import zero3d
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from pretrain.config import load_config
-    from pretrain.model import activation_checkpointing, build_model, gpt_loss
+    from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss
     from pretrain.runtime.topology import init_topology
     from pretrain.train import Batches, engine_settings
 

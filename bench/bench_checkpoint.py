@@ -34,7 +34,7 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
     import zero3d
     from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_loss
+    from pretrain.model.gpt import build_model, gpt_loss
     from pretrain.runtime.topology import destroy_topology, init_topology
     from pretrain.train import engine_settings, layout_signature
 

@@ -137,7 +137,7 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
     import zero3d
     from megatron.core import parallel_state
     from pretrain.config import load_config
-    from pretrain.model import build_model, parallel_groups
+    from pretrain.model.gpt import build_model, parallel_groups
     from pretrain.runtime.topology import init_topology
     from pretrain.train import engine_settings, loss_share, run_micro_batches, step_mean_loss
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

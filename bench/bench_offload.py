@@ -40,7 +40,7 @@ MB = 2**20
 
 def build(args, system):
     from pretrain.config import load_config
-    from pretrain.model import build_model
+    from pretrain.model.gpt import build_model
     from pretrain.runtime.topology import init_topology
     overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
                  f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
@@ -58,7 +58,7 @@ def build(args, system):
 
 
 def run_system(rank, world, system, args):
-    from pretrain.model import gpt_loss
+    from pretrain.model.gpt import gpt_loss
     start_rss = psutil.Process().memory_info().rss
     cfg, topo, model = build(args, system)
     lr, state = 1e-3, {}

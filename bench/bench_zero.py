@@ -162,7 +162,7 @@ def DEEPSPEED_ZEROPP(gpus_per_node: int) -> dict:  # noqa: N802 - a table, by th
 
 def build(args, system):
     from pretrain.config import load_config
-    from pretrain.model import build_model
+    from pretrain.model.gpt import build_model
     from pretrain.runtime.topology import init_topology
     overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
                  f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
@@ -179,7 +179,7 @@ def build(args, system):
 
 
 def run_system(rank, world, system, args):
-    from pretrain.model import gpt_loss
+    from pretrain.model.gpt import gpt_loss
     cfg, topo, model = build(args, system)
     lr, steps = 1e-3, args.steps
     stats = None

@@ -1,7 +1,7 @@
 """CPU mode: the four patches megatron-core 0.16 needs to build, run and pipeline GPTModel on gloo ranks.
 
 Applied only by `megatron_patches.apply("cpu")`, never on a CUDA run, and undone by `undo_cpu_patches()`.
-Everything else CPU mode once patched goes through megatron's public seams instead (pretrain/model.py):
+Everything else CPU mode once patched goes through megatron's public seams instead (pretrain/model/gpt.py):
 an explicit causal mask passed to `GPTModel.forward`, the layer norm chosen in the layer spec,
 `batch_p2p_sync=False` in the config, ZeRO-R recompute as a layer class in the spec.
 """

@@ -44,7 +44,7 @@ def accumulation(cfg: Config, world_size: int) -> int:
 
 def attention_kind(choice: str) -> str:
     """The estimator's attention term (estimate.ATTENTION_KINDS) for model.attention = `choice`: "local" keeps
-    the [b·a, s, s] scores; "sdpa", "te" and "auto" (te where importable, else sdpa: pretrain/attention.py's
+    the [b·a, s, s] scores; "sdpa", "te" and "auto" (te where importable, else sdpa: pretrain/model/attention.py's
     resolve) run fused kernels on a GPU, which keep only the softmax statistics."""
     return "local" if choice == "local" else "fused"
 

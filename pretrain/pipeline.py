@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 
 from pretrain.data.batch import field, token_mean, tokens_of
-from pretrain.model import gpt_inputs
+from pretrain.model.gpt import gpt_inputs
 
 
 def pipeline_micro_batches(engine, micro_batches: list, seq_length: int, forward_only: bool,

@@ -67,10 +67,10 @@ class ModelConfig(Section):
     recompute: Literal["none", "full"] = "none"
     """full: every transformer layer recomputed in backward."""
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
-    """Core attention (pretrain/attention.py): auto = Transformer Engine on GPU where importable, else torch's
+    """Core attention (pretrain/model/attention.py): auto = Transformer Engine on GPU where importable, else torch's
     scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
     loss_chunk_tokens: int = 1024
-    """Output layer + cross-entropy this many tokens at a time (pretrain/loss.py); 0: megatron's, in one piece."""
+    """Output layer + cross-entropy this many tokens at a time (pretrain/model/loss.py); 0: megatron's, in one piece."""
     compile: bool = False
     """torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet."""
     position_embedding: Literal["learned", "rope"] = "learned"

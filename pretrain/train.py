@@ -24,7 +24,7 @@ from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_REQUEUE, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
+from pretrain.model.gpt import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text

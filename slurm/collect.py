@@ -38,13 +38,16 @@ COLUMNS = ["run", "figure", "model", "shrink", "system", "config", "gpus", "mp",
 
 
 def param_count(cfg: dict) -> int:
-    """Ψ of the whole model as trained and exported (python -m pretrain.export): every weight and bias,
-    the vocabulary padded as at the run's TP size, the output layer unless tied (the estimator's count)."""
-    from zero3d.analysis.estimate import gpt_param_count
-    m = cfg["model"]
-    return gpt_param_count(m["num_layers"], m["hidden_size"], m["vocab_size"], m["seq_length"], tp=1,
-                           tied=m["tie_embeddings"], ffn_hidden=m["ffn_hidden_size"],
-                           vocab_divisible_by=m["make_vocab_size_divisible_by"] * cfg["parallel"]["tensor"])
+    """Ψ of the whole model as trained and exported (python -m pretrain.export): every weight and bias, the
+    vocabulary padded as at the run's TP size, the output layer unless tied — GPTShape's count of the run's model
+    section (a config.json from before the architecture keys is the GPT-2 their defaults describe)."""
+    import dataclasses
+
+    from pretrain.sections import ModelConfig
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = ModelConfig(**{k: v for k, v in cfg["model"].items() if k in known})
+    return dataclasses.replace(m.shape, vocab_divisible_by=m.make_vocab_size_divisible_by
+                               * cfg["parallel"]["tensor"]).params()
 
 
 def system_of(cfg: dict) -> tuple:

@@ -88,11 +88,14 @@ def shrink_plan(cfg, n: int, nodes: int, ranks_per_node: int) -> dict:
 
 def shrunk_params(cfg, plan: dict) -> int:
     """Ψ of the scaled-down model (the estimator's count, as slurm/collect.py reports it)."""
-    from zero3d.analysis.estimate import gpt_param_count
+    import dataclasses
     ffn = None if cfg.model.ffn_hidden_size is None else -(-cfg.model.ffn_hidden_size // plan["paper.shrink"])
-    return gpt_param_count(plan["model.num_layers"], plan["model.hidden_size"], plan["model.vocab_size"],
-                           plan["model.seq_length"], tp=1, tied=cfg.model.tie_embeddings, ffn_hidden=ffn,
-                           vocab_divisible_by=cfg.model.make_vocab_size_divisible_by * plan["parallel.tensor"])
+    groups = cfg.model.num_query_groups and min(cfg.model.num_query_groups, plan["model.num_attention_heads"])
+    return dataclasses.replace(cfg.model.shape, layers=plan["model.num_layers"], hidden=plan["model.hidden_size"],
+                               heads=plan["model.num_attention_heads"], seq=plan["model.seq_length"],
+                               vocab=plan["model.vocab_size"], ffn=ffn, query_groups=groups,
+                               vocab_divisible_by=cfg.model.make_vocab_size_divisible_by * plan["parallel.tensor"]
+                               ).params()
 
 
 def out_of_order(cfgs: dict, n: int, nodes: int, ranks_per_node: int):

@@ -6,7 +6,7 @@ import zero3d
 from gpt_harness import BASE, SyntheticTokens
 from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity
 from pretrain.config import load_config
-from pretrain.model import build_model, parallel_groups
+from pretrain.model.gpt import build_model, parallel_groups
 from pretrain.runtime.topology import destroy_topology, init_topology
 from pretrain.train import Batches, engine_settings, forward_backward, layout_signature, mean_loss
 

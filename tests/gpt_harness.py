@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain.config import load_config
-from pretrain.model import activation_checkpointing, build_model, parallel_groups
+from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
 from pretrain.runtime.topology import init_topology
 from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
 

@@ -17,7 +17,7 @@ sequence-sharded across the TP ranks (each holds s/TP of the sequence), so slici
 partition an already partitioned tensor (1/TP² per rank, gathering only 1/TP of the input back) —
 SP already removes the TP replication Pa targets; the config rejects the combination. Nothing here is
 ZeRO-stage specific: parameters are used as the model holds them. The model applies it per layer
-(pretrain/model.py's ZeroRecomputeLayer, a layer class in megatron's layer spec).
+(pretrain/model/gpt.py's ZeroRecomputeLayer, a layer class in megatron's layer spec).
 """
 from fractions import Fraction
 from typing import Callable, Optional

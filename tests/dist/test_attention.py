@@ -38,7 +38,7 @@ def contract_rank(rank, world_size):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from gpt_harness import BASE
-    from pretrain.attention import SDPAttention
+    from pretrain.model.attention import SDPAttention
     from pretrain.config import load_config
     from pretrain.runtime.topology import init_topology
     init_topology(load_config(None, BASE + ["train.global_batch_size=2"]))

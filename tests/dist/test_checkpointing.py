@@ -10,7 +10,7 @@ import zero3d
 from ranks import run_ranks
 from gpt_harness import BASE, SyntheticTokens
 from pretrain.config import load_config
-from pretrain.model import activation_checkpointing, build_model, gpt_loss
+from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss
 from pretrain.runtime.topology import init_topology
 from pretrain.train import Batches, engine_settings, mean_loss
 from zero3d.activations import ActivationCheckpointing, checkpoint
@@ -223,7 +223,7 @@ def test_checkpoint_function_padding_and_release():
 def test_zero_r_is_a_layer_class_in_the_spec_and_megatron_recompute_is_off():
     """ZeRO-R reaches megatron through its layer spec (no patch): every decoder layer is a
     ZeroRecomputeLayer holding the run's checkpoints, and megatron's own recomputation is off."""
-    from pretrain.model import transformer_config
+    from pretrain.model.gpt import transformer_config
     cfg = load_config(None, BASE + mode_overrides("pa_cpu_md"))
     assert transformer_config(cfg, on_cuda=False).recompute_granularity == "full"
     assert transformer_config(cfg, on_cuda=False, zero_recompute=True).recompute_granularity is None

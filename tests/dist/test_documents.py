@@ -22,7 +22,7 @@ def packed_rank(rank, world_size, attention, keys):
     (plain causal token blocks), through build_model with `keys`."""
     from gpt_harness import BASE
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_inputs
+    from pretrain.model.gpt import build_model, gpt_inputs
     from pretrain.runtime.topology import init_topology
     cfg = load_config(None, BASE + [f"model.attention={attention}", "train.global_batch_size=2", *keys])
     init_topology(cfg)
@@ -91,7 +91,7 @@ def normalised_rank(rank, world_size):
     import zero3d
     from gpt_harness import BASE
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_inputs, parallel_groups
+    from pretrain.model.gpt import build_model, gpt_inputs, parallel_groups
     from pretrain.runtime.topology import init_topology
     from pretrain.train import engine_settings, mean_loss, run_micro_batches
     batches = micro_batches(4)

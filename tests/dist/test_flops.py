@@ -16,7 +16,7 @@ def _counted_step(rank, world_size, overrides):
     from torch.utils.flop_counter import FlopCounterMode
 
     from pretrain.config import load_config
-    from pretrain.model import build_model
+    from pretrain.model.gpt import build_model
     from pretrain.runtime.topology import init_topology
     cfg = load_config(None, BASE + SHAPE + list(overrides))
     topo = init_topology(cfg)

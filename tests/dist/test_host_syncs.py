@@ -72,7 +72,7 @@ def syncs_rank(rank, world_size, steps=2):
     import zero3d
     from pretrain.runtime.topology import destroy_model_parallel_groups
     from pretrain.config import load_config
-    from pretrain.model import activation_checkpointing, build_model, parallel_groups
+    from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
     from pretrain.runtime.topology import init_topology
     from pretrain.train import Batches, engine_settings, finish_step, mean_loss, run_micro_batches
     out = {}

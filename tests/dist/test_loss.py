@@ -1,4 +1,4 @@
-"""The chunked loss (pretrain/loss.py) equals megatron's GPTModel loss (ColumnParallelLinear + vocab_parallel_cross_entropy)
+"""The chunked loss (pretrain/model/loss.py) equals megatron's GPTModel loss (ColumnParallelLinear + vocab_parallel_cross_entropy)
 within 1e-6, per token and in every parameter gradient, at TP 1 and TP 2 (with and without SP, tied embeddings),
 and saves no [tokens × vocab/TP] tensor for backward where megatron's saves one. One 2-rank run."""
 import torch
@@ -14,7 +14,7 @@ def loss_rank(rank, world_size):
     from pretrain.runtime.topology import destroy_model_parallel_groups
 
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_inputs
+    from pretrain.model.gpt import build_model, gpt_inputs
     from pretrain.runtime.topology import init_topology
     out = []
     for tp, extra in CASES:

@@ -83,7 +83,7 @@ def _probe(rank, world, overrides, steps):
     import zero3d
     from gpt_harness import BASE, SyntheticTokens
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_loss
+    from pretrain.model.gpt import build_model, gpt_loss
     from pretrain.runtime.topology import init_topology
     from pretrain.train import Batches, engine_settings
     cfg = load_config(None, BASE + ["zero.stage=3", *overrides])

@@ -159,7 +159,7 @@ def _staging_peak(rank, world, num_layers):
     import zero3d
     from gpt_harness import BASE, SyntheticTokens
     from pretrain.config import load_config
-    from pretrain.model import build_model, gpt_loss
+    from pretrain.model.gpt import build_model, gpt_loss
     from pretrain.runtime.topology import init_topology
     from pretrain.train import Batches, engine_settings
     cfg = load_config(None, BASE + ["zero.stage=2", "zero.bucket_elements=2000", "train.global_batch_size=4",

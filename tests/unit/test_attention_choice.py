@@ -1,9 +1,9 @@
-"""model.attention's resolution (pretrain/attention.py): auto, and the refusals of te where it cannot run."""
+"""model.attention's resolution (pretrain/model/attention.py): auto, and the refusals of te where it cannot run."""
 import importlib.util
 
 import pytest
 
-from pretrain.attention import resolve
+from pretrain.model.attention import resolve
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 

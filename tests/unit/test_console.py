@@ -3,7 +3,7 @@ import warnings
 from pathlib import Path
 
 from pretrain.config import load_config
-from pretrain.model import transformer_config
+from pretrain.model.gpt import transformer_config
 from pretrain.runtime.kernels import fallbacks_line
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from pretrain import attention
-from pretrain.attention import resolve
+from pretrain.model.attention import resolve
 from pretrain.config import ConfigError, DataConfig, load_config
 from pretrain.data.batch import loss_tokens, token_mean
 from pretrain.data.corpus import DataError

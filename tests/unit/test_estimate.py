@@ -174,7 +174,7 @@ def test_breakdown_terms():
     assert none.buffer_bytes == 4 * psi + 2 * unit * 2 + output_bucket + 25_165_824
     fp32 = estimate_from_shape(stage=0, precision="fp32", **shape)
     assert fp32.model_state_bytes == 16 * psi and fp32.working_set_bytes > none.working_set_bytes
-    # chunked loss (pretrain/loss.py): one chunk's fp32 logits; a chunk beyond the 2048 tokens holds them all
+    # chunked loss (pretrain/model/loss.py): one chunk's fp32 logits; a chunk beyond the 2048 tokens holds them all
     for chunk, tokens in ((500, 500), (4096, 2 * 1024)):
         chunked = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, **shape)
         assert chunked.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 4

@@ -56,7 +56,7 @@ def test_training_modules_import_megatron_without_dynamo_inductor_or_wandb():
     is torch's own again, and megatron's fused kernels are compiled on first call (the lazy decorator)."""
     code = ("import sys, json, torch\n"
             "real = torch.compile\n"
-            "import pretrain.train, pretrain.model, pretrain.preprocess, pretrain.export\n"
+            "import pretrain.train, pretrain.model.gpt, pretrain.preprocess, pretrain.export\n"
             "import megatron.core.jit as jit\n"
             "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
             "print(json.dumps({'megatron': 'megatron.core' in sys.modules,\n"

@@ -84,3 +84,16 @@ def test_bad_architecture_values_get_one_line_naming_them(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_collect_counts_a_llama_run_from_its_config_json_and_an_older_one_as_gpt2():
+    """slurm/collect.py's Ψ of a run directory's resolved config: Meta's count for the 8B; a config.json from before
+    the architecture keys (configs/tiny.toml's, its keys removed) is the GPT-2 it was, 1,071,872 as the README says."""
+    import dataclasses
+    from slurm import collect
+    assert collect.param_count(dataclasses.asdict(load_config("configs/llama3_8b.toml"))) == 8_030_261_248
+    old = dataclasses.asdict(load_config("configs/tiny.toml"))
+    for key in ("position_embedding", "rope_base", "rope_scaling_factor", "mlp", "norm", "norm_epsilon",
+                "num_query_groups", "qk_layernorm", "bias"):
+        del old["model"][key]
+    assert collect.param_count(old) == 1_071_872

@@ -1,5 +1,5 @@
 """The tree's import rules, read from the source (ast): no cycles, the engine model-agnostic, pretrain's floors
-and wings, megatron's internals reached only through megatron_patches/ and pretrain/model.py, nothing patched on CUDA."""
+and wings, megatron's internals reached only through megatron_patches/ and the model wing (pretrain/model/), nothing patched on CUDA."""
 import ast
 import tomllib
 from pathlib import Path
@@ -11,7 +11,7 @@ PACKAGES = ("zero3d", "pretrain", "megatron_patches", "slurm", "configs")
 # megatron-core's public, documented entry points; everything else under megatron.core is internal.
 MEGATRON_PUBLIC = ("megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.pipeline_parallel",
                    "megatron.core.datasets", "megatron.core.dist_checkpointing")
-MEGATRON_INTERNALS_ALLOWED = ("megatron_patches/", "pretrain/model.py", "pretrain/attention.py", "pretrain/loss.py")
+MEGATRON_INTERNALS_ALLOWED = ("megatron_patches/", "pretrain/model/")
 
 
 def modules() -> dict[str, Path]:
@@ -85,13 +85,13 @@ PRETRAIN_FLOORS = (
     ("data wing", ("pretrain.data",)),
     ("runtime wing", ("pretrain.runtime",)),
     ("checkpoint wing", ("pretrain.checkpoint",)),
-    ("loop", ("pretrain.train", "pretrain.model", "pretrain.attention", "pretrain.loss", "pretrain.pipeline",
-              "pretrain.memory_check")),
+    ("model wing", ("pretrain.model",)),
+    ("loop", ("pretrain.train", "pretrain.pipeline", "pretrain.memory_check")),
     ("probe wing", ("pretrain.probe",)),
     ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.preprocess", "pretrain.probe.__main__",
                "pretrain.launcher", "pretrain.config_reference")),
 )
-WINGS = ("data", "runtime", "checkpoint", "probe")
+WINGS = ("data", "runtime", "checkpoint", "model", "probe")
 
 
 def floor_of(name: str) -> int | None:

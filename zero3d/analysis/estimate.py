@@ -300,7 +300,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
              attention: str = "local", mask_bytes: float = 0.0) -> MemoryBreakdown:
     """Per-GPU memory of the GPT `shape` on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
-    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/loss.py).
+    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py).
     ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
     `hybrid` shards the model states over the node's m ranks instead of all dp. `attention` (ATTENTION_KINDS):
     "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the

@@ -88,7 +88,7 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from pretrain.attention import SDPAttention, resolve
+    from pretrain.model.attention import SDPAttention, resolve
     documents = cfg.data.reset_attention_mask
     attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents)
     qk_norm = cfg.model.qk_layernorm
@@ -158,14 +158,14 @@ def position_embedding(m) -> dict:
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
     `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; with
-    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/loss.py)."""
+    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/model/loss.py)."""
     import contextlib
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron_patches import tied_embeddings_stay_on_cpu
 
-    from pretrain.loss import ChunkedLossGPTModel
+    from pretrain.model.loss import ChunkedLossGPTModel
     on_cuda = device.type == "cuda"
     with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
         chunked = {"chunk_tokens": cfg.model.loss_chunk_tokens} if cfg.model.loss_chunk_tokens else {}
@@ -178,7 +178,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
                          pre_process=parallel_state.is_pipeline_first_stage(),
                          post_process=parallel_state.is_pipeline_last_stage(), **chunked)
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
-        from pretrain.attention import shared_attention_bias
+        from pretrain.model.attention import shared_attention_bias
         model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)
     if cfg.model.compile:  # each layer's forward through torch.compile
         for layer in model.decoder.layers:
@@ -192,7 +192,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
 
 
 def _has_sdpa(model) -> bool:
-    from pretrain.attention import SDPAttention
+    from pretrain.model.attention import SDPAttention
     return any(isinstance(module, SDPAttention) for module in model.modules())
 
 
