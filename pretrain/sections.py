@@ -300,6 +300,11 @@ class TrainConfig(Section):
     """Checkpoint directory; None: <run_dir>/checkpoints."""
     resume: bool = True
     """Continue from the latest checkpoint in save_dir when there is one."""
+    init_from: Optional[str] = None
+    """A Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM; safetensors and JSON only, no remote
+    code) whose weights start the run at step 0 with a fresh optimizer, on any layout and ZeRO stage; its
+    config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints it). A run that
+    resumes a checkpoint ignores it."""
     keep_checkpoints: int = 0
     """Keep the last K checkpoints (never the one `latest` names); 0 keeps all."""
     async_save: bool = True

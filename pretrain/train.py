@@ -12,6 +12,7 @@ import torch.distributed as dist
 import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
+from pretrain.checkpoint.hf import ImportedModel, check_matches, load_into
 from pretrain.config import Config
 from pretrain.schedule import lr_at  # noqa: F401 - tests replace pretrain.train.lr_at
 from pretrain.sections import TrainConfig
@@ -139,10 +140,13 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     return mean_loss(losses, topo)
 
 
-def build_and_wrap(cfg: Config, topo: Topology, **seams):
-    """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats."""
+def build_and_wrap(cfg: Config, topo: Topology, initial=None, **seams):
+    """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats;
+    `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them."""
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
+    if initial is not None:
+        load_into(model, initial)
     engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
@@ -213,13 +217,17 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     if t.resume:
         say(topo, checkpoints.recover())
         usable = checkpoints.find_usable(identity)
+    initial = None
+    if t.init_from and usable is None:  # weights only (step 0, fresh optimizer); every rank reads the metadata
+        initial = ImportedModel(Path(t.init_from))
+        check_matches(initial.model, m, t.init_from)
     start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
                                           valid_samples=t.eval_iters * t.global_batch_size
                                           if t.eval_interval else 0)
 
-    model, engine, activations = build_and_wrap(cfg, topo)
+    model, engine, activations = build_and_wrap(cfg, topo, initial)
     start, consumed = 0, 0
     if usable is not None:
         resumed = checkpoints.load(usable, model, engine, layout, t.seed)
@@ -227,7 +235,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
         # The data position saved with the checkpoint: the next sample, whatever the batch size was.
         consumed = resumed["consumed_samples"] if resumed["consumed_samples"] is not None \
             else start * t.global_batch_size
-    say(topo, [resume_line(usable, save_dir, t.resume)])
+    say(topo, [resume_line(usable, save_dir, t.resume)] + ([f"train.init_from: the weights of {t.init_from} "
+                                                            "(step 0, a fresh optimizer)"] if initial else []))
 
     logger = metrics.make_logger(rank=topo.rank, run_dir=run_dir, config_dict=cfg.to_dict(),
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,

@@ -90,9 +90,11 @@ def shrunk_params(cfg, plan: dict) -> int:
     """Ψ of the scaled-down model (the estimator's count, as slurm/collect.py reports it)."""
     import dataclasses
     ffn = None if cfg.model.ffn_hidden_size is None else -(-cfg.model.ffn_hidden_size // plan["paper.shrink"])
-    groups = cfg.model.num_query_groups and min(cfg.model.num_query_groups, plan["model.num_attention_heads"])
+    heads = plan.get("model.num_attention_heads", cfg.model.num_attention_heads)
+    heads = math.gcd(heads, plan["model.hidden_size"])  # a plan that keeps the paper's heads: any divisor counts the same
+    groups = cfg.model.num_query_groups and math.gcd(cfg.model.num_query_groups, heads)
     return dataclasses.replace(cfg.model.shape, layers=plan["model.num_layers"], hidden=plan["model.hidden_size"],
-                               heads=plan["model.num_attention_heads"], seq=plan["model.seq_length"],
+                               heads=heads, seq=plan["model.seq_length"],
                                vocab=plan["model.vocab_size"], ffn=ffn, query_groups=groups,
                                vocab_divisible_by=cfg.model.make_vocab_size_divisible_by * plan["parallel.tensor"]
                                ).params()

@@ -61,6 +61,11 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     model = build_model(cfg, topo.device, activations)
     if layout_free_init:
         init_by_global_name(model)
+    if cfg.train.init_from:  # as pretrain.train does: the HF weights, before the engine takes them
+        from pathlib import Path
+
+        from pretrain.checkpoint.hf import ImportedModel, load_into
+        load_into(model, ImportedModel(Path(cfg.train.init_from)))
     # Counted before wrapping: stage 3 frees the parameters' own storage.
     psi = sum(p.numel() for p in model.parameters())
     # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.

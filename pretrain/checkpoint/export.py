@@ -90,9 +90,11 @@ def _publish(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def export(checkpoint: Path, out_dir: Path, overwrite: bool = False) -> dict:
+def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = "megatron") -> dict:
     check_output(out_dir, overwrite)
     step_dir = resolve_step_dir(Path(checkpoint))
+    if fmt == "hf":
+        return export_hf(step_dir, out_dir)
     manifest, tensors = read_model_tensors(step_dir)
     params = consolidated(tensors, manifest["parameter_names"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -111,14 +113,60 @@ def export(checkpoint: Path, out_dir: Path, overwrite: bool = False) -> dict:
     return params
 
 
+SHARD_BYTES = 5 * 2**30  # above this, model.safetensors is split into shards with an index (as transformers does)
+
+
+def export_hf(step_dir: Path, out_dir: Path) -> dict:
+    """The Hugging Face format (pretrain/checkpoint/hf.py): config.json, generation_config.json and the weights
+    (model.safetensors, or shards and model.safetensors.index.json above SHARD_BYTES), the padded vocabulary rows
+    dropped. A model no HF class computes is refused (CheckpointError) before anything is loaded or written."""
+    from pretrain.checkpoint.hf import architecture, hf_config, to_hf
+    from pretrain.checkpoint.read import read_manifest
+    manifest = read_manifest(step_dir)  # the files are verified once, by read_model_tensors below
+    model, vocab = manifest["config"]["model"], manifest["identity"]["vocab_size"]
+    architecture(model)
+    manifest, tensors = read_model_tensors(step_dir)
+    params = to_hf(consolidated(tensors, manifest["parameter_names"]), model, vocab)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards, current, size = [], {}, 0
+    for name, tensor in params.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = tensor, size + nbytes
+    shards.append(current)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        tmp = out_dir / f".{name}.tmp{os.getpid()}"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        _publish(tmp, out_dir / name)
+    config = hf_config(model, vocab)
+    config["torch_dtype"] = str(next(iter(params.values())).dtype).removeprefix("torch.")
+    files = {"config.json": config, "generation_config.json": {"do_sample": False, "max_length": model["seq_length"]}}
+    if len(shards) > 1:
+        files["model.safetensors.index.json"] = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in params.values())},
+            "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
+    for name, content in files.items():
+        tmp = out_dir / f".{name}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(content, indent=1) + "\n")
+        _publish(tmp, out_dir / name)
+    return params
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, help="a step_<N> directory, or a save directory (its `latest`)")
     parser.add_argument("out_dir", type=Path, help="a new directory (an existing export only with --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace model.safetensors and config.json in out_dir")
+    parser.add_argument("--format", choices=["megatron", "hf"], default="megatron",
+                        help="megatron: TP-1 megatron names (default); hf: a Hugging Face model directory "
+                             "(GPT2LMHeadModel or LlamaForCausalLM) that transformers loads")
     args = parser.parse_args(argv)
     try:
-        params = export(args.checkpoint, args.out_dir, args.overwrite)
+        params = export(args.checkpoint, args.out_dir, args.overwrite, args.format)
     except ExportUsageError as err:
         print(f"export: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from pretrain import attention
+from pretrain.model import attention
 from pretrain.model.attention import resolve
 from pretrain.config import ConfigError, DataConfig, load_config
 from pretrain.data.batch import loss_tokens, token_mean

@@ -88,7 +88,7 @@ PRETRAIN_FLOORS = (
     ("model wing", ("pretrain.model",)),
     ("loop", ("pretrain.train", "pretrain.pipeline", "pretrain.memory_check")),
     ("probe wing", ("pretrain.probe",)),
-    ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.preprocess", "pretrain.probe.__main__",
+    ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.hf_config", "pretrain.preprocess", "pretrain.probe.__main__",
                "pretrain.launcher", "pretrain.config_reference")),
 )
 WINGS = ("data", "runtime", "checkpoint", "model", "probe")

@@ -121,21 +121,34 @@ class GPTShape:
         return (self.layers * self.layer_params(tp) + self.norm_params(self.hidden) + self.output_params(tp)
                 + self.embedding_params(tp))
 
+    def parameter_shapes(self) -> dict:
+        """{name: shape} of megatron-core GPTModel's parameters at TP 1 (local layer spec, one pipeline stage holding
+        every layer; the vocabulary padded as for TP 1): what optimizer.no_weight_decay's patterns are checked
+        against, and the layouts the Hugging Face maps read."""
+        h, f, m, v = self.hidden, self.ffn_size, 2 if self.gated else 1, self.padded_vocab(1)
+        norms = ("weight", "bias") if self.norm == "layernorm" else ("weight",)
+        qkv = h + 2 * self.kv_width
+        layer = {f"{n}.{w}": (h,) for n in ("input_layernorm", "pre_mlp_layernorm") for w in norms}
+        layer["self_attention.linear_qkv.weight"] = (qkv, h)
+        layer["self_attention.linear_proj.weight"] = (h, h)
+        layer.update({f"self_attention.{n}.{w}": (self.head_dim,) for n in ("q_layernorm", "k_layernorm")
+                      for w in norms if self.qk_layernorm})
+        layer.update({"mlp.linear_fc1.weight": (f * m, h), "mlp.linear_fc2.weight": (h, f)})
+        if self.bias:
+            layer.update({"self_attention.linear_qkv.bias": (qkv,), "self_attention.linear_proj.bias": (h,),
+                          "mlp.linear_fc1.bias": (f * m,), "mlp.linear_fc2.bias": (h,)})
+        shapes = {"embedding.word_embeddings.weight": (v, h)}
+        if self.position_embedding == "learned":
+            shapes["embedding.position_embeddings.weight"] = (self.seq, h)
+        shapes.update({f"decoder.layers.{i}.{n}": s for i in range(self.layers) for n, s in layer.items()})
+        shapes.update({f"decoder.final_layernorm.{w}": (h,) for w in norms})
+        if not self.tied:
+            shapes["output_layer.weight"] = (v, h)
+        return shapes
+
     def parameter_names(self) -> list:
-        """megatron-core GPTModel's parameter names (local layer spec, one pipeline stage holding every layer):
-        what optimizer.no_weight_decay's patterns are checked against."""
-        norm = ("weight", "bias") if self.norm == "layernorm" else ("weight",)
-        linear = ("weight", "bias") if self.bias else ("weight",)
-        layer = [f"input_layernorm.{w}" for w in norm] + [f"pre_mlp_layernorm.{w}" for w in norm]
-        layer += [f"self_attention.{m}.{w}" for m in ("linear_qkv", "linear_proj") for w in linear]
-        layer += [f"self_attention.{m}.{w}" for m in ("q_layernorm", "k_layernorm") for w in norm
-                  if self.qk_layernorm]
-        layer += [f"mlp.{m}.{w}" for m in ("linear_fc1", "linear_fc2") for w in linear]
-        names = ["embedding.word_embeddings.weight"]
-        names += ["embedding.position_embeddings.weight"] if self.position_embedding == "learned" else []
-        names += [f"decoder.layers.{i}.{n}" for i in range(self.layers) for n in layer]
-        names += [f"decoder.final_layernorm.{w}" for w in norm] + ([] if self.tied else ["output_layer.weight"])
-        return names
+        """The names of `parameter_shapes()`."""
+        return list(self.parameter_shapes())
 
     # ------------------------------------------------------------------ FLOPs
 

@@ -1,0 +1,108 @@
+"""Reading a Hugging Face directory is safe whatever its bytes: safetensors and JSON only, each tensor checked
+against config.json before it is read, one line for each refusal, nothing executed."""
+import json
+import pickle
+
+import pytest
+import torch
+
+from hf_models import save
+from pretrain.checkpoint.files import CheckpointError
+from pretrain.checkpoint.hf import ImportedModel, check_matches, model_section, read_hf_config
+from pretrain.config import load_config
+
+
+class Payload:
+    """Unpickling this would create the file it names: the proof that nothing was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    save("llama", directory)
+    return directory
+
+
+def refusal(directory) -> str:
+    with pytest.raises(CheckpointError) as err:
+        ImportedModel(directory)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def copy(src, dst, edit=None):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if edit:
+        config = json.loads((dst / "config.json").read_text())
+        edit(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_a_pickled_checkpoint_is_refused_unread(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path / "bin")
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(Payload(tmp_path / "pwned")))
+    assert "pytorch_model.bin are pickles, which zero3d never loads" in refusal(d)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_remote_code_and_unsupported_architectures_are_refused(tmp_path, llama_dir):
+    auto = copy(llama_dir, tmp_path / "auto", lambda c: c.update(auto_map={"AutoModelForCausalLM": "x.Model"}))
+    assert "names remote code (auto_map)" in refusal(auto)
+    other = copy(llama_dir, tmp_path / "mistral", lambda c: c.update(architectures=["MistralForCausalLM"]))
+    assert refusal(other).endswith("architecture 'MistralForCausalLM' is not supported; supported: "
+                                   "GPT2LMHeadModel, LlamaForCausalLM")
+    scaled = copy(llama_dir, tmp_path / "yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn",
+                                                                                     "rope_theta": 1e4}))
+    assert "rope type 'yarn'" in refusal(scaled)
+
+
+def test_a_config_that_disagrees_with_its_tensors_is_refused_before_any_is_read(tmp_path, llama_dir):
+    wider = copy(llama_dir, tmp_path / "wider", lambda c: c.update(intermediate_size=96))
+    assert "tensor 'model.layers.0.mlp.down_proj.weight' is F32 [48, 80]; config.json describes [48, 96]" in \
+        refusal(wider)
+
+
+def test_a_missing_shard_is_named(tmp_path, llama_dir):
+    d = copy(llama_dir, tmp_path / "sharded")
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    assert refusal(d).endswith("names shard 'model-00002-of-00002.safetensors', which is missing from " + str(d))
+
+
+def test_init_from_a_model_of_another_shape_names_each_key(llama_dir):
+    model = model_section(read_hf_config(llama_dir))
+    cfg = load_config(None, ['model.position_embedding="rope"', 'model.mlp="swiglu"', 'model.norm="rmsnorm"',
+                             "model.bias=false", "model.hidden_size=48", "model.num_attention_heads=6",
+                             "model.num_query_groups=2", "model.ffn_hidden_size=80", "model.vocab_size=250",
+                             "model.rope_base=500000", "model.num_layers=3"])
+    with pytest.raises(CheckpointError, match=r"holds another model: model\.num_layers = 3 \(it has 2\) \(python -m"):
+        check_matches({"position_embedding": "rope", **model}, cfg.model, "hf")
+
+
+def test_hf_config_prints_the_model_section(llama_dir, capsys):
+    from pretrain.hf_config import main
+    assert main([str(llama_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "[model]\nnum_layers = 2\nhidden_size = 48\nnum_attention_heads = 6\nnum_query_groups = 2\n" in out
+    assert 'position_embedding = "rope"\nrope_base = 500000\nmlp = "swiglu"\nnorm = "rmsnorm"' in out
+
+
+def test_export_refuses_a_model_no_hf_class_computes():
+    from pretrain.checkpoint.hf import architecture
+    base = {"num_attention_heads": 4, "num_query_groups": None, "rope_scaling_factor": None, "qk_layernorm": False}
+    with pytest.raises(CheckpointError, match="no Hugging Face architecture computes this model"):
+        architecture({**base, "position_embedding": "rope", "mlp": "gelu", "norm": "layernorm", "bias": True})
+    with pytest.raises(CheckpointError, match="model.qk_layernorm = true has no Hugging Face export"):
+        architecture({**base, "qk_layernorm": True})
+    assert torch  # the imports above ran no model code
