@@ -1,9 +1,10 @@
 """The Hugging Face format: zero3d's model (megatron's TP-1 names and layouts) ↔ GPT2LMHeadModel / LlamaForCausalLM.
 
-`to_hf(params, model)` maps an export's tensors and `[model]` section to an HF config and state dict;
-`from_hf(directory)` reads an HF directory — its config.json and safetensors only, each tensor's shape and dtype
-checked against the config before it is loaded, no pickle, no remote code — into megatron-named global tensors
-and the `[model]` keys that build the same model. Layouts: megatron's QKV rows are grouped by key/value head
+`hf_config(model, vocab)` and `to_hf(params, model, vocab)` map an export's `[model]` section and tensors to an HF
+config and state dict; `ImportedModel(directory)` reads an HF directory — its config.json and safetensors only,
+each tensor's name, shape and dtype checked against the config before any is read, no pickle, no remote code — as
+the `[model]` keys that build the same model and megatron-named global tensors made one at a time, which
+`load_into` splits onto a rank's TP/PP slice. Layouts: megatron's QKV rows are grouped by key/value head
 ([q of the group's heads; k; v] per group), HF's are separate (Llama) or [q; k; v] columns (GPT-2's Conv1D,
 which stores weights as [in, out]); megatron's SwiGLU fc1 is [gate; up].
 """
