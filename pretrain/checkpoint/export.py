@@ -121,9 +121,11 @@ def export_hf(step_dir: Path, out_dir: Path) -> dict:
     (model.safetensors, or shards and model.safetensors.index.json above SHARD_BYTES), the padded vocabulary rows
     dropped. A model no HF class computes is refused (CheckpointError) before anything is loaded or written."""
     from pretrain.checkpoint.hf import architecture, hf_config, to_hf
-    from pretrain.checkpoint.read import read_manifest
+    from pretrain.checkpoint.read import ARCHITECTURE_BEFORE_KEYS, read_manifest
     manifest = read_manifest(step_dir)  # the files are verified once, by read_model_tensors below
-    model, vocab = manifest["config"]["model"], manifest["identity"]["vocab_size"]
+    # a checkpoint older than the architecture keys is the GPT-2 their defaults describe
+    model = {**ARCHITECTURE_BEFORE_KEYS, **manifest["config"]["model"]}
+    vocab = manifest["identity"]["vocab_size"]
     architecture(model)
     manifest, tensors = read_model_tensors(step_dir)
     params = to_hf(consolidated(tensors, manifest["parameter_names"]), model, vocab)

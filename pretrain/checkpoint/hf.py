@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.files import CheckpointError
+from pretrain.errors import ConfigError
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
@@ -37,6 +38,14 @@ def architecture(model: dict) -> str:
     raise CheckpointError(f"no Hugging Face architecture computes this model ({', '.join(f'{k} = {v!r}' for k, v in keys.items())}); "
                           "supported: GPT2LMHeadModel (learned positions, gelu, layernorm, bias = true, multi-head) and "
                           "LlamaForCausalLM (rope without scaling, swiglu, rmsnorm)")
+
+
+def _layout(model: dict) -> tuple:
+    """(HF class, heads, key/value groups, biases, HF name prefix) of a `[model]` section both maps read."""
+    arch = architecture(model)
+    heads = model["num_attention_heads"]
+    return arch, heads, model.get("num_query_groups") or heads, bool(model["bias"]), \
+        "transformer." if arch == GPT2 else "model."
 
 
 def _qkv_split(weight: torch.Tensor, heads: int, groups: int) -> tuple:
@@ -95,11 +104,7 @@ def hf_config(model: dict, vocab_size: int) -> dict:
 
 def to_hf(params: dict, model: dict, vocab_size: int) -> dict:
     """{HF name: tensor} of an export's {megatron name: global tensor} (TP 1 × PP 1 names)."""
-    arch = architecture(model)
-    heads = model["num_attention_heads"]
-    groups = model.get("num_query_groups") or heads
-    bias = bool(model["bias"])
-    prefix = "transformer." if arch == GPT2 else "model."
+    arch, heads, groups, bias, prefix = _layout(model)
     out = {}
     names = _layer_names(arch, bias)
     for i in range(model["num_layers"]):
@@ -157,7 +162,17 @@ def read_hf_config(directory: Path) -> dict:
 
 
 def model_section(config: dict) -> dict:
-    """The `[model]` keys that build the HF model `config` describes."""
+    """The `[model]` keys that build the HF model `config` describes; CheckpointError names a key it lacks."""
+    try:
+        return _model_section(config)
+    except KeyError as err:
+        raise CheckpointError(f"config.json ({config['architectures'][0]}) lacks {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"config.json ({config['architectures'][0]}) holds a value of the wrong type: {err}") \
+            from None
+
+
+def _model_section(config: dict) -> dict:
     if config["architectures"][0] == GPT2:
         if config.get("activation_function", "gelu_new") != "gelu":
             raise CheckpointError(f"GPT-2 activation_function {config.get('activation_function', 'gelu_new')!r} is not "
@@ -223,7 +238,7 @@ class HFTensors:
     config.json describes before any is read, then read one at a time (`read(name)`, fp32)."""
 
     def __init__(self, directory: Path, expected: dict):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         self.directory, self.where = Path(directory), {}
         for path in safetensors_files(directory):
             try:
@@ -240,7 +255,7 @@ class HFTensors:
                             raise CheckpointError(f"{path.name}: tensor {name!r} is {dtype} {list(shape)}; config.json "
                                                   f"describes {list(expected[name])} (dtypes {', '.join(DTYPES)})")
                         self.where[name] = path
-            except (OSError, ValueError) as err:  # not a safetensors file, or a damaged one
+            except (OSError, ValueError, SafetensorError) as err:  # not a safetensors file, or a damaged one
                 raise CheckpointError(f"{path} cannot be read as safetensors: {err}") from None
         missing = sorted(set(expected) - set(self.where))
         if missing:
@@ -271,11 +286,7 @@ def _gpt2_qkv_bias(heads: int):
 
 def import_recipe(model: dict) -> dict:
     """{megatron TP-1 name: (function, [HF names])}: how each global tensor is made from the HF tensors."""
-    arch = architecture(model)
-    heads = model["num_attention_heads"]
-    groups = model.get("num_query_groups") or heads
-    bias = bool(model["bias"])
-    prefix = "transformer." if arch == GPT2 else "model."
+    arch, heads, groups, bias, prefix = _layout(model)
     out = {}
     for i in range(model["num_layers"]):
         src, dst = f"{prefix}{'h' if arch == GPT2 else 'layers'}.{i}.", f"decoder.layers.{i}."
@@ -313,7 +324,11 @@ class ImportedModel:
         self.model = {"position_embedding": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True,
                       "qk_layernorm": False, "num_query_groups": None, "rope_scaling_factor": None,
                       **model_section(config)}
-        self.hf = HFTensors(directory, expected_hf_shapes(self.model, self.model["vocab_size"]))
+        try:
+            expected = expected_hf_shapes(self.model, self.model["vocab_size"])
+        except ConfigError as err:  # a size no model can have (0 layers, heads not dividing hidden, ...)
+            raise CheckpointError(f"{Path(directory) / 'config.json'} describes no buildable model: {err}") from None
+        self.hf = HFTensors(directory, expected)
         self.recipe = import_recipe(self.model)
 
     def tensor(self, name: str) -> torch.Tensor:

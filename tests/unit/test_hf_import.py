@@ -4,7 +4,6 @@ import json
 import pickle
 
 import pytest
-import torch
 
 from hf_models import save
 from pretrain.checkpoint.files import CheckpointError
@@ -105,4 +104,16 @@ def test_export_refuses_a_model_no_hf_class_computes():
         architecture({**base, "position_embedding": "rope", "mlp": "gelu", "norm": "layernorm", "bias": True})
     with pytest.raises(CheckpointError, match="model.qk_layernorm = true has no Hugging Face export"):
         architecture({**base, "qk_layernorm": True})
-    assert torch  # the imports above ran no model code
+
+
+def test_a_damaged_safetensors_file_or_an_incomplete_config_is_one_line(tmp_path, llama_dir):
+    garbage = copy(llama_dir, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a json header")
+    assert refusal(garbage).startswith(f"{garbage / 'model.safetensors'} cannot be read as safetensors: ")
+    no_layers = copy(llama_dir, tmp_path / "no_layers", lambda c: c.pop("num_hidden_layers"))
+    assert refusal(no_layers) == "config.json (LlamaForCausalLM) lacks 'num_hidden_layers'"
+    odd = copy(llama_dir, tmp_path / "odd", lambda c: c.update(num_attention_heads=5))
+    assert refusal(odd) == ("head_dim 8 × 5 heads != hidden_size 48: megatron's attention needs hidden = heads × "
+                            "head size")
+    zero = copy(llama_dir, tmp_path / "zero", lambda c: c.update(num_hidden_layers=0))
+    assert refusal(zero).startswith(f"{zero / 'config.json'} describes no buildable model: model.num_layers = 0")
