@@ -83,11 +83,17 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                                    + "\n".join(errors.values()) + stacks)
             continue
         (results if status == "ok" else errors)[rank] = payload
-        if errors:  # one failure usually strands the others in a collective: stop them now
-            time.sleep(0.5)
-            while not queue.empty():
-                rank, status, payload = queue.get_nowait()
-                (results if status == "ok" else errors)[rank] = payload
+        if errors:  # one failure usually strands the others in a collective: collect what the others report
+            # until every rank has exited (a peer's closed connection ends their collectives) or 3 s have passed,
+            # then stop them; a fixed 0.5 s lost the second rank's own error on a loaded machine
+            settle = time.monotonic() + 3.0
+            while time.monotonic() < settle:
+                try:
+                    rank, status, payload = queue.get(timeout=0.1)
+                    (results if status == "ok" else errors)[rank] = payload
+                except queue_mod.Empty:
+                    if all(not p.is_alive() for p in procs):
+                        break
             break
     for p in procs:
         p.join(timeout=5)
