@@ -1,10 +1,11 @@
-"""`make test`: the suite in two concurrent pytest lanes — tests that mostly wait, and the rest.
+"""`make test`: the suite in two concurrent pytest lanes — tests that leave a core idle, and the rest.
 
 Tests marked `waits` (the Slurm tier, the fail-fast timeouts: minutes of sleeping on schedulers, heartbeats and
 collective timeouts) leave the CPU idle; run in series with the CPU-bound tiers they doubled the wall time on a
-2-core machine. Here the waiting lane runs beside the compute lane: the compute lane's output streams live, the
-waiting lane's is printed when both have ended, then one closing line with the totals. The exit code is non-zero
-when either lane failed. Arguments after `--` go to both pytest runs (e.g. `-k resume`, `-x`).
+2-core machine. Tests marked `one_core` (the docs tier, long single-process runs) use one core of two. Both kinds
+run in the side lane beside the compute lane (many-process tests and the unit tier): the compute lane's output
+streams live, the side lane's is printed when both have ended, then one closing line with the totals. The exit
+code is non-zero when either lane failed. Arguments after `--` go to both pytest runs (e.g. `-k resume`, `-x`).
 
     python tools/run_suite.py [--serial] [-- PYTEST_ARGS...]
 """
@@ -18,13 +19,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "-m", "pytest", "-q", "-rs", "--timeout", "900"]
-ONE_PROCESS_TIERS = ("unit", "docs")
+SIDE = "waits or one_core"
+ONE_PROCESS_TIERS = ("unit",)
 
 
 def compute_lane_paths() -> list[str]:
-    """The test folders in the order the compute lane runs them: the one-process tiers first, beside the waiting
+    """The test folders in the order the compute lane runs them: the one-process unit tier first, beside the side
     lane, then the tiers of many processes (forked ranks, torchrun jobs), which have both cores to themselves once
-    the waiting lane ends. The other way round, the unit tier ran last on one core (45% idle for two minutes)."""
+    the side lane ends. The other way round, the unit tier ran last on one core (45% idle for two minutes); and the
+    side lane held only `waits` until a one-core test ran alone after it for 80 s (now marked `one_core`)."""
     folders = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
     ordered = [f for f in ONE_PROCESS_TIERS if f in folders] + [f for f in folders if f not in ONE_PROCESS_TIERS]
     return [f"tests/{f}" for f in ordered]
@@ -49,10 +52,10 @@ def main(argv=None) -> int:
         return subprocess.call(BASE + ["tests"] + args.pytest_args, cwd=REPO)
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as waits_log:
-        waits = subprocess.Popen(BASE + ["-m", "waits", "tests"] + args.pytest_args, cwd=REPO,
+        waits = subprocess.Popen(BASE + ["-m", SIDE, "tests"] + args.pytest_args, cwd=REPO,
                                  stdout=waits_log, stderr=subprocess.STDOUT, text=True)
         # Stream the compute lane live (CI logs and terminals both want progress), keeping a copy to count.
-        proc = subprocess.Popen(BASE + ["-m", "not waits", *compute_lane_paths()] + args.pytest_args, cwd=REPO,
+        proc = subprocess.Popen(BASE + ["-m", f"not ({SIDE})", *compute_lane_paths()] + args.pytest_args, cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         compute_text = []
         for line in proc.stdout:
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
         waits_rc = waits.wait()
         waits_log.seek(0)
         waits_text = waits_log.read()
-    print("\n---- the waiting lane (-m waits: Slurm tier, fail-fast timeouts) ----")
+    print(f"\n---- the side lane (-m '{SIDE}': Slurm tier, fail-fast timeouts, docs tier, one-process runs) ----")
     sys.stdout.write(waits_text)
     counts = {}
     for lane in ("".join(compute_text), waits_text):

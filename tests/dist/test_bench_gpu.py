@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.one_core  # one process for ~40 s: run in the side lane (tools/run_suite.py)
 def test_bench_gpu_cpu_dry_run_rows():
     proc = subprocess.run([sys.executable, "-W", "ignore", "bench/bench_gpu.py", "--cpu-dry-run", "--steps", "1",
                            "--quick", "--json"], cwd=REPO, capture_output=True, text=True, timeout=240)

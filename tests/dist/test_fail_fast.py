@@ -16,7 +16,7 @@ from pretrain.errors import EXIT_INPUT, EXIT_NUMERICAL, EXIT_PEER
 from pretrain.runtime.status import write_status
 
 REPO = Path(__file__).resolve().parents[2]
-# Most of this module is waiting for timeouts and watchdogs to fire: `make test` runs it in the waiting lane.
+# Most of this module is waiting for timeouts and watchdogs to fire: `make test` runs it in the side lane.
 pytestmark = pytest.mark.waits
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SMALL = ["--config", "configs/tiny.toml", "model.num_layers=1", "model.hidden_size=32", "model.seq_length=16",

@@ -115,6 +115,7 @@ def test_fake_probe_equals_real_cpu_ranks(overrides):
             measured.activation_report.get("act/ckpt_device_bytes")
 
 
+@pytest.mark.one_core  # one process for ~45 s: run in the side lane (tools/run_suite.py)
 def test_paper_100B_rank_probes_on_cpu():
     """Figure 2's 100B row (TP 16, 400 ranks, stage 2 + Pa, micro-batch 32): one step of rank 17."""
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "pretrain.probe", "--config",
