@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain import metrics
-from pretrain.checkpoint.checkpointer import Checkpointer, run_identity
+from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
 from pretrain.checkpoint.hf import ImportedModel, check_matches, load_into
 from pretrain.config import Config
 from pretrain.schedule import lr_at  # noqa: F401 - tests replace pretrain.train.lr_at
@@ -196,7 +196,15 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     return result
 
 
+def imported_model(directory: str, m) -> ImportedModel:
+    """The HF directory train.init_from names, its model the run's (CheckpointError naming each key that differs)."""
+    initial = ImportedModel(Path(directory))
+    check_matches(initial.model, m, directory)
+    return initial
+
+
 def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
+    from pretrain.checkpoint.hf_tokenizer import tokenizer_record
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
@@ -208,6 +216,10 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
     # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
+    # train.init_from (weights only: step 0, a fresh optimizer): every rank reads the HF directory's config and
+    # tensor headers, checked against the run's model before any data work, unless a save of this run may resume.
+    may_resume = t.resume and (save_dir / LATEST).is_file()
+    initial = None if may_resume or not t.init_from else imported_model(t.init_from, m)
     files = from_rank0(lambda: prepare_files(d, m.vocab_size))
     layout = layout_signature(cfg, topo)
     identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
@@ -217,10 +229,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     if t.resume:
         say(topo, checkpoints.recover())
         usable = checkpoints.find_usable(identity)
-    initial = None
-    if t.init_from and usable is None:  # weights only (step 0, fresh optimizer); every rank reads the metadata
-        initial = ImportedModel(Path(t.init_from))
-        check_matches(initial.model, m, t.init_from)
+    if t.init_from and usable is None and initial is None:  # no save of this run was usable after all
+        initial = imported_model(t.init_from, m)
     start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
@@ -248,7 +258,8 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
-                    identity=identity, flops_per_step=flops_per_step, peak=peak,
+                    identity=identity, tokenizer=tokenizer_record(files.spec()),
+                    flops_per_step=flops_per_step, peak=peak,
                     stragglers=Stragglers(cfg.logging.straggler_factor, topo.device))
     engine.train()
     try:
@@ -280,6 +291,7 @@ class LoopParts:
     checkpoints: Checkpointer
     layout: dict
     identity: dict
+    tokenizer: dict  # the manifest's record of the tokenizer (export --format hf writes it out)
     flops_per_step: StepFlops
     peak: Optional[float]
     stragglers: Stragglers
@@ -309,6 +321,7 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
                     watchdog.beat()
                     run.checkpoints.save(step, run.model, run.engine,
                                          {"config": run.cfg.to_dict(), "layout": run.layout, "identity": run.identity,
+                                          "tokenizer": run.tokenizer,
                                           "consumed_samples": run.batches.position(step)})
                     last_good = f"step_{step:08d}"
             if stopping:

@@ -1,18 +1,21 @@
-"""`python -m pretrain.export <step_dir | save_dir> <out_dir> [--overwrite]`: the whole model, TP/PP merged, as safetensors.
+"""`python -m pretrain.export <step_dir | save_dir> <out_dir> [--overwrite] [--format hf]`: the whole model, TP/PP merged.
 
 Exit codes: 0 written; 2 the output exists (a file, or an export without --overwrite), refused before
-anything is loaded; 3 the checkpoint is missing, incomplete or altered; 1 unexpected (traceback).
+anything is loaded; 3 the checkpoint is missing, incomplete or altered, or (hf) has no Hugging Face class or its
+tokenizer is missing or altered; 1 unexpected (traceback).
 
 Writes <out_dir>/model.safetensors (parameter names as a TP 1 × PP 1 megatron GPTModel names them,
 in the training dtype) and <out_dir>/config.json (the model section of the run's config, the
 vocabulary sizes, the tokenizer's SHA-256 and the step). One process, no process group: DCP reads
 only the "model/" tensors, after every file has been checked against the checkpoint's manifest.
+`--format hf` writes a Hugging Face model directory instead, with the run's tokenizer (`export_hf`).
 """
 import argparse
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -90,11 +93,13 @@ def _publish(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = "megatron") -> dict:
+def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = "megatron",
+           tokenizer: Optional[Path] = None, with_tokenizer: bool = True) -> dict:
+    """Write the export; returns {name: tensor} written. `tokenizer`, `with_tokenizer`: format "hf" only."""
     check_output(out_dir, overwrite)
     step_dir = resolve_step_dir(Path(checkpoint))
     if fmt == "hf":
-        return export_hf(step_dir, out_dir)
+        return export_hf(step_dir, out_dir, tokenizer, with_tokenizer)
     manifest, tensors = read_model_tensors(step_dir)
     params = consolidated(tensors, manifest["parameter_names"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,17 +121,22 @@ def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = 
 SHARD_BYTES = 5 * 2**30  # above this, model.safetensors is split into shards with an index (as transformers does)
 
 
-def export_hf(step_dir: Path, out_dir: Path) -> dict:
-    """The Hugging Face format (pretrain/checkpoint/hf.py): config.json, generation_config.json and the weights
+def export_hf(step_dir: Path, out_dir: Path, tokenizer: Optional[Path] = None, with_tokenizer: bool = True) -> dict:
+    """The Hugging Face format (pretrain/checkpoint/hf.py): config.json, generation_config.json, the weights
     (model.safetensors, or shards and model.safetensors.index.json above SHARD_BYTES), the padded vocabulary rows
-    dropped. A model no HF class computes is refused (CheckpointError) before anything is loaded or written."""
+    dropped, and the run's tokenizer (pretrain/checkpoint/hf_tokenizer.py; `tokenizer` in place of its recorded
+    file). A model no HF class computes, or a tokenizer that is missing, altered or not replayable, is refused
+    (CheckpointError) before anything is loaded or written."""
     from pretrain.checkpoint.hf import architecture, hf_config, to_hf
+    from pretrain.checkpoint.hf_tokenizer import checkpoint_tokenizer, hf_tokenizer
     from pretrain.checkpoint.read import ARCHITECTURE_BEFORE_KEYS, read_manifest
     manifest = read_manifest(step_dir)  # the files are verified once, by read_model_tensors below
     # a checkpoint older than the architecture keys is the GPT-2 their defaults describe
     model = {**ARCHITECTURE_BEFORE_KEYS, **manifest["config"]["model"]}
     vocab = manifest["identity"]["vocab_size"]
     architecture(model)
+    spec = checkpoint_tokenizer(step_dir, manifest, tokenizer) if with_tokenizer else None
+    text = hf_tokenizer(spec, model["seq_length"]) if spec else None
     manifest, tensors = read_model_tensors(step_dir)
     params = to_hf(consolidated(tensors, manifest["parameter_names"]), model, vocab)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,9 +154,17 @@ def export_hf(step_dir: Path, out_dir: Path) -> dict:
         tmp = out_dir / f".{name}.tmp{os.getpid()}"
         save_file(shard, str(tmp), metadata={"format": "pt"})
         _publish(tmp, out_dir / name)
-    config = hf_config(model, vocab)
+    if text is not None:  # tokenizer.json, tokenizer_config.json: written beside, then renamed in place
+        staging = out_dir / f".tokenizer.tmp{os.getpid()}"
+        text.save_pretrained(staging)
+        for path in sorted(staging.iterdir()):
+            _publish(path, out_dir / path.name)
+        staging.rmdir()
+    special = {"bos_token_id": text.bos_token_id if text else None, "eos_token_id": text.eos_token_id if text else None}
+    config = {**hf_config(model, vocab), **special}
     config["torch_dtype"] = str(next(iter(params.values())).dtype).removeprefix("torch.")
-    files = {"config.json": config, "generation_config.json": {"do_sample": False, "max_length": model["seq_length"]}}
+    files = {"config.json": config, "generation_config.json": {"do_sample": False, "max_length": model["seq_length"],
+                                                                **special}}
     if len(shards) > 1:
         files["model.safetensors.index.json"] = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in params.values())},
@@ -165,10 +183,17 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace model.safetensors and config.json in out_dir")
     parser.add_argument("--format", choices=["megatron", "hf"], default="megatron",
                         help="megatron: TP-1 megatron names (default); hf: a Hugging Face model directory "
-                             "(GPT2LMHeadModel or LlamaForCausalLM) that transformers loads")
+                             "with its tokenizer, that transformers' Auto classes load")
+    parser.add_argument("--tokenizer", type=Path, help="hf: the run's tokenizer file, where it is no longer where the "
+                                                       "checkpoint recorded it (checked against its SHA-256)")
+    parser.add_argument("--no-tokenizer", action="store_true", help="hf: write the model alone, no tokenizer files")
     args = parser.parse_args(argv)
+    if args.format != "hf" and (args.tokenizer or args.no_tokenizer):
+        print("export: --tokenizer and --no-tokenizer apply to --format hf only", file=sys.stderr)
+        return EXIT_CONFIG
     try:
-        params = export(args.checkpoint, args.out_dir, args.overwrite, args.format)
+        params = export(args.checkpoint, args.out_dir, args.overwrite, args.format, args.tokenizer,
+                        not args.no_tokenizer)
     except ExportUsageError as err:
         print(f"export: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -177,5 +202,8 @@ def main(argv=None) -> int:
         return EXIT_INPUT
     print(f"wrote {len(params)} tensors, {sum(p.numel() for p in params.values())} parameters, "
           f"to {args.out_dir / 'model.safetensors'}")
+    if args.format == "hf":
+        print(f"tokenizer: {args.out_dir / 'tokenizer.json'}" if (args.out_dir / "tokenizer.json").is_file()
+              else "tokenizer: none written (--no-tokenizer, or a run of token files made elsewhere)")
     return 0
 

@@ -1,4 +1,5 @@
-"""The Hugging Face format: zero3d's model (megatron's TP-1 names and layouts) ↔ GPT2LMHeadModel / LlamaForCausalLM.
+"""The Hugging Face format: zero3d's model (megatron's TP-1 names and layouts) ↔ GPT2LMHeadModel / LlamaForCausalLM /
+Qwen3ForCausalLM (a Llama without biases whose per-head q/k RMSNorms are megatron's q_layernorm / k_layernorm).
 
 `hf_config(model, vocab)` and `to_hf(params, model, vocab)` map an export's `[model]` section and tensors to an HF
 config and state dict; `ImportedModel(directory)` reads an HF directory — its config.json and safetensors only,
@@ -18,7 +19,8 @@ from pretrain.errors import ConfigError
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
-ARCHITECTURES = (GPT2, LLAMA)
+QWEN3 = "Qwen3ForCausalLM"
+ARCHITECTURES = (GPT2, LLAMA, QWEN3)
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -26,18 +28,21 @@ def architecture(model: dict) -> str:
     """The HF class that computes what this `[model]` section does, or CheckpointError naming why none does."""
     gpt2 = {"position_embedding": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True}
     llama = {"position_embedding": "rope", "mlp": "swiglu", "norm": "rmsnorm"}
-    if model.get("qk_layernorm"):
-        raise CheckpointError("model.qk_layernorm = true has no Hugging Face export here (supported: GPT-2 = learned "
-                              "positions, GELU, LayerNorm, biases; Llama = RoPE, SwiGLU, RMSNorm)")
-    if all(model.get(k) == v for k, v in gpt2.items()) and model.get("num_query_groups") in (None, model["num_attention_heads"]):
+    qk_norm = bool(model.get("qk_layernorm"))
+    if not qk_norm and all(model.get(k) == v for k, v in gpt2.items()) \
+            and model.get("num_query_groups") in (None, model["num_attention_heads"]):
         return GPT2
     if all(model.get(k) == v for k, v in llama.items()) and not model.get("rope_scaling_factor"):
-        return LLAMA
+        if not qk_norm:
+            return LLAMA
+        if not model.get("bias"):  # Qwen3's MLP has no biases (attention_bias alone would be half of model.bias)
+            return QWEN3
     keys = {k: model.get(k) for k in ("position_embedding", "mlp", "norm", "bias", "num_query_groups",
-                                      "rope_scaling_factor")}
+                                      "rope_scaling_factor", "qk_layernorm")}
     raise CheckpointError(f"no Hugging Face architecture computes this model ({', '.join(f'{k} = {v!r}' for k, v in keys.items())}); "
-                          "supported: GPT2LMHeadModel (learned positions, gelu, layernorm, bias = true, multi-head) and "
-                          "LlamaForCausalLM (rope without scaling, swiglu, rmsnorm)")
+                          "supported: GPT2LMHeadModel (learned positions, gelu, layernorm, bias = true, multi-head), "
+                          "LlamaForCausalLM (rope without scaling, swiglu, rmsnorm) and Qwen3ForCausalLM (Llama's with "
+                          "qk_layernorm = true, bias = false)")
 
 
 def _layout(model: dict) -> tuple:
@@ -79,6 +84,8 @@ def _layer_names(arch: str, bias: bool) -> dict:
            "self_attention.linear_proj.weight": "self_attn.o_proj.weight", "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
     if bias:
         out.update({"self_attention.linear_proj.bias": "self_attn.o_proj.bias", "mlp.linear_fc2.bias": "mlp.down_proj.bias"})
+    if arch == QWEN3:  # per-head RMSNorm of queries and keys ([head_dim], norm_epsilon), before RoPE in both
+        out.update({f"self_attention.{p}_layernorm.weight": f"self_attn.{p}_norm.weight" for p in "qk"})
     return out
 
 
@@ -92,7 +99,7 @@ def hf_config(model: dict, vocab_size: int) -> dict:
                 "n_embd": h, "n_layer": layers, "n_head": heads, "n_inner": ffn, "activation_function": "gelu",
                 "layer_norm_epsilon": model.get("norm_epsilon", 1e-5), "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                 "attn_pdrop": 0.0, "tie_word_embeddings": bool(model["tie_embeddings"]), "torch_dtype": "float32"}
-    return {"architectures": [LLAMA], "model_type": "llama", "vocab_size": vocab_size, "hidden_size": h,
+    config = {"architectures": [LLAMA], "model_type": "llama", "vocab_size": vocab_size, "hidden_size": h,
             "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": model.get("num_query_groups") or heads, "head_dim": h // heads,
             "max_position_embeddings": model["seq_length"], "rms_norm_eps": model.get("norm_epsilon", 1e-5),
@@ -100,6 +107,11 @@ def hf_config(model: dict, vocab_size: int) -> dict:
             "hidden_act": "silu",
             "attention_bias": bool(model["bias"]), "mlp_bias": bool(model["bias"]), "attention_dropout": 0.0,
             "tie_word_embeddings": bool(model["tie_embeddings"]), "torch_dtype": "float32"}
+    if arch == QWEN3:  # full attention in every layer (no sliding window); no mlp_bias key (its MLP has none)
+        del config["mlp_bias"]
+        config.update({"architectures": [QWEN3], "model_type": "qwen3", "use_sliding_window": False,
+                       "sliding_window": None, "max_window_layers": layers, "layer_types": ["full_attention"] * layers})
+    return config
 
 
 def to_hf(params: dict, model: dict, vocab_size: int) -> dict:
@@ -181,8 +193,13 @@ def _model_section(config: dict) -> dict:
                 "ffn_hidden_size": config.get("n_inner") or 4 * config["n_embd"], "seq_length": config["n_positions"],
                 "vocab_size": config["vocab_size"], "tie_embeddings": config.get("tie_word_embeddings", True),
                 "norm_epsilon": config.get("layer_norm_epsilon", 1e-5)}
-    heads = config["num_attention_heads"]
-    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+    heads, qwen3 = config["num_attention_heads"], config["architectures"][0] == QWEN3
+    if qwen3 and (config.get("attention_bias", False) or config.get("use_sliding_window", False)
+                  or any(t != "full_attention" for t in config.get("layer_types") or [])):
+        raise CheckpointError(f"Qwen3 attention_bias {config.get('attention_bias')!r}, use_sliding_window "
+                              f"{config.get('use_sliding_window')!r} or layer_types {config.get('layer_types')!r} is not "
+                              "supported (supported: no biases, full attention in every layer)")
+    if config.get("head_dim", 128 if qwen3 else config["hidden_size"] // heads) * heads != config["hidden_size"]:
         raise CheckpointError(f"head_dim {config.get('head_dim')} × {heads} heads != hidden_size {config['hidden_size']}: "
                               "megatron's attention needs hidden = heads × head size")
     rope = config.get("rope_parameters") or {}  # transformers 5; 4.x: rope_theta and rope_scaling at the top
@@ -196,7 +213,8 @@ def _model_section(config: dict) -> dict:
             "seq_length": config.get("max_position_embeddings", 2048), "vocab_size": config["vocab_size"],
             "tie_embeddings": config.get("tie_word_embeddings", False), "position_embedding": "rope",
             "rope_base": int(rope.get("rope_theta", config.get("rope_theta", 10000))), "mlp": "swiglu", "norm": "rmsnorm",
-            "norm_epsilon": config.get("rms_norm_eps", 1e-6), "bias": bool(config.get("attention_bias", False))}
+            "norm_epsilon": config.get("rms_norm_eps", 1e-6), "bias": bool(config.get("attention_bias", False)),
+            "qk_layernorm": qwen3}
 
 
 def expected_hf_shapes(model: dict, vocab_size: int) -> dict:

@@ -201,6 +201,7 @@ def check_fields(step_dir: Path, manifest: dict) -> None:
     identity, layout, config = manifest.get("identity"), manifest.get("layout"), manifest.get("config")
     names = manifest.get("parameter_names")
     consumed = manifest.get("consumed_samples")
+    tokenizer = manifest.get("tokenizer", {"kind": ""})  # absent in checkpoints written before it was recorded
     problems = [
         (type(manifest.get("adam_step")) is int and manifest["adam_step"] >= 0, "adam_step"),
         (type(scaler) is dict and (not scaler or (set(scaler) == {"scale", "clean_steps", "overflows_left"}
@@ -209,7 +210,9 @@ def check_fields(step_dir: Path, manifest: dict) -> None:
         (type(layout) is dict, "layout"), (type(config) is dict and type(config.get("model")) is dict, "config"),
         (type(names) is dict and all(type(k) is str and type(v) is str for k, v in names.items()),
          "parameter_names"),
-        (consumed is None or (type(consumed) is int and consumed >= 0), "consumed_samples")]
+        (consumed is None or (type(consumed) is int and consumed >= 0), "consumed_samples"),
+        (type(tokenizer) is dict and type(tokenizer.get("kind")) is str
+         and all(tokenizer.get(k) is None or type(tokenizer[k]) is str for k in ("model", "merges", "eod")), "tokenizer")]
     bad = [name for ok, name in problems if not ok]
     if bad:
         raise CheckpointError(f"{step_dir / MANIFEST} is malformed: {', '.join(bad)} missing or of the wrong type")

@@ -44,8 +44,11 @@ class DataFiles:
     blend_per_split: Optional[list[Optional[Blend]]]  # ... or one blend per split (train, valid, test)
     tokenizer: Optional[TokenizerSpec] = None  # None: the sentencepiece model at tokenizer_path
 
+    def spec(self) -> TokenizerSpec:
+        return self.tokenizer or TokenizerSpec("sentencepiece", self.tokenizer_path)
+
     def load_tokenizer(self) -> TextTokenizer:
-        return load_tokenizer(self.tokenizer or TokenizerSpec("sentencepiece", self.tokenizer_path))
+        return load_tokenizer(self.spec())
 
     def prefixes(self) -> list[str]:
         blends = [self.blend] if self.blend else [b for b in self.blend_per_split or [] if b]
@@ -69,7 +72,7 @@ def identity_path(tokenizer: TextTokenizer, spec: TokenizerSpec, cache_dir: str 
     """The file a checkpoint's identity hashes for `tokenizer` (see DataFiles); written once, atomically."""
     if spec.kind == "sentencepiece":
         return str(spec.model)
-    record = json.dumps({**tokenizer.identity(), "files_sha256": tokenizer.files_sha256()}, sort_keys=True)
+    record = _identity_record(tokenizer)
     path = Path(cache_dir) / f"tokenizer-identity-{hashlib.sha256(record.encode()).hexdigest()[:16]}.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +80,17 @@ def identity_path(tokenizer: TextTokenizer, spec: TokenizerSpec, cache_dir: str 
         tmp_path.write_text(record + "\n")
         os.replace(tmp_path, path)
     return str(path)
+
+
+def _identity_record(tokenizer: TextTokenizer) -> str:
+    return json.dumps({**tokenizer.identity(), "files_sha256": tokenizer.files_sha256()}, sort_keys=True)
+
+
+def identity_sha256(tokenizer: TextTokenizer, spec: TokenizerSpec) -> str:
+    """The tokenizer_sha256 a checkpoint's identity holds for this tokenizer: the SHA-256 of identity_path's file."""
+    if spec.kind == "sentencepiece":
+        return hashlib.sha256(Path(spec.model).read_bytes()).hexdigest()
+    return hashlib.sha256((_identity_record(tokenizer) + "\n").encode()).hexdigest()
 
 
 def _digest(*parts: object) -> str:

@@ -49,7 +49,7 @@ def _logits(rank, world_size, directory, layouts):
     return out
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
 def imported(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     reference = save(request.param, directory)
@@ -66,9 +66,15 @@ def test_logits_equal_transformers_at_tp1_tp2_and_pp2(imported):
     torch.testing.assert_close(two[1]["pp2"]["logits"], reference["logits"], rtol=0, atol=1e-5)
 
 
-def test_exporting_the_imported_model_gives_back_the_originals_bitwise(imported):
-    """to_hf of the TP-1 model's own parameters (the padded vocabulary rows dropped) is the HF state dict."""
-    from pretrain.checkpoint.hf import ImportedModel, to_hf
+def test_exporting_the_imported_model_gives_back_the_originals_bitwise(imported, tmp_path):
+    """to_hf of the TP-1 model's own parameters (the padded vocabulary rows dropped) is the HF state dict; with
+    hf_config's config.json, transformers loads it as the original class and computes the original logits."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from pretrain.checkpoint.hf import ImportedModel, hf_config, to_hf
     kind, directory, reference, one, _ = imported
     model = ImportedModel(directory).model
     exported = to_hf(one[0]["tp1"]["params"], model, VOCAB)
@@ -78,6 +84,12 @@ def test_exporting_the_imported_model_gives_back_the_originals_bitwise(imported)
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    save_file(exported, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(model, VOCAB)))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__ == json.loads((directory / "config.json").read_text())["architectures"][0]
+    with torch.no_grad():
+        assert torch.equal(hf(TOKENS).logits, reference["logits"])
 
 
 def test_continued_pretraining_at_tp2_dp2_stage3_starts_at_transformers_loss(tmp_path):
@@ -123,23 +135,43 @@ def _zero3d_logits(rank, world_size, overrides, params_file):
         return {"tokens": inputs, "logits": model(inputs, positions, mask)[..., :cfg.model.vocab_size]}
 
 
+@pytest.fixture(scope="module")
+def corpus_tokenizer(tmp_path_factory):
+    """A sentencepiece model zero3d trains on the shipped corpus (vocabulary 384: no padding at TP 1 or 2), and the corpus's documents."""
+    from pretrain.data.corpus import read_documents
+    from pretrain.data.tokenizer import train_tokenizer
+    corpus = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
+    path = train_tokenizer(corpus, tmp_path_factory.mktemp("sp") / "corpus", 384)
+    return path, list(read_documents(corpus))
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_a_run_trained_at_tp2_dp2_stage3_exports_to_transformers(kind, tmp_path):
-    """20 steps at TP 2 × DP 2, stage 3; `export --format hf`: AutoModelForCausalLM loads it with no custom code,
-    its logits on held-out tokens equal zero3d's own forward within 1e-5, and generate() continues a prompt."""
-    from transformers import AutoModelForCausalLM
+def test_a_run_trained_at_tp2_dp2_stage3_exports_to_transformers(kind, tmp_path, corpus_tokenizer):
+    """20 steps at TP 2 × DP 2, stage 3; `export --format hf` with the run's sentencepiece tokenizer:
+    AutoModelForCausalLM loads it with no custom code, its logits on held-out tokens equal zero3d's own forward
+    within 1e-5, generate() continues a prompt, and AutoTokenizer gives zero3d's ids for every shipped document."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from checkpoint_harness import train_segment
     from pretrain.checkpoint.export import main as export_main
-    overrides = (LLAMA_KEYS if kind == "llama" else []) + ["parallel.tensor=2", "zero.stage=3"]
-    run_ranks(train_segment, 4, overrides, tmp_path / "ckpt", 0, 20, (20,), timeout=300)
-    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    from pretrain.data.tokenizer import Tokenizer
+    sp_model, documents = corpus_tokenizer
+    overrides = (LLAMA_KEYS if kind == "llama" else []) + ["parallel.tensor=2", "zero.stage=3", "model.vocab_size=384"]
+    # the synthetic-token run records no tokenizer: name the one it stands for, as `--tokenizer` does for a moved file
+    identity = {"tokenizer_sha256": hashlib.sha256(sp_model.read_bytes()).hexdigest()}
+    run_ranks(train_segment, 4, overrides, tmp_path / "ckpt", 0, 20, (20,), False, 0, True, identity, timeout=300)
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf", "--tokenizer", str(sp_model)]) == 0
     assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "megatron")]) == 0
+    ours, theirs = Tokenizer(sp_model), AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [theirs(d).input_ids for d in documents] == ours.encode_batch(documents)
+    assert theirs.decode(ours.encode(documents[0])) == documents[0]
     (ours,) = run_ranks(_zero3d_logits, 1, overrides, str(tmp_path / "megatron" / "model.safetensors"), timeout=300)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == ("LlamaForCausalLM" if kind == "llama" else "GPT2LMHeadModel")
     with torch.no_grad():
         logits = hf(ours["tokens"]).logits
     torch.testing.assert_close(logits, ours["logits"], rtol=0, atol=1e-5)
-    generated = hf.generate(ours["tokens"][:, :4], max_new_tokens=4, do_sample=False)
+    generated = hf.generate(ours["tokens"][:, :4], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 8) and torch.equal(generated[:, :4], ours["tokens"][:, :4])

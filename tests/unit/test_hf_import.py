@@ -59,10 +59,17 @@ def test_remote_code_and_unsupported_architectures_are_refused(tmp_path, llama_d
     assert "names remote code (auto_map)" in refusal(auto)
     other = copy(llama_dir, tmp_path / "mistral", lambda c: c.update(architectures=["MistralForCausalLM"]))
     assert refusal(other).endswith("architecture 'MistralForCausalLM' is not supported; supported: "
-                                   "GPT2LMHeadModel, LlamaForCausalLM")
+                                   "GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM")
     scaled = copy(llama_dir, tmp_path / "yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn",
                                                                                      "rope_theta": 1e4}))
     assert "rope type 'yarn'" in refusal(scaled)
+    qwen3 = tmp_path / "qwen3"
+    save("qwen3", qwen3)
+    assert ImportedModel(qwen3).model["qk_layernorm"] is True
+    window = copy(qwen3, tmp_path / "window", lambda c: c.update(use_sliding_window=True, sliding_window=4))
+    assert refusal(window).startswith("Qwen3 attention_bias False, use_sliding_window True or layer_types")
+    biased = copy(qwen3, tmp_path / "biased", lambda c: c.update(attention_bias=True))
+    assert refusal(biased).endswith("is not supported (supported: no biases, full attention in every layer)")
 
 
 def test_a_config_that_disagrees_with_its_tensors_is_refused_before_any_is_read(tmp_path, llama_dir):
@@ -98,12 +105,24 @@ def test_hf_config_prints_the_model_section(llama_dir, capsys):
 
 
 def test_export_refuses_a_model_no_hf_class_computes():
-    from pretrain.checkpoint.hf import architecture
+    from pretrain.checkpoint.hf import architecture, hf_config
     base = {"num_attention_heads": 4, "num_query_groups": None, "rope_scaling_factor": None, "qk_layernorm": False}
     with pytest.raises(CheckpointError, match="no Hugging Face architecture computes this model"):
         architecture({**base, "position_embedding": "rope", "mlp": "gelu", "norm": "layernorm", "bias": True})
-    with pytest.raises(CheckpointError, match="model.qk_layernorm = true has no Hugging Face export"):
-        architecture({**base, "qk_layernorm": True})
+    gpt2 = {"position_embedding": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True}
+    with pytest.raises(CheckpointError, match=r"computes this model \(.*qk_layernorm = True\); supported: GPT2LMHeadModel "
+                                              r".* and Qwen3ForCausalLM \(Llama's with qk_layernorm = true, bias = false\)"):
+        architecture({**base, **gpt2, "qk_layernorm": True})  # GPT-2 has no q/k norms
+    llama = {"position_embedding": "rope", "mlp": "swiglu", "norm": "rmsnorm", "bias": False}
+    with pytest.raises(CheckpointError, match=r"bias = True.*qk_layernorm = True"):  # Qwen3's MLP has no biases
+        architecture({**base, **llama, "bias": True, "qk_layernorm": True})
+    with pytest.raises(CheckpointError, match=r"rope_scaling_factor = 8\.0"):
+        architecture({**base, **llama, "rope_scaling_factor": 8.0})
+    qwen3 = hf_config({**base, **llama, "qk_layernorm": True, "hidden_size": 32, "num_layers": 2, "seq_length": 16,
+                       "tie_embeddings": False}, 100)
+    assert (qwen3["architectures"], qwen3["model_type"], qwen3["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 8)
+    assert qwen3["use_sliding_window"] is False and qwen3["layer_types"] == ["full_attention"] * 2
+    assert "mlp_bias" not in qwen3 and qwen3["attention_bias"] is False
 
 
 def test_a_damaged_safetensors_file_or_an_incomplete_config_is_one_line(tmp_path, llama_dir):

@@ -79,6 +79,22 @@ def test_each_kind_encodes_the_corpus_to_the_reference_ids(files, kind):
 
 
 @pytest.mark.parametrize("kind", ["hf", "gpt2_bpe", "tiktoken"])
+def test_each_kind_exported_for_transformers_gives_the_reference_ids(tmp_path, files, kind):
+    """export --format hf's tokenizer files: AutoTokenizer, loaded with no custom code, encodes to the reference
+    library's ids; the end-of-document text inside a document is what the reference makes of it (tokenizers
+    matches an added token in text, GPT-2's files and tiktoken's ordinary encoding read it as plain text)."""
+    from transformers import AutoTokenizer
+
+    from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+    root, documents = files
+    texts = documents[:40] + [f"one{EOD}two", f" {EOD} "]
+    hf_tokenizer(specs(root)[kind], 64).save_pretrained(tmp_path)
+    exported = AutoTokenizer.from_pretrained(tmp_path)
+    assert [exported(t).input_ids for t in texts] == reference_ids(kind, root, texts)
+    assert exported.eos_token == EOD and exported.eos_token_id == VOCAB - 1
+
+
+@pytest.mark.parametrize("kind", ["hf", "gpt2_bpe", "tiktoken"])
 def test_preprocess_writes_the_reference_ids(tmp_path, files, kind):
     root, documents = files
     tokenize_corpus([root / "part.jsonl"], specs(root)[kind], tmp_path / "tokens", workers=2)

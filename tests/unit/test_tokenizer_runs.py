@@ -15,6 +15,7 @@ import pytest
 
 from cli_fork import run_pretrain_cli
 from pretrain.data import preprocess as preprocess_cli
+from pretrain.data.corpus import read_documents
 from pretrain.data.datasets import identity_path
 from pretrain.data.tokenizer import train_tokenizer
 from pretrain.data.tokenizers import TokenizerSpec, load_tokenizer
@@ -128,3 +129,20 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
         f"written for another model, tokenizer or data: tokenizer_sha256: saved '{saved}', now '{now}'. "
         "Resume with the same ones") in line, line
     assert snapshot(run_dir) == before  # a refused start writes nothing
+
+    # export --format hf finds the tokenizer the checkpoint recorded: AutoTokenizer gives the run's ids; naming the
+    # other file instead is refused by the same hash, in one line, exit 3, nothing written
+    from transformers import AutoTokenizer
+
+    from pretrain.checkpoint.export import main as export_main
+    from test_tokenizer_kinds import DOCUMENTS
+    assert export_main([str(run_dir / "checkpoints"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    documents = [d for d, _ in zip(read_documents(CORPUS), range(DOCUMENTS))]
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [exported(d).input_ids for d in documents] == load_tokenizer(spec).encode_batch(documents)
+    capsys.readouterr()
+    assert export_main([str(run_dir / "checkpoints"), str(tmp_path / "hf2"), "--format", "hf",
+                        "--tokenizer", str(different)]) == EXIT_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"tokenizer {different} is not the one" in err and "--no-tokenizer" in err, err
+    assert not (tmp_path / "hf2").exists()
