@@ -301,10 +301,14 @@ class TrainConfig(Section):
     resume: bool = True
     """Continue from the latest checkpoint in save_dir when there is one."""
     init_from: Optional[str] = None
-    """A Hugging Face model directory (GPT2LMHeadModel or LlamaForCausalLM; safetensors and JSON only, no remote
-    code) whose weights start the run at step 0 with a fresh optimizer, on any layout and ZeRO stage; its
-    config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints it). A run that
-    resumes a checkpoint ignores it."""
+    """A Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM; safetensors and
+    JSON only, no remote code) whose weights start the run at step 0 with a fresh optimizer, on any layout and
+    ZeRO stage; its config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints
+    it). A run that resumes a checkpoint ignores it."""
+    save_final_hf: Optional[str] = None
+    """A new (or empty) directory: after the last step's checkpoint, rank 0 writes the model there in the Hugging
+    Face format with the run's tokenizer (what `python -m pretrain.export <checkpoint> DIR --format hf` writes).
+    A run stopped early writes none (the run that resumes it does). Needs save_final."""
     keep_checkpoints: int = 0
     """Keep the last K checkpoints (never the one `latest` names); 0 keeps all."""
     async_save: bool = True
@@ -332,6 +336,9 @@ class TrainConfig(Section):
         require(self.max_nonfinite_steps >= 1,
                 f"train.max_nonfinite_steps = {self.max_nonfinite_steps} is invalid; must be >= 1")
         require(0 <= self.seed < 2**32 - 2**20, f"train.seed = {self.seed} is invalid; must be in [0, 2**32 - 2**20)")
+        require(self.save_final_hf is None or self.save_final,
+                f"train.save_final_hf = {self.save_final_hf!r} is invalid with train.save_final = false; it exports "
+                "the final checkpoint: set save_final = true or unset save_final_hf")
 
 
 @dataclass

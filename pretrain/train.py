@@ -12,7 +12,8 @@ import torch.distributed as dist
 import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
-from pretrain.checkpoint.hf import ImportedModel, check_matches, load_into
+from pretrain.checkpoint.hf import load_into
+from pretrain.checkpoint.hf_run import check_save_final_hf, imported_model, save_dir_of, write_final_hf
 from pretrain.config import Config
 from pretrain.schedule import lr_at  # noqa: F401 - tests replace pretrain.train.lr_at
 from pretrain.sections import TrainConfig
@@ -178,6 +179,8 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     try:
         launch = launch or launcher_env()
         check_paths(cfg)
+        if cfg.train.save_final_hf:
+            check_save_final_hf(cfg)
         topo = init_topology(cfg, launch)
         result = run_training(cfg, topo, progress)
     except BaseException as err:
@@ -193,14 +196,17 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
                      "stop signal: checkpoint saved, resume to continue" if stopped else "", topo.world_size,
                      result["end_step"], EXIT_REQUEUE if stopped else EXIT_OK)
     dist.barrier()  # status.json is complete before any rank exits
+    if topo.is_main and cfg.train.save_final_hf and not stopped:  # the others may leave: rank 0 alone reads it
+        write_final_hf(cfg, topo.world_size, result["end_step"])
     return result
 
 
-def imported_model(directory: str, m) -> ImportedModel:
-    """The HF directory train.init_from names, its model the run's (CheckpointError naming each key that differs)."""
-    initial = ImportedModel(Path(directory))
-    check_matches(initial.model, m, directory)
-    return initial
+
+
+
+
+
+
 
 
 def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
@@ -211,7 +217,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
-    save_dir = Path(cfg.train.save_dir) if cfg.train.save_dir else run_dir / "checkpoints"
+    save_dir = save_dir_of(cfg)
     d, m, t = cfg.data, cfg.model, cfg.train
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the

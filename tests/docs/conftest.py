@@ -9,7 +9,7 @@ from doc_commands import REPO, documented_commands, run
 from gpt2_files import write_gpt2_files
 
 WORKERS = 3  # subprocesses at once: most of each command is interpreter start-up and imports
-LINKED = ("pretrain", "zero3d", "megatron_patches", "tools", "bench", "pyproject.toml")
+LINKED = ("pretrain", "zero3d", "megatron_patches", "tools", "bench", "examples", "pyproject.toml")
 # Copied, not linked: the generator and slurm/submit.py find the repository root from their own file (a link would
 # resolve to the checkout), so the generator writes here and submit.py checks this root's data/ and runs/.
 COPIED = ("configs", "slurm")
@@ -45,11 +45,18 @@ def setup_result(sandbox):
 @pytest.fixture(scope="session")
 def results(sandbox, setup_result) -> dict:
     """Every marked command's result, run once per session: the tiny run first, then the others
-    WORKERS at a time (those reading the tiny run, `needs=tiny-run`, among them)."""
+    WORKERS at a time (those reading the tiny run, `needs=tiny-run`, among them), then those that need a named
+    command's output (`needs=<name>`: the HF export's directory, say)."""
     commands = [c for c in documented_commands() if not c.setup]
+    names = {c.name for c in commands if c.name}
+    unknown = [f"{c.id}: needs={c.needs}" for c in commands if c.needs not in ("", "tiny-run", *names)]
+    assert not unknown, f"no doc-test command is named what these need: {unknown}"
+    waves = [[c for c in commands if c.needs in ("", "tiny-run")], [c for c in commands if c.needs in names]]
+    assert not any(c.name for c in waves[1]), "a command named for others runs in the first wave (needs nothing named)"
+    done = {setup_result[0].id: setup_result[1]}
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        done = dict(zip((c.id for c in commands), pool.map(lambda c: run(c, sandbox), commands)))
-    done[setup_result[0].id] = setup_result[1]
+        for wave in waves:
+            done.update(zip((c.id for c in wave), pool.map(lambda c: run(c, sandbox), wave)))
     return done
 
 

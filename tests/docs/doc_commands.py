@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "slurm/README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!--\s*doc-test:(.*?)-->\s*$")
 ATTRIBUTE = re.compile(r"""(\w+)(?:=(?:"([^"]*)"|'([^']*)'|([^\s"']+)))?""")
-KNOWN = {"exit", "expect", "setup", "needs"}
+KNOWN = {"exit", "expect", "setup", "needs", "name"}
 
 
 class DocTestError(ValueError):
@@ -30,7 +30,8 @@ class DocCommand:
     exit: int = 0
     expect: list = field(default_factory=list)
     setup: bool = False  # the command that makes the tiny run the others read
-    needs: str = ""  # "tiny-run": run after the setup command
+    needs: str = ""  # "tiny-run": run after the setup command; another command's `name`: after that one
+    name: str = ""  # what a later command's `needs` calls this one
 
     @property
     def id(self) -> str:

@@ -9,9 +9,11 @@ COMMANDS = documented_commands()
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[c.id for c in COMMANDS])
 def test_documented_command(cmd, results):
-    if cmd.needs:
+    if cmd.needs:  # a failure of what this command reads is reported as that failure
         (setup,) = [c for c in COMMANDS if c.setup]
         check(setup, results[setup.id])
+        for needed in [c for c in COMMANDS if c.name and c.name == cmd.needs]:
+            check(needed, results[needed.id])
     check(cmd, results[cmd.id])
 
 
@@ -27,6 +29,9 @@ def test_markers_are_checked():
     assert (cmd.exit, cmd.expect, cmd.argv, cmd.line) == (2, ["a b", "c"], ["python", "x.py", "--y", "--z"], 3)
     with pytest.raises(DocTestError, match="doc.md:1: a doc-test block holds exactly one command; found 2"):
         extract("doc.md", "<!-- doc-test: exit=0 -->\n```bash\na\nb\n```\n")
+    (named, reader) = extract("doc.md", '<!-- doc-test: name=out exit=0 -->\n```bash\na\n```\n'
+                                        '<!-- doc-test: needs=out exit=0 -->\n```bash\nb\n```\n')
+    assert (named.name, reader.needs) == ("out", "out")
     with pytest.raises(DocTestError, match="unknown doc-test attribute 'exitcode'"):
         extract("doc.md", "<!-- doc-test: exitcode=0 -->\n```bash\na\n```\n")
     with pytest.raises(DocTestError, match="followed directly by a fenced block"):

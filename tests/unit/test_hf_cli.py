@@ -101,3 +101,54 @@ def test_export_into_an_existing_directory_is_exit_2_before_the_checkpoint_is_re
     assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "new"), "--tokenizer", "x.model"]) == EXIT_CONFIG
     assert capsys.readouterr().err == "export: --tokenizer and --no-tokenizer apply to --format hf only\n"
     assert not (tmp_path / "new").exists()
+
+
+TINY = ["--config", "configs/tiny.toml", "parallel.tensor=1", "model.num_layers=1", "model.hidden_size=32",
+        "model.num_attention_heads=4", "model.seq_length=16", "model.vocab_size=384", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "train.eval_interval=0", "train.steps=2", "optimizer.warmup_steps=0",
+        "zero.bucket_elements=1000", "logging.wandb=false", "logging.console=plain"]
+
+
+def run_tiny(tmp_path, *overrides):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"OMP_NUM_THREADS": "1"}
+    return run_pretrain_cli([*TINY, f"logging.run_dir={json.dumps(str(tmp_path / 'run'))}",
+                             f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}", *overrides], env, REPO, timeout=300)
+
+
+def test_save_final_hf_writes_what_export_writes_after_the_last_step(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = run_tiny(tmp_path, f"train.save_final_hf={json.dumps(str(tmp_path / 'final'))}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"train.save_final_hf: wrote 17 tensors and the tokenizer to {tmp_path / 'final'}" in out.stdout
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "ok"
+    assert export_main([str(tmp_path / "run" / "checkpoints"), str(tmp_path / "export"), "--format", "hf"]) == 0
+    final, export = load_file(tmp_path / "final" / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
+    assert final.keys() == export.keys() and all(final[k].equal(export[k]) for k in final)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "final" / name).read_bytes() == (tmp_path / "export" / name).read_bytes(), name
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "final")).__name__ == "GPT2LMHeadModel"
+    assert AutoTokenizer.from_pretrained(tmp_path / "final").eos_token == "</s>"
+
+
+@pytest.mark.parametrize("case", ["holds-a-file", "save-final-off", "no-hf-class"])
+def test_save_final_hf_is_refused_at_the_start(tmp_path, case):
+    target = tmp_path / "final"
+    overrides = [f"train.save_final_hf={json.dumps(str(target))}"]
+    if case == "holds-a-file":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine\n")
+        line = (f"error: train.save_final_hf = {str(target)!r} is invalid (config): it holds notes.txt: give a new or "
+                "empty directory (an export is never written over)")
+    elif case == "save-final-off":
+        overrides.append("train.save_final=false")
+        line = f"error: train.save_final_hf = {str(target)!r} is invalid with train.save_final = false (config): "
+    else:
+        overrides.append('model.position_embedding="rope"')  # RoPE with GPT-2's GELU MLP: no HF class
+        line = (f"error: train.save_final_hf = {str(target)!r} is invalid for this model (config): no Hugging Face "
+                "architecture computes this model (position_embedding = 'rope', mlp = 'gelu'")
+    out = run_tiny(tmp_path, *overrides)
+    assert out.returncode == EXIT_CONFIG, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(line), out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+    assert ([p.name for p in target.iterdir()] == ["notes.txt"]) if case == "holds-a-file" else not target.exists()
