@@ -17,7 +17,7 @@ COPY data ./data
 
 # The image's /etc/pip/constraint.txt pins every package it ships and can clash with the pins below,
 # so it is swapped for one that pins only torch, to the build already in the image.
-# The list must match pyproject.toml's [project] dependencies (tests/test_paper_configs.py checks).
+# The list must match pyproject.toml's [project] dependencies and its `hf` extra (tests/unit/test_paper_configs.py checks).
 RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-constraint.txt \
  && PIP_CONSTRAINT=/tmp/torch-constraint.txt pip install --no-cache-dir \
         "megatron-core==0.16.1" \
@@ -32,6 +32,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
         "matplotlib==3.11.2" \
         "safetensors==0.8.0" \
         "zstandard==0.25.0" \
+        "transformers==5.24.0" \
  && pip install --no-cache-dir --no-deps -e . \
  && python -c "import torch, megatron.core, zero3d, pretrain; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 

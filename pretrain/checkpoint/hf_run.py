@@ -1,5 +1,6 @@
 """The run's doors to the Hugging Face format: `train.init_from` (weights in) and `train.save_final_hf` (the final
 model out), each checked before any work of the run."""
+import importlib.util
 from pathlib import Path
 
 from pretrain.checkpoint.export import export
@@ -24,6 +25,9 @@ def check_save_final_hf(cfg: Config) -> None:
         raise ConfigError(f"train.save_final_hf = {str(target)!r} is invalid; it "
                           + (f"holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}" if held else "is a file")
                           + ": give a new or empty directory (an export is never written over)")
+    if importlib.util.find_spec("transformers") is None:  # it writes the tokenizer files
+        raise ConfigError(f"train.save_final_hf = {str(target)!r} is invalid here; transformers is not installed: "
+                          "pip install 'transformers==5.24.0' (the `hf` extra)")
     try:
         architecture(cfg.to_dict()["model"])
     except CheckpointError as err:

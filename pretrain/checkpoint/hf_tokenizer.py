@@ -95,7 +95,11 @@ def _sentencepiece(path: str):
 def hf_tokenizer(spec: TokenizerSpec, max_length: int):
     """A transformers fast tokenizer giving zero3d's ids for `spec`; CheckpointError naming what it cannot replay."""
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
+    try:  # the one path of a run that needs transformers (the `hf` extra)
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise CheckpointError("export --format hf writes the tokenizer with transformers, which is not installed: "
+                              "pip install 'transformers==5.24.0' (the `hf` extra), or pass --no-tokenizer") from None
     split_special = True  # zero3d's encoder matches no special token in text ...
     if spec.kind == "sentencepiece":
         backend, special = _sentencepiece(spec.model)

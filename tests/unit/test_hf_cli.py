@@ -152,3 +152,26 @@ def test_save_final_hf_is_refused_at_the_start(tmp_path, case):
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(line), out.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
     assert ([p.name for p in target.iterdir()] == ["notes.txt"]) if case == "holds-a-file" else not target.exists()
+
+
+def test_export_without_transformers_names_the_extra(monkeypatch):
+    """transformers is a test dependency and the `hf` extra, not the runtime's: its absence is one line."""
+    import sys
+
+    from pretrain.checkpoint.files import CheckpointError
+    from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+    from pretrain.data.tokenizers import TokenizerSpec
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(CheckpointError, match=r"transformers, which is not installed: pip install 'transformers==5\.24\.0' "
+                                              r"\(the `hf` extra\), or pass --no-tokenizer"):
+        hf_tokenizer(TokenizerSpec("sentencepiece", "unused.model"), 16)
+    # train.save_final_hf says so at the start, not after the run
+    import importlib.util
+
+    from pretrain.checkpoint.hf_run import check_save_final_hf
+    from pretrain.config import load_config
+    from pretrain.errors import ConfigError
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"train.save_final_hf = 'out' is invalid here; transformers is not installed"):
+        check_save_final_hf(load_config(None, ['train.save_final_hf="out"']))
