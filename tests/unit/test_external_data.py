@@ -24,6 +24,8 @@ from pretrain.data.preprocess import tokenize_corpus
 from pretrain.data.tokenizer import TokenizerError
 from pretrain.data.tokenizers import TokenizerSpec
 
+pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)
+
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, EOD, SEQ = 1000, 999, 32

@@ -13,6 +13,8 @@ from pretrain.checkpoint.export import main as export_main
 from pretrain.errors import EXIT_CONFIG, EXIT_INPUT
 from pretrain.runtime.status import write_status
 
+pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "ZERO3D_DEBUG")

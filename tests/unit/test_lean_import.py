@@ -10,6 +10,8 @@ import torch
 
 from megatron_patches.lean import HideModules, compile_on_first_call
 
+pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -10,6 +10,8 @@ from zero3d.analysis.comm_model import Links, collective_seconds, comm_breakdown
 from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION
 from pretrain.probe.report import GIB, extrapolate_layers, judge, relative_gap
 
+pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)
+
 
 def test_allreduce_inside_a_node_is_nvswitch_alpha_beta():
     tp_group = tuple(range(16))  # one DGX-2 node
