@@ -13,7 +13,8 @@ LAYOUTS = {"tp1": ["parallel.tensor=1"], "tp2": ["parallel.tensor=2"], "pp2": ["
 
 def _logits(rank, world_size, directory, layouts):
     """For each layout: the model built from the HF directory's [model] keys and loaded from its tensors; its
-    logits on TOKENS (PP: stage 0 sends its hidden states to stage 1), the TP-1 names' tensors at TP 1 × PP 1."""
+    logits on TOKENS (PP: stage 0 sends its hidden states to stage 1), the TP-1 names' tensors at TP 1 × PP 1
+    (there DP 2: each rank holds the whole model)."""
     import torch.distributed as dist
     from megatron.core import tensor_parallel
 
@@ -44,7 +45,7 @@ def _logits(rank, world_size, directory, layouts):
             else:
                 logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :VOCAB]
         out[name] = {"logits": logits, "params": {n: p.detach().clone() for n, p in model.named_parameters()}
-                     if world_size == 1 else None}
+                     if topo.tp == topo.pp == 1 else None}
         destroy_model_parallel_groups()
     return out
 
@@ -53,15 +54,14 @@ def _logits(rank, world_size, directory, layouts):
 def imported(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     reference = save(request.param, directory)
-    one = run_ranks(_logits, 1, str(directory), {"tp1": LAYOUTS["tp1"]}, timeout=300)
-    two = run_ranks(_logits, 2, str(directory), {k: LAYOUTS[k] for k in ("tp2", "pp2")}, timeout=300)
-    return request.param, directory, reference, one, two
+    two = run_ranks(_logits, 2, str(directory), LAYOUTS, timeout=300)  # one launch: TP 1 (× DP 2), TP 2, PP 2
+    return request.param, directory, reference, two
 
 
 def test_logits_equal_transformers_at_tp1_tp2_and_pp2(imported):
-    kind, _, reference, one, two = imported
-    torch.testing.assert_close(one[0]["tp1"]["logits"], reference["logits"], rtol=0, atol=1e-5)
+    kind, _, reference, two = imported
     for rank in two:
+        torch.testing.assert_close(rank["tp1"]["logits"], reference["logits"], rtol=0, atol=1e-5)
         torch.testing.assert_close(rank["tp2"]["logits"], reference["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(two[1]["pp2"]["logits"], reference["logits"], rtol=0, atol=1e-5)
 
@@ -75,9 +75,9 @@ def test_exporting_the_imported_model_gives_back_the_originals_bitwise(imported,
     from transformers import AutoModelForCausalLM
 
     from pretrain.checkpoint.hf import ImportedModel, hf_config, to_hf
-    kind, directory, reference, one, _ = imported
+    kind, directory, reference, two = imported
     model = ImportedModel(directory).model
-    exported = to_hf(one[0]["tp1"]["params"], model, VOCAB)
+    exported = to_hf(two[0]["tp1"]["params"], model, VOCAB)
     original = {k: v for k, v in reference["state"].items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     if model["tie_embeddings"]:
         original.pop("lm_head.weight", None)

@@ -146,3 +146,16 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"tokenizer {different} is not the one" in err and "--no-tokenizer" in err, err
     assert not (tmp_path / "hf2").exists()
+
+    # a checkpoint written before the manifest recorded its tokenizer and the config its architecture keys: the
+    # tokenizer is the [data] keys' file, the model the GPT-2 those keys' defaults describe; the same export
+    manifest_path = run_dir / "checkpoints" / "step_00000004" / "checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["tokenizer"]
+    for key in ("position_embedding", "rope_base", "rope_scaling_factor", "mlp", "norm", "norm_epsilon",
+                "qk_layernorm", "bias", "num_query_groups"):
+        manifest["config"]["model"].pop(key)
+    manifest_path.write_text(json.dumps(manifest))
+    assert export_main([str(run_dir / "checkpoints"), str(tmp_path / "hf_old"), "--format", "hf"]) == 0
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf_old" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
