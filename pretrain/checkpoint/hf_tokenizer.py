@@ -36,8 +36,9 @@ def checkpoint_tokenizer(step_dir: Path, manifest: dict, path: Optional[Path] = 
     if record is None:  # written before the manifest recorded its tokenizer: the [data] keys, when they name a file
         data = manifest["config"].get("data")
         data = data if isinstance(data, dict) else {}
-        record = {"kind": data.get("tokenizer_kind", "sentencepiece"), "model": data.get("tokenizer_model"),
-                  "merges": data.get("tokenizer_merges"), "eod": data.get("tokenizer_eod")}
+        text = lambda key, default=None: data[key] if isinstance(data.get(key), str) else default  # noqa: E731
+        record = {"kind": text("tokenizer_kind", "sentencepiece"), "model": text("tokenizer_model"),
+                  "merges": text("tokenizer_merges"), "eod": text("tokenizer_eod")}
     if record["kind"] == "none":
         return None
     spec = TokenizerSpec(record["kind"], str(path) if path else record["model"], record["merges"], record["eod"])
