@@ -43,7 +43,9 @@ def write_final_hf(cfg: Config, world_size: int, end_step: int) -> None:
         write_status(cfg.run_dir, "failed", f"train.save_final_hf: {err}", world_size, end_step, EXIT_INPUT,
                      error=str(err))
         raise
-    print(f"train.save_final_hf: wrote {len(params)} tensors and the tokenizer to {cfg.train.save_final_hf} "
+    tokenizer = "and the tokenizer " if (Path(cfg.train.save_final_hf) / "tokenizer.json").is_file() else \
+        "(no tokenizer: the run's token files were made elsewhere) "
+    print(f"train.save_final_hf: wrote {len(params)} tensors {tokenizer}to {cfg.train.save_final_hf} "
           "(Hugging Face format)", flush=True)
 
 

@@ -110,7 +110,7 @@ def hf_tokenizer(spec: TokenizerSpec, max_length: int):
         if spec.kind == "hf":
             backend, split_special = Tokenizer.from_file(spec.model), False  # ... except tokenizers' added tokens
         elif spec.kind == "gpt2_bpe":
-            backend = ours._hf
+            backend = ours.backend
         else:
             from transformers.convert_slow_tokenizer import TikTokenConverter
             backend = TikTokenConverter(spec.model, pattern=GPT2_PATTERN, extra_special_tokens=[ours.eod]).converted()

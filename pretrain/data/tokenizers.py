@@ -46,6 +46,11 @@ class _HFBased(TextTokenizer):
                                  "data.tokenizer_eod (--tokenizer-eod) to one of its tokens")
 
     @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` that encodes (export --format hf saves it as tokenizer.json)."""
+        return self._hf
+
+    @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size(with_added_tokens=True)
 
