@@ -12,22 +12,13 @@ from hf_models import save
 from pretrain.checkpoint.export import main as export_main
 from pretrain.errors import EXIT_CONFIG, EXIT_INPUT
 from pretrain.runtime.status import write_status
+from test_hf_import import Payload  # unpickling it would create a file: the proof nothing was unpickled
 
 pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "ZERO3D_DEBUG")
-
-
-class Payload:
-    """Unpickling this would create the file it names: the proof that nothing was unpickled."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (str(self.path), "w"))
 
 
 def _pickled(d, tmp):
