@@ -1,15 +1,20 @@
-"""Per-rank GPU throughput: zero3d beside a plain-PyTorch GPT (SDPA, fused AdamW, eager and compiled), plus the paper's rank slices.
+"""Per-rank GPU throughput: zero3d beside plain-PyTorch GPT and Llama models (SDPA, fused AdamW, eager and
+compiled), plus the paper's rank slices.
 
-    python bench/bench_gpu.py [--steps 10] [--json]      # on one GPU (docs/gpu-check.md)
-    python bench/bench_gpu.py --cpu-dry-run              # tiny versions of every row on CPU (a suite test)
+    python bench/bench_gpu.py [--steps 10] [--shapes both] [--json]   # on one GPU (docs/gpu-check.md)
+    python bench/bench_gpu.py --cpu-dry-run                           # tiny versions of every row on CPU (a suite test)
 
-Rows: the 1.3B shape (24 layers × 2048 hidden × 16 heads, seq 2048, vocab 50257) in bf16 at TP 1 trained
-through zero3d (`pretrain` model + engine, one rank) and through `PlainGPT` below, eager and
-`torch.compile`d; then `python -m pretrain.probe --real` of the 8B (TP 4), 60B and 100B (TP 16) rank
-slices in bf16 and fp16 under a 32 GB cap. Each row: tokens/s, TFLOP/s (Megatron's model-FLOPs formula,
-pretrain/metrics.py), MFU (against the GPU's dense peak), peak CUDA memory. The dry run shrinks the shape
-to 2 layers × 64 hidden in fp32, compiles with the `aot_eager` backend (inductor's C++ codegen costs
-~40 s on a CPU: the GPU run uses inductor), and runs the probes in fake mode with 2 layers.
+Rows, for each shape `--shapes` picks, in bf16 at TP 1, trained through zero3d (`pretrain` model + ZeRO
+engine stage 2, one rank) and through the plain-PyTorch model below, eager and `torch.compile`d:
+  gpt    the 1.3B GPT-2 shape (24 layers × 2048 hidden × 16 heads, seq 2048, vocab 50257): `PlainGPT`
+  llama  a Llama-3.2-1B-like shape (16 layers × 2048 hidden × 32 heads in 8 key/value groups, SwiGLU 8192,
+         RoPE base 500000, RMSNorm, no biases, untied output, seq 4096, vocab 128256): `PlainLlama`
+then `python -m pretrain.probe --real` of the 8B (TP 4), 60B and 100B (TP 16) rank slices in bf16 and fp16
+under a 32 GB cap. Each row: tokens/s, TFLOP/s (the model FLOPs of zero3d/analysis/flops.py: Megatron's
+formula, with grouped-query K/V and the gated MLP's third matrix for Llama), MFU (against the GPU's dense
+peak), peak CUDA memory. The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
+`aot_eager` backend (inductor's C++ codegen costs ~40 s on a CPU: the GPU run uses inductor), and runs the
+probes in fake mode with 2 layers.
 """
 import argparse
 import importlib.util
@@ -27,8 +32,14 @@ sys.path.insert(0, str(REPO))
 from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
 from zero3d.analysis.flops import gpt_step_flops  # noqa: E402
 
-SHAPE = dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
-DRY_SHAPE = dict(layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
+SHAPE = dict(kind="gpt", layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
+DRY_SHAPE = dict(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
+LLAMA_SHAPE = dict(kind="llama", layers=16, hidden=2048, heads=32, query_groups=8, ffn=8192, seq=4096, vocab=128256,
+                   micro=2, dtype="bf16", rope_base=500000)
+DRY_LLAMA_SHAPE = dict(kind="llama", layers=2, hidden=64, heads=4, query_groups=2, ffn=160, seq=32, vocab=512,
+                       micro=2, dtype="fp32", rope_base=500000)
+LR = 1e-4  # both sides' constant AdamW learning rate (the loss column compares like with like, up to the init)
+NAMES = {"gpt": "GPT", "llama": "Llama"}  # shape kind → the name its rows carry
 PROBES = [("8B", "configs/paper/fig2_8B_zero.toml"), ("60B", "configs/paper/fig2_60B_zero.toml"),
           ("100B", "configs/paper/fig2_100B_zero.toml")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,6 +81,62 @@ class PlainGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(torch.nn.Module):
+    """Pre-norm Llama block: RMSNorm, causal SDPA over RoPE'd q, k with grouped-query K/V, SwiGLU MLP; no biases.
+    Q/K/V and gate/up are one GEMM each (as megatron fuses them): the same FLOPs as separate projections."""
+
+    def __init__(self, hidden: int, heads: int, groups: int, ffn: int):
+        super().__init__()
+        self.heads, self.groups, self.dim = heads, groups, hidden // heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(hidden, eps=1e-5), torch.nn.RMSNorm(hidden, eps=1e-5)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * groups) * self.dim, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.gate_up, self.down = torch.nn.Linear(hidden, 2 * ffn, bias=False), torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, h = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, s, self.heads + 2 * self.groups, self.dim).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.groups, self.groups], dim=1)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+class PlainLlama(torch.nn.Module):
+    """The Llama reference: token embedding, `layers` blocks (RoPE at positions 0..seq-1, rotate-half form), final
+    RMSNorm, untied output layer, fp32 cross-entropy."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, query_groups: int, ffn: int, seq: int, vocab: int,
+                 rope_base: float):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, hidden)
+        self.blocks = torch.nn.ModuleList(LlamaBlock(hidden, heads, query_groups, ffn) for _ in range(layers))
+        self.norm_f, self.head = torch.nn.RMSNorm(hidden, eps=1e-5), torch.nn.Linear(hidden, vocab, bias=False)
+        dim = hidden // heads
+        inv_freq = 1.0 / rope_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # (seq, dim): the rotate-half layout
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, tokens):
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        x = self.tok(inputs)
+        cos, sin = self.cos[:inputs.shape[1]], self.sin[:inputs.shape[1]]
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.head(self.norm_f(x))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
 def padded_vocab(vocab: int) -> int:
     """The embedding width pretrain builds at TP 1 (megatron's padding rule, zero3d/analysis/estimate.py)."""
     from zero3d.analysis.estimate import padded_vocab as megatron_padded_vocab
@@ -97,18 +164,27 @@ def timed(step, steps: int, warmup: int, device) -> float:
 def row(label: str, step_s: float, shape: dict, device, loss: float) -> dict:
     tokens = shape["micro"] * shape["seq"]
     flops = gpt_step_flops(shape["layers"], shape["hidden"], shape["seq"], padded_vocab(shape["vocab"]),
-                           shape["micro"], recompute=False, num_attention_heads=shape["heads"])
+                           shape["micro"], recompute=False, ffn_hidden=shape.get("ffn"),
+                           num_attention_heads=shape["heads"], num_query_groups=shape.get("query_groups"),
+                           gated_mlp=shape["kind"] == "llama")
     perf = throughput_metrics(step_s, tokens, 1, flops, device_peak_tflops(device.type, shape["dtype"]))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return {"row": label, "step_s": step_s, "tokens_per_s": perf["perf/tokens_per_s"],
+    return {"row": label, "shape": shape["kind"], "step_s": step_s, "tokens_per_s": perf["perf/tokens_per_s"],
             "tflops": perf["perf/tflops_per_gpu"], "mfu": perf.get("perf/mfu"), "peak_bytes": peak, "loss": loss}
+
+
+def plain_model(shape: dict) -> torch.nn.Module:
+    s, vocab = shape, padded_vocab(shape["vocab"])
+    if s["kind"] == "llama":
+        return PlainLlama(s["layers"], s["hidden"], s["heads"], s["query_groups"], s["ffn"], s["seq"], vocab,
+                          s["rope_base"])
+    return PlainGPT(s["layers"], s["hidden"], s["heads"], s["seq"], vocab)
 
 
 def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dict:
     torch.manual_seed(0)
-    model = PlainGPT(shape["layers"], shape["hidden"], shape["heads"], shape["seq"], padded_vocab(shape["vocab"]))
-    model = model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    model = plain_model(shape).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=device.type == "cuda")
     forward = torch.compile(model, backend="aot_eager" if dry else "inductor") if compiled else model
     tokens, losses = tokens_batch(shape, device), []
     autocast = torch.autocast(device.type, dtype=DTYPES[shape["dtype"]], enabled=shape["dtype"] != "fp32")
@@ -121,7 +197,7 @@ def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dic
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     step_s = timed(step, steps, warmup=2, device=device)
-    return row(f"plain PyTorch GPT, {'compiled' if compiled else 'eager'}", step_s, shape, device,
+    return row(f"plain PyTorch {NAMES[shape['kind']]}, {'compiled' if compiled else 'eager'}", step_s, shape, device,
                losses[-1].item())
 
 
@@ -130,6 +206,20 @@ def free_port() -> int:
     with socket.socket() as sock:  # the kernel picks an unused port: runs beside other jobs do not collide
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def model_overrides(shape: dict) -> list:
+    """`pretrain` overrides building the shape (Llama: configs/tiny_llama.toml's architecture keys)."""
+    s = shape
+    overrides = [f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
+                 f"model.num_attention_heads={s['heads']}", f"model.seq_length={s['seq']}",
+                 f"model.vocab_size={s['vocab']}"]
+    if s["kind"] == "llama":
+        overrides += [f"model.num_query_groups={s['query_groups']}", f"model.ffn_hidden_size={s['ffn']}",
+                      'model.position_embedding="rope"', f"model.rope_base={s['rope_base']}", 'model.mlp="swiglu"',
+                      'model.norm="rmsnorm"', "model.norm_epsilon=1e-5", "model.bias=false",
+                      "model.tie_embeddings=false"]
+    return overrides
 
 
 def zero3d_row(shape: dict, device, steps: int) -> dict:
@@ -142,11 +232,9 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
     from pretrain.train import engine_settings, loss_share, run_micro_batches, step_mean_loss
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
-    cfg = load_config(None, [f"model.num_layers={shape['layers']}", f"model.hidden_size={shape['hidden']}",
-                             f"model.num_attention_heads={shape['heads']}", f"model.seq_length={shape['seq']}",
-                             f"model.vocab_size={shape['vocab']}", f"train.micro_batch_size={shape['micro']}",
-                             f"train.global_batch_size={shape['micro']}", f"precision.dtype={shape['dtype']}",
-                             "zero.stage=2", "logging.wandb=false"])
+    cfg = load_config(None, model_overrides(shape) + [
+        f"train.micro_batch_size={shape['micro']}", f"train.global_batch_size={shape['micro']}",
+        f"precision.dtype={shape['dtype']}", "zero.stage=2", f"optimizer.lr={LR}", "logging.wandb=false"])
     topo = init_topology(cfg)
     model = build_model(cfg, topo.device)
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
@@ -158,7 +246,8 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
         losses.append(step_mean_loss(result, topo))
     try:
         step_s = timed(step, steps, warmup=2, device=topo.device)
-        return row(f"zero3d (attention {cfg.model.attention}, stage 2)", step_s, shape, topo.device, losses[-1])
+        return row(f"zero3d {NAMES[shape['kind']]} (attention {cfg.model.attention}, stage 2)", step_s, shape,
+                   topo.device, losses[-1])
     finally:
         engine.close()
         parallel_state.destroy_model_parallel()
@@ -175,6 +264,15 @@ def probe_rows(dry: bool, timeout: float, quick: bool = False) -> list:
     fast = ['model.attention="auto"', "model.loss_chunk_tokens=1024"]
     return [gpu_check.probe_row(name, config, env, dry, timeout, overrides=[f"precision.dtype=\"{dtype}\""] + fast)
             for name, config in (PROBES[-1:] if quick else PROBES) for dtype in (("bf16",) if quick else ("bf16", "fp16"))]
+
+
+def release_cuda(device) -> None:
+    """Drop this process's cached CUDA blocks (the compiled model's, held by dynamo) before the next rows."""
+    if device.type == "cuda":
+        import gc
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def fmt(value, spec: str) -> str:
@@ -202,6 +300,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny versions of every row on CPU")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per training row (default 10)")
+    ap.add_argument("--shapes", choices=("gpt", "llama", "both"), default="both",
+                    help="which training rows: the GPT-2 1.3B shape, the Llama shape, or both (default)")
     ap.add_argument("--no-probes", action="store_true", help="skip the paper rank-slice probes")
     ap.add_argument("--quick", action="store_true", help="probe only the 100B slice, in bf16")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
@@ -212,27 +312,31 @@ def main(argv=None) -> int:
     if not dry and not torch.cuda.is_available():
         ap.error("no CUDA device visible: run on a GPU machine, or use --cpu-dry-run")
     device = torch.device("cpu") if dry else torch.device("cuda", 0)
-    shape = DRY_SHAPE if dry else SHAPE
+    shapes = {"gpt": DRY_SHAPE if dry else SHAPE, "llama": DRY_LLAMA_SHAPE if dry else LLAMA_SHAPE}
+    if args.shapes != "both":
+        shapes = {args.shapes: shapes[args.shapes]}
     rows = []
-    for make in (lambda: zero3d_row(shape, device, args.steps),
-                 lambda: plain_row(shape, device, False, dry, args.steps),
-                 lambda: plain_row(shape, device, True, dry, args.steps)):
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        rows.append(make())
+    for shape in shapes.values():
+        release_cuda(device)  # the previous shape's compiled model must not crowd this one's rows
+        for make in (lambda: zero3d_row(shape, device, args.steps),
+                     lambda: plain_row(shape, device, False, dry, args.steps),
+                     lambda: plain_row(shape, device, True, dry, args.steps)):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            rows.append(make())
     if not args.no_probes:
-        if device.type == "cuda":  # the probes run in subprocesses capped at 32 GB: this process's cached blocks
-            import gc              # (the compiled GPT's, held by dynamo) must not crowd them out of the GPU
-            torch._dynamo.reset()
-            gc.collect()
-            torch.cuda.empty_cache()
+        release_cuda(device)  # the probes: subprocesses capped at 32 GB that these blocks must not crowd
         rows += probe_rows(dry, timeout=300, quick=args.quick)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run: tiny shapes, no GPU figure)"
     if args.json:
-        print(json.dumps({"device": gpu, "shape": shape, "rows": rows}, default=str))
+        print(json.dumps({"device": gpu, "shapes": shapes, "rows": rows}, default=str))
     else:
-        print(table(rows, f"{gpu}; shape {shape}"))
+        for kind, shape in shapes.items():
+            spec = ", ".join(f"{k} {v}" for k, v in shape.items() if k != "kind")
+            print(table([r for r in rows if r.get("shape") == kind], f"{gpu}; {NAMES[kind]} shape: {spec}"))
+        if not args.no_probes:
+            print(table([r for r in rows if "shape" not in r], f"{gpu}; the paper's rank slices (probe --real)"))
     return 0 if all(r.get("rc", 0) in (0, 1) for r in rows) else 1
 
 

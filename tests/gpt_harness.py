@@ -10,10 +10,11 @@ from pretrain.model.gpt import activation_checkpointing, build_model, parallel_g
 from pretrain.runtime.topology import init_topology
 from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
 
+BUCKET_ELEMENTS = 4000  # zero.bucket_elements of every run unless overridden
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",
         "optimizer.warmup_steps=0", "optimizer.lr=1e-3", "optimizer.min_lr=1e-3", "logging.wandb=false",
-        "zero.bucket_elements=4000"]
+        f"zero.bucket_elements={BUCKET_ELEMENTS}"]
 
 
 class SyntheticTokens:
@@ -71,6 +72,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     # Group sizes straight from the model (matrices decay, vectors do not), for the byte formulas.
     group_numels = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
                     "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
+    param_numels = named_numels(model)  # for the bucketing rule written out in the tests (buckets_by_rule)
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
@@ -98,6 +100,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     # Flat buffer sizes with each bucket padded to a multiple of N_d, and buckets per group.
     out["padded_numels"] = {name: g.layout.padded_numel for name, g in engine.groups.items()}
     out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
+    out["bucket_numels"], out["param_numels"] = raw_bucket_numels(engine), param_numels
     out["decaying"] = sorted(slot.name for g in engine.groups.values() if g.decays for slot in g.layout.slots)
     out["activations"] = activations.report() if activations else {}
     from megatron.core import parallel_state
@@ -105,6 +108,72 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     out["megatron_gloo_dp_group"] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
     dist.barrier()
     return out
+
+
+def named_numels(model) -> list[tuple[str, int, bool]]:
+    """(name, numel, decays) of each parameter in model order, counted before wrapping (stage 3 empties them);
+    decays: a matrix (the tests' models set no optimizer.no_weight_decay patterns)."""
+    return [(name, p.numel(), p.dim() > 1) for name, p in model.named_parameters()]
+
+
+def raw_bucket_numels(engine) -> dict:
+    """{group: [elements of bucket 0, 1, …]}: each bucket's parameters as the engine laid them out, unpadded."""
+    return {name: [sum(g.layout.slots[i].numel for i in bucket.slot_indices) for bucket in g.layout.buckets]
+            for name, g in engine.groups.items()}
+
+
+def stage3_unit(name: str) -> str:
+    """The stage 3 gather unit owning a GPTModel parameter (pretrain/model/gpt.py's gather_units: the embedding,
+    each transformer layer, the output layer; any other parameter, such as the final layer norm's, in a unit
+    of the module holding it)."""
+    parts = name.split(".")
+    if parts[0] in ("embedding", "output_layer"):
+        return parts[0]
+    if parts[:2] == ["decoder", "layers"]:
+        return ".".join(parts[:3])
+    return name.rpartition(".")[0]
+
+
+def buckets_by_rule(params: list, stage: int, bucket_elements: int, threshold: int = 0) -> dict:
+    """{group: [elements of bucket 0, 1, …]} by zero3d/flat.py's documented rule, written out here from the
+    parameters' sizes in model order (`named_numels`): stages 0-2 one group per weight-decay class; stage 3 one
+    per (gather unit, class), parameters of at most `threshold` elements in the replicated "persistent/<class>"
+    groups. Within a group, walking its parameters backwards, a bucket closes once it holds >= bucket_elements
+    (bucket 0: the last parameters), so a bucket never spans two gather units."""
+    groups: dict = {}
+    for name, numel, decays in params:
+        kind = "decay" if decays else "no_decay"
+        group = kind if stage < 3 else f"persistent/{kind}" if numel <= threshold else f"{stage3_unit(name)}/{kind}"
+        groups.setdefault(group, []).append(numel)
+    out = {}
+    for group, numels in groups.items():
+        sizes, size = [], 0
+        for numel in reversed(numels):
+            size += numel
+            if size >= bucket_elements:
+                sizes.append(size)
+                size = 0
+        out[group] = sizes + ([size] if size else [])
+    return out
+
+
+def padded_numel(sizes: list, n: int) -> int:
+    """Elements of a flat buffer whose buckets hold `sizes` elements, each padded to a multiple of n ranks."""
+    return sum(-(-size // n) * n for size in sizes)
+
+
+def assert_bucket_layout(rank_out, stage: int, n: int, bucket_elements: int = BUCKET_ELEMENTS,
+                         threshold: int = 0) -> int:
+    """A rank's flat buffers as zero3d/flat.py documents them: each group's buckets are the rule's
+    (buckets_by_rule, from the model's parameter sizes), hold every parameter once (Ψ in all), and are each
+    padded to a multiple of the n ranks they are sharded over: the group's buffer is Σ ceil(bucket / n)·n
+    elements. Returns Ψ padded: the Ψ of the byte and volume formulas."""
+    rule = buckets_by_rule(rank_out["param_numels"], stage, bucket_elements, threshold)
+    assert rank_out["bucket_numels"] == rule, (rank_out["bucket_numels"], rule)
+    assert sum(map(sum, rule.values())) == rank_out["psi"], (rule, rank_out["psi"])
+    expected = {group: padded_numel(sizes, n) for group, sizes in rule.items()}
+    assert rank_out["padded_numels"] == expected, (rank_out["padded_numels"], expected)
+    return sum(expected.values())
 
 
 def full_params(engine):

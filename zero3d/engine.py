@@ -116,6 +116,7 @@ class DataParallelEngine:
     def __init__(self, model: nn.Module, settings: EngineSettings, groups: ParallelGroups):
         self.model = model
         self.settings = settings
+        self.hooks: list = []  # handles of the hooks the engine put on the model and its parameters (close())
         self.comm_stats = CommStats()
         self.node = groups.node_topology
         self.gpus_per_node = self.node.gpus_per_node if self.node is not None else groups.gpus_per_node
@@ -289,7 +290,12 @@ class DataParallelEngine:
         self._publish_params()
 
     def close(self) -> None:
-        """Releases the placement's files and I/O thread (also done when the process ends)."""
+        """Removes the engine's hooks from the model (they hold the engine: a cycle through autograd's C++ state
+        that the garbage collector cannot see, which kept every flat buffer alive) and releases the placement's
+        files and I/O thread (also done when the process ends)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         self.placement.close()
 
     def _sum_tied_grads(self) -> None:

@@ -19,7 +19,7 @@ class GradientShardedEngine(WholeParamsEngine):
                                        reduce_scatter=self._bucket_reduction())
         self._tied_grads = {}  # tied weight -> its gradient of this step, summed over copies at the end
         for param in self.buckets.location:
-            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     @property
     def staging_bytes_peak(self) -> int:

@@ -88,11 +88,11 @@ class ParameterShardedEngine(DataParallelEngine):
                                        reduce_scatter=self._bucket_reduction())
         self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}
         for p in self._unit_of:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         for unit in self.units:
             if unit.entry_numel:
-                unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
-                unit.module.register_forward_hook(partial(self._post_forward, unit))
+                self.hooks += [unit.module.register_forward_pre_hook(partial(self._pre_forward, unit)),
+                               unit.module.register_forward_hook(partial(self._post_forward, unit))]
         biggest = max((unit.entry_numel for unit in self.units), default=0)
         # The unit running plus `prefetch_units` ahead (the largest, borrowed units included).
         self.live_budget_elements = (1 + settings.zero.prefetch_units) * biggest

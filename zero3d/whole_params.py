@@ -68,8 +68,9 @@ class WholeParamsEngine(DataParallelEngine):
         for module in self.model.modules():
             keys = tuple(dict.fromkeys(bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of))
             if keys:
-                module.register_forward_pre_hook(partial(self._wait_for_buckets, keys))
-        self.model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self.finish_param_sync())
+                self.hooks.append(module.register_forward_pre_hook(partial(self._wait_for_buckets, keys)))
+        self.hooks.append(self.model.register_state_dict_pre_hook(
+            lambda module, prefix, keep_vars: self.finish_param_sync()))
 
     def _wait_for_buckets(self, keys: tuple, module, args) -> None:
         self.comm_stats.poll()

@@ -1,5 +1,6 @@
-"""bench/bench_gpu.py --cpu-dry-run (what `make gpu-check` runs on a GPU, shrunk): every row runs, the throughput
-arithmetic is Megatron's FLOPs formula over the measured step time, and compiling the plain GPT changes no loss."""
+"""bench/bench_gpu.py --cpu-dry-run (what `make gpu-check` runs on a GPU, shrunk): every row runs, for the GPT and the
+Llama shape, the throughput arithmetic is each model's FLOPs over the measured step time (Llama: grouped-query K/V and
+the gated MLP's third matrix), and compiling a plain model changes no loss."""
 import json
 import math
 import subprocess
@@ -9,6 +10,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+PROBE = 'probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)'
+
+
+def model_flops(s: dict, vocab: int) -> float:
+    """6 × tokens × matmul parameters + the attention scores (QKᵀ and AV over the whole s × s matrix, 3 × 4·s·h a token
+    and layer), written out apart from zero3d/analysis/flops.py."""
+    b, seq, L, h = s["micro"], s["seq"], s["layers"], s["hidden"]
+    if s["kind"] == "llama":  # Q and O h × h, K and V h × (groups · head dim), gate, up and down h × ffn
+        layer = 2 * h * h + 2 * h * (h // s["heads"] * s["query_groups"]) + 3 * h * s["ffn"]
+    else:  # QKV 3h², O h², fc1 and fc2 4h² each
+        layer = 12 * h * h
+    return 6 * b * seq * (L * layer + h * vocab) + 12 * b * seq * L * seq * h
 
 
 @pytest.mark.one_core  # one process for ~40 s: run in the side lane (tools/run_suite.py)
@@ -18,19 +31,27 @@ def test_bench_gpu_cpu_dry_run_rows():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["row"]: r for r in out["rows"]}
-    assert list(rows) == ["zero3d (attention auto, stage 2)", "plain PyTorch GPT, eager", "plain PyTorch GPT, compiled",
-                          'probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)']
-    s = out["shape"]
-    b, seq, L, h, v = s["micro"], s["seq"], s["layers"], s["hidden"], 512  # vocab 512: already a multiple of 128
-    flops = 72 * b * seq * L * h * h * (1 + seq / (6 * h)) + 6 * b * seq * h * v
-    for name in list(rows)[:3]:
-        r = rows[name]
-        assert math.isclose(r["tokens_per_s"], b * seq / r["step_s"], rel_tol=1e-9), name
-        assert math.isclose(r["tflops"], flops / r["step_s"] / 1e12, rel_tol=1e-9), name
+    assert list(rows) == ["zero3d GPT (attention auto, stage 2)", "plain PyTorch GPT, eager", "plain PyTorch GPT, compiled",
+                          "zero3d Llama (attention auto, stage 2)", "plain PyTorch Llama, eager",
+                          "plain PyTorch Llama, compiled", PROBE]
+    v = 512  # both dry shapes' vocabulary: already a multiple of 128, so megatron pads nothing
+    # the hand formula itself: 2 layers × 64 hidden, GPT-2's 72·B·s·L·h²·(1 + s/6h) + 6·B·s·h·V, and the Llama shape's
+    # gated MLP (3 × 64 × 160) and its K, V of 2 heads × 16 wide (beside 4 query heads)
+    assert math.isclose(model_flops(out["shapes"]["gpt"], v),
+                        72 * 2 * 32 * 2 * 64 * 64 * (1 + 32 / (6 * 64)) + 6 * 2 * 32 * 64 * v, rel_tol=1e-12)
+    assert model_flops(out["shapes"]["llama"], v) == 6 * 64 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160) + 64 * v) \
+        + 12 * 64 * 2 * 32 * 64
+    for name in list(rows)[:6]:
+        r, kind = rows[name], ("llama" if "Llama" in name else "gpt")
+        s = out["shapes"][kind]
+        assert r["shape"] == kind, name
+        assert math.isclose(r["tokens_per_s"], s["micro"] * s["seq"] / r["step_s"], rel_tol=1e-9), name
+        assert math.isclose(r["tflops"] * r["step_s"] * 1e12, model_flops(s, v), rel_tol=1e-9), name
         assert r["mfu"] is None and r["peak_bytes"] is None  # CPU: no peak to divide by, no CUDA allocator
         assert 0 < r["loss"] < 2 * math.log(v), name  # trained from about ln(vocab), not diverged
     # the same weights, data and optimizer: compilation must not change the math
-    assert math.isclose(rows["plain PyTorch GPT, compiled"]["loss"], rows["plain PyTorch GPT, eager"]["loss"],
-                        rel_tol=1e-5)
-    probe = rows['probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)']
+    for model in ("GPT", "Llama"):
+        assert math.isclose(rows[f"plain PyTorch {model}, compiled"]["loss"], rows[f"plain PyTorch {model}, eager"]["loss"],
+                            rel_tol=1e-5), model
+    probe = rows[PROBE]
     assert probe["rc"] == 0 and probe["verdict"].startswith("verdict: FITS"), probe

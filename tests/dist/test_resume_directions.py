@@ -99,3 +99,29 @@ def assert_checkpoint_bytes(step_dir, psi: int, param_bytes: int) -> None:
 def test_fp16_checkpoint_holds_14_bytes_a_parameter(stage3_run):
     save_dir, ref = stage3_run
     assert_checkpoint_bytes(save_dir / f"step_{SAVE_AT:08d}", ref[0]["psi"], 2)
+
+
+# fp16 from a scale of 2^30, backing off ×2^-10 after every second overflow: the first 3 steps all overflow
+# (2^30, 2^30, 2^20), so the save after them holds no optimizer step and a scaler mid-hysteresis
+ALL_SKIPPED = ["precision.dtype=fp16", f"precision.initial_loss_scale={2 ** 30}", f"precision.backoff_factor={2 ** -10}",
+               "precision.hysteresis=2", "zero.stage=2"]
+
+
+def test_a_save_after_only_skipped_steps_resumes_bitwise(tmp_path):
+    """Issue #40's combination fp16 skip × checkpoint fields: saved after 3 steps that all overflowed, the
+    manifest says step 3, adam_step 0 and the scaler's state by hand (scale 2^20, one overflow left before the
+    next back-off, no clean step); the resumed run backs off at step 3 as the whole run did, and from step 4
+    on trains bit for bit the same (the moments and Adam's step start where an untouched optimizer's do)."""
+    from pretrain.checkpoint.files import read_json
+    whole = run_ranks(train_segment, 2, ALL_SKIPPED, tmp_path, 0, 7, (3,), timeout=300)
+    assert whole[0]["loss_scale"] == [2.0 ** 30, 2.0 ** 20, 2.0 ** 20, 2.0 ** 10, 2.0 ** 10, 2.0 ** 10, 2.0 ** 10]
+    manifest = read_json(tmp_path / "step_00000003" / "checkpoint.json")
+    assert (manifest["step"], manifest["adam_step"]) == (3, 0)
+    assert manifest["scaler"] == {"scale": 2.0 ** 20, "overflows_left": 1, "clean_steps": 0}
+    out = run_ranks(train_segment, 2, ALL_SKIPPED, tmp_path, 3, 7, (), True, timeout=300)
+    for r_whole, r_out in zip(whole, out):
+        assert r_out["loss_scale"] == r_whole["loss_scale"][3:]
+        assert r_out["loss"] == r_whole["loss"][3:]
+        assert r_whole["loss"][-1] != r_whole["loss"][3]  # steps 4-6 did update the model
+        for name, p in r_whole["params"].items():
+            assert torch.equal(r_out["params"][name], p), name

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from gpt_harness import assert_close_runs, run_gpt_steps
+from gpt_harness import assert_bucket_layout, assert_close_runs, run_gpt_steps
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 
@@ -81,7 +81,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere():
 def _probe(rank, world, overrides, steps):
     """A few stage-3 steps, then an eval forward; what the layouts, memory and comm looked like."""
     import zero3d
-    from gpt_harness import BASE, SyntheticTokens
+    from gpt_harness import BASE, SyntheticTokens, named_numels, raw_bucket_numels
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_loss
     from pretrain.runtime.topology import init_topology
@@ -89,7 +89,7 @@ def _probe(rank, world, overrides, steps):
     cfg = load_config(None, BASE + ["zero.stage=3", *overrides])
     topo = init_topology(cfg)
     model = build_model(cfg, topo.device)
-    psi = sum(p.numel() for p in model.parameters())
+    psi, param_numels = sum(p.numel() for p in model.parameters()), named_numels(model)
     engine = zero3d.wrap_model(model, engine_settings(cfg), zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
     sharded = [p for u in engine.units for g in u.groups for p in g.params]
     released = lambda: all(p.numel() == 0 for p in sharded) and engine._live == 0  # noqa: E731
@@ -115,6 +115,8 @@ def _probe(rank, world, overrides, steps):
     out["released"].append(released())
     out["groups"] = {name: (g.layout.padded_numel, g.layout.shard_numel) for name, g in engine.groups.items()}
     out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
+    out["padded_numels"] = {name: g.layout.padded_numel for name, g in engine.groups.items()}
+    out["bucket_numels"], out["param_numels"] = raw_bucket_numels(engine), param_numels
     out["entries"] = [u.entry_numel for u in engine.units]
     out["state_bytes"] = engine.state_bytes()
     out["peak"], out["budget"] = engine.peak_gathered_elements, engine.live_budget_elements
@@ -139,6 +141,8 @@ def test_model_state_bytes_bf16(threshold):
     persistent parameters keep all 16 bytes per element of their (padded) groups on every rank."""
     dp = 2
     for r in probe(2, dp, ("precision.dtype=bf16", f"zero.param_persistence_threshold={threshold}")):
+        # one group per (gather unit, decay class), its buckets by flat.py's rule, each padded to N_d
+        psi_padded = assert_bucket_layout(r, 3, dp, threshold=threshold)
         sharded, persistent = split(r["groups"])
         shard = sum(s for _, s in sharded.values())
         whole = sum(n for n, _ in persistent.values())
@@ -147,9 +151,10 @@ def test_model_state_bytes_bf16(threshold):
                                         optimizer_states=8 * shard, persistent_params=2 * whole,
                                         persistent_grads=2 * whole, persistent_master_params=4 * whole,
                                         persistent_optimizer_states=8 * whole)
-        if threshold == 0:  # only padding (< N_d per bucket) separates it from the paper's 16Ψ/N_d
-            buckets = sum(r["buckets"].values())
-            assert 0 <= sum(r["state_bytes"].values()) - 16 * r["psi"] / dp <= 16 * buckets
+        # the paper's 16Ψ/N_d on the sharded groups' padded Ψ (at threshold 0: all of it), exactly, plus 16 bytes
+        # an element of the persistent groups' (padded) buffers
+        kept = sum(padded for name, padded in r["padded_numels"].items() if name.startswith("persistent/"))
+        assert sum(r["state_bytes"].values()) == 16 * (psi_padded - kept) // dp + 16 * kept
 
 
 @pytest.mark.parametrize("tp,dp,threshold", [(1, 4, 0), (2, 2, 0), (2, 2, 128)])

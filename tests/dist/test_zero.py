@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from gpt_harness import assert_close_runs
+from gpt_harness import assert_bucket_layout, assert_close_runs
 
 STEPS = 10  # each step compared; the loss of one step is one batch's, so "it trains" compares 3-step means
-LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
+LAYOUTS = [(1, 2), (1, 4), (2, 2)]  # (TP, DP); TP 2 × DP 3, DP 6 on 2 nodes × 3 and 3 × 2: test_asymmetric.py
 
 
 def run(gpt_run, tp, dp, stage, extra=(), steps=STEPS, inject_inf_at=None):
@@ -72,30 +72,28 @@ def test_model_state_bytes_bf16(stage, formula, gpt_run):
     out = run(gpt_run, tp, dp, stage, ["precision.dtype=bf16", "train.global_batch_size=4"], steps=1)
     for rank_out in out:
         assert not rank_out["megatron_gloo_dp_group"]  # init_topology builds no gloo duplicates of the groups
-        assert rank_out["padded_numels"].keys() == rank_out["group_numels"].keys()
+        # the buckets by flat.py's rule, each padded to a multiple of N_d: Σ ceil(bucket / N_d)·N_d a group
+        psi_padded = assert_bucket_layout(rank_out, stage, dp)
+        assert {name: sum(sizes) for name, sizes in rank_out["bucket_numels"].items()} == rank_out["group_numels"]
         expected = {k: 0 for k in ("params", "grads", "master_params", "optimizer_states")}
         for name, padded in rank_out["padded_numels"].items():
-            # each bucket is padded to a multiple of N_d: fewer than N_d elements per bucket
-            assert 0 <= padded - rank_out["group_numels"][name] < dp * rank_out["buckets"][name]
-            assert padded % dp == 0
             for k, v in formula(padded, dp).items():
                 expected[k] += v
         assert rank_out["state_bytes"] == expected
-        psi = rank_out["psi"]
-        paper = {0: 16 * psi, 1: 4 * psi + 12 * psi / dp, 2: 2 * psi + 14 * psi / dp}[stage]
-        buckets = sum(rank_out["buckets"].values())
-        assert abs(sum(expected.values()) - paper) <= 16 * dp * buckets  # only padding separates them
+        # the paper's total on the padded Ψ, exactly (N_d divides each padded bucket)
+        paper = {0: 16 * psi_padded, 1: 4 * psi_padded + 12 * psi_padded // dp,
+                 2: 2 * psi_padded + 14 * psi_padded // dp}[stage]
+        assert sum(rank_out["state_bytes"].values()) == paper
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("tp,dp", [(1, 4), (2, 2)])
 def test_communication_volume(stage, tp, dp, gpt_run):
     """Per rank per step: 2Ψ(N_d−1)/N_d elements (gradients + parameters), Ψ counted over the flat
-    buffers: the parameters plus fewer than N_d padding elements per bucket."""
+    buffers: each bucket of the parameters padded to a multiple of N_d."""
     out = run(gpt_run, tp, dp, stage, [f"train.global_batch_size={2 * dp}"], steps=2)
     for rank_out in out:
-        psi_padded = sum(rank_out["padded_numels"].values())
-        assert 0 <= psi_padded - sum(rank_out["group_numels"].values()) < dp * sum(rank_out["buckets"].values())
+        psi_padded = assert_bucket_layout(rank_out, stage, dp)
         assert rank_out["comm_elements"] == [Fraction(2 * psi_padded * (dp - 1), dp)] * 2
         kinds = {k for k in rank_out["comm"][0] if k.endswith("/elements")}
         expected = {0: {"comm/all_reduce/grads/elements"},

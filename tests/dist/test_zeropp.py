@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from checkpoint_harness import train_segment
+from gpt_harness import assert_bucket_layout
 from pretrain.checkpoint.files import read_json
 from ranks import run_ranks
 from zero3d.analysis.comm_model import dp_collectives, link_bytes, zeropp_collectives
@@ -145,13 +146,15 @@ def test_hybrid_checkpoint_resumes_at_its_layout_and_at_others(tmp_path):
 
 # ---------------------------------------------------------------- qwZ, qgZ
 
-ZEROPP_ALL = ("zero.quantize_weights=int8", "zero.secondary_partition=node", "zero.quantize_gradients=int4")
+BLOCK = 256  # zero.quant_block: elements per quantization scale (qwZ and qgZ)
+ZEROPP_ALL = ("zero.quantize_weights=int8", "zero.secondary_partition=node", "zero.quantize_gradients=int4",
+              f"zero.quant_block={BLOCK}")
 
 
 def test_quantized_modes_train_like_stage3_and_cut_inter_node_bytes_4x(gpt_run):
     """100 steps of the tiny GPT with qwZ + hpZ + qgZ int4 end within 2% of stage 3's loss (the mean of
     the last 10 steps' batches: 2.465 against 2.473 measured, 0.3%; at 200 steps 1.974 against 1.952, 1.1%),
-    from 4.86 at the start; each step sends at most 1/4 of stage 3's bytes across the nodes (0.124 measured).
+    from 4.86 at the start; each step sends exactly 12021 bytes a rank across the nodes, 0.124 of stage 3's 96624.
     One layer, one bucket per unit: ~12 s a run."""
     steps = 100
     small = FP32 + ("model.num_layers=1", "zero.bucket_elements=100000", "optimizer.lr=3e-3", "optimizer.min_lr=3e-3")
@@ -160,9 +163,32 @@ def test_quantized_modes_train_like_stage3_and_cut_inter_node_bytes_4x(gpt_run):
     end_ref, end_out = (sum(r[0]["loss"][-10:]) / 10 for r in (ref, out))
     assert end_ref < 0.55 * ref[0]["loss"][0]  # it trains (2.47 from 4.86)
     assert abs(end_out - end_ref) <= 0.02 * end_ref
+    n, m, k = 4, 2, 2  # DP ranks, DP ranks a node, nodes
     for rank_ref, rank_out in zip(ref, out):
-        for step in (0, steps - 1):
-            assert 0 < inter_bytes(rank_out, step) <= inter_bytes(rank_ref, step) / 4
+        # Buckets (one a group): embedding 4608, layer matrices 12288, layer vectors 416, final norm 64, output
+        # layer 4096 elements (Ψ = 21472), no padding at N = 4; each rank quantizes its piece of a bucket in blocks
+        # of 256, the last zero-padded, each block sent as its codes and one fp32 scale.
+        assert_bucket_layout(rank_out, 3, n, bucket_elements=100000)
+        pieces = [-(-size // n) for sizes in rank_out["bucket_numels"].values() for size in sizes]
+        assert sorted(pieces) == [16, 104, 1024, 1152, 3072]
+        blocks = [-(-piece // BLOCK) for piece in pieces]  # 1 + 1 + 4 + 5 + 12 = 23
+        # qwZ forward all-gather, int8: N pieces of 23 blocks × (256 + 4) bytes, ring (N−1)/N, 1/m across nodes
+        gather = n * sum(blocks) * (BLOCK + 4) * Fraction(n - 1, n) / m
+        # hpZ backward all-gather: inside the node. qgZ int4, across nodes: a piece to each of the k − 1 other
+        # nodes' peers, 23 blocks × (128 + 4) bytes; and qgZ's overflow flag, one fp32 all-reduce a bucket
+        grads = (k - 1) * sum(blocks) * (BLOCK // 2 + 4)
+        flags = len(pieces) * 2 * 4 * Fraction(n - 1, n) / m
+        assert (gather, grads, flags) == (8970, 3036, 15)
+        # stage 3: forward and backward all-gathers and the reduce-scatter, 3Ψb(N−1)/N, 1/m across nodes
+        plain = link_bytes(zeropp_collectives("stage 3", padded_psi(rank_ref), n, m, value_bytes=4))[1]
+        assert plain == 3 * 21472 * 4 * Fraction(n - 1, n) / m == 96624
+        # comm_model's formula, given the buckets' padded sizes, counts the same blocks and flags
+        padded = [size for sizes in rank_out["bucket_numels"].values() for size in sizes]
+        assert link_bytes(dp_collectives(3, "qwZ+hpZ+qgZ", padded_psi(rank_out), n, m, value_bytes=4, block=BLOCK,
+                                         pieces=padded))[1] == 12021
+        for step in range(steps):
+            assert inter_bytes(rank_out, step) == gather + grads + flags == 12021  # 0.124 of stage 3's
+            assert inter_bytes(rank_ref, step) == plain
 
 
 def _overflow_rank(rank, world_size, quantize):

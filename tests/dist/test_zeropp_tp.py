@@ -4,7 +4,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from gpt_harness import BASE, run_gpt_steps
+from gpt_harness import BASE, assert_bucket_layout, run_gpt_steps
 from ranks import run_ranks
 from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
 
@@ -94,9 +94,10 @@ def test_layout_is_tp2_dp4_and_psi_is_the_tp_slice(runs):
             rank_out = out[key]
             assert (rank_out["tp_rank"], rank_out["dp_rank"]) == (rank % TP, rank // TP)
             assert rank_out["psi"] == psi_slice  # counted on the model before wrapping
-            # the flat buffers: each bucket padded to a multiple of the ranks it is sharded over
-            padded, buckets = sum(rank_out["padded_numels"].values()), sum(rank_out["buckets"].values())
-            assert psi_slice <= padded < psi_slice + DP * buckets
+            # the flat buffers: the rule's buckets (stage 0: one group per decay class; stage 3: per gather unit
+            # and class), each padded to a multiple of the ranks it is sharded over (hybrid: the node's 2)
+            stage, n = (0, DP) if key[0] == "stage0" else (3, PER_NODE if key[0] == "hybrid" else DP)
+            assert_bucket_layout(rank_out, stage, n)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

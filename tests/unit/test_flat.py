@@ -22,11 +22,12 @@ def test_buckets_divide_evenly_and_shards_concatenate_pieces(dp, bucket_elements
     assert by_start[0].start == 0 and by_start[-1].end == layout.padded_numel
     for before, after in zip(by_start, by_start[1:]):
         assert before.end == after.start  # buckets tile the buffer
-    for bucket in layout.buckets:
-        raw = sum(SIZES[i] for i in bucket.slot_indices)
-        assert bucket.numel % dp == 0 and 0 <= bucket.numel - raw < dp  # padding < N_d per bucket
+    raws = [sum(SIZES[i] for i in bucket.slot_indices) for bucket in layout.buckets]
+    for bucket, raw in zip(layout.buckets, raws):
+        assert bucket.numel == -(-raw // dp) * dp  # padded up to the next multiple of N_d
         assert bucket.start % dp == 0 and bucket.shard_start == bucket.start // dp
-    assert layout.padding == layout.padded_numel - sum(SIZES) < dp * len(layout.buckets)
+    assert sum(raws) == sum(SIZES)
+    assert layout.padding == layout.padded_numel - sum(SIZES) == sum(-(-raw // dp) * dp - raw for raw in raws)
     flat = torch.arange(layout.padded_numel)
     shards = [layout.shard_of(flat, rank) for rank in range(dp)]
     assert all(shard.numel() == layout.shard_numel for shard in shards)

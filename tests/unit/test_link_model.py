@@ -45,9 +45,10 @@ def test_hybrid_by_hand(stage, accumulation, expected):
 
 def test_stage2_qgz_by_hand():
     # int4 + a 4-byte scale per 256: 132/256 bytes per element; inside the node 1 chunk of Ψ/m = 500,
-    # across 1 chunk of Ψ/N = 250; the all-gather stays fp32 (3000 bytes, 1500 across)
+    # across 1 chunk of Ψ/N = 250; the all-gather stays fp32 (3000 bytes, 1500 across); and a bucket's overflow
+    # flag, one fp32 all-reduced over the 4 ranks: 2·4·3/4 = 6 bytes, half across, in a tree's 2·log2(4) = 4 steps
     q = Fraction(132, 256)
-    assert counted(2, "+qgZ") == (500 * q + 1500, 250 * q + 1500, B * (1 + 1) + B * 3, 3 * B)
+    assert counted(2, "+qgZ") == (500 * q + 1500 + B * 3, 250 * q + 1500 + B * 3, B * (1 + 1) + B * 3 + B * 4, 4 * B)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -40,7 +40,10 @@ def test_inter_node_bound_layout_picks_zeropp_at_the_hand_computed_alpha_beta_ti
     comm = (_seconds(gather * (1 - 1 / m), gather / m, g_calls * (n - 1))  # 1/m of it crosses nodes
             + _seconds(psi * 2 * (m - 1) / m, 0, g_calls * (m - 1))  # hpZ: backward gather inside the node, fp16
             + _seconds(psi / m * q_g * (m - 1), 0, b_calls * (m - 1))  # qgZ all-to-all inside the node
-            + _seconds(0, psi / n * q_g * (k - 1), b_calls * (k - 1)))  # qgZ all-to-all across the nodes
+            + _seconds(0, psi / n * q_g * (k - 1), b_calls * (k - 1))  # qgZ all-to-all across the nodes
+            # qgZ's overflow flag: one fp32 all-reduced per bucket (a ring's bytes, 1/m across nodes), a tree's
+            # 2·log2(16) = 8 latency steps
+            + _seconds(8 * (n - 1) / n * b_calls * (1 - 1 / m), 8 * (n - 1) / n * b_calls / m, b_calls * 8))
     assert top.dp_s == pytest.approx(comm - top.compute_s, rel=1e-9) and top.dp_s > 0
     assert top.step_s == pytest.approx(top.compute_s + top.mp_s + top.dp_s, rel=1e-9)
     plain = next(c for c in found if c.zero == planner.ZeroChoice(3) and c.micro_batch == top.micro_batch)

@@ -136,11 +136,13 @@ def test_zeropp_formulas_by_hand():
     assert inter["+hpZ"] == 2 * 768
     assert inter["+hybrid"] == 2 * 1024 * 1 / 2  # all-reduce of the 1024-byte shard over 2 nodes: 2·1024·1/2
     assert inter["+qwZ"] == 2 * 1040 * Fraction(3, 4) / 2 + 768  # 1040 = 1024·(1 + 4/256)
-    assert inter["+qgZ"] == 2 * 768 + 256 * Fraction(528, 1024)  # one chunk of Ψ/N = 256 at 528/1024 bytes
-    assert inter["qwZ+hpZ+qgZ"] == 390 + 132
+    # qgZ: one chunk of Ψ/N = 256 at 528/1024 bytes; its overflow flag, one fp32 all-reduced over 4 ranks a bucket:
+    # 2·4·3/4 = 6 bytes, half of them across the nodes
+    assert inter["+qgZ"] == 2 * 768 + 256 * Fraction(528, 1024) + 3
+    assert inter["qwZ+hpZ+qgZ"] == 390 + 132 + 3
     assert inter["qwZ+hpZ+qgZ"] <= inter["stage 3"] / 4
     intra = link_bytes(zeropp_collectives("+qgZ", 1024, 4, 2))[0]
-    assert intra == 2 * 768 + 512 * Fraction(528, 1024)  # the intra-node all-to-all: one chunk of Ψ/m = 512
+    assert intra == 2 * 768 + 512 * Fraction(528, 1024) + 3  # the intra-node all-to-all: one chunk of Ψ/m = 512
     with pytest.raises(ValueError, match="mode 'zero4' is invalid"):
         zeropp_collectives("zero4", 1024, 4, 2)
     with pytest.raises(ValueError, match="dp = 6 with 4 per node is invalid"):

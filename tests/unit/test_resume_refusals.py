@@ -60,3 +60,27 @@ def test_a_checkpoint_older_than_the_architecture_keys_is_the_gpt2_it_was(tmp_pa
     else:
         with pytest.raises(CheckpointError, match=diff):
             check_identity(tmp_path, old, identity(tmp_path, overrides))
+
+
+ROPE = ['model.position_embedding="rope"']
+
+
+@pytest.mark.parametrize("saved,now,diff", [
+    ([], ["model.num_attention_heads=2"],  # multi-head: the K/V groups follow the heads
+     r"model\.num_attention_heads: saved 4, now 2; model\.num_query_groups: saved 4, now 2"),
+    (["model.num_query_groups=2"], ["model.num_attention_heads=8", "model.num_query_groups=4"],
+     r"model\.num_attention_heads: saved 4, now 8; model\.num_query_groups: saved 2, now 4"),
+    (ROPE, ROPE + ["model.rope_base=500000"], r"model\.rope_base: saved 10000, now 500000"),
+    ([], ["model.norm_epsilon=1e-06"], r"model\.norm_epsilon: saved 1e-05, now 1e-06"),
+], ids=["heads", "heads-and-groups", "rope-base", "norm-epsilon"])
+def test_a_changed_model_that_keeps_every_tensor_shape_is_refused(tmp_path, saved, now, diff):
+    """The changes a tensor-by-tensor load cannot see (issue #40's combination: identity × resume refusal): more
+    heads of a smaller width over the same hidden size, the same K/V width from other (heads, groups), another RoPE
+    base or norm epsilon. Every parameter keeps its name and shape, yet the identity names the change."""
+    def shapes(overrides):
+        return load_config(None, BASE + ["model.make_vocab_size_divisible_by=64", *overrides]).model.shape \
+            .parameter_shapes()
+    assert shapes(saved) == shapes(now)
+    check_identity(tmp_path, identity(tmp_path, saved), identity(tmp_path, saved))
+    with pytest.raises(CheckpointError, match="written for another model, tokenizer or data: " + diff + r"\."):
+        check_identity(tmp_path, identity(tmp_path, saved), identity(tmp_path, now))

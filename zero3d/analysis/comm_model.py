@@ -2,7 +2,7 @@
 from collections import defaultdict
 from fractions import Fraction
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,26 @@ def collectives_per_pass(psi: int, bucket_elements: Optional[int], units: int) -
     return -(-psi // bucket_elements) + 1, units * (-(-psi // (units * bucket_elements)) + 1)
 
 
+def _wire_bytes(numel: int, bits: int, block: int, scale_bytes: int) -> Fraction:
+    """Bytes of `numel` quantized elements as sent: whole blocks of codes and one scale a block
+    (zero3d.quantize.QuantSpec.wire_bytes)."""
+    blocks = -(-numel // block)
+    return Fraction(blocks * block * bits, 8) + blocks * scale_bytes
+
+
+def _quantized(psi: int, pieces: Optional[Sequence[int]], parts: int, bits: int, block: int,
+               scale_bytes: int) -> Fraction:
+    """Bytes of one quantized copy of Ψ sent as `parts` equal chunks of each bucket: Ψ·(bits/8 + scale/block)
+    without `pieces`; with them (the buckets' padded sizes), each chunk rounded up to whole blocks."""
+    if pieces is None:
+        return psi * (Fraction(bits, 8) + Fraction(scale_bytes, block))
+    return sum((parts * _wire_bytes(size // parts, bits, block, scale_bytes) for size in pieces), Fraction(0))
+
+
 def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, value_bytes: int = 2,
                    weight_bits: int = 8, grad_bits: int = 4, block: int = 256, scale_bytes: int = 4,
-                   accumulation: int = 1, buckets: int = 1, gathers: int = 1) -> list:
+                   accumulation: int = 1, buckets: int = 1, gathers: int = 1,
+                   pieces: Optional[Sequence[int]] = None) -> list:
     """The DP collectives one rank runs per step at ZeRO `stage` in `mode` (STAGE_MODES[stage]), with the
     bytes it sends on each link: Ψ = psi parameters (of this rank's TP slice, padded as the flat buffers
     are), N = dp ranks, m = per_node of them per node, k = N/m nodes, b = value_bytes (gradients and
@@ -172,8 +189,12 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     inside the node from the node's secondary shards: AΨb(m−1)/m, all intra. +qwZ: both all-gathers send
     AΨq_w(N−1)/N. +qgZ (stages 2, 3): each reduce-scatter is quantization.quantized_reduce_scatter's two
     all-to-alls: inside the node (m−1) chunks of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g
-    (m−1 and k−1 steps per bucket); its one-element overflow-flag all-reduce per bucket is not counted.
-    qwZ+hpZ+qgZ: the three together.
+    (m−1 and k−1 steps per bucket), after a one-element fp32 all-reduce per bucket over the N ranks (the
+    ranks agree whether any holds a non-finite gradient: quantize.overflow_safe_quantized_reduce_scatter), its
+    bytes counted as a ring's and its latency as a tree's (2·⌈log2 N⌉ steps).
+    qwZ+hpZ+qgZ: the three together. `pieces`: the flat buffers' padded bucket sizes (each a multiple of N,
+    summing to Ψ); given, every quantized chunk counts whole blocks, as the wire carries it (exact at any
+    bucket size; without them Ψ·q, exact when every chunk is a whole number of blocks); B = len(pieces).
     +hybrid (stages 1-3): the stage's collectives over the node's m ranks (all intra, ring (m−1)/m), then
     the Ψ/m gradient shard all-reduced across the k nodes once per step: 2(Ψb/m)(k−1)/k, all inter, one
     call per bucket piece (B calls of 2(k−1) steps).
@@ -190,6 +211,11 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     if min(accumulation, buckets, gathers) < 1:
         raise ValueError(f"accumulation = {accumulation}, buckets = {buckets}, gathers = {gathers} is invalid; "
                          "each must be >= 1")
+    if pieces is not None and (sum(pieces) != psi or any(size % dp for size in pieces)):
+        raise ValueError(f"pieces = {list(pieces)} is invalid; they must sum to psi = {psi}, each a multiple of "
+                         f"dp = {dp}")
+    if pieces is not None:
+        buckets = len(pieces)
     n, m, k, a = dp, per_node, dp // per_node, accumulation
     full = Fraction(psi * value_bytes)
     hpz, qwz, qgz = "hpZ" in mode, "qwZ" in mode, "qgZ" in mode
@@ -200,17 +226,22 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     grad_rs = [_ring("reduce_scatter" + where, full * ring * (a if stage >= 2 else 1), n, m,
                      buckets * (a if stage >= 2 else 1), "grads")]
     if qgz:
-        q_g = Fraction(grad_bits, 8) + Fraction(scale_bytes, block)
-        grad_rs = [LinkCollective("all_to_all (node, qgZ)", Fraction(psi, m) * q_g * (m - 1) * a, Fraction(0),
+        # (1) each of the m − 1 local peers gets the k·c elements it owns a slice of, (2) each of the k − 1
+        # other nodes' peers gets c (c = a bucket / N): one quantized copy over m, one over N
+        node_copy = _quantized(psi, pieces, m, grad_bits, block, scale_bytes)
+        rank_copy = _quantized(psi, pieces, n, grad_bits, block, scale_bytes)
+        grad_rs = [LinkCollective("all_to_all (node, qgZ)", node_copy / m * (m - 1) * a, Fraction(0),
                                   a * buckets * (m - 1), a * buckets, "grads"),
-                   LinkCollective("all_to_all (across nodes, qgZ)", Fraction(0), Fraction(psi, n) * q_g * (k - 1) * a,
-                                  a * buckets * (k - 1), a * buckets, "grads")]
+                   LinkCollective("all_to_all (across nodes, qgZ)", Fraction(0), rank_copy / n * (k - 1) * a,
+                                  a * buckets * (k - 1), a * buckets, "grads"),
+                   _ring("all_reduce (qgZ overflow flag)", 2 * Fraction(4) * ring * a * buckets, n, m, a * buckets,
+                         "grads", 2 * max(1, (n - 1).bit_length()))]  # one element: NCCL's tree, 2·⌈log2 N⌉ hops
     if stage == 0:
         out = [_ring("all_reduce", 2 * full * ring, n, m, buckets, "grads", 2 * (n - 1))]
     elif stage in (1, 2):
         out = grad_rs + [_ring("all_gather" + where, full * ring, n, m, buckets, "params")]
     else:
-        gather = psi * (Fraction(weight_bits, 8) + Fraction(scale_bytes, block)) * ring if qwz else full * ring
+        gather = _quantized(psi, pieces, n, weight_bits, block, scale_bytes) * ring if qwz else full * ring
         tag = " (qwZ)" if qwz else where
         out = [_ring("all_gather fwd" + tag, gather * a, n, m, a * gathers, "params")]
         if hpz:
