@@ -1,5 +1,5 @@
 """Every distributed feature off the symmetric 2 × 2 (issue #40): six ranks as 2 nodes × 3 and as 3 nodes × 2
-(stages 2 and 3 through hybrid and qgZ, hpZ, qwZ, qgZ int8 and int4; stages 1 and 2 at DP 3 and 4: test_zero.py), TP 2 × DP 3 (with SP at stage 2) and PP 3 × DP 2 — each held to one
+(stages 2 and 3 through hybrid and qgZ, hpZ, qwZ, qgZ int8 and int4; plain stages 1 and 2 over DP 4: test_zero.py), TP 2 × DP 3 (with SP at stage 2) and PP 3 × DP 2 — each held to one
 DP 6 stage 0 run from the same weights, and its bytes per link to the formula for its own N, m and k."""
 from fractions import Fraction
 
