@@ -152,16 +152,16 @@ ZEROPP_ALL = ("zero.quantize_weights=int8", "zero.secondary_partition=node", "ze
 
 
 def test_quantized_modes_train_like_stage3_and_cut_inter_node_bytes_4x(gpt_run):
-    """100 steps of the tiny GPT with qwZ + hpZ + qgZ int4 end within 2% of stage 3's loss (the mean of
-    the last 10 steps' batches: 2.465 against 2.473 measured, 0.3%; at 200 steps 1.974 against 1.952, 1.1%),
-    from 4.86 at the start; each step sends exactly 12021 bytes a rank across the nodes, 0.124 of stage 3's 96624.
-    One layer, one bucket per unit: ~12 s a run."""
-    steps = 100
+    """60 steps of the tiny GPT with qwZ + hpZ + qgZ int4 end within 2% of stage 3's loss (the mean of
+    the last 10 steps' batches: 3.1316 against 3.1308 measured, 0.03%; at 100 steps 2.465 against 2.473, 0.3%; at 200
+    steps 1.974 against 1.952, 1.1%), from 4.86 at the start; each step sends exactly 12021 bytes a rank across the
+    nodes, 0.124 of stage 3's 96624. One layer, one bucket per unit: ~7 s a run."""
+    steps = 60
     small = FP32 + ("model.num_layers=1", "zero.bucket_elements=100000", "optimizer.lr=3e-3", "optimizer.min_lr=3e-3")
     ref = run(gpt_run, 3, small, steps=steps)
     out = run(gpt_run, 3, small + ZEROPP_ALL, steps=steps)
     end_ref, end_out = (sum(r[0]["loss"][-10:]) / 10 for r in (ref, out))
-    assert end_ref < 0.55 * ref[0]["loss"][0]  # it trains (2.47 from 4.86)
+    assert end_ref < 0.7 * ref[0]["loss"][0]  # it trains (3.13 from 4.86)
     assert abs(end_out - end_ref) <= 0.02 * end_ref
     n, m, k = 4, 2, 2  # DP ranks, DP ranks a node, nodes
     for rank_ref, rank_out in zip(ref, out):
