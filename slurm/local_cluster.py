@@ -44,6 +44,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
+# The main scheduling pass every 2 s, not Slurm's 60: a requeued job becomes eligible when its credential expires
+# (above), an event that triggers no pass of its own, so it waited up to a minute for the periodic one.
+SchedulerParameters=sched_interval=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 # No slurmdbd here, so no sacct: each job end (requeues included) is a line in jobcomp.log instead.

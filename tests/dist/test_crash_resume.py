@@ -21,7 +21,7 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "logging.wandb=false", "logging.console=plain", "optimizer.warmup_steps=2", "parallel.tensor=1",
          "zero.stage=2", "train.save_interval=2", "train.async_save=true", "train.keep_checkpoints=3",
          "train.save_final=false", "train.timeout_minutes=0.5", "logging.straggler_factor=1000"]
-KILLS = 20  # random interruptions, alternately kill -9 of one rank and SIGINT of every rank
+KILLS = 12  # random interruptions, alternately kill -9 of one rank and SIGINT of every rank
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def argv(run_dir: Path, data: list, steps: int) -> list:
 
 @pytest.mark.timeout(900)
 def test_random_kills_and_interrupts_resume_from_the_newest_written_save(tmp_path, data_cache, monkeypatch):
-    """20 interruptions at random moments after a save was written (alternately kill -9 of a random rank and
+    """12 interruptions at random moments after a save was written (alternately kill -9 of a random rank and
     SIGINT of every rank); every start resumes from the newest save written on every rank, and every step
     any attempt logged equals the uninterrupted run's. train.steps is far away in every run (the same LR
     schedule and sample order), and the uninterrupted run is stopped once it has passed the chain."""
