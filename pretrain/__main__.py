@@ -30,6 +30,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
+from pretrain.atomic import write_atomically  # noqa: E402
 from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
 from pretrain.runtime.preflight import check_paths  # noqa: E402
 from pretrain.runtime.launch import check_master_resolves, env_rank, launcher_env  # noqa: E402
@@ -53,8 +54,7 @@ def record_exit_code(code: int, rank) -> None:
     path = os.environ.get("ZERO3D_EXIT_FILE")
     if path and rank == 0:
         try:
-            with open(path, "w") as f:
-                f.write(f"{code}\n")
+            write_atomically(path, f"{code}\n")
         except OSError:
             pass
 

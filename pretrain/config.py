@@ -3,13 +3,13 @@ import dataclasses
 import difflib
 import fnmatch
 import json
-import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+from pretrain.atomic import write_atomically
 from pretrain.errors import ConfigError
 from pretrain.sections import (ClusterConfig, DataConfig, LoggingConfig, ModelConfig, PaperConfig,  # noqa: F401
                                ParallelConfig, Section, TrainConfig, check_finite)
@@ -175,11 +175,7 @@ def save_resolved(cfg: "Config", run_dir: Optional[Path] = None) -> Path:
     """Write the resolved config into the run directory (tmp + rename), for slurm/collect.py and resumes."""
     run_dir = Path(run_dir or cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / RESOLVED_CONFIG
-    tmp = target.with_name(f"{RESOLVED_CONFIG}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    os.replace(tmp, target)
-    return target
+    return write_atomically(run_dir / RESOLVED_CONFIG, json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
 def load_config(path: Optional[str | Path] = None, overrides: tuple[str, ...] | list[str] = (),

@@ -20,6 +20,7 @@ class ProjectError(Exception):
 
     exit_code = EXIT_UNEXPECTED
     agreed = True
+    default_fix = ""  # the line's fix when the message brings none
 
     def __init__(self, what: str, where: str = "", fix: str = "", agreed: "bool | None" = None):
         if not fix and "; " in what:  # "<what>; <how to fix>" in one message
@@ -34,7 +35,8 @@ class ProjectError(Exception):
 
     def line(self) -> str:
         where = f" ({self.where})" if self.where else ""
-        fix = f": {self.fix}" if self.fix else ""
+        fix = self.fix or self.default_fix
+        fix = f": {fix}" if fix else ""
         return f"error: {self.what}{where}{fix}"
 
 
@@ -51,6 +53,24 @@ class InputError(ProjectError):
     """Data, tokenizer or checkpoint files, or the launch environment, cannot be used."""
 
     exit_code = EXIT_INPUT
+
+
+class DataError(InputError, ValueError):
+    """A corpus, token file or blend is unusable; the message names the file (and line) and what is wrong."""
+
+    default_fix = "fix the file, or point data.corpus / data.blend at another"
+
+    def __init__(self, what: str, where: str = "data", fix: str = "", agreed: "bool | None" = None):
+        super().__init__(what, where, fix, agreed)
+
+
+class TokenizerError(InputError, ValueError):
+    """A tokenizer cannot be trained or loaded; the message names the file or the size at fault."""
+
+    default_fix = "fix data.tokenizer_model or model.vocab_size"
+
+    def __init__(self, what: str, where: str = "tokenizer", fix: str = "", agreed: "bool | None" = None):
+        super().__init__(what, where, fix, agreed)
 
 
 class NumericalError(ProjectError):

@@ -10,6 +10,7 @@ from typing import Optional
 import psutil
 import torch
 
+from pretrain.atomic import write_atomically
 from zero3d.analysis.cluster import GPU_KINDS
 from zero3d.analysis.flops import StepFlops
 
@@ -213,7 +214,7 @@ class WandbSink:
             kwargs.update(id=resume_id, resume="allow")
         self.run = wandb.init(project=project, name=name, group=group, config=config,
                               dir=str(run_dir), **kwargs)
-        (run_dir / self.ID_FILE).write_text(self.run.id + "\n")
+        write_atomically(run_dir / self.ID_FILE, self.run.id + "\n")  # a resume finds the whole id or none
 
     def log(self, step: int, record: dict) -> None:
         self.run.log(record, step=step)

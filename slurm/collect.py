@@ -10,6 +10,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 sys.path.insert(0, str(REPO_ROOT))
 
+from pretrain.atomic import replacing, write_atomically  # noqa: E402
 from pretrain.config import RESOLVED_CONFIG  # noqa: E402
 from pretrain.summary import read_records, summary_from_records  # noqa: E402
 from zero3d.analysis.cluster import add_cluster_flags  # noqa: E402
@@ -175,7 +176,7 @@ def _fmt(value) -> str:
 def write_tables(rows: list, out: Path, paper: bool = True) -> list:
     """table.csv and table.md of `rows` (COLUMNS) under `out`; `paper`: list the paper's figures for comparison."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "table.csv", "w", newline="") as f:
+    with replacing(out / "table.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -190,7 +191,7 @@ def write_tables(rows: list, out: Path, paper: bool = True) -> list:
     elif refs and paper:
         text += "\n\nReported in the paper:\n" + "\n".join(refs)
     text += "\n"
-    (out / "table.md").write_text(text)
+    write_atomically(out / "table.md", text)
     return [out / "table.csv", out / "table.md"]
 
 
@@ -273,7 +274,8 @@ def plot(rows: list, path: Path, kind: str = "measured", paper: bool = True) -> 
     axes[1].set_xlabel("model size (paper's row" + (", then the model trained)" if shrinks != [1] else ")"))
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path, list(legend)
 

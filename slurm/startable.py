@@ -5,10 +5,9 @@ import contextlib
 from pathlib import Path
 
 from pretrain.config import Config
-from pretrain.data.corpus import DataError
-from pretrain.data.tokenizer import TokenizerError, check_vocab
+from pretrain.data.tokenizer import check_vocab
 from pretrain.data.tokenizers import load_tokenizer, spec_of
-from pretrain.errors import EXIT_INPUT, ConfigError, InputError
+from pretrain.errors import EXIT_INPUT, ConfigError, DataError, InputError, TokenizerError
 from pretrain.memory_check import device_estimate
 from pretrain.runtime.preflight import check_paths
 from zero3d.analysis.estimate import GB

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
+from pretrain.atomic import publish, temporary_name
 from pretrain.checkpoint.checkpointer import LATEST, latest_name
 from pretrain.checkpoint.files import MANIFEST, CheckpointError
 from pretrain.checkpoint.read import load_dcp, read_checkpoint
@@ -90,7 +91,7 @@ def _umask() -> int:
 def _publish(tmp: Path, target: Path) -> None:
     """Give a finished temporary file the mode a new file gets (0666 & ~umask), then rename it in place."""
     os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, target)
+    publish(tmp, target)
 
 
 def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = "megatron",
@@ -103,7 +104,7 @@ def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = 
     manifest, tensors = read_model_tensors(step_dir)
     params = consolidated(tensors, manifest["parameter_names"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".model.safetensors.tmp{os.getpid()}"
+    tmp = temporary_name(out_dir / "model.safetensors")
     save_file({k: v.contiguous() for k, v in params.items()}, str(tmp),
               metadata={"format": "pt", "source": str(step_dir)})
     _publish(tmp, out_dir / "model.safetensors")
@@ -112,7 +113,7 @@ def export(checkpoint: Path, out_dir: Path, overwrite: bool = False, fmt: str = 
               "vocab_size": manifest["identity"]["vocab_size"],
               "tokenizer_sha256": manifest["identity"]["tokenizer_sha256"], "step": manifest["step"],
               "parameters": {k: list(v.shape) for k, v in params.items()}}
-    tmp = out_dir / f".config.json.tmp{os.getpid()}"
+    tmp = temporary_name(out_dir / "config.json")
     tmp.write_text(json.dumps(config, indent=1) + "\n")
     _publish(tmp, out_dir / "config.json")
     return params
@@ -151,11 +152,11 @@ def export_hf(step_dir: Path, out_dir: Path, tokenizer: Optional[Path] = None, w
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        tmp = out_dir / f".{name}.tmp{os.getpid()}"
+        tmp = temporary_name(out_dir / name)
         save_file(shard, str(tmp), metadata={"format": "pt"})
         _publish(tmp, out_dir / name)
     if text is not None:  # tokenizer.json, tokenizer_config.json: written beside, then renamed in place
-        staging = out_dir / f".tokenizer.tmp{os.getpid()}"
+        staging = temporary_name(out_dir / "tokenizer")
         text.save_pretrained(staging)
         for path in sorted(staging.iterdir()):
             _publish(path, out_dir / path.name)
@@ -170,7 +171,7 @@ def export_hf(step_dir: Path, out_dir: Path, tokenizer: Optional[Path] = None, w
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in params.values())},
             "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
     for name, content in files.items():
-        tmp = out_dir / f".{name}.tmp{os.getpid()}"
+        tmp = temporary_name(out_dir / name)
         tmp.write_text(json.dumps(content, indent=1) + "\n")
         _publish(tmp, out_dir / name)
     return params

@@ -1,9 +1,9 @@
 """Checkpoint files on disk: durable JSON and a SHA-256 manifest (DCP's files are read by pretrain.checkpoint.read)."""
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from pretrain.atomic import fsync_path, write_atomically
 from pretrain.errors import InputError
 
 MANIFEST = "checkpoint.json"
@@ -16,34 +16,9 @@ class CheckpointError(InputError):
         super().__init__(what, where, fix, agreed)
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable once its directory is synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_durably(path: Path, obj) -> None:
-    """Write JSON next to `path`, fsync it, rename it into place, fsync the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
-
-
-def write_text_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+    """JSON as the whole of `path`, atomically and durably (pretrain/atomic.py)."""
+    write_atomically(path, json.dumps(obj, indent=1, sort_keys=True), durable=True)
 
 
 def read_json(path: Path) -> dict:

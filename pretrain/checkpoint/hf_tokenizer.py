@@ -17,8 +17,8 @@ from typing import Optional
 
 from pretrain.checkpoint.files import CheckpointError
 from pretrain.data.datasets import identity_sha256
-from pretrain.data.tokenizer import TokenizerError
 from pretrain.data.tokenizers import GPT2_PATTERN, TokenizerSpec, load_tokenizer
+from pretrain.errors import TokenizerError
 
 SPACE = "\u2581"  # sentencepiece's whitespace symbol
 

@@ -10,8 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from pretrain.checkpoint.files import MANIFEST, CheckpointError, fsync_path, read_json, write_json_durably, \
-    write_text_durably
+from pretrain.atomic import fsync_path, write_atomically
+from pretrain.checkpoint.files import MANIFEST, CheckpointError, read_json, write_json_durably
 from pretrain.checkpoint.read import LATEST, latest_name
 
 PENDING = "pending.json"  # in step_<N>.tmp: the manifest's fields but "files", from rank 0
@@ -47,7 +47,7 @@ def publish_step_dir(tmp: Path, final: Path, manifest: dict, keep: int) -> None:
         final.rename(aside)
     tmp.rename(final)
     fsync_path(save_dir)
-    write_text_durably(save_dir / LATEST, final.name + "\n")
+    write_atomically(save_dir / LATEST, final.name + "\n", durable=True)
     if aside is not None:
         shutil.rmtree(aside)
     if keep > 0:
@@ -125,6 +125,6 @@ def recover_interrupted(save_dir: Path, keep: int) -> list[str]:
         lines.append(f"removed {tmp.name}: an interrupted save that cannot be resumed: {why}")
     newest = [d for d in step_dirs(save_dir) if (d / MANIFEST).is_file()][:1]
     if newest and int(newest[0].name[5:]) > latest:  # renamed into place, `latest` not yet moved
-        write_text_durably(save_dir / LATEST, newest[0].name + "\n")
+        write_atomically(save_dir / LATEST, newest[0].name + "\n", durable=True)
         lines.append(f"moved latest to {newest[0].name}: its publication was interrupted before `latest` named it")
     return lines

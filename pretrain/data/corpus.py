@@ -13,14 +13,12 @@ from typing import BinaryIO, Callable, Iterator, Optional, Sequence
 
 import zstandard
 
+from pretrain.errors import DataError
+
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow", ".feather")
 SUFFIXES = JSONL_SUFFIXES + COLUMNAR_SUFFIXES
 CHUNK_BYTES = 1 << 20  # lines handed to a tokenizing worker at a time
-
-
-class DataError(ValueError):
-    """A corpus, token file or blend is unusable; the message names the file (and line) and what is wrong."""
 
 
 def expand_inputs(patterns: Sequence[str | os.PathLike]) -> list[Path]:

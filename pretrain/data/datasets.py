@@ -22,13 +22,15 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from pretrain.atomic import write_atomically
 from pretrain.blend import Blend
 from pretrain.sections import DataConfig
-from pretrain.data.corpus import DataError, expand_inputs, read_documents
+from pretrain.data.corpus import expand_inputs, read_documents
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
 from pretrain.data.preprocess import tokenize_corpus
 from pretrain.data.tokenizer import TextTokenizer, check_vocab, sample_sentences, train_tokenizer
 from pretrain.data.tokenizers import TokenizerSpec, load_tokenizer, spec_of, train_hf_tokenizer
+from pretrain.errors import DataError
 
 HF_TRAIN_DOCUMENTS = 200_000  # documents a byte-level BPE trains on, sampled from a bigger corpus
 
@@ -76,9 +78,7 @@ def identity_path(tokenizer: TextTokenizer, spec: TokenizerSpec, cache_dir: str 
     path = Path(cache_dir) / f"tokenizer-identity-{hashlib.sha256(record.encode()).hexdigest()[:16]}.json"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp_path = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        tmp_path.write_text(record + "\n")
-        os.replace(tmp_path, path)
+        write_atomically(path, record + "\n")
     return str(path)
 
 

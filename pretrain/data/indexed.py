@@ -14,7 +14,8 @@ import torch
 import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from pretrain.data.corpus import DataError
+from pretrain.atomic import publish, temporary_name
+from pretrain.errors import DataError
 
 # The .idx layout of megatron-core's _IndexWriter: magic, <Q version (1), <B dtype code, <Q sequence
 # count, <Q document count, then int32 lengths and int64 pointers per sequence, int64 document indices.
@@ -33,15 +34,15 @@ class IndexedWriter:
     """megatron-core's IndexedDatasetBuilder writing under temporary names; finish() renames them into place.
 
     An interrupted run leaves no <prefix>.bin/.idx pair: the index is written last and both files take
-    their real names only once complete (`<prefix>.tmp<pid>.*` is removed on any error).
+    their real names only once complete (their temporary names, pretrain/atomic.py's, are removed on any error).
     """
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int):
         self.prefix = str(prefix)
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         self.dtype = token_dtype(vocab_size)
-        self._tmp = f"{self.prefix}.tmp{os.getpid()}"
-        self._builder = IndexedDatasetBuilder(f"{self._tmp}.bin", dtype=self.dtype)
+        self._tmp = {ext: temporary_name(f"{self.prefix}.{ext}") for ext in ("bin", "idx")}
+        self._builder = IndexedDatasetBuilder(str(self._tmp["bin"]), dtype=self.dtype)
         self.documents = 0
 
     def add_document(self, tokens: numpy.ndarray) -> None:
@@ -50,9 +51,9 @@ class IndexedWriter:
         self.documents += 1
 
     def finish(self) -> str:
-        self._builder.finalize(f"{self._tmp}.idx")
-        os.replace(f"{self._tmp}.bin", f"{self.prefix}.bin")
-        os.replace(f"{self._tmp}.idx", f"{self.prefix}.idx")
+        self._builder.finalize(str(self._tmp["idx"]))
+        publish(self._tmp["bin"], f"{self.prefix}.bin")
+        publish(self._tmp["idx"], f"{self.prefix}.idx")
         return self.prefix
 
     def __enter__(self) -> "IndexedWriter":
@@ -60,9 +61,8 @@ class IndexedWriter:
 
     def __exit__(self, *exc) -> None:
         self._builder.data_file.close()
-        for leftover in (f"{self._tmp}.bin", f"{self._tmp}.idx"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+        for leftover in self._tmp.values():
+            leftover.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

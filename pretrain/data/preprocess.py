@@ -23,12 +23,12 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy
 from tqdm import tqdm
 
-from pretrain.data.corpus import (CHUNK_BYTES, Chunk, DataError, chunk_documents, expand_inputs, read_chunks,
+from pretrain.data.corpus import (CHUNK_BYTES, Chunk, chunk_documents, expand_inputs, read_chunks,
                                   read_documents)
 from pretrain.data.indexed import IndexedWriter, check_indexed_dataset, token_dtype
-from pretrain.data.tokenizer import MAX_SENTENCES, TextTokenizer, TokenizerError, sample_sentences, train_tokenizer
+from pretrain.data.tokenizer import MAX_SENTENCES, TextTokenizer, sample_sentences, train_tokenizer
 from pretrain.data.tokenizers import DEFAULT_EOD, KINDS, TokenizerSpec, load_tokenizer, train_hf_tokenizer
-from pretrain.errors import EXIT_INPUT
+from pretrain.errors import EXIT_INPUT, DataError, TokenizerError
 
 LOG_INTERVAL_S = 30.0
 

@@ -13,7 +13,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import sentencepiece as spm
 
-from pretrain.data.corpus import DataError, read_documents
+from pretrain.atomic import write_atomically
+from pretrain.data.corpus import read_documents
+from pretrain.errors import DataError, TokenizerError
 
 MAX_SENTENCES = 2_000_000  # sentences a tokenizer trains on, sampled from a bigger corpus
 SAMPLE_SEED = 1234
@@ -21,10 +23,6 @@ SAMPLE_SEED = 1234
 # Fixed special ids so every model trained here agrees on them; pad stays off (-1) because
 # GPT samples are cut from one unbroken token stream and never padded.
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be trained or loaded; the message names the file or the size at fault."""
 
 
 class TextTokenizer:
@@ -155,11 +153,7 @@ def train_tokenizer(corpus: str | os.PathLike | Sequence[str | os.PathLike], mod
     except RuntimeError as err:
         raise _clear_training_error(err, vocab_size, corpus_name) from None
     model_path.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target, then rename: a crash never leaves a half-written model under the real name.
-    tmp_path = model_path.with_name(f".{model_path.name}.tmp{os.getpid()}")
-    tmp_path.write_bytes(model_bytes.getvalue())
-    os.replace(tmp_path, model_path)
-    return model_path
+    return write_atomically(model_path, model_bytes.getvalue())  # never half a model under the real name
 
 
 class Tokenizer(TextTokenizer):

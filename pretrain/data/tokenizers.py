@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from pretrain.data.tokenizer import TextTokenizer, Tokenizer, TokenizerError
+from pretrain.atomic import write_atomically
+from pretrain.data.tokenizer import TextTokenizer, Tokenizer
+from pretrain.errors import TokenizerError
 
 KINDS = ("sentencepiece", "hf", "gpt2_bpe", "tiktoken", "none")
 DEFAULT_EOD = "<|endoftext|>"
@@ -233,7 +235,4 @@ def train_hf_tokenizer(documents: Iterable[str], path: str | os.PathLike, vocab_
     hf.add_special_tokens([eod])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp_path.write_text(hf.to_str(pretty=True))
-    os.replace(tmp_path, path)
-    return path
+    return write_atomically(path, hf.to_str(pretty=True))

@@ -8,7 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from pretrain.errors import EXIT_UNEXPECTED, PEER_LOST, InputError, ProjectError, RunInterrupted, peer_error
+from pretrain.atomic import publish, temporary_name, write_atomically
+from pretrain.errors import EXIT_UNEXPECTED, PEER_LOST, ProjectError, RunInterrupted, peer_error
 
 STATUS_FILE = "status.json"
 
@@ -26,19 +27,19 @@ def write_status(run_dir: Path, status: str, reason: str, world_size: int, steps
     body = json.dumps({"status": status, "reason": reason, "world_size": world_size, "steps": steps,
                        "exit_code": exit_code, "error": error}, indent=2)
     target = Path(run_dir) / STATUS_FILE
-    tmp = target.with_name(f"{STATUS_FILE}.tmp{os.getpid()}")
+    tmp = temporary_name(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(body)
         if not first:
-            os.replace(tmp, target)
+            write_atomically(target, body)
             return True
+        tmp.write_text(body)
         try:
             os.link(tmp, target)  # atomic create-if-absent, with complete content
             return True
         except FileExistsError:
             if outranks and outranks in _recorded_error(target):
-                os.replace(tmp, target)
+                publish(tmp, target)
                 return True
             return False
         finally:
@@ -63,10 +64,7 @@ def record_job(run_dir: Path, job: dict, world_size: int) -> None:
               "nodelist": env.get("SLURM_JOB_NODELIST"), "config": job.get("config"),
               "overrides": list(job.get("overrides", [])), "container": env.get("ZERO3D_CONTAINER"),
               "start_time": time.time()}
-    target = Path(run_dir) / JOB_FILE
-    tmp = target.with_name(f"{JOB_FILE}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, target)
+    write_atomically(Path(run_dir) / JOB_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def finished(run_dir: Path) -> bool:
@@ -86,19 +84,13 @@ def clear_status(run_dir: Path) -> None:
 
 
 def as_project_error(err: BaseException, rank: Optional[int], timeout_s: float) -> Optional[ProjectError]:
-    """The project's error for `err`: itself, a data/tokenizer error as an input error, a collective
-    failure as a peer timeout; None for an unexpected error."""
+    """The project's error for `err`: itself (data and tokenizer errors among them), a collective failure as a
+    peer timeout; None for an unexpected error."""
     if isinstance(err, ProjectError):
         return err
     if isinstance(err, KeyboardInterrupt):  # SIGINT before the loop's StopRequest handles it
         return RunInterrupted("interrupted (SIGINT) during start-up, before the first step", "",
                               "nothing was trained or saved now; run the same command to start again")
-    from pretrain.data.datasets import DataError
-    from pretrain.data.tokenizer import TokenizerError
-    for kind, where, fix in ((DataError, "data", "fix the file, or point data.corpus / data.blend at another"),
-                             (TokenizerError, "tokenizer", "fix data.tokenizer_model or model.vocab_size")):
-        if isinstance(err, kind):  # a message "<what>; <how to fix>" brings its own fix
-            return InputError(str(err), where, "" if "; " in str(err) else fix)
     return peer_error(err, -1 if rank is None else rank, timeout_s)
 
 

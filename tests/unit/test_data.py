@@ -11,10 +11,11 @@ import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from pretrain.data import preprocess as preprocess_cli
-from pretrain.data.corpus import DataError, read_documents
+from pretrain.data.corpus import read_documents
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
 from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import Tokenizer, TokenizerError, sample_sentences, train_tokenizer
+from pretrain.data.tokenizer import Tokenizer, sample_sentences, train_tokenizer
+from pretrain.errors import DataError, TokenizerError
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 VOCAB = 400  # byte fallback (256) + 3 specials + this corpus's characters need 350; the rest are merges

@@ -13,7 +13,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron.core.datasets.utils import get_blend_from_list
 
 from pretrain.config import ConfigError, DataConfig, load_config
-from pretrain.data.corpus import DataError, read_documents
+from pretrain.data.corpus import read_documents
+from pretrain.errors import DataError
 from pretrain.data.datasets import DataFiles, TokenBlocks, open_datasets, prepare_files
 from pretrain.data.indexed import IndexedWriter
 from pretrain.data.loader import Batches

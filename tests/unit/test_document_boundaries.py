@@ -11,7 +11,7 @@ from pretrain.model import attention
 from pretrain.model.attention import resolve
 from pretrain.config import ConfigError, DataConfig, load_config
 from pretrain.data.batch import loss_tokens, token_mean
-from pretrain.data.corpus import DataError
+from pretrain.errors import DataError
 from pretrain.data.datasets import check_eod, open_datasets, prepare_files
 from pretrain.data.loader import Batches
 

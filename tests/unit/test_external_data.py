@@ -18,10 +18,10 @@ from tokenizers import ByteLevelBPETokenizer
 
 from pretrain.config import DataConfig
 from pretrain.data import preprocess as preprocess_cli
-from pretrain.data.corpus import DataError, read_documents
+from pretrain.data.corpus import read_documents
+from pretrain.errors import DataError, TokenizerError
 from pretrain.data.datasets import open_datasets, prepare_files
 from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import TokenizerError
 from pretrain.data.tokenizers import TokenizerSpec
 
 pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)

@@ -80,7 +80,8 @@ def test_engine_imports_no_analysis_pretrain_or_megatron():
 # the run summary). Wings by concern, each a package. The loop and the model above them; the probe runs the
 # loop's own step, so it stands above the loop; the command-line entry modules on top, imported by nothing.
 PRETRAIN_FLOORS = (
-    ("ground", ("pretrain", "pretrain.config", "pretrain.sections", "pretrain.errors", "pretrain.metrics",
+    ("ground", ("pretrain", "pretrain.atomic", "pretrain.config", "pretrain.sections", "pretrain.errors",
+                "pretrain.metrics",
                 "pretrain.summary", "pretrain.blend", "pretrain.schedule")),
     ("data wing", ("pretrain.data",)),
     ("runtime wing", ("pretrain.runtime",)),
@@ -289,3 +290,20 @@ def test_collective_foundations_sit_below_the_engine():
            if name in ("zero3d.comm", "zero3d.topology", "zero3d.quantize")
            for m, _ in imports(path) if m.startswith(engine)]
     assert bad == []
+
+
+def test_the_runtime_wing_reads_no_data_module():
+    """The runtime reports data and tokenizer errors through the error hierarchy (pretrain/errors.py), never by
+    importing the data wing to recognise them (issue #35)."""
+    reads = [f"{m} imports {t}" for m, t in pretrain_imports(modules())
+             if m.startswith("pretrain.runtime") and t.startswith("pretrain.data")]
+    assert reads == []
+
+
+def test_files_are_renamed_into_place_only_by_the_atomic_helper():
+    """One tmp-file-and-rename writer (pretrain/atomic.py); a checkpoint's directories (recovery.py) are renamed
+    as a whole, not written."""
+    renames = [f"{path}:{n}: {line.strip()}" for prefix in ("pretrain", "zero3d", "slurm")
+               for path, n, line in _source_lines(prefix)
+               if ("os.replace(" in line or "os.rename(" in line) and path != "pretrain/atomic.py"]
+    assert renames == []

@@ -18,7 +18,7 @@ from pretrain.config import ConfigError, DataConfig, load_config
 from pretrain.data.corpus import read_documents
 from pretrain.data.datasets import prepare_files
 from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import TokenizerError
+from pretrain.errors import TokenizerError
 from pretrain.data.tokenizers import GPT2_PATTERN, TokenizerSpec, load_tokenizer
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
