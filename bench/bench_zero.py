@@ -1,13 +1,14 @@
 """ZeRO-DP stages 0-3 against their peers on one GPT model: step time, model-state bytes, communication.
 
     python bench/bench_zero.py [--ranks 4] [--gpus-per-node 2] [--layers 4] [--hidden 256] [--seq 128] [--steps 8]
-    python bench/bench_zero.py --before b96830b --systems zero3d-0 zero3d-1 zero3d-2 zero3d-3
+    python bench/bench_zero.py --before a516b06 --systems zero3d-0 zero3d-1 zero3d-2 zero3d-3
 
 `--before COMMIT` adds a row per zero3d stage run by the engine of that commit ("@before"): its
 tree is exported with `git archive` into a temporary directory and the same rank function runs
 there in a subprocess (ZERO3D_TREE puts that tree first on sys.path), so "before" and "after" are
 measured in one run on the same machine; a before/after table (step time and collective calls per
-step, with ratios) follows the main one.
+step, with ratios) follows the main one. Any commit from a516b06 (where pretrain/model/ begins) runs; config keys
+that tree does not have yet are left out, and named.
 
 Every system trains the same megatron-core GPTModel (TP 1: the peers do not speak Megatron TP) from
 the same initial weights on the same batches, on gloo CPU ranks, in one run. Columns:
@@ -15,7 +16,8 @@ the same initial weights on the same batches, on gloo CPU ranks, in one run. Col
 - state B: bytes per rank kept between steps (zero3d: its own accounting; peers: a census of the
   distinct tensor storages held by the model, its grads and the optimizer);
 - comm el: elements per rank per step moved by torch.distributed collectives, counted by one shim
-  around torch.distributed for every system, at bandwidth-optimal volume (all-reduce 2n(N-1)/N,
+  around torch.distributed for every system (for zero3d, equal to its own count: tests/dist/test_bench_counter.py),
+  at bandwidth-optimal volume (all-reduce 2n(N-1)/N,
   reduce / reduce-scatter / all-gather / broadcast n(N-1)/N);
 - calls: collectives per rank per step seen by the same shim (the gradient-norm all-reduce included);
 - ratios against zero3d stage 0 measured in the same run.
@@ -61,6 +63,7 @@ def count_collectives(counter: dict):
         "reduce_scatter_single": (1, "input", 1), "all_gather_single": (0, "output_tensor", 1),
         "all_gather": (0, "tensor_list", 1), "reduce_scatter": (1, "input_list", 1),
         "_reduce_scatter_base": (1, "input", 1), "_all_gather_base": (0, "output_tensor", 1),
+        "all_to_all_single": (1, "input", 1),  # qgZ's exchange: all but this rank's 1/n of the input leaves it
     }
     saved = []
     depth = [0]  # a deprecated alias calls its successor: count the outermost call only
@@ -173,9 +176,22 @@ def build(args, system):
         stage, _, mode = system.removeprefix("zero3d-").partition("+")
         overrides += [f"zero.stage={stage}", f"cluster.gpus_per_node={args.gpus_per_node}",
                       *ZEROPP_OVERRIDES.get(mode, [])]
+    if TREE != REPO:  # --before: an older tree runs without the keys it does not have yet
+        overrides = keys_the_tree_has(overrides)
     cfg = load_config(None, overrides)
     topo = init_topology(cfg)
     return cfg, topo, build_model(cfg, topo.device)
+
+
+def keys_the_tree_has(overrides: list[str]) -> list[str]:
+    """The overrides whose section.key the imported tree's config defines (the others named on stderr, once)."""
+    from pretrain.config import load_config
+    default = load_config(None)
+    kept = [o for o in overrides if hasattr(getattr(default, o.split(".", 1)[0], None), o.split("=")[0].split(".")[1])]
+    dropped = [o for o in overrides if o not in kept]
+    if dropped and os.environ.get("RANK", "0") == "0":
+        print(f"the tree at {TREE} has no {', '.join(o.split('=')[0] for o in dropped)}: run without", file=sys.stderr)
+    return kept
 
 
 def run_system(rank, world, system, args):
@@ -225,7 +241,7 @@ def run_system(rank, world, system, args):
         forward, backward, step = ds, ds.backward, ds.step
         state = lambda: storage_census(model, opt)  # noqa: E731
     get = batches(args, topo.dp_rank, world)
-    times, losses, counter, calls, own_calls, links = [], [], {}, [], [], []
+    times, losses, counter, calls, own_calls, own_elements, links = [], [], {}, [], [], [], []
     for i in range(steps):
         counter.clear()
         if stats is not None:
@@ -241,11 +257,13 @@ def run_system(rank, world, system, args):
         calls.append(counter.get("calls", 0))
         if stats is not None:
             own_calls.append(sum(stats.calls.values()))
+            own_elements.append(float(stats.total()))
             report = stats.report()
             links.append((report.get("comm/intra_node_bytes"), report.get("comm/inter_node_bytes")))
     return {"step_s": statistics.median(times[2:]), "step_min_s": min(times[2:]), "state_bytes": state(),
             "comm_elements": counter.get("elements", 0.0), "calls": statistics.median(calls[1:]),
             "zero3d_calls": statistics.median(own_calls[1:]) if own_calls else None,
+            "zero3d_elements": own_elements[-1] if own_elements else None,  # its own count, beside the shim's
             "first_loss": losses[0], "last_loss": losses[-1],
             "intra_bytes": links[-1][0] if links else None, "inter_bytes": links[-1][1] if links else None}
 
@@ -312,7 +330,7 @@ def main(argv=None):
     p.add_argument("--bucket", type=int, default=500_000)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--systems", nargs="*", help="subset of rows to run")
-    p.add_argument("--before", default="", help="commit whose zero3d engine adds '@before' rows (e.g. b96830b)")
+    p.add_argument("--before", default="", help="commit whose zero3d engine adds '@before' rows (from a516b06 on)")
     p.add_argument("--json", help="also write the rows to this file")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)

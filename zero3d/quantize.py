@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from zero3d.comm import ALL_GATHER, ring_link_split
+from zero3d.comm import all_gather_single, ring_link_split
 
 LEVELS = {8: 127, 4: 7}  # largest magnitude of a code: q ∈ [−LEVELS, LEVELS]
 SCALE_DTYPES = {torch.float32: 4, torch.float16: 2}
@@ -158,7 +158,7 @@ def quantized_all_gather(full: torch.Tensor, piece: torch.Tensor, group=None, sp
         raise ValueError(f"full has {full.numel()} elements; expected {size} × {n} (group size × piece)")
     buf = _pack(piece, spec, check_finite)
     gathered = torch.empty(size * buf.numel(), dtype=torch.uint8, device=buf.device)
-    work = ALL_GATHER(output_tensor=gathered, input_tensor=buf, group=group, async_op=async_op)
+    work = all_gather_single(output_tensor=gathered, input_tensor=buf, group=group, async_op=async_op)
     nodes = _group_nodes(group, topology)
     if size > 1:
         nbytes = Fraction(buf.numel() * size * (size - 1), size)
