@@ -6,8 +6,8 @@ over a materialized [b·h, s, s] score tensor with one SDPA call (flash / memory
 Causal attention uses `is_causal` and ignores `attention_mask` (no mask is needed or built); padding /
 arbitrary masks are passed to SDPA: megatron's bool mask (True = masked) inverted, or an additive float bias
 as it is. Document boundaries (data.reset_attention_mask) make the layers' mask type arbitrary: the batch's
-block-causal mask, turned once per forward into the bias all layers share (`shared_attention_bias`). GQA
-repeats key/value heads as megatron does. What it cannot honour is refused at construction or call: packed
+block-causal mask, turned once per forward into the bias all layers share (`shared_attention_bias`). GQA:
+causal attention hands SDPA the key/value groups as they are (`enable_gqa`); masked attention repeats them. What it cannot honour is refused at construction or call: packed
 sequences, attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
 Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
 """
@@ -44,10 +44,15 @@ class SDPAttention(DotProductAttention):
         if attention_bias is not None:
             raise ValueError("model.attention = 'sdpa' does not take an attention_bias; use 'local'")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:  # GQA: each key/value head serves `groups` query heads (megatron's layout)
-            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
         causal = mask_type == AttnMaskType.causal
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        # GQA: each key/value head serves `groups` query heads (megatron's layout, SDPA's enable_gqa grouping).
+        # Causal: the kernel takes the groups as they are (CUDA's flash kernel, CPU's flash kernel), keeping K and
+        # V unrepeated for backward; with a mask (CUDA's memory-efficient kernel, which has no GQA) they are
+        # repeated to the query heads first, which SDPA would otherwise do on its quadratic-memory math path.
+        gqa = groups > 1 and causal
+        if groups > 1 and not causal:
+            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
         if causal and query.shape[0] != key.shape[0]:
             raise ValueError(f"model.attention = 'sdpa': causal attention needs equal query and key lengths, got "
                              f"{query.shape[0]} and {key.shape[0]}")
@@ -57,15 +62,16 @@ class SDPAttention(DotProductAttention):
         dropout = self.attention_dropout.p if self.training else 0.0
         if dropout > 0.0 and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = self._sdpa(q, k, v, mask, causal, dropout)
+                context = self._sdpa(q, k, v, mask, causal, dropout, gqa)
         else:
-            context = self._sdpa(q, k, v, mask, causal, dropout)
+            context = self._sdpa(q, k, v, mask, causal, dropout, gqa)
         # [b, h, s, d] -> [s, b, h·d]
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], self.hidden_size_per_partition)
 
-    def _sdpa(self, q, k, v, mask, causal, dropout):
+    def _sdpa(self, q, k, v, mask, causal, dropout, gqa=False):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                                is_causal=causal, scale=self.sdpa_scale)
+                                                                is_causal=causal, scale=self.sdpa_scale,
+                                                                **({"enable_gqa": True} if gqa else {}))
 
 
 def sdpa_mask(attention_mask, mask_type):
