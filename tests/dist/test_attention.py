@@ -50,7 +50,8 @@ def contract_rank(rank, world_size):
     out = {}
     for name, groups, mask_type, local_mask, sdpa_mask in [
             ("causal", heads, AttnMaskType.causal, causal, None), ("gqa", 2, AttnMaskType.causal, causal, None),
-            ("padding", heads, AttnMaskType.padding, padding, padding)]:
+            ("padding", heads, AttnMaskType.padding, padding, padding),
+            ("gqa_padding", 2, AttnMaskType.padding, padding, padding)]:  # masked GQA: the groups repeated
         config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
                                    num_query_groups=groups, attention_dropout=0.0, use_cpu_initialization=True)
         q = torch.randn(s, b, heads, d, generator=g)
