@@ -53,11 +53,11 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
         meta = {"layout": layout_signature(cfg, topo), "identity": {}, "config": cfg.to_dict(), "consumed_samples": 0}
         rows = []
         for mode in ("sync", "async"):
-            ckpt = Checkpointer(Path(save_root) / mode, keep=1, async_save=mode == "async")
+            ckpt = Checkpointer(Path(save_root) / mode, model, engine, keep=1, async_save=mode == "async")
             stalls, writes = [], []
             for i in range(args.repeats):
                 dist.barrier()
-                ckpt.save(i + 1, model, engine, meta)
+                ckpt.save(i + 1, meta)
                 stalls.append(ckpt.report()["ckpt/stall_s"])
                 ckpt.wait()  # the next save (or exit) would wait here; measured separately as write_s
                 writes.append(ckpt.report()["ckpt/write_s"])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
+from pretrain.checkpoint.choose import find_usable, recover
 from pretrain.checkpoint.hf import load_into
 from pretrain.checkpoint.hf_run import check_save_final_hf, imported_model, save_dir_of, write_final_hf
 from pretrain.config import Config
@@ -229,12 +230,10 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
     files = from_rank0(lambda: prepare_files(d, m.vocab_size))
     layout = layout_signature(cfg, topo)
     identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
-    checkpoints = Checkpointer(save_dir, keep=t.keep_checkpoints, async_save=t.async_save,
-                               timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
     usable = None
     if t.resume:
-        say(topo, checkpoints.recover())
-        usable = checkpoints.find_usable(identity)
+        say(topo, recover(save_dir, t.keep_checkpoints))
+        usable = find_usable(save_dir, identity)
     if t.init_from and usable is None and initial is None:  # no save of this run was usable after all
         initial = imported_model(t.init_from, m)
     start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
@@ -244,9 +243,11 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
                                           if t.eval_interval else 0)
 
     model, engine, activations = build_and_wrap(cfg, topo, initial)
+    checkpoints = Checkpointer(save_dir, model, engine, keep=t.keep_checkpoints, async_save=t.async_save,
+                               timeout_minutes=t.timeout_minutes, max_failed_saves=t.max_failed_saves)
     start, consumed = 0, 0
     if usable is not None:
-        resumed = checkpoints.load(usable, model, engine, layout, t.seed)
+        resumed = checkpoints.load(usable, layout, t.seed)
         start = resumed["step"]
         # The data position saved with the checkpoint: the next sample, whatever the batch size was.
         consumed = resumed["consumed_samples"] if resumed["consumed_samples"] is not None \
@@ -325,10 +326,9 @@ def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple
                               "latest", file=sys.stderr, flush=True)
                 else:
                     watchdog.beat()
-                    run.checkpoints.save(step, run.model, run.engine,
-                                         {"config": run.cfg.to_dict(), "layout": run.layout, "identity": run.identity,
-                                          "tokenizer": run.tokenizer,
-                                          "consumed_samples": run.batches.position(step)})
+                    run.checkpoints.save(step, {"config": run.cfg.to_dict(), "layout": run.layout,
+                                                "identity": run.identity, "tokenizer": run.tokenizer,
+                                                "consumed_samples": run.batches.position(step)})
                     last_good = f"step_{step:08d}"
             if stopping:
                 break

@@ -40,10 +40,11 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
         layout = layout_signature(cfg, topo)
-        ckpt = Checkpointer(save_dir, keep=keep, async_save=async_save, max_failed_saves=max_failed_saves)
+        ckpt = Checkpointer(save_dir, model, engine, keep=keep, async_save=async_save,
+                            max_failed_saves=max_failed_saves)
         out = {"loss": [], "notes": [], "reports": [], "loss_scale": [], "saved_params": {}, "psi": psi}
         if resume:
-            resumed = ckpt.load_latest(model, engine, identity, layout, cfg.train.seed)
+            resumed = ckpt.load_latest(identity, layout, cfg.train.seed)
             out["resumed"] = None if resumed is None else {k: v for k, v in resumed.items() if k != "path"}
             out["notes"] = resumed["notes"] if resumed else []
             out["rng_at_resume"] = rng_snapshot()
@@ -57,8 +58,8 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
                 out["saved_params"][step + 1] = {n: p.detach().clone() for n, p in full_params(engine).items()}
                 if around_save:
                     around_save(rank, step + 1, "before", ckpt)
-                ckpt.save(step + 1, model, engine, {"layout": layout, "identity": identity, "config": cfg.to_dict(),
-                                                    "consumed_samples": (step + 1) * cfg.train.global_batch_size})
+                ckpt.save(step + 1, {"layout": layout, "identity": identity, "config": cfg.to_dict(),
+                                     "consumed_samples": (step + 1) * cfg.train.global_batch_size})
                 if kill_rank_after_save == (step + 1, rank):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if around_save:

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.files import MANIFEST, CheckpointError, file_record, read_json, verify_file, write_json_durably
-from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, check_fields, check_identity, check_listed,
-                                      latest_name, load_dcp, read_dcp_metadata, read_manifest)
-from pretrain.checkpoint.recovery import PENDING, publish_step_dir, recover_interrupted, step_dirs, written_record
+from pretrain.checkpoint.choose import find_usable
+from pretrain.checkpoint.files import MANIFEST, CheckpointError, file_record, read_json, write_json_durably
+from pretrain.checkpoint.read import DCP_METADATA, FORMAT, LATEST, load_dcp, read_dcp_metadata
+from pretrain.checkpoint.recovery import PENDING, publish_step_dir, written_record
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from pretrain.runtime.agreement import from_rank0
@@ -101,13 +101,15 @@ def _cause(err: BaseException) -> str:
 
 
 class Checkpointer:
-    """Collective save/load of the model states of one run (every rank makes the same calls)."""
+    """Collective save/load of one run's model and engine states (every rank makes the same calls); which
+    checkpoint to load is chosen before the model exists (pretrain/checkpoint/choose.py)."""
 
-    def __init__(self, save_dir: Path, keep: int = 0, async_save: bool = True, timeout_minutes: float = 10.0,
-                 max_failed_saves: int = 3):
+    def __init__(self, save_dir: Path, model, engine, keep: int = 0, async_save: bool = True,
+                 timeout_minutes: float = 10.0, max_failed_saves: int = 3):
         if keep < 0:
             raise ValueError(f"keep = {keep}: the number of checkpoints to keep must be >= 0 (0 keeps all)")
         self.save_dir, self.keep, self.async_save = Path(save_dir), keep, async_save
+        self.model, self.engine = model, engine  # the states it saves and loads, handed over once
         self._timeout = timedelta(minutes=timeout_minutes)
         self._group = None  # a gloo group of its own: the writer thread's collectives
         self._templates = None
@@ -124,17 +126,18 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
         return self._group
 
-    def _model_templates(self, model, engine) -> dict:
+    def _model_templates(self) -> dict:
         if self._templates is None:
-            with engine_state.parameter_shapes(engine):
-                self._templates = model_templates(model)
+            with engine_state.parameter_shapes(self.engine):
+                self._templates = model_templates(self.model)
         return self._templates
 
-    def save(self, step: int, model, engine, meta: dict) -> None:
+    def save(self, step: int, meta: dict) -> None:
         """Collective. Blocks for the previous save's completion and this one's copy of the states;
         the write goes on in a background thread (`async_save`), or finishes here."""
         t0 = time.perf_counter()
         self.wait()
+        engine = self.engine
         engine.finish_param_sync()  # stages 1/2 may still be gathering the parameters of the last step
         rank = dist.get_rank()
         final, tmp = self.save_dir / f"step_{step:08d}", self.save_dir / f"step_{step:08d}.tmp"
@@ -151,7 +154,7 @@ class Checkpointer:
         error = from_rank0(prepare)
         if error is not None:
             return self._save_failed(tmp, error)
-        templates = self._model_templates(model, engine)
+        templates = self._model_templates()
         if self._names is None:  # every stage's parameter names, for the export
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, parameter_names(templates))
@@ -202,11 +205,6 @@ class Checkpointer:
         """This rank's part of the pending save is finished (written or failed): a local look, no collective.
         The loop sums it over every rank in the step's all-reduce and calls `wait()` when all are."""
         return self._pending is not None and not self._pending[0].is_alive()
-
-    def recover(self) -> list[str]:
-        """Collective, at start-up: a save a crash interrupted after every rank's part was written is
-        published; an incomplete one removed. Returns the lines saying which (rank 0 prints them)."""
-        return from_rank0(lambda: recover_interrupted(self.save_dir, self.keep))
 
     def wait(self) -> None:
         """Collective: finish the pending save — every rank's part durable, then checkpoint.json, the
@@ -279,86 +277,25 @@ class Checkpointer:
 
     # ------------------------------------------------------------ load
 
-    def candidates(self) -> list[Path]:
-        """The directory `latest` names, then every other complete step directory, newest first."""
-        if not self.save_dir.is_dir():
-            return []
-        out = []
-        if (self.save_dir / LATEST).is_file():
-            try:
-                out.append(self.save_dir / latest_name(self.save_dir))
-            except CheckpointError as err:  # a damaged pointer: the step directories themselves, newest first
-                log.warning(f"{err}; trying the complete step directories instead")
-        return out + [p for p in step_dirs(self.save_dir) if p not in out]
-
-    def verify(self, step_dir: Path) -> tuple[Optional[dict], str]:
-        """Collective: (manifest, '') when every file is present, whole and unchanged; else (None, why).
-        Rank r checks files r, r + world, ... so each byte is read once."""
-        def manifest_or_why():
-            try:
-                return read_manifest(step_dir), ""
-            except CheckpointError as err:
-                return None, str(err)
-        manifest, why = from_rank0(manifest_or_why)
-        if manifest is None:
-            return None, why
-        names = sorted(manifest["files"])
-        mine = names[dist.get_rank()::dist.get_world_size()]
-        problems = [p for p in (verify_file(step_dir, n, manifest["files"][n]) for n in mine) if p]
-        if dist.get_rank() == 0 and not problems:
-            try:  # DCP's metadata, allow-listed and validated; every file it names listed and so verified
-                check_listed(step_dir, manifest, read_dcp_metadata(step_dir))
-                check_fields(step_dir, manifest)
-            except CheckpointError as err:
-                problems.append(str(err))
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problems)
-        problems = [p for ps in everyone for p in ps]
-        return (None, "; ".join(problems)) if problems else (manifest, "")
-
-    def load_latest(self, model, engine, identity: dict, layout: dict, seed: int) -> Optional[dict]:
+    def load_latest(self, identity: dict, layout: dict, seed: int) -> Optional[dict]:
         """Collective: restore the newest usable checkpoint into this (any) layout; None when there is none.
         Returns {"step", "consumed_samples", "path", "notes"} (see find_usable and load)."""
-        usable = self.find_usable(identity)
-        return None if usable is None else self.load(usable, model, engine, layout, seed)
+        usable = find_usable(self.save_dir, identity)
+        return None if usable is None else self.load(usable, layout, seed)
 
-    def find_usable(self, identity: dict) -> Optional[dict]:
-        """Collective, before the model exists: the newest checkpoint whose files are all present, whole
-        and unchanged, and written for this model, tokenizer and data; None when there is none.
-
-        A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
-        before it; one written for another model, tokenizer or data is refused.
-        """
-        candidates = from_rank0(self.candidates)
-        notes, reasons = [], []
-        for step_dir in candidates:
-            manifest, why = self.verify(step_dir)
-            if manifest is None:
-                reasons.append(why)
-                notes.append(f"checkpoint {step_dir} is unusable, trying the previous one: {why}")
-                if dist.get_rank() == 0:
-                    log.warning(notes[-1])
-                continue
-            check_identity(step_dir, manifest["identity"], identity)
-            return {"path": step_dir, "manifest": manifest, "notes": notes}
-        if reasons:
-            raise CheckpointError(f"no usable checkpoint in {self.save_dir}: " + " | ".join(reasons),
-                                  fix="repair or remove them, or set train.resume = false")
-        return None
-
-    def load(self, usable: dict, model, engine, layout: dict, seed: int) -> dict:
+    def load(self, usable: dict, layout: dict, seed: int) -> dict:
         """Collective: restore the checkpoint `find_usable` chose. Returns {"step", "consumed_samples", "path", "notes"}."""
-        step_dir, manifest = usable["path"], usable["manifest"]
+        step_dir, manifest, engine = usable["path"], usable["manifest"], self.engine
         with engine.materialized_states():  # NVMe offload: written back to their files on exit
-            self._load_states(step_dir, model, engine)
+            self._load_states(step_dir)
             engine_state.set_adam_step_count(engine, manifest["adam_step"])
-        notes = usable["notes"] + self._restore_scalars(manifest, engine, layout, seed, step_dir)
+        notes = usable["notes"] + self._restore_scalars(manifest, layout, seed, step_dir)
         return {"step": manifest["step"], "consumed_samples": manifest.get("consumed_samples"),
                 "path": step_dir, "notes": notes}
 
-    def _load_states(self, step_dir: Path, model, engine) -> None:
-        templates = self._model_templates(model, engine)
-        state = sharded_state(engine_state.pieces_to_load(engine), templates, TRAINING_STATES, writing=False)
+    def _load_states(self, step_dir: Path) -> None:
+        templates = self._model_templates()
+        state = sharded_state(engine_state.pieces_to_load(self.engine), templates, TRAINING_STATES, writing=False)
         saved = read_dcp_metadata(step_dir).state_dict_metadata  # verified above; read without pickle
         for key, shape in global_shapes(templates, TRAINING_STATES).items():
             if key in state and key not in saved:
@@ -367,11 +304,11 @@ class Checkpointer:
                 raise CheckpointError(f"{step_dir}: tensor {key!r} has global shape {tuple(saved[key].size)} "
                                       f"in the checkpoint, this model needs {shape}")
         load_dcp(state, step_dir, process_group=self._writer_group())
-        engine_state.publish_loaded_state(engine)
+        engine_state.publish_loaded_state(self.engine)
 
-    def _restore_scalars(self, manifest: dict, engine, layout: dict, seed: int, step_dir: Path) -> list[str]:
+    def _restore_scalars(self, manifest: dict, layout: dict, seed: int, step_dir: Path) -> list[str]:
         if manifest["scaler"]:
-            engine.scaler.load_state_dict(manifest["scaler"])
+            self.engine.scaler.load_state_dict(manifest["scaler"])
         saved = manifest["layout"]
         if {k: saved.get(k) for k in RNG_LAYOUT} == {k: layout.get(k) for k in RNG_LAYOUT}:
             path, error = step_dir / "rng" / f"rank_{dist.get_rank():05d}.json", None

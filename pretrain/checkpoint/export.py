@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from pretrain.atomic import publish, temporary_name
-from pretrain.checkpoint.checkpointer import LATEST, latest_name
+from pretrain.checkpoint.read import LATEST, latest_name
 from pretrain.checkpoint.files import MANIFEST, CheckpointError
 from pretrain.checkpoint.read import load_dcp, read_checkpoint
 from pretrain.checkpoint.tensors import PREFIXES

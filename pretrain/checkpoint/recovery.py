@@ -3,7 +3,7 @@
 A save is written into step_<N>.tmp: each rank writes and fsyncs its files (rank 0 then `pending.json`,
 checkpoint.json without its file list), then, last, `written/rank_<r>.json` (their sizes and SHA-256). A .tmp whose every rank's record is there, each file at its recorded size, is complete:
 publishing it only adds checkpoint.json and renames it. The hashes are checked when it is resumed, as for
-every checkpoint (Checkpointer.verify).
+every checkpoint (choose.verify).
 """
 import re
 import shutil

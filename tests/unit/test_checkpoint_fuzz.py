@@ -247,14 +247,15 @@ def test_an_unchanged_checkpoint_loads_its_tensors(checkpoint):
 
 
 def test_latest_with_a_nul_byte_and_a_bogus_wandb_mode_are_one_line_errors(tmp_path, checkpoint):
-    from pretrain.checkpoint.checkpointer import Checkpointer, latest_name
+    from pretrain.checkpoint.choose import candidates
+    from pretrain.checkpoint.read import latest_name
     from pretrain.errors import EXIT_INPUT, InputError
     from pretrain.metrics import wandb_mode
     (tmp_path / "step_00000001").mkdir()
     (tmp_path / "latest").write_bytes(b"step_0000\x000002\n")
     with pytest.raises(CheckpointError, match=r"latest holds b'step_0000\\x000002\\n', not the name of a step"):
         latest_name(tmp_path)
-    assert Checkpointer(tmp_path).candidates() == [tmp_path / "step_00000001"]  # the pointer ignored, warned
+    assert candidates(tmp_path) == [tmp_path / "step_00000001"]  # the pointer ignored, warned
     with pytest.raises(InputError) as err:
         wandb_mode({"WANDB_MODE": "bogus"})
     assert err.value.exit_code == EXIT_INPUT and err.value.line() == (

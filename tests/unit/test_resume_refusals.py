@@ -2,7 +2,8 @@
 import pytest
 
 from gpt_harness import BASE
-from pretrain.checkpoint.checkpointer import check_identity, run_identity
+from pretrain.checkpoint.checkpointer import run_identity
+from pretrain.checkpoint.read import check_identity
 from pretrain.config import load_config
 from pretrain.checkpoint.files import CheckpointError
 

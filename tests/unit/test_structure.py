@@ -307,3 +307,15 @@ def test_files_are_renamed_into_place_only_by_the_atomic_helper():
                for path, n, line in _source_lines(prefix)
                if ("os.replace(" in line or "os.rename(" in line) and path != "pretrain/atomic.py"]
     assert renames == []
+
+
+def test_the_checkpointer_is_handed_the_model_and_engine_once():
+    """Issue #35: the Checkpointer holds the model and engine from its construction; its calls take neither, and
+    choosing the checkpoint to resume (before the model exists) needs no Checkpointer at all."""
+    import inspect
+
+    from pretrain.checkpoint.checkpointer import Checkpointer
+    assert list(inspect.signature(Checkpointer.__init__).parameters)[1:4] == ["save_dir", "model", "engine"]
+    for name, fn in inspect.getmembers(Checkpointer, inspect.isfunction):
+        if name != "__init__":
+            assert not {"model", "engine"} & set(inspect.signature(fn).parameters), name
