@@ -50,7 +50,7 @@ def attention_kind(choice: str) -> str:
 
 
 def dp_per_node(cfg: Config, world_size: int) -> int:
-    """DP ranks on one node: TP takes its share of cluster.gpus_per_node first (zero3d/topology.py's rule)."""
+    """DP ranks on one node: TP takes its share of cluster.gpus_per_node first (zero3d/comm/topology.py's rule)."""
     dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
     return max(1, min(dp, cfg.cluster.gpus_per_node // cfg.parallel.tensor))
 

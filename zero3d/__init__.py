@@ -27,7 +27,7 @@ import importlib
 HOMES = {"wrap_model": "zero3d.wrap", "STAGES": "zero3d.wrap", "DataParallelEngine": "zero3d.engine",
          "EngineSettings": "zero3d.engine", "ParallelGroups": "zero3d.engine", "StepResult": "zero3d.engine",
          "LossScaleConfig": "zero3d.config", "OptimizerConfig": "zero3d.config", "ZeroConfig": "zero3d.config",
-         "ZeroConfigError": "zero3d.config", "LossScaler": "zero3d.precision", "CommStats": "zero3d.comm",
+         "ZeroConfigError": "zero3d.config", "LossScaler": "zero3d.precision", "CommStats": "zero3d.comm.core",
          "FlatLayout": "zero3d.flat"}
 __all__ = list(HOMES)
 

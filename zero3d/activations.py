@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zero3d.comm import Comm, CommStats
+from zero3d.comm.core import Comm, CommStats
 
 TAG = "activations"
 

@@ -5,7 +5,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zero3d.comm import Comm, same_memory
+from zero3d.comm.core import Comm, same_memory
 from zero3d.engine import GroupState
 from zero3d.flat import Bucket
 

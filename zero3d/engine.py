@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from zero3d.accounting import model_state_bytes
-from zero3d.comm import Comm, CommStats, wait_all
+from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig
 from zero3d.flat import DECAY_NAMES, FlatLayout, flatten_grads, flatten_params, param_groups
 from zero3d.nvme import NvmeOffload
@@ -16,8 +16,8 @@ from zero3d.offload import Copier, GroupSpec, HostOffload
 from zero3d.optim import make_optimizer
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
-from zero3d.quantize import QuantSpec, overflow_safe_quantized_reduce_scatter
-from zero3d.topology import NodeTopology
+from zero3d.comm.quantize import QuantSpec, overflow_safe_quantized_reduce_scatter
+from zero3d.comm.topology import NodeTopology
 
 
 def read_host_floats(values: torch.Tensor) -> list[float]:
@@ -57,7 +57,7 @@ class ParallelGroups:
     # gradient is summed over it (once per step) before the DP reduction.
     tied: dict = field(default_factory=dict)
     norm_excluded: frozenset = frozenset()  # copies whose twin already counts in the norm
-    # zero3d/topology.py's NodeTopology of the DP group (with its intra-/inter-node sub-groups): needed
+    # zero3d/comm/topology.py's NodeTopology of the DP group (with its intra-/inter-node sub-groups): needed
     # by the node-aware modes (ZeroConfig.node_aware()); its gpus_per_node also splits the bytes per link.
     node_topology: Optional[NodeTopology] = None
     # Without a node topology: global rank g is on node g // gpus_per_node, only to count every DP
@@ -211,7 +211,7 @@ class DataParallelEngine:
             return
         if self.node is None:
             raise ValueError("zero.secondary_partition / hybrid / quantize_* need the DP group's node topology "
-                             "(ParallelGroups.node_topology, zero3d.topology.build_node_topology); none was given")
+                             "(ParallelGroups.node_topology, zero3d.comm.topology.build_node_topology); none was given")
         if self.node.dp_size != self.dp.size:
             raise ValueError(f"the node topology covers {self.node.dp_size} DP ranks; the DP group has {self.dp.size}")
         problem = zero.node_layout_error(self.node.per_node, self.node.gpus_per_node)

@@ -1,5 +1,5 @@
 """Stage 1 (Pos): optimizer states and fp32 master weights partitioned over the DP group."""
-from zero3d.comm import wait_all
+from zero3d.comm.core import wait_all
 from zero3d.whole_params import WholeParamsEngine
 
 

@@ -44,13 +44,13 @@ import torch
 
 from zero3d.accounting import model_state_bytes, secondary_bytes
 from zero3d.buckets import GradientBuckets
-from zero3d.comm import Comm, PendingCollective, wait_all
+from zero3d.comm.core import Comm, PendingCollective, wait_all
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import DECAY_NAMES, flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
 from zero3d.offload import host_copy
-from zero3d.quantize import QuantSpec, quantized_all_gather
+from zero3d.comm.quantize import QuantSpec, quantized_all_gather
 
 PERSISTENT = "persistent"
 

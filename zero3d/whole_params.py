@@ -3,7 +3,7 @@ from functools import partial
 
 import torch
 
-from zero3d.comm import is_gloo
+from zero3d.comm.core import is_gloo
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import flatten_grads, flatten_params
 

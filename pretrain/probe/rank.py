@@ -101,8 +101,8 @@ def fake_topology(cfg: Config, world_size: int, rank: int, device: torch.device)
 
 def fake_node_topology(dp_group, gpus_per_node: int):
     """The DP group's NodeTopology on the fake backend, which has no all_gather_object: this rank's own
-    intra- and inter-node groups, from the same rank arithmetic (zero3d.topology.topology_of)."""
-    from zero3d.topology import TopologyError, topology_of
+    intra- and inter-node groups, from the same rank arithmetic (zero3d.comm.topology.topology_of)."""
+    from zero3d.comm.topology import TopologyError, topology_of
     mine = dist.get_process_group_ranks(dp_group)
     try:
         node = topology_of(mine.index(dist.get_rank()), mine, gpus_per_node)

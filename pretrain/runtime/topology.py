@@ -31,7 +31,7 @@ class Topology:
     dp_group: object
     tp_group: object
     pp_group: object
-    # The DP group's nodes (zero3d/topology.py), with intra-/inter-node groups only when a node-aware
+    # The DP group's nodes (zero3d/comm/topology.py), with intra-/inter-node groups only when a node-aware
     # zero.* mode is on; cluster.gpus_per_node places global rank g on node g // gpus_per_node.
     node: Optional[object] = None
     gpus_per_node: Optional[int] = None
@@ -53,8 +53,8 @@ def collective_timeout(cfg: Config) -> timedelta:
 
 def ranks_per_node(cfg: Config, env: Optional[dict] = None) -> int:
     """Ranks per node for the node-aware zero.* modes: cluster.gpus_per_node when the TOML or an override
-    sets it (4 CPU ranks as 2 nodes × 2), else the launcher's count (zero3d.topology), else a ConfigError."""
-    from zero3d.topology import TopologyError, resolve_gpus_per_node
+    sets it (4 CPU ranks as 2 nodes × 2), else the launcher's count (zero3d.comm.topology), else a ConfigError."""
+    from zero3d.comm.topology import TopologyError, resolve_gpus_per_node
     explicit = cfg.cluster.gpus_per_node if cfg.is_set("cluster.gpus_per_node") else None
     try:
         return resolve_gpus_per_node(explicit, os.environ if env is None else env)
@@ -101,7 +101,7 @@ def init_topology(cfg: Config, launch: Optional[dict] = None) -> Topology:
     ps = parallel_state
     node = None
     if cfg.zero.node_aware():  # every rank builds the same sub-groups, in one agreed order
-        from zero3d.topology import TopologyError, build_node_topology
+        from zero3d.comm.topology import TopologyError, build_node_topology
         try:
             node = build_node_topology(ps.get_data_parallel_group(), gpus_per_node=ranks_per_node(cfg),
                                        timeout=collective_timeout(cfg))

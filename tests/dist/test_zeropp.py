@@ -196,7 +196,7 @@ def _overflow_rank(rank, world_size, quantize):
     import torch.distributed as dist
     import zero3d
     from zero3d.config import ZeroConfig
-    from zero3d.topology import build_node_topology
+    from zero3d.comm.topology import build_node_topology
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))

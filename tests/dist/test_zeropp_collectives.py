@@ -29,9 +29,9 @@ def representable(seed: int, n: int, levels: int) -> torch.Tensor:
 def _ranks(rank, world):
     import torch.distributed as dist
 
-    from zero3d.comm import Comm, CommStats
-    from zero3d.quantize import QuantSpec, p2p_all_to_all, quantized_all_gather, quantized_reduce_scatter
-    from zero3d.topology import TopologyError, build_node_topology
+    from zero3d.comm.core import Comm, CommStats
+    from zero3d.comm.quantize import QuantSpec, p2p_all_to_all, quantized_all_gather, quantized_reduce_scatter
+    from zero3d.comm.topology import TopologyError, build_node_topology
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     out = {}
     try:  # 3 ranks per node does not divide 4: every rank refuses, before any group is made
@@ -192,8 +192,8 @@ def _asymmetric_ranks(rank, world):
     count taken for the ranks per node, is no longer the same by symmetry), and qwZ at 6 ranks."""
     import torch.distributed as dist
 
-    from zero3d.quantize import QuantSpec, quantized_all_gather, quantized_reduce_scatter
-    from zero3d.topology import build_node_topology
+    from zero3d.comm.quantize import QuantSpec, quantized_all_gather, quantized_reduce_scatter
+    from zero3d.comm.topology import build_node_topology
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     out = {}
     for gpn in (3, 2):

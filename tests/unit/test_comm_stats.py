@@ -1,7 +1,7 @@
 """Communication accounting: calls per collective beside the volume, and the hidden-time fraction."""
 from fractions import Fraction
 
-from zero3d.comm import CommStats, PendingCollective
+from zero3d.comm.core import CommStats, PendingCollective
 
 
 class FakeWork:

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
-from zero3d.comm import CommStats, ring_link_split
-from zero3d.quantize import QuantSpec, dequantize, quantize
+from zero3d.comm.core import CommStats, ring_link_split
+from zero3d.comm.quantize import QuantSpec, dequantize, quantize
 
 SPECS = [QuantSpec(8, 64), QuantSpec(4, 64), QuantSpec(8, 100, torch.float16), QuantSpec(4, 6, torch.float16),
          QuantSpec(8, 1)]

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from zero3d.topology import TopologyError, node_layout, resolve_gpus_per_node, topology_of
+from zero3d.comm.topology import TopologyError, node_layout, resolve_gpus_per_node, topology_of
 
 
 def megatron_dp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:

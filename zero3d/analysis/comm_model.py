@@ -155,7 +155,7 @@ def collectives_per_pass(psi: int, bucket_elements: Optional[int], units: int) -
 
 def _wire_bytes(numel: int, bits: int, block: int, scale_bytes: int) -> Fraction:
     """Bytes of `numel` quantized elements as sent: whole blocks of codes and one scale a block
-    (zero3d.quantize.QuantSpec.wire_bytes)."""
+    (zero3d.comm.quantize.QuantSpec.wire_bytes)."""
     blocks = -(-numel // block)
     return Fraction(blocks * block * bits, 8) + blocks * scale_bytes
 

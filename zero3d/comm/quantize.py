@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from zero3d.comm import all_gather_single, ring_link_split
+from zero3d.comm.core import all_gather_single, ring_link_split
 
 LEVELS = {8: 127, 4: 7}  # largest magnitude of a code: q ∈ [−LEVELS, LEVELS]
 SCALE_DTYPES = {torch.float32: 4, torch.float16: 2}
