@@ -5,7 +5,8 @@ from typing import Callable, Optional
 
 import torch
 
-from zero3d.comm.core import Comm, same_memory
+from zero3d.comm.core import same_memory
+from zero3d.comm.plan import CommPlan
 from zero3d.engine import GroupState
 from zero3d.flat import Bucket
 
@@ -27,7 +28,7 @@ class GradientBuckets:
     """Gradients land in their bucket's buffer: once a bucket's buffer exists, the bucket's other
     parameters get `param.grad` as views of it, so autograd accumulates there in place (only the
     gradient that opens a bucket, and tied ones summed elsewhere, are copied in). A complete bucket
-    is pre-divided (× `pre_scale`), reduce-scattered in place over `dp` (asynchronously when
+    is pre-divided (× `pre_scale`), reduce-scattered in place as `plan` has it (asynchronously when
     `overlap`, on `stream` when given) and, on completion, this rank's piece is handed to
     `deliver(group, shard offset, piece)`, which adds it into the group's gradient shard, so
     micro-batches accumulate. Parameters in `held_elsewhere` (tied weights, summed over their own
@@ -36,14 +37,11 @@ class GradientBuckets:
     A launched bucket is replaced by a fresh one at once, so a bucket may complete once per
     micro-batch inside a pipeline schedule that launches the rest only at the end of the step."""
 
-    def __init__(self, groups: list[GroupState], dp: Comm, deliver: Callable[[GroupState, int, torch.Tensor], None],
+    def __init__(self, groups: list[GroupState], plan: CommPlan, deliver: Callable[[GroupState, int, torch.Tensor], None],
                  *, dtype: torch.dtype, device: torch.device, pre_scale: float, held_elsewhere: frozenset,
-                 overlap: bool, stream=None, reduce_scatter: Optional[Callable] = None):
-        self.groups, self.dp, self.deliver = groups, dp, deliver
-        # (piece, buffer, async_op) -> handle or None: the bucket's reduction (qgZ: the engine's quantized
-        # one, synchronous); default the DP comm's reduce-scatter.
-        self.reduce_scatter = reduce_scatter or (
-            lambda piece, buffer, async_op: dp.reduce_scatter(piece, buffer, tag="grads", async_op=async_op))
+                 overlap: bool, stream=None):
+        self.groups, self.plan, self.deliver = groups, plan, deliver
+        self.rank = plan.shard.rank  # this rank's piece of every bucket
         self.dtype, self.device, self.pre_scale, self.held_elsewhere = dtype, device, pre_scale, held_elsewhere
         self.overlap, self.stream = overlap, stream
         self.location = {}  # param -> (group name, slot index, bucket index)
@@ -61,7 +59,7 @@ class GradientBuckets:
 
     def add(self, param: torch.Tensor) -> None:
         """`param.grad` is in: add it to its bucket's buffer unless it already lives there, drop it."""
-        self.dp.stats.poll()
+        self.plan.stats.poll()
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
         view = self._slot_view(run, slot_index)
@@ -114,12 +112,12 @@ class GradientBuckets:
             param = group.params[i]
             if param.grad is not None and param not in self.held_elsewhere:
                 param.grad = None
-        lo, hi = bucket.piece(self.dp.rank)
+        lo, hi = bucket.piece(self.rank)
         with self._on_stream(buffer):
             if self.pre_scale != 1.0:
                 buffer.mul_(self.pre_scale)
             piece = buffer[lo - bucket.start:hi - bucket.start]  # reduced in place
-            run.handle = self.reduce_scatter(piece, buffer, self.overlap)
+            run.handle = self.plan.reduce_scatter(piece, buffer, self.overlap)
         self.in_flight.append(run)
         while len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
             self._finish(self.in_flight.pop(0))
@@ -138,6 +136,6 @@ class GradientBuckets:
         if self.stream is not None:
             torch.cuda.current_stream(run.grads.device).wait_stream(self.stream)
         bucket = run.bucket
-        lo, hi = bucket.piece(self.dp.rank)
+        lo, hi = bucket.piece(self.rank)
         self.deliver(run.group, bucket.shard_start, run.grads[lo - bucket.start:hi - bucket.start])
         run.grads = None

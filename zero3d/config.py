@@ -111,18 +111,18 @@ class ZeroConfig:
         )
         _raise_first(checks)
 
+    def comm_modes(self):
+        """The node-aware communication modes these keys switch on (zero3d/comm/modes.py: one vocabulary)."""
+        from zero3d.comm.modes import CommModes
+        return CommModes.from_zero(self)
+
     def node_aware(self) -> bool:
         """A mode that needs the node topology of the DP group is on."""
-        return (self.secondary_partition, self.hybrid, self.quantize_weights, self.quantize_gradients) != \
-            ("none", "none", "none", "none")
+        return self.comm_modes().node_aware
 
     def node_layout_error(self, per_node: int, gpus_per_node: int) -> str:
         """Why hpZ / hybrid cannot run with `per_node` DP ranks per node ("" when they can)."""
-        if per_node >= 2 or (self.hybrid, self.secondary_partition) == ("none", "none"):
-            return ""
-        return (f"zero.hybrid / zero.secondary_partition = 'node' need >= 2 DP ranks per node; this layout has "
-                f"{per_node} (cluster.gpus_per_node = {gpus_per_node}, after tensor parallelism's share): use "
-                "zero.hybrid = zero.secondary_partition = 'none'")
+        return self.comm_modes().node_layout_error(per_node, gpus_per_node)
 
     def _zeropp_checks(self) -> tuple:
         z = self

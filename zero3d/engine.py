@@ -1,7 +1,6 @@
 """The data-parallel interface the training loop uses; each ZeRO stage is one small subclass."""
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -9,6 +8,7 @@ import torch.nn as nn
 
 from zero3d.accounting import model_state_bytes
 from zero3d.comm.core import Comm, CommStats, wait_all
+from zero3d.comm.plan import CommPlan
 from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig
 from zero3d.flat import DECAY_NAMES, FlatLayout, flatten_grads, flatten_params, param_groups
 from zero3d.nvme import NvmeOffload
@@ -16,7 +16,6 @@ from zero3d.offload import Copier, GroupSpec, HostOffload
 from zero3d.optim import make_optimizer
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
-from zero3d.comm.quantize import QuantSpec, overflow_safe_quantized_reduce_scatter
 from zero3d.comm.topology import NodeTopology
 
 
@@ -118,16 +117,12 @@ class DataParallelEngine:
         self.settings = settings
         self.hooks: list = []  # handles of the hooks the engine put on the model and its parameters (close())
         self.comm_stats = CommStats()
-        self.node = groups.node_topology
-        self.gpus_per_node = self.node.gpus_per_node if self.node is not None else groups.gpus_per_node
-        self.dp = Comm(groups.dp_group, self.comm_stats, gpus_per_node=self.gpus_per_node)
-        dp_size = self.dp.size  # gradients are averaged over every DP rank, whatever shards them
-        self.replica = None  # hybrid: the same shard's ranks on the other nodes (gradient all-reduce)
-        self._check_node_modes(settings.zero)
-        if settings.zero.hybrid == "node":  # shard inside the node, replicate across nodes
-            self.dp = Comm(self.node.intra_group, self.comm_stats, gpus_per_node=self.gpus_per_node)
-            if self.node.nodes > 1:
-                self.replica = Comm(self.node.inter_group, self.comm_stats, gpus_per_node=self.gpus_per_node)
+        # Every DP collective as the ZeRO modes have it (zero3d/comm/plan.py); `dp`: the group states are
+        # sharded over (hybrid: the node), the one the stages use.
+        self.plan = CommPlan(settings.zero.comm_modes(), groups.dp_group, self.comm_stats, groups.node_topology,
+                             groups.gpus_per_node, settings.zero.quant_block)
+        self.dp = self.plan.shard
+        dp_size = self.plan.dp_size  # gradients are averaged over every DP rank, whatever shards them
         self.world = Comm(groups.world_group, self.comm_stats)
         self.tp_rank = groups.tp_rank
         self.tied = {param: Comm(group, self.comm_stats) for param, group in groups.tied.items()}
@@ -205,19 +200,6 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ shared pieces
 
-    def _check_node_modes(self, zero: ZeroConfig) -> None:
-        """The node-aware modes need the DP group's NodeTopology, and hpZ / hybrid ≥ 2 DP ranks per node."""
-        if not zero.node_aware():
-            return
-        if self.node is None:
-            raise ValueError("zero.secondary_partition / hybrid / quantize_* need the DP group's node topology "
-                             "(ParallelGroups.node_topology, zero3d.comm.topology.build_node_topology); none was given")
-        if self.node.dp_size != self.dp.size:
-            raise ValueError(f"the node topology covers {self.node.dp_size} DP ranks; the DP group has {self.dp.size}")
-        problem = zero.node_layout_error(self.node.per_node, self.node.gpus_per_node)
-        if problem:
-            raise ValueError(problem)
-
     def _weight_decay(self, group: GroupState) -> float:
         return self.settings.optimizer.weight_decay if group.decays else 0.0
 
@@ -251,15 +233,6 @@ class DataParallelEngine:
             return ((0, group.param_flat),)
         return tuple((bucket.shard_start, group.param_flat[lo:hi]) for bucket, lo, hi in group.layout.pieces(self.dp.rank))
 
-    def _bucket_reduction(self) -> Optional[Callable]:
-        """Stages 2/3: the buckets' reduce-scatter when qgZ is on (else None: the DP comm's)."""
-        q = self.settings.zero.quantize_gradients
-        if q == "none":
-            return None
-        spec = QuantSpec(bits=8 if q == "int8" else 4, block=self.settings.zero.quant_block)
-        return partial(overflow_safe_quantized_reduce_scatter, dp=self.dp, topology=self.node, spec=spec,
-                       stats=self.comm_stats)
-
     def _deliver_grad_piece(self, group: GroupState, lo: int, piece: torch.Tensor) -> None:
         """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),
         added (× post-scale) into the gradient shard wherever the placement keeps it (hybrid: the
@@ -270,13 +243,8 @@ class DataParallelEngine:
         """Hybrid, stages 2/3: each bucketed group's gradient shard, accumulated over the step's
         micro-batches inside the node, summed over its replicas on the other nodes: one all-reduce per
         bucket piece per step (all in flight at once), not one per micro-batch."""
-        if self.replica is None:
-            return
-        for group in groups:  # hybrid refuses offload: the shard is the device tensor the pieces were added to
-            assert group.grads.device == self.device, (group.name, group.grads.device)
-        wait_all([self.replica.all_reduce(group.grads[bucket.shard_start:bucket.shard_start + bucket.piece_numel],
-                                          tag="grads", async_op=True)
-                  for group in groups for bucket in group.buckets])
+        self.plan.sum_across_replicas([group.grads[bucket.shard_start:bucket.shard_start + bucket.piece_numel]
+                                       for group in groups for bucket in group.buckets])
 
     def materialized_states(self):
         """Context: inside it every master and `optimizer.state` is a tensor (NVMe: read from the
@@ -318,8 +286,8 @@ class DataParallelEngine:
             grad = master_grads[name]
             for lo, hi in group.norm_ranges:  # (on the host for gradient shards held there)
                 squares += grad[lo:hi].double().pow(2).sum().to(squares.device)
-        if self.replica is not None:  # hybrid: every node holds the same shards; count them once
-            squares /= self.replica.size
+        if self.plan.replica_count > 1:  # hybrid: every node holds the same shards; count them once
+            squares /= self.plan.replica_count
         local = squares if sums is None else \
             torch.cat((squares, sums.detach().reshape(-1).to(device=self.device, dtype=torch.float64)))
         self.world.all_reduce(local, tag="grad_norm")
@@ -365,9 +333,8 @@ class DataParallelEngine:
                 group.grads.mul_(self.pre_scale)
         wait_all([self.dp.all_reduce(group.grads[bucket.start:bucket.end], tag="grads", async_op=True)
                   for group in groups for bucket in group.buckets])
-        if self.replica is not None:  # hybrid: the node's sums, summed across nodes
-            wait_all([self.replica.all_reduce(group.grads[bucket.start:bucket.end], tag="grads", async_op=True)
-                      for group in groups for bucket in group.buckets])
+        self.plan.sum_across_replicas([group.grads[bucket.start:bucket.end]  # hybrid: summed across nodes
+                                       for group in groups for bucket in group.buckets])
         for group in groups:
             if self.post_scale != 1.0:
                 group.grads.mul_(self.post_scale)

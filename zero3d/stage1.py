@@ -24,9 +24,8 @@ class OptimizerShardedEngine(WholeParamsEngine):
                 handles.append(self.dp.reduce_scatter(group.grads[lo:hi], group.grads[bucket.start:bucket.end],
                                                       tag="grads", async_op=True))
         wait_all(handles)
-        if self.replica is not None:  # hybrid: each piece summed over its replicas on the other nodes
-            wait_all([self.replica.all_reduce(group.grads[lo:hi], tag="grads", async_op=True)
-                      for group in self.groups.values() for _, lo, hi in group.layout.pieces(self.dp.rank)])
+        self.plan.sum_across_replicas([group.grads[lo:hi]  # hybrid: each piece over its replicas on the other nodes
+                                       for group in self.groups.values() for _, lo, hi in group.layout.pieces(self.dp.rank)])
         if self.post_scale != 1.0:
             for group in self.groups.values():
                 for _, lo, hi in group.layout.pieces(self.dp.rank):

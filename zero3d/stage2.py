@@ -13,10 +13,9 @@ class GradientShardedEngine(WholeParamsEngine):
 
     def __init__(self, model, settings, groups):
         super().__init__(model, settings, groups)
-        self.buckets = GradientBuckets(list(self.groups.values()), self.dp, self._deliver_grad_piece,
+        self.buckets = GradientBuckets(list(self.groups.values()), self.plan, self._deliver_grad_piece,
                                        dtype=settings.dtype, device=self.device, pre_scale=self.pre_scale,
-                                       held_elsewhere=frozenset(self.tied), overlap=settings.zero.overlap_comm,
-                                       reduce_scatter=self._bucket_reduction())
+                                       held_elsewhere=frozenset(self.tied), overlap=settings.zero.overlap_comm)
         self._tied_grads = {}  # tied weight -> its gradient of this step, summed over copies at the end
         for param in self.buckets.location:
             self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))

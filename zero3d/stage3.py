@@ -44,13 +44,12 @@ import torch
 
 from zero3d.accounting import model_state_bytes, secondary_bytes
 from zero3d.buckets import GradientBuckets
-from zero3d.comm.core import Comm, PendingCollective, wait_all
+from zero3d.comm.core import wait_all
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import DECAY_NAMES, flatten_params
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
 from zero3d.offload import host_copy
-from zero3d.comm.quantize import QuantSpec, quantized_all_gather
 
 PERSISTENT = "persistent"
 
@@ -70,22 +69,14 @@ class ParameterShardedEngine(DataParallelEngine):
         self.peak_gathered_elements = 0
         self._fetched = {}  # unit index -> device copies of host shards that its in-flight gathers read
         self._persistent = []  # the replicated groups of small parameters (set by _build_groups)
-        self.hpz = settings.zero.secondary_partition == "node"
         super().__init__(model, settings, groups)
-        # hpZ: the backward gathers run over this rank's node only, from the secondary shards.
-        self.intra = Comm(self.node.intra_group, self.comm_stats, gpus_per_node=self.gpus_per_node) \
-            if self.hpz else None
-        # qwZ: parameter all-gathers as block-wise int8 codes + scales.
-        self.weight_spec = QuantSpec(bits=8, block=settings.zero.quant_block) \
-            if settings.zero.quantize_weights == "int8" else None
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
         self.stream = torch.cuda.Stream(self.device) \
             if self.device.type == "cuda" and settings.zero.overlap_comm else None
-        self.buckets = GradientBuckets([group for unit in self.units for group in unit.groups], self.dp,
+        self.buckets = GradientBuckets([group for unit in self.units for group in unit.groups], self.plan,
                                        self._deliver_grad_piece, dtype=settings.dtype, device=self.device,
                                        pre_scale=self.pre_scale, held_elsewhere=frozenset(),
-                                       overlap=settings.zero.overlap_comm, stream=self.stream,
-                                       reduce_scatter=self._bucket_reduction())
+                                       overlap=settings.zero.overlap_comm, stream=self.stream)
         self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}
         for p in self._unit_of:
             self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -131,8 +122,9 @@ class ParameterShardedEngine(DataParallelEngine):
         master = group.param_flat if group.param_flat.dtype == torch.float32 else group.param_flat.float()
         group.master_pieces = ((0, master),)
         group.norm_ranges = self._norm_ranges(layout, flat=False)
-        if self.hpz:  # this rank's 1/m slice of each gathered bucket, refreshed by every forward gather
-            group.secondary = torch.zeros(layout.padded_numel // self.node.per_node, dtype=self.settings.dtype,
+        if self.plan.secondary is not None:  # hpZ: this rank's 1/m slice of each gathered bucket, refreshed
+            # by every forward gather
+            group.secondary = torch.zeros(layout.padded_numel // self.plan.secondary.size, dtype=self.settings.dtype,
                                           device=self.device)
         placement = self.settings.zero.offload_params
         if placement != "none":  # the shard lives on the host or in a file; each gather fetches it
@@ -165,38 +157,29 @@ class ParameterShardedEngine(DataParallelEngine):
         self.peak_gathered_elements = max(self.peak_gathered_elements, self._live)
 
     def _gather_buckets(self, shard, group, full, tag) -> list:
-        """One all-gather per bucket of the group's shard into `full` (on the side stream on GPU).
-        hpZ's backward gathers: of the node's secondary shards, over the node; qwZ: quantized (quantized at
-        launch, in flight like the others, dequantized when waited for), without quantize's host-reading
-        finiteness check (a step never publishes non-finite parameters: one
-        with a non-finite norm is skipped; a non-finite block would arrive non-finite, seen by the loss)."""
-        if self.hpz and tag == "params_bwd":
-            return [self.intra.all_gather(full[bucket.start:bucket.end], self._secondary(group, bucket), tag=tag,
-                                          async_op=True) for bucket in group.buckets]
-        if self.weight_spec is not None:  # in flight like a plain gather; dequantized when waited for
-            return [PendingCollective(quantized_all_gather(
-                full[bucket.start:bucket.end], self._piece(shard, bucket), self.dp.group, self.weight_spec,
-                self.comm_stats, tag, self.node, check_finite=False, async_op=True), self.comm_stats)
-                for bucket in group.buckets]
-        if self.stream is None:
-            return [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag=tag,
-                                       async_op=True) for bucket in group.buckets]
+        """One all-gather per bucket of the group's shard into `full`, as the plan has it for this phase (hpZ's
+        backward gathers from the node's secondary shards; qwZ's quantized); plain ones on the side stream on GPU."""
+        def gather_all():
+            return [self.plan.gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag,
+                                     secondary=self._secondary(group, bucket) if group.secondary is not None else None)
+                    for bucket in group.buckets]
+        if self.stream is None or not self.plan.gathers_plainly(tag):
+            return gather_all()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            handles = [self.dp.all_gather(full[bucket.start:bucket.end], self._piece(shard, bucket), tag=tag,
-                                          async_op=True) for bucket in group.buckets]
+            handles = gather_all()
         if any(handle is None for handle in handles):  # ran synchronously (one rank): order the streams
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return handles
 
     def _secondary(self, group, bucket):
         """The group's secondary shard of `bucket` (hpZ): its local-index slice of the bucket's elements."""
-        m = self.node.per_node
+        m = self.plan.secondary.size
         return group.secondary[bucket.start // m:bucket.end // m]
 
     def _keep_secondary(self, unit):
         """hpZ: after a forward gather, each group's local-index slice of every gathered bucket."""
-        m, local = self.node.per_node, self.node.local
+        m, local = self.plan.secondary.size, self.plan.secondary.rank
         for group, full in zip(unit.groups, unit.full):
             for bucket in group.buckets:
                 size = (bucket.end - bucket.start) // m
@@ -221,7 +204,7 @@ class ParameterShardedEngine(DataParallelEngine):
         if unit.full is None:
             return
         wait_all(unit.handles)
-        if self.hpz and unit.gather_tag != "params_bwd":
+        if self.plan.secondary is not None and unit.gather_tag != "params_bwd":
             self._keep_secondary(unit)
         self._fetched.pop(unit.index, None)
         for group in unit.groups:
@@ -369,6 +352,6 @@ class ParameterShardedEngine(DataParallelEngine):
         sharded = [group for unit in self.units for group in unit.groups]
         out = model_state_bytes(sharded, self.optimizer)
         out.update({"persistent_" + k: v for k, v in model_state_bytes(self._persistent, self.optimizer).items()})
-        if self.hpz:
+        if self.plan.secondary is not None:
             out["secondary_params"] = secondary_bytes(sharded)
         return out

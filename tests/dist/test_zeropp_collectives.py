@@ -29,8 +29,11 @@ def representable(seed: int, n: int, levels: int) -> torch.Tensor:
 def _ranks(rank, world):
     import torch.distributed as dist
 
-    from zero3d.comm.core import Comm, CommStats
-    from zero3d.comm.quantize import QuantSpec, p2p_all_to_all, quantized_all_gather, quantized_reduce_scatter
+    from zero3d.comm.core import Comm, CommStats, p2p_all_to_all, wait_all
+    from zero3d.comm.hierarchical import quantized_reduce_scatter
+    from zero3d.comm.modes import CommModes
+    from zero3d.comm.plan import CommPlan
+    from zero3d.comm.quantize import QuantSpec
     from zero3d.comm.topology import TopologyError, build_node_topology
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     out = {}
@@ -48,56 +51,44 @@ def _ranks(rank, world):
     tp_topo = build_node_topology(dp_groups[rank % 2], gpus_per_node=GPN)
     out["tp_topo"] = (tp_topo.node, tp_topo.per_node, tp_topo.intra_group, ranks_of(tp_topo.inter_group))
 
+    world = Comm(None, CommStats())
+    intra, inter = (Comm(g, CommStats(), gpus_per_node=GPN) for g in (topo.intra_group, topo.inter_group))
     for bits in (8, 4):
         spec = QuantSpec(bits, BLOCK)
         full = torch.empty(PSI)
-        quantized_all_gather(full, randn(rank, C), spec=spec)
+        world.all_gather_quantized(full, randn(rank, C), spec, "params")
         out[f"qwz{bits}"] = full.clone()
-        quantized_all_gather(full, representable(rank, C, 127 if bits == 8 else 7), spec=spec)
+        world.all_gather_quantized(full, representable(rank, C, 127 if bits == 8 else 7), spec, "params")
         out[f"qwz{bits}_exact"] = full.clone()
         piece = torch.empty(C)
-        quantized_reduce_scatter(piece, randn(100 + rank, PSI), topo, spec)
+        quantized_reduce_scatter(piece, randn(100 + rank, PSI), intra, inter, spec)
         out[f"qgz{bits}"] = piece.clone()
-        quantized_reduce_scatter(piece, representable(100 + rank, PSI, 127 if bits == 8 else 7), topo, spec)
+        quantized_reduce_scatter(piece, representable(100 + rank, PSI, 127 if bits == 8 else 7), intra, inter, spec)
         out[f"qgz{bits}_exact"] = piece.clone()
     # asynchronous (stage 3's prefetch): `full` untouched until wait(), then what the synchronous call gave
     full = torch.full((PSI,), float("nan"))
-    pending = quantized_all_gather(full, randn(rank, C), spec=QuantSpec(8, BLOCK), async_op=True)
+    pending = world.all_gather_quantized(full, randn(rank, C), QuantSpec(8, BLOCK), "params", async_op=True)
     dist.barrier()  # every rank's bytes have been sent: only the dequantization waits for wait()
     out["qwz8_async_before_wait"] = full.clone()
     pending.wait()
     out["qwz8_async"] = full.clone()
     full = torch.empty(PSI)  # fp16 scales: the bound holds with the stored (rounded-up) scale
-    quantized_all_gather(full, randn(rank, C), spec=QuantSpec(8, BLOCK, torch.float16))
+    world.all_gather_quantized(full, randn(rank, C), QuantSpec(8, BLOCK, torch.float16), "params")
     out["qwz8_fp16_scales"] = full
     a2a_in, a2a_out = torch.arange(8.0) + 10 * rank, torch.empty(8)
     p2p_all_to_all(a2a_out, a2a_in, None)  # the fallback of backends without all_to_all_single
     out["p2p"] = a2a_out
 
-    # one stage-3 step's collectives per mode, counted per link (fp32 values: 4 bytes)
-    spec_w, spec_g = QuantSpec(8, BLOCK), QuantSpec(4, BLOCK)
+    # one stage-3 step's collectives per mode, as the engine's CommPlan issues them, counted per link (fp32: 4 bytes)
     for mode in ZEROPP_MODES:
         stats = CommStats()
-        dp, intra, inter = (Comm(g, stats, gpus_per_node=GPN) for g in (None, topo.intra_group, topo.inter_group))
-        full, piece, node_piece = torch.randn(PSI), torch.randn(C), torch.randn(PSI // GPN)
-        hpz, qwz, qgz = "hpZ" in mode, "qwZ" in mode, "qgZ" in mode
-        if mode == "+hybrid":
-            intra.all_gather(full, node_piece, "params")
-            intra.all_gather(full, node_piece, "params_bwd")
-            intra.reduce_scatter(node_piece, full, "grads")
-            inter.all_reduce(node_piece, "grads")
-        else:
-            for tag in ("params", "params_bwd"):
-                if tag == "params_bwd" and hpz:
-                    intra.all_gather(full, node_piece, tag)
-                elif qwz:
-                    quantized_all_gather(full, piece, spec=spec_w, stats=stats, tag=tag, topology=topo)
-                else:
-                    dp.all_gather(full, piece, tag)
-            if qgz:
-                quantized_reduce_scatter(piece, full, topo, spec_g, stats=stats)
-            else:
-                dp.reduce_scatter(piece, full, "grads")
+        plan = CommPlan(CommModes.named("" if mode == "stage 3" else mode), None, stats, node=topo, quant_block=BLOCK)
+        shard = PSI // plan.shard.size  # hybrid: shards of the node
+        full, piece, secondary = torch.randn(PSI), torch.randn(shard), torch.randn(PSI // GPN)
+        for phase in ("params", "params_bwd"):
+            wait_all([plan.gather(full, piece, phase, secondary=secondary)])
+        plan.reduce_scatter(piece, full, async_op=False)
+        plan.sum_across_replicas([piece])
         out[mode] = stats.report()
     return out
 
@@ -169,12 +160,11 @@ def test_bytes_per_link_match_the_formulas(results):
     # stage 3: forward gather, backward gather, reduce-scatter: 3Ψb(N−1)/N / m = 3 · 1024 · 4 · 3/4 / 2
     assert plain == 3 * PSI * 4 * Fraction(3, 4) / 2 == 4608
     # qwZ+hpZ+qgZ: the int8 forward gather Ψ(1 + 4/64)(N−1)/N / m = 1024 · 17/16 · 3/4 / 2 = 408; the hpZ backward
-    # gather inside the node, 0; qgZ int4 across nodes, (k−1) chunks of Ψ/N (4/8 + 4/64) = 256 · 9/16 = 144
-    assert results[0]["qwZ+hpZ+qgZ"]["comm/inter_node_bytes"] == 408 + 144 == plain * Fraction(23, 192)
-    for mode in ZEROPP_MODES:
-        # the bare collectives agree on no overflow flag (the engine's qgZ does: comm_model counts it)
-        intra, inter = link_bytes([c for c in zeropp_collectives(mode, PSI, WORLD, GPN, value_bytes=4, block=BLOCK)
-                                   if "overflow flag" not in c.name])
+    # gather inside the node, 0; qgZ int4 across nodes, (k−1) chunks of Ψ/N (4/8 + 4/64) = 256 · 9/16 = 144, and its
+    # overflow flag, one fp32 all-reduced over N: 2 · 4 · 3/4 / 2 = 3
+    assert results[0]["qwZ+hpZ+qgZ"]["comm/inter_node_bytes"] == 408 + 144 + 3
+    for mode in ZEROPP_MODES:  # qgZ's overflow flag included: the plan issues it, comm_model counts it
+        intra, inter = link_bytes(zeropp_collectives(mode, PSI, WORLD, GPN, value_bytes=4, block=BLOCK))
         for r in results:
             report = r[mode]
             assert Fraction(report["comm/inter_node_bytes"]) == inter, mode
@@ -192,19 +182,23 @@ def _asymmetric_ranks(rank, world):
     count taken for the ranks per node, is no longer the same by symmetry), and qwZ at 6 ranks."""
     import torch.distributed as dist
 
-    from zero3d.comm.quantize import QuantSpec, quantized_all_gather, quantized_reduce_scatter
+    from zero3d.comm.core import Comm, CommStats
+    from zero3d.comm.hierarchical import quantized_reduce_scatter
+    from zero3d.comm.quantize import QuantSpec
     from zero3d.comm.topology import build_node_topology
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     out = {}
     for gpn in (3, 2):
         topo = build_node_topology(dist.group.WORLD, gpus_per_node=gpn, timeout=timedelta(seconds=60))
         out[gpn, "topo"] = (topo.nodes, topo.per_node, topo.node, topo.local)
+        intra, inter = (Comm(g, CommStats(), gpus_per_node=gpn) if g is not None else None
+                        for g in (topo.intra_group, topo.inter_group))
         for bits in (8, 4):
             piece = torch.empty(C)
-            quantized_reduce_scatter(piece, randn(200 + rank, WORLD6 * C), topo, QuantSpec(bits, BLOCK))
+            quantized_reduce_scatter(piece, randn(200 + rank, WORLD6 * C), intra, inter, QuantSpec(bits, BLOCK))
             out[gpn, bits] = piece
     full = torch.empty(WORLD6 * C)
-    quantized_all_gather(full, randn(300 + rank, C), spec=QuantSpec(8, BLOCK))
+    Comm(None, CommStats()).all_gather_quantized(full, randn(300 + rank, C), QuantSpec(8, BLOCK), "params")
     out["qwz8"] = full
     dist.destroy_process_group()
     return out

@@ -319,3 +319,41 @@ def test_the_checkpointer_is_handed_the_model_and_engine_once():
     for name, fn in inspect.getmembers(Checkpointer, inspect.isfunction):
         if name != "__init__":
             assert not {"model", "engine"} & set(inspect.signature(fn).parameters), name
+
+
+MODE_KEYS = ("secondary_partition", "hybrid", "quantize_weights", "quantize_gradients")
+
+
+def test_the_stages_never_read_a_communication_mode():
+    """The ZeRO++ modes reach the engine once, as its CommPlan (zero3d/comm/plan.py): no stage, bucket, gather or
+    engine module reads a mode's config key, builds a node Comm or quantizes (issue #35)."""
+    engine_files = ["engine.py", "whole_params.py", "stage0.py", "stage1.py", "stage2.py", "stage3.py", "buckets.py",
+                    "gather.py", "placement.py"]
+    found = []
+    for name in engine_files:
+        tree = ast.parse((REPO / "zero3d" / name).read_text())
+        found += [f"{name}:{node.lineno} reads .{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in MODE_KEYS + ("intra_group", "inter_group")]
+        found += [f"{name} imports {m}" for m, _ in imports(REPO / "zero3d" / name)
+                  if m in ("zero3d.comm.quantize", "zero3d.comm.hierarchical", "zero3d.comm.modes")]
+    assert found == []
+
+
+def test_one_in_flight_handle_type():
+    """Every asynchronous collective zero3d issues returns a comm.core.PendingCollective (its optional `then` step
+    does what a second handle class did: copy into place, dequantize)."""
+    waits = [f"{path.relative_to(REPO)}:{node.name}" for path in (REPO / "zero3d").rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)
+             and {"wait", "is_completed"} <= {f.name for f in node.body if isinstance(f, ast.FunctionDef)}]
+    assert waits == ["zero3d/comm/core.py:PendingCollective"]
+
+
+def test_one_vocabulary_of_communication_modes():
+    """The mode names ("+hpZ", "qwZ+hpZ+qgZ", ...) are built in zero3d/comm/modes.py only; the analysis, the planner
+    and the memory check read them through CommModes, never by matching strings."""
+    found = [f"{path.relative_to(REPO)}:{i}" for path in list((REPO / "zero3d").rglob("*.py")) +
+             list((REPO / "pretrain").rglob("*.py")) if path.name != "modes.py"
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if any(f'"{s}"' in line or f"'{s}'" in line for s in ("+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ",
+                                                                    "hpZ", "qwZ", "qgZ"))]
+    assert found == []

@@ -4,6 +4,8 @@ from fractions import Fraction
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from zero3d.comm.modes import CommModes, stage_modes
+
 
 @dataclass(frozen=True)
 class Links:
@@ -108,9 +110,14 @@ def dp_elements_per_step(stage: int, psi: int, dp: int, accumulation: int = 1) -
 
 # The modes the engine runs at each stage ("" = plain): hybrid sharding (zero.hybrid = "node") at 1-3,
 # qgZ (zero.quantize_gradients) at 2-3, hpZ (zero.secondary_partition) and qwZ (zero.quantize_weights) at 3
-STAGE_MODES = {0: ("",), 1: ("", "+hybrid"), 2: ("", "+hybrid", "+qgZ"),
-               3: ("", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")}
-ZEROPP_MODES = ("stage 3",) + STAGE_MODES[3][1:]  # the --zeropp report's rows ("stage 3" = plain)
+STAGE_MODES = {stage: stage_modes(stage) for stage in range(4)}  # names: zero3d/comm/modes.py
+PLAIN_ROW = "stage 3"
+ZEROPP_MODES = (PLAIN_ROW,) + STAGE_MODES[3][1:]  # the --zeropp report's rows (PLAIN_ROW: plain stage 3)
+
+
+def row_mode(row: str) -> str:
+    """The mode name of a --zeropp report row ("" for plain stage 3)."""
+    return "" if row == PLAIN_ROW else row
 
 
 @dataclass(frozen=True)
@@ -187,10 +194,10 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     stage 3: per micro-batch a forward and a backward all-gather (A·G calls each) and a reduce-scatter
     (A·B calls), Ψb(N−1)/N each: per node 3AΨb(N−1)/N across nodes. +hpZ: the backward all-gather runs
     inside the node from the node's secondary shards: AΨb(m−1)/m, all intra. +qwZ: both all-gathers send
-    AΨq_w(N−1)/N. +qgZ (stages 2, 3): each reduce-scatter is quantization.quantized_reduce_scatter's two
+    AΨq_w(N−1)/N. +qgZ (stages 2, 3): each reduce-scatter is comm/hierarchical.py's two
     all-to-alls: inside the node (m−1) chunks of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g
     (m−1 and k−1 steps per bucket), after a one-element fp32 all-reduce per bucket over the N ranks (the
-    ranks agree whether any holds a non-finite gradient: quantize.overflow_safe_quantized_reduce_scatter), its
+    ranks agree whether any holds a non-finite gradient: hierarchical.overflow_safe_quantized_reduce_scatter), its
     bytes counted as a ring's and its latency as a tree's (2·⌈log2 N⌉ steps).
     qwZ+hpZ+qgZ: the three together. `pieces`: the flat buffers' padded bucket sizes (each a multiple of N,
     summing to Ψ); given, every quantized chunk counts whole blocks, as the wire carries it (exact at any
@@ -218,11 +225,12 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
         buckets = len(pieces)
     n, m, k, a = dp, per_node, dp // per_node, accumulation
     full = Fraction(psi * value_bytes)
-    hpz, qwz, qgz = "hpZ" in mode, "qwZ" in mode, "qgZ" in mode
-    if mode == "+hybrid":
+    modes = CommModes.named(mode)
+    hpz, qwz, qgz, hybrid = modes.secondary_partition, modes.weight_bits is not None, modes.grad_bits is not None, modes.hybrid
+    if hybrid:
         n = m  # sharded inside the node: every ring below runs over the node's m ranks
     ring = Fraction(n - 1, n)
-    where = " (node)" if mode == "+hybrid" else ""
+    where = " (node)" if hybrid else ""
     grad_rs = [_ring("reduce_scatter" + where, full * ring * (a if stage >= 2 else 1), n, m,
                      buckets * (a if stage >= 2 else 1), "grads")]
     if qgz:
@@ -249,7 +257,7 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
         else:
             out.append(_ring("all_gather bwd" + tag, gather * a, n, m, a * gathers, "params"))
         out += grad_rs
-    if mode == "+hybrid" and k > 1:
+    if hybrid and k > 1:
         out.append(LinkCollective("all_reduce (across nodes)", Fraction(0), 2 * full / m * Fraction(k - 1, k),
                                   buckets * 2 * (k - 1), buckets, "replicas"))
     return out
@@ -259,7 +267,7 @@ def zeropp_collectives(mode: str, psi: int, dp: int, per_node: int, **kwargs) ->
     """Stage 3's collectives in a --zeropp report row (ZEROPP_MODES: "stage 3" is plain): dp_collectives."""
     if mode not in ZEROPP_MODES:
         raise ValueError(f"mode {mode!r} is invalid; valid: {', '.join(ZEROPP_MODES)}")
-    return dp_collectives(3, "" if mode == "stage 3" else mode, psi, dp, per_node, **kwargs)
+    return dp_collectives(3, row_mode(mode), psi, dp, per_node, **kwargs)
 
 
 def link_bytes(collectives: list) -> tuple[Fraction, Fraction]:

@@ -5,6 +5,7 @@ from fractions import Fraction
 from typing import Optional
 
 from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
+from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
@@ -79,10 +80,10 @@ def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: st
     one home (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the
     parameters; hybrid's sharded states over m instead of N ranks, (b_p + b_g + K)Ψ(1/m − 1/N) at stage 3,
     (b_g + K)Ψ(1/m − 1/N) at stage 2, KΨ(1/m − 1/N) at stage 1 (model_state_bytes' shards)."""
-    p = PRECISIONS[precision]
-    if mode in ("+hpZ", "qwZ+hpZ+qgZ"):
+    p, modes = PRECISIONS[precision], CommModes.named(mode)
+    if modes.secondary_partition:
         return psi * p.param_bytes / per_node
-    if mode == "+hybrid":
+    if modes.hybrid:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage {stage} is invalid for +hybrid; valid: 1, 2, 3 (stage 0 shards nothing)")
         return sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision)) - \
@@ -320,7 +321,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
                                                                   precision))
     if secondary_partition:
-        param += extra_state_bytes("+hpZ", psi, dp, dp_per_node, precision)
+        param += extra_state_bytes(CommModes(secondary_partition=True).name, psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
     layer_bytes = shape.layer_activation_bytes(micro_batch, tp, e, attention_state_bytes(

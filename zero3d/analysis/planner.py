@@ -10,6 +10,7 @@ from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FR
                                       gpt_param_count, largest_fitting_layers, paper_shape)
 from zero3d.analysis.gpt_shape import GPTShape
 from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
+from zero3d.comm.modes import CommModes
 
 GPT2_VOCAB = 50257
 PAPER_SEQ = 1024  # the only sequence length the paper uses
@@ -48,10 +49,8 @@ class ZeroChoice:
 OFFLOAD_TIERS = (("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cpu"), ("nvme", "nvme"))
 
 # Node-aware modes the planner weighs per stage besides plain (comm_model.STAGE_MODES: hybrid at 1-3, qgZ at
-# 2-3, hpZ / qwZ at 3), and those that need >= 2 DP ranks per node (hpZ's secondary shard, hybrid's
-# node-local sharding)
+# 2-3, hpZ / qwZ at 3); those that need >= 2 DP ranks per node (CommModes.needs_two_per_node) only where a node has them
 PLANNER_MODES = {stage: modes[1:] for stage, modes in STAGE_MODES.items()}
-NODE_MODES = ("+hpZ", "qwZ+hpZ+qgZ", "+hybrid")
 
 
 def dp_per_node(cluster: Cluster, gpus: int, tp: int) -> int:
@@ -202,7 +201,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
                     modes = [""]
                     if not zero.offloaded and zero.offload_params == "none":
                         m = dp_per_node(cluster, gpus, tp)
-                        modes += [z for z in PLANNER_MODES[stage] if m >= 2 or z not in NODE_MODES]
+                        modes += [z for z in PLANNER_MODES[stage] if m >= 2 or not CommModes.named(z).needs_two_per_node]
                     for mode in modes:
                         found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
                                                 step_batch, dp, bucket_elements, margin_fraction)
@@ -236,7 +235,8 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                       precision=shape["precision"], tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
                       pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements,
                       gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction,
-                      secondary_partition="hpZ" in zero.zeropp, hybrid=zero.zeropp == "+hybrid",
+                      secondary_partition=CommModes.named(zero.zeropp).secondary_partition,
+                      hybrid=CommModes.named(zero.zeropp).hybrid,
                       dp_per_node=dp_per_node(cluster, shape["gpus"], tp))
     offload = None
     if zero.offloaded:

@@ -2,7 +2,8 @@
 from dataclasses import dataclass
 
 from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster, ClusterSpec
-from zero3d.analysis.comm_model import ZEROPP_MODES, collectives_per_pass, link_bytes, link_seconds, zeropp_collectives
+from zero3d.analysis.comm_model import (ZEROPP_MODES, collectives_per_pass, link_bytes, link_seconds, row_mode,
+                                       zeropp_collectives)
 from zero3d.analysis.estimate import DEFAULT_BUCKET_ELEMENTS, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
 from zero3d.analysis.paper_configs import load_paper_runs
 from zero3d.analysis.flops import gpt_flops_per_step
@@ -40,7 +41,7 @@ def predict(machine: Cluster, *, layers: int, hidden: int, heads: int, gpus: int
                                    accumulation=accumulation, buckets=buckets, gathers=gathers)
         intra, inter = link_bytes(colls)
         comm = sum(link_seconds(c, links) for c in colls)
-        extra = extra_state_bytes(mode, psi, dp, per_node)
+        extra = extra_state_bytes(row_mode(mode), psi, dp, per_node)
         rows.append(dict(mode=mode, intra_bytes=float(intra), inter_bytes=float(inter), comm_s=comm,
                          serial_s=compute + comm, overlapped_s=max(compute, comm), extra_bytes=extra,
                          fits=memory.total_bytes + extra <= machine.gpu_memory_bytes))

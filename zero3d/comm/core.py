@@ -3,10 +3,13 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from zero3d.comm.quantize import QuantSpec, pack, unpack_into
 
 
 def all_gather_single(**kwargs):
@@ -75,7 +78,7 @@ class CommStats:
         """Note the completion time of every in-flight collective that has finished by now."""
         now = time.perf_counter()
         for pending in self.in_flight:
-            if pending.done_at is None and pending.work.is_completed():
+            if pending.done_at is None and pending.is_completed():
                 pending.done_at = now
                 self.seconds += now - pending.launched_at
         self.in_flight = [p for p in self.in_flight if p.done_at is None]
@@ -137,42 +140,35 @@ def ring_link_split(nbytes: Fraction, nodes: list) -> tuple[Fraction, Fraction]:
 
 
 class PendingCollective:
-    """An asynchronous collective in flight: its torch work handle and when it was launched."""
+    """A collective in flight — one torch work, or several acting as one (gloo's reduce-scatter as reduces) —
+    when it was launched, and an optional step run once after it completes (a copy into place, a
+    dequantization): the one handle type zero3d's asynchronous collectives return."""
 
-    def __init__(self, work, stats: CommStats):
-        self.work, self.stats = work, stats
+    def __init__(self, works, stats: CommStats, then: Optional[Callable[[], None]] = None):
+        self.works = list(works) if isinstance(works, (list, tuple)) else [works]
+        self.stats, self.then = stats, then
         self.launched_at = time.perf_counter()
         self.done_at: Optional[float] = None
         stats.in_flight.append(self)
 
-    def wait(self) -> None:
-        if self.done_at is not None:  # seen complete by poll(): only surface a failure, if any
-            self.work.wait()
-            return
-        started = time.perf_counter()
-        self.work.wait()
-        self.done_at = time.perf_counter()
-        self.stats.exposed_seconds += self.done_at - started
-        self.stats.seconds += self.done_at - self.launched_at
-        self.stats.in_flight = [p for p in self.stats.in_flight if p is not self]
-
-
-class WorkGroup:
-    """Several torch works acting as one collective (then, optionally, a copy of the result)."""
-
-    def __init__(self, works: list, copy_to=None, copy_from=None):
-        self.works, self.copy_to, self.copy_from = works, copy_to, copy_from
-
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        if self.copy_to is not None:
-            self.copy_to.copy_(self.copy_from)
-            self.copy_to = None
-        return True
+    def wait(self) -> None:
+        if self.done_at is None:
+            started = time.perf_counter()
+            for work in self.works:
+                work.wait()
+            self.done_at = time.perf_counter()
+            self.stats.exposed_seconds += self.done_at - started
+            self.stats.seconds += self.done_at - self.launched_at
+            self.stats.in_flight = [p for p in self.stats.in_flight if p is not self]
+        else:  # seen complete by poll(): only surface a failure, if any
+            for work in self.works:
+                work.wait()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class Comm:
@@ -231,14 +227,8 @@ class Comm:
         works = [dist.reduce(full[owner * size:(owner + 1) * size], dst=self._global_ranks[owner],
                              group=self.group, async_op=True) for owner in range(self.size)]
         mine = full[self.rank * size:(self.rank + 1) * size]
-        work = WorkGroup(works, copy_to=None if same_memory(piece, mine) else piece, copy_from=mine)
-        if async_op:
-            return PendingCollective(work, self.stats)
-        started = time.perf_counter()
-        work.wait()
-        self.stats.seconds += time.perf_counter() - started
-        self.stats.exposed_seconds += time.perf_counter() - started
-        return None
+        pending = PendingCollective(works, self.stats, then=None if same_memory(piece, mine) else partial(piece.copy_, mine))
+        return pending if async_op else pending.wait()
 
     def all_gather(self, full: torch.Tensor, piece: torch.Tensor, tag: str, async_op=False):
         self._record("all_gather", tag, full)
@@ -247,6 +237,48 @@ class Comm:
                 full.copy_(piece)
             return None
         return self._issue(all_gather_single, async_op, output_tensor=full, input_tensor=piece)
+
+    def all_gather_quantized(self, full: torch.Tensor, piece: torch.Tensor, spec: QuantSpec, tag: str,
+                             async_op=False, check_finite=True):
+        """qwZ: every rank's `piece` quantized (zero3d/comm/quantize.py), all-gathered as codes + scales,
+        dequantized into `full` (piece r at full[r·n:(r+1)·n]) — after `wait()` when `async_op`. Counted as a
+        ring all-gather of the quantized bytes. `check_finite=False` skips quantize's host-reading refusal:
+        a block holding a non-finite value then arrives non-finite throughout, never as finite garbage."""
+        n = piece.numel()
+        if full.numel() != n * self.size:
+            raise ValueError(f"full has {full.numel()} elements; expected {self.size} × {n} (group size × piece)")
+        buf = pack(piece, spec, check_finite)
+        if self.size > 1:
+            nbytes = Fraction(buf.numel() * self.size * (self.size - 1), self.size)
+            self.stats.record("quantized_all_gather", tag, Fraction(n * (self.size - 1)), nbytes,
+                              ring_link_split(nbytes, self._nodes) if self._nodes is not None else None)
+        gathered = torch.empty(self.size * buf.numel(), dtype=torch.uint8, device=buf.device)
+        work = all_gather_single(output_tensor=gathered, input_tensor=buf, group=self.group, async_op=async_op)
+        dequantize = partial(unpack_into, full, gathered, self.size, spec)
+        if async_op:
+            return PendingCollective(work, self.stats, then=dequantize)
+        dequantize()
+        return None
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, tag: str, op: str = "all_to_all",
+                   elements: Optional[Fraction] = None) -> None:
+        """Equal-split all-to-all (synchronous): row p of `inp` (viewed [size, -1]) goes to group rank p, row
+        p of `out` comes from it. Counted exactly per peer: (size − 1) rows sent, intra- or inter-node by the
+        peer's node; `elements`: the logical elements they stand for (quantized codes: fewer than bytes)."""
+        row_bytes = inp.numel() // self.size * inp.element_size()
+        if self.size > 1:
+            mine = self._nodes[self.rank] if self._nodes is not None else None
+            inter = sum(row_bytes for p in range(self.size) if p != self.rank and self._nodes is not None
+                        and self._nodes[p] != mine)
+            sent = Fraction(row_bytes * (self.size - 1))
+            self.stats.record(op, tag, Fraction(inp.numel() // self.size * (self.size - 1)) if elements is None
+                              else Fraction(elements), sent,
+                              (sent - inter, Fraction(inter)) if self._nodes is not None else None)
+        started = time.perf_counter()
+        all_to_all(out, inp, self.group)
+        spent = time.perf_counter() - started
+        self.stats.seconds += spent
+        self.stats.exposed_seconds += spent
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -266,3 +298,30 @@ def wait_all(handles: list) -> None:
 
 def is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Equal-split all-to-all: torch's all_to_all_single where the backend has it (gloo does in torch
+    2.13), else the same bytes as paired sends and receives to every peer."""
+    try:
+        dist.all_to_all_single(out, inp, group=group)
+        return
+    except (RuntimeError, NotImplementedError) as err:
+        if "all_to_all" not in str(err) and "alltoall" not in str(err).lower():
+            raise
+    p2p_all_to_all(out, inp, group)
+
+
+def p2p_all_to_all(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """all_to_all_single as one isend/irecv pair per peer (the same bytes on the same links)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    ins, outs = inp.view(size, -1), out.view(size, -1)
+    outs[rank].copy_(ins[rank])
+    ops = []
+    for peer in range(1, size):
+        to, frm = (rank + peer) % size, (rank - peer) % size
+        g_to, g_frm = (dist.get_global_rank(group, r) if group is not None else r for r in (to, frm))
+        ops += [dist.P2POp(dist.isend, ins[to].contiguous(), g_to, group),
+                dist.P2POp(dist.irecv, outs[frm], g_frm, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
