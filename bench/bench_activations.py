@@ -43,14 +43,14 @@ def bench_rank(rank, world_size, args):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from pretrain.config import load_config
     from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     from pretrain.train import Batches, engine_settings
 
     base = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", "model.num_attention_heads=8",
             f"model.seq_length={args.seq}", "model.vocab_size=1024", "model.recompute=full",
             f"train.micro_batch_size={args.mbs}", f"train.global_batch_size={args.mbs * world_size // args.tp}",
             f"parallel.tensor={args.tp}", "optimizer.warmup_steps=0", "logging.wandb=false"]
-    topo = init_topology(load_config(None, base))
+    topo = init_layout(load_config(None, base))
     rows = []
     for name, stage, label, flags in ROWS:
         extra = [f"zero.stage={stage}"]

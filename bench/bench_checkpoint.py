@@ -35,14 +35,14 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
     from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_loss
-    from pretrain.runtime.topology import destroy_topology, init_topology
+    from pretrain.runtime.layout import destroy_layout, init_layout
     from pretrain.train import engine_settings, layout_signature
 
     cfg = load_config(None, [f"model.num_layers={layers}", f"model.hidden_size={hidden}",
                              "model.num_attention_heads=8", "model.seq_length=64", "model.vocab_size=1024",
                              "train.micro_batch_size=1", f"train.global_batch_size={world_size}",
                              f"zero.stage={args.stage}", "optimizer.warmup_steps=0", "logging.wandb=false"])
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     try:
         model = build_model(cfg, topo.device)
         psi = sum(p.numel() for p in model.parameters())  # TP 1: the whole model (before stage 3 frees it)
@@ -65,7 +65,7 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
                          "bytes": ckpt.report()["ckpt/bytes"]})
         return {"rows": rows, "psi": psi}
     finally:
-        destroy_topology()
+        destroy_layout()
 
 
 def main(argv=None):

@@ -228,14 +228,14 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
     from megatron.core import parallel_state
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, parallel_groups
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     from pretrain.train import engine_settings, loss_share, run_micro_batches, step_mean_loss
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     cfg = load_config(None, model_overrides(shape) + [
         f"train.micro_batch_size={shape['micro']}", f"train.global_batch_size={shape['micro']}",
         f"precision.dtype={shape['dtype']}", "zero.stage=2", f"optimizer.lr={LR}", "logging.wandb=false"])
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     tokens, losses = tokens_batch(shape, topo.device), []

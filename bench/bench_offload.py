@@ -41,7 +41,7 @@ MB = 2**20
 def build(args, system):
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
                  f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
                  f"model.vocab_size={args.vocab}", f"train.micro_batch_size={args.micro}",
@@ -53,7 +53,7 @@ def build(args, system):
         if placement == "nvme":
             overrides += [f"zero.nvme_path={args.nvme_path}", f"zero.nvme_buffer_bytes={args.nvme_buffer_mb * MB}"]
     cfg = load_config(None, overrides)
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     return cfg, topo, build_model(cfg, topo.device)
 
 

@@ -166,7 +166,7 @@ def DEEPSPEED_ZEROPP(gpus_per_node: int) -> dict:  # noqa: N802 - a table, by th
 def build(args, system):
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     overrides = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
                  f"model.num_attention_heads={args.heads}", f"model.seq_length={args.seq}",
                  f"model.vocab_size={args.vocab}", f"train.micro_batch_size={args.micro}",
@@ -179,7 +179,7 @@ def build(args, system):
     if TREE != REPO:  # --before: an older tree runs without the keys it does not have yet
         overrides = keys_the_tree_has(overrides)
     cfg = load_config(None, overrides)
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     return cfg, topo, build_model(cfg, topo.device)
 
 

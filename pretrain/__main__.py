@@ -116,8 +116,8 @@ def main(argv=None) -> int:
         return code
     finally:
         if training:
-            from pretrain.runtime.topology import destroy_topology
-            destroy_topology()
+            from pretrain.runtime.layout import destroy_layout
+            destroy_layout()
     if result["stopped_early"] and rank == 0:  # one line from rank 0, not only torchrun's FAILED block
         print(f"stopped by a signal (SIGINT/SIGUSR1/SIGTERM) after step {result['end_step']} of {cfg.train.steps}: "
               f"checkpoint step_{result['end_step']:08d} saved, status.json \"interrupted\"; run the same command "

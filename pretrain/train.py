@@ -32,7 +32,7 @@ from pretrain.pipeline import pipeline_micro_batches
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text
 from pretrain.runtime.status import record_failure, write_status
-from pretrain.runtime.topology import Topology, init_topology, launcher_env, lost_peers
+from pretrain.runtime.layout import Layout, init_layout, launcher_env, lost_peers
 from pretrain.runtime.lifecycle import abort_now, resume_line, say, start_run, start_watchdog
 from pretrain.runtime.watchdog import Watchdog
 
@@ -45,7 +45,7 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
 
 
-def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, forward_only=False) -> list:
+def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Layout, forward_only=False) -> list:
     """Forward (and backward, loss ÷ accumulation) of each micro-batch; returns this rank's losses
     (none on pipeline stages that do not compute the loss). With loss masks each loss is its masked sum ÷
     the step's mean unmasked count per micro-batch (pretrain.data.batch.loss_tokens)."""
@@ -61,11 +61,11 @@ def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Topology, 
     return losses
 
 
-def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Topology) -> list:
+def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Layout) -> list:
     return run_micro_batches(engine, [batches.get(step, i) for i in range(topo.grad_accum)], cfg, topo)
 
 
-def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology,
+def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Layout,
                stop_requested: Callable[[], bool] = lambda: False, save_written: Callable[[], bool] = lambda: False):
     """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult, stop agreed,
     pending save written on every rank)."""
@@ -76,7 +76,7 @@ def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Topology,
     return out
 
 
-def finish_step(engine, losses: list, step: int, cfg: Config, topo: Topology,
+def finish_step(engine, losses: list, step: int, cfg: Config, topo: Layout,
                 stop_requested: Callable[[], bool] = lambda: False, save_written: Callable[[], bool] = lambda: False):
     """The engine's step after the micro-batches' backward: (mean loss, StepResult, stop agreed, pending
     save written on every rank).
@@ -97,7 +97,7 @@ def finish_step(engine, losses: list, step: int, cfg: Config, topo: Topology,
     return step_mean_loss(result, topo), result, result.sums[1] > 0, result.sums[2] == topo.world_size
 
 
-def loss_share(losses: list[torch.Tensor], topo: Topology) -> torch.Tensor:
+def loss_share(losses: list[torch.Tensor], topo: Layout) -> torch.Tensor:
     """This rank's share of the step's loss sum, fp64 on the device, for `engine.step(lr, sums=...)`, which
     sums it over every rank: the sum of its micro-batch losses on the last pipeline stage's TP rank 0,
     0 elsewhere (TP ranks hold the same loss, megatron's vocab-parallel cross-entropy all-reduces it over
@@ -108,13 +108,13 @@ def loss_share(losses: list[torch.Tensor], topo: Topology) -> torch.Tensor:
     return value
 
 
-def step_mean_loss(result: zero3d.StepResult, topo: Topology) -> float:
+def step_mean_loss(result: zero3d.StepResult, topo: Layout) -> float:
     """The step's mean loss over micro-batches and DP ranks from `loss_share`'s world sum (the same
     value as `mean_loss`, without its all-reduce and read)."""
     return result.sums[0] / (topo.grad_accum * topo.dp)
 
 
-def mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
+def mean_loss(losses: list[torch.Tensor], topo: Layout) -> float:
     """The mean over micro-batches and DP ranks, computed on the last pipeline stage, known to all
     (its own all-reduce and host read: `evaluate`; a training step uses `loss_share`)."""
     value = torch.zeros(1, dtype=torch.float64, device=topo.device)
@@ -129,7 +129,7 @@ def mean_loss(losses: list[torch.Tensor], topo: Topology) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
+def evaluate(engine, valid, cfg: Config, topo: Layout) -> float:
     """Mean loss over eval_iters global batches (Megatron's evaluation): the first eval_iters × G
     validation samples, each DP rank its share, so the value does not depend on the layout."""
     engine.eval()
@@ -142,7 +142,7 @@ def evaluate(engine, valid, cfg: Config, topo: Topology) -> float:
     return mean_loss(losses, topo)
 
 
-def build_and_wrap(cfg: Config, topo: Topology, initial=None, **seams):
+def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats;
     `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them."""
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
@@ -155,7 +155,7 @@ def build_and_wrap(cfg: Config, topo: Topology, initial=None, **seams):
     return model, engine, activations
 
 
-def layout_signature(cfg: Config, topo: Topology) -> dict:
+def layout_signature(cfg: Config, topo: Layout) -> dict:
     """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
     return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp,
             "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
@@ -182,7 +182,7 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
         check_paths(cfg)
         if cfg.train.save_final_hf:
             check_save_final_hf(cfg)
-        topo = init_topology(cfg, launch)
+        topo = init_layout(cfg, launch)
         result = run_training(cfg, topo, progress)
     except BaseException as err:
         if progress["started"]:
@@ -210,7 +210,7 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
 
 
 
-def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
+def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     from pretrain.checkpoint.hf_tokenizer import tokenizer_record
     from pretrain.data.datasets import open_datasets, prepare_files
 
@@ -288,7 +288,7 @@ def run_training(cfg: Config, topo: Topology, progress: dict) -> dict:
 class LoopParts:
     """What the step loop works with, built once by run_training."""
     cfg: Config
-    topo: Topology
+    topo: Layout
     engine: object
     model: object
     batches: Batches

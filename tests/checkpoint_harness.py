@@ -7,7 +7,7 @@ from gpt_harness import BASE, SyntheticTokens
 from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity
 from pretrain.config import load_config
 from pretrain.model.gpt import build_model, parallel_groups
-from pretrain.runtime.topology import destroy_topology, init_topology
+from pretrain.runtime.layout import destroy_layout, init_layout
 from pretrain.train import Batches, engine_settings, forward_backward, layout_signature, mean_loss
 
 # 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.
@@ -32,7 +32,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
     import os
     import signal
     cfg = load_config(None, CKPT_BASE + list(overrides))
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     try:
         model = build_model(cfg, topo.device)
         psi = sum(p.numel() for p in model.parameters())  # before stage 3 frees them
@@ -76,7 +76,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         dist.barrier()
         return out
     finally:
-        destroy_topology()
+        destroy_layout()
 
 
 def rng_snapshot() -> dict:

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import zero3d
 from pretrain.config import load_config
 from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
-from pretrain.runtime.topology import init_topology
+from pretrain.runtime.layout import init_layout
 from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
 
 BUCKET_ELEMENTS = 4000  # zero.bucket_elements of every run unless overridden
@@ -57,7 +57,7 @@ def init_by_global_name(model) -> None:
 def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout_free_init=False):
     """Train `steps` steps; returns losses, grad norms, skips, final TP-local params, bytes, comm."""
     cfg = load_config(None, BASE + list(overrides))
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
     if layout_free_init:

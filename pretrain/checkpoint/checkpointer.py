@@ -29,7 +29,7 @@ from pretrain.checkpoint.recovery import PENDING, publish_step_dir, written_reco
 from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
                                          parameter_names, sharded_state)
 from pretrain.runtime.agreement import from_rank0
-from pretrain.runtime.topology import layout_text
+from pretrain.runtime.layout import layout_text
 from pretrain.sections import ModelConfig
 from zero3d import sharded_state as engine_state
 

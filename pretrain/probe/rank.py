@@ -7,11 +7,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 import megatron_patches
-from pretrain.config import Config, ConfigError, validate_layout
-from pretrain.runtime.topology import Topology
+from pretrain.config import Config, ConfigError
+from pretrain.runtime.layout import Layout, destroy_layout, init_layout, start_fake
 from pretrain.schedule import lr_at
 from pretrain.train import Batches, build_and_wrap, forward_backward
 from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
@@ -21,7 +20,7 @@ from zero3d.optim import fused_adamw
 # Fake tensors hold no values; the engine's one host read (the squared gradient norm) gets this
 # finite value, so every step takes the non-overflow path (clip, optimizer step, publish).
 FAKE_SQUARED_GRAD_NORM = 1.0
-_state: dict = {}  # what fake_topology set up and release_topology undoes
+_state: dict = {}  # what probe_rank set up and release_layout undoes
 
 
 class SyntheticTokens:
@@ -66,59 +65,9 @@ def casts_by_set_data():
         torch.nn.Module.to = original
 
 
-def fake_topology(cfg: Config, world_size: int, rank: int, device: torch.device) -> Topology:
-    """torch.distributed on the `fake` backend as rank `rank` of `world_size`, megatron's groups on it."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    grad_accum = validate_layout(cfg, world_size)
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"--rank {rank} is invalid; valid ranks: 0 .. {world_size - 1}")
-    if dist.is_initialized():
-        raise RuntimeError("the probe needs a process without torch.distributed initialised")
-    _state["undo_cpu_patches"] = device.type == "cpu" and not megatron_patches.cpu_patches_applied()
-    megatron_patches.apply(device.type)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
-                                             pipeline_model_parallel_size=cfg.parallel.pipeline,
-                                             create_gloo_process_groups=False)
-    torch.manual_seed(cfg.train.seed)
-    model_parallel_cuda_manual_seed(cfg.train.seed)
-    ps = parallel_state
-    node = fake_node_topology(ps.get_data_parallel_group(), cfg.cluster.gpus_per_node) \
-        if cfg.zero.node_aware() else None
-    return Topology(node=node, gpus_per_node=cfg.cluster.gpus_per_node,
-                    rank=rank, world_size=world_size, local_rank=0, tp=cfg.parallel.tensor,
-                    pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
-                    tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-                    dp_rank=ps.get_data_parallel_rank(), grad_accum=grad_accum, device=device,
-                    dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-                    pp_group=ps.get_pipeline_model_parallel_group())
-
-
-def fake_node_topology(dp_group, gpus_per_node: int):
-    """The DP group's NodeTopology on the fake backend, which has no all_gather_object: this rank's own
-    intra- and inter-node groups, from the same rank arithmetic (zero3d.comm.topology.topology_of)."""
-    from zero3d.comm.topology import TopologyError, topology_of
-    mine = dist.get_process_group_ranks(dp_group)
-    try:
-        node = topology_of(mine.index(dist.get_rank()), mine, gpus_per_node)
-    except TopologyError as err:
-        raise ConfigError(str(err)) from None
-    for name, ranks in (("intra_group", node.intra_ranks()), ("inter_group", node.inter_ranks())):
-        setattr(node, name, dist.new_group([mine[d] for d in ranks]) if len(ranks) > 1 else None)
-    return node
-
-
-def release_topology() -> None:
-    """Undo fake_topology: megatron's groups, the process group, and the CPU patches it applied."""
-    from megatron.core import parallel_state
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def release_layout() -> None:
+    """Undo probe_rank's init_layout: megatron's groups, the process group, and the CPU patches it applied."""
+    destroy_layout()
     if _state.pop("undo_cpu_patches", False):
         megatron_patches.undo_cpu_patches()
 
@@ -219,7 +168,7 @@ def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
                           "do not hold; probe with --real, or without quantization (it adds no model states)")
 
 
-def run_rank_steps(cfg: Config, topo: Topology, steps: int, fake: bool) -> RankRun:
+def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun:
     """Build, wrap and train `steps` steps on this rank, as pretrain.train does, under the tracker."""
     refuse_file_offload_on_fake_tensors(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
@@ -303,11 +252,15 @@ def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool =
         else torch.device("cpu")
     if device.type == "cuda" and cap_bytes:
         cap_device_memory(device, cap_bytes)
-    topo = fake_topology(cfg, world_size, rank, device)
+    _state["undo_cpu_patches"] = device.type == "cpu" and not megatron_patches.cpu_patches_applied()
+    # the launcher's view of a job that does not exist: this rank, and cluster.gpus_per_node ranks a node
+    launch = dict(rank=rank, world_size=world_size, local_rank=0,
+                  env={"LOCAL_WORLD_SIZE": str(cfg.cluster.gpus_per_node)})
+    topo = init_layout(cfg, launch, device=device, start=start_fake)
     try:
         return run_rank_steps(cfg, topo, steps, fake=not real)
     finally:
-        release_topology()
+        release_layout()
 
 
 def rss_bytes() -> int:

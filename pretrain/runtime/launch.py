@@ -2,7 +2,7 @@
 import os
 import re
 import socket
-from typing import Optional
+from typing import Mapping, Optional
 
 from pretrain.errors import InputError
 
@@ -109,6 +109,45 @@ def launcher_env() -> dict:
             local_rank=_env_int("SLURM_LOCALID", "0"), master_addr=env.get("MASTER_ADDR", nodes[0]),
             master_port=port))
     return dict(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=str(free_port()))
+
+
+class NodeSizeError(ValueError):
+    """The ranks per node are unknown, unreadable in the launcher's variables, or invalid."""
+
+
+def launcher_gpus_per_node(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """Ranks per node as the launcher states it in `env` (default: this process's environment):
+    SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE ("8(x4)" or "8,8"; uneven counts are refused), else
+    torchrun's LOCAL_WORLD_SIZE; None if none is set."""
+    env = os.environ if env is None else env
+    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        counts = set()
+        for part in value.split(","):
+            m = re.fullmatch(r"(\d+)(?:\(x\d+\))?", part.strip())
+            if not m:
+                raise NodeSizeError(f"{name} = {value!r} is invalid; expected counts like '8', '8(x4)' or '8,8'")
+            counts.add(int(m.group(1)))
+        if len(counts) != 1 or min(counts) < 1:
+            raise NodeSizeError(f"{name} = {value!r}: nodes run different numbers of ranks; "
+                                "zero3d needs the same count on every node (or give gpus_per_node)")
+        return counts.pop()
+    return None
+
+
+def resolve_gpus_per_node(gpus_per_node: Optional[int] = None, env: Optional[Mapping[str, str]] = None) -> int:
+    """The explicit `gpus_per_node` wins (4 CPU ranks as 2 nodes × 2); else the launcher's count in `env`."""
+    if gpus_per_node is not None:
+        if type(gpus_per_node) is not int or gpus_per_node < 1:
+            raise NodeSizeError(f"gpus_per_node = {gpus_per_node!r} is invalid; must be an integer >= 1")
+        return gpus_per_node
+    found = launcher_gpus_per_node(env)
+    if found is None:
+        raise NodeSizeError("ranks per node unknown: none of SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE, "
+                            "LOCAL_WORLD_SIZE is set; give gpus_per_node")
+    return found
 
 
 def node_name() -> str:

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from pretrain.config import Config, save_resolved
 from pretrain.errors import EXIT_PEER, PeerTimeoutError, RunInterrupted
 from pretrain.runtime.status import clear_status, record_failure, record_job
-from pretrain.runtime.topology import Topology, layout_text
+from pretrain.runtime.layout import Layout, layout_text
 from pretrain.runtime.watchdog import Watchdog
 
 
-def say(topo: Topology, lines: list[str]) -> None:
+def say(topo: Layout, lines: list[str]) -> None:
     """Rank 0 prints each line (what every rank agreed on), at once."""
     if topo.is_main:
         for line in lines:
@@ -33,7 +33,7 @@ def resume_line(usable: Optional[dict], save_dir: Path, resume: bool) -> str:
     return f"no checkpoint in {save_dir}: starting at step 1"
 
 
-def start_run(cfg: Config, topo: Topology, progress: dict) -> None:
+def start_run(cfg: Config, topo: Layout, progress: dict) -> None:
     """Collective, once every check that can refuse the run has passed: rank 0 writes config.json (and
     job.json under Slurm) and clears a previous run's status.json; failures are recorded from here on."""
     if topo.is_main:
@@ -44,7 +44,7 @@ def start_run(cfg: Config, topo: Topology, progress: dict) -> None:
     progress["started"] = True
 
 
-def start_watchdog(cfg: Config, topo: Topology, progress: dict) -> Watchdog:
+def start_watchdog(cfg: Config, topo: Layout, progress: dict) -> Watchdog:
     """No step for 2 × train.timeout_minutes: status.json "failed" (peer timeout), exit 5 at once.
 
     Twice the collective timeout, so a stuck peer is reported by the collective that waits on it
@@ -63,7 +63,7 @@ def start_watchdog(cfg: Config, topo: Topology, progress: dict) -> Watchdog:
     return Watchdog(limit, expire)
 
 
-def abort_now(cfg: Config, topo: Topology, step: int) -> None:
+def abort_now(cfg: Config, topo: Layout, step: int) -> None:
     """A second SIGINT: rank 0 says so in one line and records it; the process then ends at once. The other
     ranks give it half a second first, so that their exit does not reach it as a lost peer before its line."""
     if not topo.is_main:

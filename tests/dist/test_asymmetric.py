@@ -40,12 +40,12 @@ EXACT = [name for name in RUNS if "qgz" not in name and "qwz" not in name and na
 
 
 def _node_groups(overrides: tuple) -> dict:
-    """The node groups init_topology builds for a node-aware mode, as global ranks."""
+    """The node groups init_layout builds for a node-aware mode, as global ranks."""
     import torch.distributed as dist
 
     from pretrain.config import load_config
-    from pretrain.runtime.topology import destroy_model_parallel_groups, init_topology
-    topo = init_topology(load_config(None, BASE + list(COMMON) + list(overrides)))
+    from pretrain.runtime.layout import destroy_model_parallel_groups, init_layout
+    topo = init_layout(load_config(None, BASE + list(COMMON) + list(overrides)))
     node = topo.node
     out = {"dp_global_ranks": list(node.dp_global_ranks), "node": node.node, "local": node.local,
            "intra": dist.get_process_group_ranks(node.intra_group) if node.intra_group else [],
@@ -56,7 +56,7 @@ def _node_groups(overrides: tuple) -> dict:
 
 def _runs(rank, world_size):
     """Every RUNS entry in one launch (megatron's groups rebuilt between them), each from the same weights."""
-    from pretrain.runtime.topology import destroy_model_parallel_groups
+    from pretrain.runtime.layout import destroy_model_parallel_groups
     out = {"groups": {gpn: _node_groups(("zero.stage=3", HPZ, gpn)) for gpn in (N2X3, N3X2)}}
     for name, (overrides, _) in RUNS.items():
         run = run_gpt_steps(rank, world_size, list(COMMON) + list(overrides), STEPS, layout_free_init=True)

@@ -40,8 +40,8 @@ def contract_rank(rank, world_size):
     from gpt_harness import BASE
     from pretrain.model.attention import SDPAttention
     from pretrain.config import load_config
-    from pretrain.runtime.topology import init_topology
-    init_topology(load_config(None, BASE + ["train.global_batch_size=2"]))
+    from pretrain.runtime.layout import init_layout
+    init_layout(load_config(None, BASE + ["train.global_batch_size=2"]))
     s, b, heads, d = 7, 2, 4, 8
     g = torch.Generator().manual_seed(0)
     causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)

@@ -11,7 +11,7 @@ from ranks import run_ranks
 from gpt_harness import BASE, SyntheticTokens
 from pretrain.config import load_config
 from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss
-from pretrain.runtime.topology import init_topology
+from pretrain.runtime.layout import init_layout
 from pretrain.train import Batches, engine_settings, mean_loss
 from zero3d.activations import ActivationCheckpointing, checkpoint
 
@@ -47,7 +47,7 @@ def build(overrides, topo):
 def grads_rank(rank, world_size, tp, extra, micro_batches):
     """Per mode: losses, parameter grads and checkpoint accounting of one step of `micro_batches`."""
     overrides = [f"parallel.tensor={tp}", *extra]
-    topo = init_topology(load_config(None, BASE + overrides))
+    topo = init_layout(load_config(None, BASE + overrides))
     out = {}
     for mode in MODES:
         cfg, model, acts = build(overrides + mode_overrides(mode), topo)
@@ -112,7 +112,7 @@ def test_grads_match_no_recompute_and_megatron_with_dropout(tp):
 def engine_rank(rank, world_size, tp, steps):
     """TP × DP=2 training with ZeRO stages 0-2: megatron recompute vs zero3d checkpoints per stage."""
     overrides = [f"parallel.tensor={tp}", "train.global_batch_size=8", *DROPOUT]  # micro 2 × DP 2 × accum 2
-    topo = init_topology(load_config(None, BASE + overrides))
+    topo = init_layout(load_config(None, BASE + overrides))
     runs = {}
     for stage, mode in [(0, "pa"), (1, "pa_cpu"), (2, "pa_cpu_md"), (2, "megatron"), (1, "megatron"),
                         (0, "megatron")]:
@@ -239,7 +239,7 @@ def test_zero_r_is_a_layer_class_in_the_spec_and_megatron_recompute_is_off():
 
 def spec_rank(rank, world_size, overrides):
     cfg = load_config(None, BASE + list(overrides))
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     acts = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, acts)
     classes = [type(layer).__name__ for layer in model.decoder.layers]

@@ -23,9 +23,9 @@ def packed_rank(rank, world_size, attention, keys):
     from gpt_harness import BASE
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_inputs
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     cfg = load_config(None, BASE + [f"model.attention={attention}", "train.global_batch_size=2", *keys])
-    init_topology(cfg)
+    init_layout(cfg)
     model = build_model(cfg, torch.device("cpu"))
     g = torch.Generator().manual_seed(3)
     a, b = torch.randint(1, 128, (6,), generator=g), torch.randint(1, 128, (8,), generator=g)
@@ -86,18 +86,18 @@ def normalised_rank(rank, world_size):
     """PP 1 × DP 2 (2 micro-batches a rank) and PP 2 × DP 1 (4 micro-batches) on the same 4 micro-batches and
     weights: the step's loss, and at DP 2 its gradient, against the mean over non-EOD inputs computed by hand."""
     import torch.distributed as dist
-    from pretrain.runtime.topology import destroy_model_parallel_groups
+    from pretrain.runtime.layout import destroy_model_parallel_groups
 
     import zero3d
     from gpt_harness import BASE
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_inputs, parallel_groups
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     from pretrain.train import engine_settings, mean_loss, run_micro_batches
     batches = micro_batches(4)
     keys = DOCUMENTS + ["data.eod_mask_loss=true", "zero.stage=0", "train.global_batch_size=8"]
     cfg = load_config(None, BASE + keys)
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     init_weights(model)
     per_token = [forward(model, gpt_inputs(b)) for b in batches]
@@ -123,7 +123,7 @@ def normalised_rank(rank, world_size):
     destroy_model_parallel_groups()
 
     cfg = load_config(None, BASE + keys + ["parallel.pipeline=2"])
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     init_weights(model)
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))

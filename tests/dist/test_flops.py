@@ -17,9 +17,9 @@ def _counted_step(rank, world_size, overrides):
 
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     cfg = load_config(None, BASE + SHAPE + list(overrides))
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     b, s = cfg.train.micro_batch_size, cfg.model.seq_length
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s))

@@ -21,13 +21,13 @@ def _logits(rank, world_size, directory, layouts):
     from pretrain.checkpoint.hf import ImportedModel, load_into, model_overrides
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model
-    from pretrain.runtime.topology import destroy_model_parallel_groups, init_topology
+    from pretrain.runtime.layout import destroy_model_parallel_groups, init_layout
     imported = ImportedModel(Path(directory))
     out = {}
     for name, layout in layouts.items():
         cfg = load_config(None, ["logging.wandb=false", "model.loss_chunk_tokens=0", "train.micro_batch_size=2",
                                  f"train.global_batch_size={2 * world_size}", *model_overrides(imported.model), *layout])
-        topo = init_topology(cfg)
+        topo = init_layout(cfg)
         model = build_model(cfg, topo.device)
         load_into(model, imported)
         model.eval()
@@ -122,9 +122,9 @@ def _zero3d_logits(rank, world_size, overrides, params_file):
     from checkpoint_harness import CKPT_BASE
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_inputs
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     cfg = load_config(None, CKPT_BASE + list(overrides) + ["parallel.tensor=1", "model.loss_chunk_tokens=0"])
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     model.load_state_dict(load_file(params_file), strict=False)
     model.eval()

@@ -70,15 +70,15 @@ def no_cuda_syncs():
 
 def syncs_rank(rank, world_size, steps=2):
     import zero3d
-    from pretrain.runtime.topology import destroy_model_parallel_groups
+    from pretrain.runtime.layout import destroy_model_parallel_groups
     from pretrain.config import load_config
     from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     from pretrain.train import Batches, engine_settings, finish_step, mean_loss, run_micro_batches
     out = {}
     for name, overrides in CASES.items():
         cfg = load_config(None, BASE + ["train.global_batch_size=4", *overrides])
-        topo = init_topology(cfg)
+        topo = init_layout(cfg)
         activations = activation_checkpointing(cfg.zero, topo.tp_group)
         model = build_model(cfg, topo.device, activations)
         engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))

@@ -30,7 +30,7 @@ def _count(out: dict, overrides: tuple) -> dict:
 
 def _runs(rank, world_size):
     """Every RUNS entry in one launch, megatron's groups rebuilt between them; each from the same weights."""
-    from pretrain.runtime.topology import destroy_model_parallel_groups
+    from pretrain.runtime.layout import destroy_model_parallel_groups
     out = {}
     for name, overrides in RUNS.items():
         run = run_gpt_steps(rank, world_size, list(LLAMA) + list(overrides), STEPS, layout_free_init=True)

@@ -11,11 +11,11 @@ CHUNKS = (0, 5, 1024)  # 0: megatron's loss; 5: 7 uneven chunks of the 32 tokens
 
 
 def loss_rank(rank, world_size):
-    from pretrain.runtime.topology import destroy_model_parallel_groups
+    from pretrain.runtime.layout import destroy_model_parallel_groups
 
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_inputs
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     out = []
     for tp, extra in CASES:
         runs = {}
@@ -23,7 +23,7 @@ def loss_rank(rank, world_size):
             # vocab 200 (padded: 256): no other activation is [..., vocab/TP]-shaped
             cfg = load_config(None, BASE + ["model.vocab_size=200", f"parallel.tensor={tp}",
                                             f"model.loss_chunk_tokens={chunk}", *extra])
-            init_topology(cfg)  # seeds every generator identically
+            init_layout(cfg)  # seeds every generator identically
             model = build_model(cfg, torch.device("cpu"))
             tokens = torch.stack([SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length).sample(i)
                                   for i in range(2)])

@@ -10,7 +10,7 @@ import torch
 from gpt_harness import BASE
 from pretrain.config import load_config
 from pretrain.probe.rank import probe_rank, run_rank_steps
-from pretrain.runtime.topology import init_topology
+from pretrain.runtime.layout import init_layout
 from ranks import run_ranks
 
 TP, DP = 2, 2
@@ -58,12 +58,12 @@ class _Saved:
 
 
 def real_rank(rank, world_size, overrides, steps):
-    """The probe's step runner on real tensors and real gloo collectives (init_topology: pretrain's own),
+    """The probe's step runner on real tensors and real gloo collectives (init_layout: pretrain's own),
     with autograd's saved tensors counted apart."""
     cfg = load_config(None, BASE + LAYOUT + overrides)
     census = SavedTensorCensus()
     with torch.autograd.graph.saved_tensors_hooks(census.pack, census.unpack):
-        run = run_rank_steps(cfg, init_topology(cfg), steps, fake=False)
+        run = run_rank_steps(cfg, init_layout(cfg), steps, fake=False)
     run.collectives = []
     run.saved_tensor_peak = census.peak
     return run

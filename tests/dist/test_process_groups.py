@@ -17,11 +17,11 @@ def _gloo_polling_threads() -> int:
 
 def _build_layout_rounds(rank, world_size):
     from pretrain.config import load_config
-    from pretrain.runtime.topology import destroy_model_parallel_groups, init_topology
+    from pretrain.runtime.layout import destroy_model_parallel_groups, init_layout
     cfg = load_config(None, BASE + [f"parallel.tensor={TP}", "train.global_batch_size=12"])
     rounds = []
     for _ in range(ROUNDS):
-        init_topology(cfg)
+        init_layout(cfg)
         rounds.append({"member_sets": [tuple(sorted(dist.get_process_group_ranks(g)))
                                        for g in dist.distributed_c10d._world.pg_map],
                        "polling_threads": _gloo_polling_threads()})

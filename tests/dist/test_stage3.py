@@ -84,10 +84,10 @@ def _probe(rank, world, overrides, steps):
     from gpt_harness import BASE, SyntheticTokens, named_numels, raw_bucket_numels
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_loss
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     from pretrain.train import Batches, engine_settings
     cfg = load_config(None, BASE + ["zero.stage=3", *overrides])
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     psi, param_numels = sum(p.numel() for p in model.parameters()), named_numels(model)
     engine = zero3d.wrap_model(model, engine_settings(cfg), zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))

@@ -26,12 +26,12 @@ def data_cache(tmp_path_factory):
 
 def _train(rank, world_size, overrides):
     from pretrain.config import load_config
-    from pretrain.runtime.topology import destroy_topology
+    from pretrain.runtime.layout import destroy_layout
     from pretrain.train import train
     try:
         train(load_config(REPO / "configs/tiny.toml", overrides))
     finally:
-        destroy_topology()
+        destroy_layout()
 
 
 def records(run_dir: Path) -> list[dict]:

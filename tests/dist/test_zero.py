@@ -71,7 +71,7 @@ def test_model_state_bytes_bf16(stage, formula, gpt_run):
     tp, dp = 2, 2
     out = run(gpt_run, tp, dp, stage, ["precision.dtype=bf16", "train.global_batch_size=4"], steps=1)
     for rank_out in out:
-        assert not rank_out["megatron_gloo_dp_group"]  # init_topology builds no gloo duplicates of the groups
+        assert not rank_out["megatron_gloo_dp_group"]  # init_layout builds no gloo duplicates of the groups
         # the buckets by flat.py's rule, each padded to a multiple of N_d: Σ ceil(bucket / N_d)·N_d a group
         psi_padded = assert_bucket_layout(rank_out, stage, dp)
         assert {name: sum(sizes) for name, sizes in rank_out["bucket_numels"].items()} == rank_out["group_numels"]
@@ -158,11 +158,11 @@ def _staging_peak(rank, world, num_layers):
     from gpt_harness import BASE, SyntheticTokens
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_loss
-    from pretrain.runtime.topology import init_topology
+    from pretrain.runtime.layout import init_layout
     from pretrain.train import Batches, engine_settings
     cfg = load_config(None, BASE + ["zero.stage=2", "zero.bucket_elements=2000", "train.global_batch_size=4",
                                     f"model.num_layers={num_layers}"])
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     engine = zero3d.wrap_model(build_model(cfg, topo.device), engine_settings(cfg),
                                zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
     batches = Batches(SyntheticTokens(128, 16), cfg.train, cfg.data, topo)

@@ -29,6 +29,7 @@ def representable(seed: int, n: int, levels: int) -> torch.Tensor:
 def _ranks(rank, world):
     import torch.distributed as dist
 
+    from pretrain.runtime.launch import launcher_gpus_per_node
     from zero3d.comm.core import Comm, CommStats, p2p_all_to_all, wait_all
     from zero3d.comm.hierarchical import quantized_reduce_scatter
     from zero3d.comm.modes import CommModes
@@ -41,14 +42,18 @@ def _ranks(rank, world):
         build_node_topology(dist.group.WORLD, gpus_per_node=3)
     except TopologyError as err:
         out["refused"] = str(err)
+    try:  # ranks that disagree on the node size: every rank refuses alike, before any group is made
+        build_node_topology(dist.group.WORLD, gpus_per_node=2 if rank < 2 else 4)
+    except TopologyError as err:
+        out["disagree"] = str(err)
     topo = build_node_topology(dist.group.WORLD, gpus_per_node=GPN, timeout=timedelta(seconds=60))
     ranks_of = dist.get_process_group_ranks
-    launcher = build_node_topology(dist.group.WORLD)  # run_ranks sets LOCAL_WORLD_SIZE = 4: one node
+    launcher = build_node_topology(dist.group.WORLD, launcher_gpus_per_node())  # run_ranks sets LOCAL_WORLD_SIZE = 4
     out["launcher"] = (launcher.nodes, launcher.per_node, ranks_of(launcher.intra_group), launcher.inter_group)
     out["topo"] = (topo.node, topo.local, ranks_of(topo.intra_group), ranks_of(topo.inter_group))
     # TP 2 × DP 2 (TP-consecutive): each DP group has one rank on each node
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    tp_topo = build_node_topology(dp_groups[rank % 2], gpus_per_node=GPN)
+    tp_topo = build_node_topology(dp_groups[rank % 2], gpus_per_node=GPN, dp_groups=[[0, 2], [1, 3]])
     out["tp_topo"] = (tp_topo.node, tp_topo.per_node, tp_topo.intra_group, ranks_of(tp_topo.inter_group))
 
     world = Comm(None, CommStats())
@@ -101,6 +106,7 @@ def results():
 def test_node_groups(results):
     for rank, r in enumerate(results):
         assert "does not split evenly into nodes of 3" in r["refused"]
+        assert "ranks disagree on gpus_per_node: [2, 4]" in r["disagree"]
         node, local = rank // 2, rank % 2
         assert r["topo"] == (node, local, [2 * node, 2 * node + 1], [local, local + 2])
         assert r["launcher"] == (1, 4, [0, 1, 2, 3], None)

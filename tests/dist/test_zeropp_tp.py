@@ -25,11 +25,11 @@ def _all_runs(rank, world_size):
     """Every configuration in one launch (torch and megatron imported once): the node topology's groups
     as built for a node-aware mode, then each run of RUNS, megatron's groups rebuilt between them."""
     import torch.distributed as dist
-    from pretrain.runtime.topology import destroy_model_parallel_groups
+    from pretrain.runtime.layout import destroy_model_parallel_groups
 
     from pretrain.config import load_config
-    from pretrain.runtime.topology import init_topology
-    topo = init_topology(load_config(None, BASE + list(COMMON) + list(MODES["hpz"])))
+    from pretrain.runtime.layout import init_layout
+    topo = init_layout(load_config(None, BASE + list(COMMON) + list(MODES["hpz"])))
     node = {"dp_global_ranks": list(topo.node.dp_global_ranks), "dp_rank": topo.dp_rank, "node": topo.node.node,
             "intra": dist.get_process_group_ranks(topo.node.intra_group),
             "inter": dist.get_process_group_ranks(topo.node.inter_group)}

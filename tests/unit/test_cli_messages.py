@@ -54,7 +54,7 @@ def test_a_signal_stop_prints_one_line_on_rank_0(tmp_path, monkeypatch, clean_en
     fake = types.ModuleType("pretrain.train")
     fake.train = lambda cfg, launch, job: {"stopped_early": True, "end_step": 3, "record": {}}
     monkeypatch.setitem(sys.modules, "pretrain.train", fake)
-    monkeypatch.setitem(sys.modules, "pretrain.runtime.topology", types.SimpleNamespace(destroy_topology=lambda: None))
+    monkeypatch.setitem(sys.modules, "pretrain.runtime.layout", types.SimpleNamespace(destroy_layout=lambda: None))
     code = main(["--config", "configs/tiny.toml", f"logging.run_dir=\"{tmp_path / 'run'}\"", "train.steps=6",
                  "parallel.tensor=1"])
     err = capsys.readouterr().err

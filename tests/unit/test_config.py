@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.config import ConfigError, load_config, validate_layout
-from pretrain.runtime.topology import expand_nodelist, launcher_env
+from pretrain.runtime.layout import expand_nodelist, launcher_env
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -72,20 +72,20 @@ def test_every_rank_names_its_host_and_node(monkeypatch):
 
 def test_lost_peers_are_the_ranks_that_do_not_answer_on_the_store(monkeypatch):
     import torch.distributed as dist
-    from pretrain.runtime import topology
+    from pretrain.runtime import layout
     store = dist.HashStore()
     for rank, node in enumerate(["z3node1", "z3node1", "z3node2", "z3node2", "z3node3", "z3node3"]):
-        store.set(f"{topology.NODE_KEY}{rank}", node)
+        store.set(f"{layout.NODE_KEY}{rank}", node)
     for rank in (1, 4, 5):  # the other survivors answered before this rank looked
-        store.set(f"{topology.ALIVE_KEY}{rank}", "1")
+        store.set(f"{layout.ALIVE_KEY}{rank}", "1")
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(dist, "get_world_size", lambda: 6)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    assert topology.lost_peers(wait_s=0) == "ranks 2, 3 on z3node2"
-    store.set(f"{topology.ALIVE_KEY}3", "1")
-    assert topology.lost_peers(wait_s=0) == "rank 2 on z3node2"
+    assert layout.lost_peers(wait_s=0) == "ranks 2, 3 on z3node2"
+    store.set(f"{layout.ALIVE_KEY}3", "1")
+    assert layout.lost_peers(wait_s=0) == "rank 2 on z3node2"
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: (_ for _ in ()).throw(RuntimeError()))
-    assert topology.lost_peers(wait_s=0) == ""  # the store went with rank 0's node: nothing to name
+    assert layout.lost_peers(wait_s=0) == ""  # the store went with rank 0's node: nothing to name
 
 
 def test_the_lost_peers_lead_the_failure_reason(tmp_path):

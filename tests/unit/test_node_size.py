@@ -3,7 +3,7 @@ import pytest
 
 from pretrain.config import load_config
 from pretrain.errors import ConfigError
-from pretrain.runtime.topology import ranks_per_node
+from pretrain.runtime.layout import ranks_per_node
 
 TORCHRUN_4 = {"LOCAL_WORLD_SIZE": "4"}  # torchrun --nproc-per-node 4
 SLURM_2X3 = {"SLURM_TASKS_PER_NODE": "3(x2)"}  # srun: 2 nodes × 3 tasks

@@ -357,3 +357,59 @@ def test_one_vocabulary_of_communication_modes():
              if any(f'"{s}"' in line or f"'{s}'" in line for s in ("+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ",
                                                                     "hpZ", "qwZ", "qgZ"))]
     assert found == []
+
+
+# Modules under zero3d/ that may read the environment, each with its stated reason (none: zero3d takes every
+# setting as an argument; the launcher's variables are read by pretrain/runtime/launch.py).
+ZERO3D_ENVIRONMENT_READERS: dict[str, str] = {}
+
+
+def _reads_environment(tree: ast.AST) -> bool:
+    names = {"environ", "environb", "getenv", "getenvb"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names or isinstance(node, ast.Name) and node.id in names:
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and names & {a.name for a in node.names}:
+            return True
+    return False
+
+
+def test_zero3d_never_reads_the_environment():
+    """Issue #35: no module under zero3d/ (analysis included) reads os.environ / os.getenv."""
+    readers = [str(path.relative_to(REPO)) for path in sorted((REPO / "zero3d").rglob("*.py"))
+               if _reads_environment(ast.parse(path.read_text()))]
+    assert [r for r in readers if r not in ZERO3D_ENVIRONMENT_READERS] == []
+
+
+# The one layout builder: the process group, megatron's groups and the node sub-groups are made here only.
+LAYOUT_BUILDERS = {
+    "pretrain/runtime/layout.py": "init_layout: the process group (start_launched, or the probe's start_fake) and "
+                                  "megatron's groups",
+    "zero3d/comm/topology.py": "build_node_topology: the DP group's intra-/inter-node sub-groups",
+}
+# Groups outside the layout, each with its reason.
+SIDE_GROUPS = {"pretrain/checkpoint/checkpointer.py": "one gloo group of the whole world for the checkpoint's "
+                                                      "host-side agreement"}
+GROUP_CALLS = ("initialize_model_parallel", "init_process_group", "new_group")
+
+
+def group_calls() -> list[tuple[str, str]]:
+    """(file, function) of every call of GROUP_CALLS in the shipped packages, by the called name."""
+    found = []
+    for package in ("pretrain", "zero3d", "megatron_patches", "slurm"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                    if name in GROUP_CALLS:
+                        found.append((str(path.relative_to(REPO)), name))
+    return found
+
+
+def test_one_layout_builder_for_real_and_fake_process_groups():
+    """Issue #35: training and the probe build their layout with one builder; the probe passes only its start."""
+    calls = group_calls()
+    outside = [(f, n) for f, n in calls if f not in LAYOUT_BUILDERS and not (n == "new_group" and f in SIDE_GROUPS)]
+    assert outside == []
+    assert [f for f, n in calls if n == "initialize_model_parallel"] == ["pretrain/runtime/layout.py"]
+    assert not [f for f, n in calls if f.startswith("pretrain/probe/")]

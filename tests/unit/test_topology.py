@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 
-from zero3d.comm.topology import TopologyError, node_layout, resolve_gpus_per_node, topology_of
+from pretrain.runtime.launch import NodeSizeError, resolve_gpus_per_node
+from zero3d.comm.topology import TopologyError, node_layout, topology_of
 
 
 def megatron_dp_groups(tp: int, dp: int, pp: int) -> list[list[int]]:
@@ -95,5 +96,5 @@ def test_launcher_counts(env, expected):
     ({}, 0, "gpus_per_node = 0 is invalid"),
 ])
 def test_launcher_refusals(env, gpn, message):
-    with pytest.raises(TopologyError, match=message):
+    with pytest.raises(NodeSizeError, match=message):
         resolve_gpus_per_node(gpn, env)

@@ -1,48 +1,14 @@
 """Node topology of the data-parallel group: which DP ranks share a node, and its intra-/inter-node sub-groups."""
-import os
-import re
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 
 class TopologyError(ValueError):
     """The node layout is unknown or the DP group does not split evenly into nodes."""
-
-
-def launcher_gpus_per_node(env: Mapping[str, str] = os.environ) -> Optional[int]:
-    """Ranks per node as the launcher states it: SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE
-    ("8(x4)" or "8,8"; uneven counts are refused), else torchrun's LOCAL_WORLD_SIZE; None if none is set."""
-    for name in ("SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
-        value = env.get(name, "").strip()
-        if not value:
-            continue
-        counts = set()
-        for part in value.split(","):
-            m = re.fullmatch(r"(\d+)(?:\(x\d+\))?", part.strip())
-            if not m:
-                raise TopologyError(f"{name} = {value!r} is invalid; expected counts like '8', '8(x4)' or '8,8'")
-            counts.add(int(m.group(1)))
-        if len(counts) != 1 or min(counts) < 1:
-            raise TopologyError(f"{name} = {value!r}: nodes run different numbers of ranks; "
-                                "zero3d needs the same count on every node (or give gpus_per_node)")
-        return counts.pop()
-    return None
-
-
-def resolve_gpus_per_node(gpus_per_node: Optional[int] = None, env: Mapping[str, str] = os.environ) -> int:
-    """The explicit `gpus_per_node` wins (4 CPU ranks as 2 nodes × 2); else the launcher's count."""
-    if gpus_per_node is not None:
-        if type(gpus_per_node) is not int or gpus_per_node < 1:
-            raise TopologyError(f"gpus_per_node = {gpus_per_node!r} is invalid; must be an integer >= 1")
-        return gpus_per_node
-    found = launcher_gpus_per_node(env)
-    if found is None:
-        raise TopologyError("ranks per node unknown: none of SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE, "
-                            "LOCAL_WORLD_SIZE is set; give gpus_per_node")
-    return found
 
 
 def node_layout(dp_global_ranks: Sequence[int], gpus_per_node: int) -> list[list[int]]:
@@ -120,28 +86,41 @@ def topology_of(dp_rank: int, dp_global_ranks: Sequence[int], gpus_per_node: int
                         dp_global_ranks=tuple(dp_global_ranks), gpus_per_node=gpus_per_node)
 
 
-def build_node_topology(dp_group, gpus_per_node: Optional[int] = None, timeout: Optional[timedelta] = None,
-                        env: Mapping[str, str] = os.environ) -> NodeTopology:
+def agreed_minimum(*values: int) -> list[int]:
+    """Each value's minimum over every rank, by one all_reduce (the fake backend's is a no-op: this rank's own)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mins = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(mins, op=dist.ReduceOp.MIN)
+    return mins.tolist()
+
+
+def build_node_topology(dp_group, gpus_per_node: int, timeout: Optional[timedelta] = None,
+                        dp_groups: Optional[Sequence[Sequence[int]]] = None) -> NodeTopology:
     """This rank's NodeTopology with its intra- and inter-node sub-groups of `dp_group`, built once.
 
-    Collective over the world: every rank calls it together. The DP groups of all ranks are learnt
-    with one all_gather_object, validated (every rank refuses the same bad layout), and every
-    sub-group of every DP group is created by every rank in one agreed order with `timeout`.
+    Collective over the world: every rank calls it together. `dp_groups`: every DP group's global ranks
+    (the caller's layout arithmetic; default: `dp_group` alone, which must then be the world). The ranks
+    agree on `gpus_per_node` and on `dp_groups` holding each one's own DP group (one all_reduce of minima),
+    every DP group is validated (every rank refuses the same bad layout), and every sub-group of every DP
+    group is created by every rank in one agreed order with `timeout`.
     """
-    gpn = resolve_gpus_per_node(gpus_per_node, env)
-    mine = tuple(dist.get_process_group_ranks(dp_group))
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mine, gpn))
-    if len({g for _, g in everyone}) != 1:
-        raise TopologyError(f"ranks disagree on gpus_per_node: {sorted({g for _, g in everyone})}; "
+    mine = tuple(dist.get_process_group_ranks(dist.group.WORLD if dp_group is None else dp_group))
+    groups = sorted({tuple(ranks) for ranks in dp_groups or [mine]})
+    split = mine in groups and sorted(r for ranks in groups for r in ranks) == list(range(dist.get_world_size()))
+    low, minus_high, all_split = agreed_minimum(gpus_per_node, -gpus_per_node, int(split))
+    if low != -minus_high:
+        raise TopologyError(f"ranks disagree on gpus_per_node: {sorted({low, -minus_high})}; "
                             "give the same value (or launcher environment) to every rank")
-    groups = sorted(set(ranks for ranks, _ in everyone))
-    topo = topology_of(mine.index(dist.get_rank()), mine, gpn)
+    if not all_split:
+        raise TopologyError(f"the DP groups {[list(g) for g in groups]} do not split the world of "
+                            f"{dist.get_world_size()} ranks with every rank's own DP group among them; valid: "
+                            "every DP group's global ranks, each rank in exactly one")
     for ranks in groups:  # validate every DP group before creating anything, so all ranks refuse alike
-        node_layout(ranks, gpn)
+        node_layout(ranks, gpus_per_node)
+    topo = topology_of(mine.index(dist.get_rank()), mine, gpus_per_node)
     intra_lists, inter_lists = [], []
     for ranks in groups:
-        t = topology_of(0, ranks, gpn)
+        t = topology_of(0, ranks, gpus_per_node)
         intra_lists += [[ranks[d] for d in t.intra_ranks(n)] for n in range(t.nodes)]
         inter_lists += [[ranks[d] for d in t.inter_ranks(j)] for j in range(t.per_node)]
     kwargs = {} if timeout is None else {"timeout": timeout}
