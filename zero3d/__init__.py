@@ -3,7 +3,7 @@
 Glossary (the paper's names → the code):
 - Pos (stage 1): optimizer states and fp32 master partitioned — `OptimizerShardedEngine`
   (zero3d/stage1.py; `WholeParamsEngine`, whole_params.py, is what it shares with stage 2); each rank's
-  `GroupState.master_pieces` and Adam moments cover its shard.
+  `GroupState.master_pieces` and optimizer states cover its shard.
 - Pos+g (stage 2): + gradients — `GradientShardedEngine` (stage2.py); `GradientBuckets`
   (buckets.py) reduce-scatters each bucket during backward into the rank's gradient shard.
 - Pos+g+p (stage 3): + parameters — `ParameterShardedEngine` (stage3.py); parameters gathered per
@@ -17,6 +17,8 @@ Glossary (the paper's names → the code):
 - ZeRO-Offload / ZeRO-Infinity: `ZeroConfig.offload_optimizer`, the engine's `placement`
   (zero3d/placement.py: "none" on the device; "cpu": offload.py; "nvme": nvme.py) and stage 3's
   `offload_params`; see docs/offload.md. Byte accounting: accounting.py.
+- K: optimizer-state bytes per parameter — the engine's `OptimizerSpec` (zero3d/optim.py; `ADAMW`, the
+  default, keeps two fp32 moments: K = 4 + 8 with the fp32 master), `EngineSettings.optimizer_spec`.
 - N_d, Ψ: data-parallel size (`engine.dp.size`), parameters per TP rank.
 
 The package's names are imported on first use (PEP 562): `zero3d.config` and `zero3d.analysis`, which the config,
@@ -28,7 +30,7 @@ HOMES = {"wrap_model": "zero3d.wrap", "STAGES": "zero3d.wrap", "DataParallelEngi
          "EngineSettings": "zero3d.engine", "ParallelGroups": "zero3d.engine", "StepResult": "zero3d.engine",
          "LossScaleConfig": "zero3d.config", "OptimizerConfig": "zero3d.config", "ZeroConfig": "zero3d.config",
          "ZeroConfigError": "zero3d.config", "LossScaler": "zero3d.precision", "CommStats": "zero3d.comm.core",
-         "FlatLayout": "zero3d.flat"}
+         "FlatLayout": "zero3d.flat", "OptimizerSpec": "zero3d.optim", "ADAMW": "zero3d.optim"}
 __all__ = list(HOMES)
 
 

@@ -10,14 +10,14 @@ def nbytes(tensor) -> int:
 
 
 def optimizer_state_bytes(optimizer, masters=None) -> int:
-    """Bytes of the optimizer's per-element states (Adam's two moments) — of every parameter, or of
+    """Bytes of the optimizer's per-element states (its OptimizerSpec.states) — of every parameter, or of
     `masters` only; scalar step counters excluded (`step_counter_bytes`)."""
     states = optimizer.state.values() if masters is None else [optimizer.state.get(m, {}) for m in masters]
     return sum(nbytes(v) for state in states for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
 def step_counter_bytes(optimizer) -> int:
-    """Bytes of the optimizer's scalar states (torch AdamW's per-parameter step counters)."""
+    """Bytes of the optimizer's scalar states (e.g. torch AdamW's per-parameter step counters)."""
     return sum(nbytes(v) for state in optimizer.state.values() for v in state.values()
                if torch.is_tensor(v) and v.dim() == 0)
 

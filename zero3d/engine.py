@@ -13,7 +13,7 @@ from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig
 from zero3d.flat import DECAY_NAMES, FlatLayout, flatten_grads, flatten_params, param_groups
 from zero3d.nvme import NvmeOffload
 from zero3d.offload import Copier, GroupSpec, HostOffload
-from zero3d.optim import make_optimizer
+from zero3d.optim import ADAMW, OptimizerSpec
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
 from zero3d.comm.topology import NodeTopology
@@ -36,11 +36,14 @@ class EngineSettings:
     # Stage 3: model -> [(name, module)] gathered as units (pretrain passes megatron's layers);
     # None: the model's top-level children.
     units: Optional[Callable[[nn.Module], list]] = None
+    # The optimizer: its states, how it is built and stepped on the device, the host and NVMe, its step
+    # count (zero3d/optim.py); the checkpoint and the accounting ask it too.
+    optimizer_spec: OptimizerSpec = ADAMW
     # Seams for the rank-local probe (pretrain/probe/rank.py), which runs the engine on fake tensors
     # standing in for a GPU: how the on-device optimizer is built ([(fp32 tensor, weight decay)], lr,
-    # betas, eps -> torch optimizer), and the one device-to-host read per step (fake tensors hold no
-    # values): float64 vector -> its values as floats.
-    optimizer_factory: Callable = make_optimizer
+    # betas, eps -> torch optimizer; None: the spec's `build`), and the one device-to-host read per step
+    # (fake tensors hold no values): float64 vector -> its values as floats.
+    optimizer_factory: Optional[Callable] = None
     read_host_floats: Callable[[torch.Tensor], list] = read_host_floats
 
 
@@ -204,20 +207,20 @@ class DataParallelEngine:
         return self.settings.optimizer.weight_decay if group.decays else 0.0
 
     def _build_placement(self) -> Placement:
-        """The optimizer on the device over the groups' master pieces, or (ZeRO-Offload) the master and
-        Adam states of every group moved off it: each group's master becomes the host tensor (NVMe:
+        """The spec's optimizer on the device over the groups' master pieces, or (ZeRO-Offload) the master
+        and optimizer states of every group moved off it: each group's master becomes the host tensor (NVMe:
         an empty placeholder outside `materialized_states()`)."""
-        zero, opt = self.settings.zero, self.settings.optimizer
+        zero, opt, spec = self.settings.zero, self.settings.optimizer, self.settings.optimizer_spec
         if zero.offload_optimizer == "none":
-            return DevicePlacement(self.groups, self.settings.optimizer_factory(
+            return DevicePlacement(self.groups, (self.settings.optimizer_factory or spec.build)(
                 [(piece, self._weight_decay(group)) for group in self.groups.values()
                  for _, piece in group.master_pieces], lr=opt.lr, betas=opt.betas, eps=opt.eps))
         on_host = zero.offload_optimizer == "cpu"  # NVMe keeps host memory bounded: its gradients stay
         specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(group),
                            holds_grad=on_host and group.bucketed) for name, group in self.groups.items()]
-        placement = HostOffload(specs, opt.lr, opt.betas, opt.eps, self.copier) if on_host else \
+        placement = HostOffload(specs, opt.lr, opt.betas, opt.eps, self.copier, spec) if on_host else \
             NvmeOffload(specs, opt.lr, opt.betas, opt.eps, self.copier, zero.nvme_path, zero.nvme_buffer_bytes,
-                        self.world.rank)
+                        self.world.rank, spec)
         for spec in specs:
             group = self.groups[spec.name]
             group.master_pieces = ((0, placement.master(spec.name)),)

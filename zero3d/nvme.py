@@ -1,11 +1,11 @@
-"""ZeRO-Infinity for the optimizer: master shards and Adam states in files, streamed through two host buffers.
+"""ZeRO-Infinity for the optimizer: master shards and optimizer states in files, streamed through two host buffers.
 
-Every group's fp32 master, exp_avg and exp_avg_sq live in one file each (raw float32, positional
-reads and writes with os.preadv/os.pwritev straight into page-locked buffers, no pickling) in a
-private directory under `zero.nvme_path`. The step walks the groups in chunks that fit one of two
-host buffers (`zero.nvme_buffer_bytes` for both together): while the CPU runs AdamW on chunk i in
-one buffer, an I/O thread writes chunk i-1 back and reads chunk i+1 into the other, so host memory
-for optimizer states stays at the buffer budget whatever the model size.
+Every group's fp32 master and each of the optimizer's states (`OptimizerSpec.states`) live in one file
+each (raw float32, positional reads and writes with os.preadv/os.pwritev straight into page-locked
+buffers, no pickling) in a private directory under `zero.nvme_path`. The step walks the groups in chunks
+that fit one of two host buffers (`zero.nvme_buffer_bytes` for both together): while the CPU runs the
+spec's `host_step` on chunk i in one buffer, an I/O thread writes chunk i-1 back and reads chunk i+1
+into the other, so host memory for optimizer states stays at the buffer budget whatever the model size.
 
 Checkpoints: `materialized()` reads the states into ordinary host tensors (the engine's master
 shards and `optimizer.state`) for the duration of a save or load and writes them back on exit.
@@ -22,25 +22,30 @@ from typing import Optional
 
 import torch
 
-from zero3d.offload import (Copier, GroupSpec, adamw_step, copy_into_pieces, cpu_adamw, keep_cpu_mode, pinned_empty,
-                            scale_)
+from zero3d.offload import Copier, GroupSpec, copy_into_pieces, pinned_empty, scale_
+from zero3d.optim import ADAMW, OptimizerSpec
 from zero3d.placement import OffDevicePlacement
 
-STATES = ("master", "exp_avg", "exp_avg_sq")
-CHUNK_ALIGN = 4096  # elements: chunk boundaries stay aligned for the vectorised Adam kernel
+CHUNK_ALIGN = 4096  # elements: chunk boundaries stay aligned for the vectorised optimizer kernel
 FP32 = 4
 
 
-def buffer_bytes_per_element(dtype: torch.dtype) -> int:
-    """One buffer holds a chunk of master, exp_avg, exp_avg_sq and gradient in fp32, plus the
-    compute-dtype copy of the updated parameters when that is not fp32."""
+def file_states(optimizer_spec: OptimizerSpec) -> tuple:
+    """One file per group for each of these: the master, then the optimizer's states."""
+    return ("master", *optimizer_spec.states)
+
+
+def buffer_bytes_per_element(dtype: torch.dtype, optimizer_spec: OptimizerSpec = ADAMW) -> int:
+    """One buffer holds a chunk of the master, every optimizer state and the gradient in fp32, plus
+    the compute-dtype copy of the updated parameters when that is not fp32."""
     extra = 0 if dtype == torch.float32 else torch.empty(0, dtype=dtype).element_size()
-    return len(STATES) * FP32 + FP32 + extra
+    return FP32 + optimizer_spec.state_bytes + FP32 + extra
 
 
-def chunk_elements(buffer_bytes: int, dtype: torch.dtype, largest_group: int) -> int:
+def chunk_elements(buffer_bytes: int, dtype: torch.dtype, largest_group: int,
+                   optimizer_spec: OptimizerSpec = ADAMW) -> int:
     """Elements per chunk so two buffers fit `buffer_bytes`; a multiple of CHUNK_ALIGN."""
-    per_element = buffer_bytes_per_element(dtype)
+    per_element = buffer_bytes_per_element(dtype, optimizer_spec)
     chunk = buffer_bytes // (2 * per_element) // CHUNK_ALIGN * CHUNK_ALIGN
     if chunk == 0:
         raise ValueError(f"zero.nvme_buffer_bytes = {buffer_bytes} is too small: two buffers of "
@@ -76,17 +81,17 @@ class StateFiles:
     The files are unlinked as soon as they are open: the disk space is the process's alone and is
     returned when it exits, however it exits (a killed rank leaves nothing behind)."""
 
-    def __init__(self, root: str, rank: int, numels: dict):
+    def __init__(self, root: str, rank: int, numels: dict, states: tuple):
         self.dir = Path(tempfile.mkdtemp(prefix=f"zero3d-offload-rank{rank}-", dir=root))
         self.fds = {}
         try:
             for index, (name, numel) in enumerate(numels.items()):
-                for state in STATES:
+                for state in states:
                     path = self.dir / f"group{index}.{state}.f32"
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                     self.fds[name, state] = fd
                     os.unlink(path)
-                    os.ftruncate(fd, numel * FP32)  # zeros: Adam's moments start there
+                    os.ftruncate(fd, numel * FP32)  # zeros: the states before the first step (OptimizerSpec.host_step)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
         self._finalizer = weakref.finalize(self, _close_all, dict(self.fds))
@@ -123,9 +128,9 @@ class ChunkBuffer:
     staging: Optional[torch.Tensor]
 
     @classmethod
-    def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device) -> "ChunkBuffer":
+    def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device, states: tuple) -> "ChunkBuffer":
         staging = None if dtype == torch.float32 else pinned_empty(numel, dtype, device)
-        return cls({s: pinned_empty(numel, torch.float32, device) for s in STATES},
+        return cls({s: pinned_empty(numel, torch.float32, device) for s in states},
                    pinned_empty(numel, torch.float32, device), staging)
 
     def nbytes(self) -> int:
@@ -147,18 +152,20 @@ class NvmeOffload(OffDevicePlacement):
     name = "nvme"
 
     def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier,
-                 nvme_path: str, buffer_bytes: int, rank: int):
+                 nvme_path: str, buffer_bytes: int, rank: int, optimizer_spec: OptimizerSpec = ADAMW):
         self.copier, device = copier, copier.device
+        self.optimizer_spec, states = optimizer_spec, file_states(optimizer_spec)
         dtype = specs[0].dtype
-        self.chunk = chunk_elements(buffer_bytes, dtype, max(s.numel for s in specs))
-        self.buffers = [ChunkBuffer.allocate(self.chunk, dtype, device) for _ in range(2)]
-        self.files = StateFiles(nvme_path, rank, {s.name: s.numel for s in specs})
+        self.chunk = chunk_elements(buffer_bytes, dtype, max(s.numel for s in specs), optimizer_spec)
+        self.buffers = [ChunkBuffer.allocate(self.chunk, dtype, device, states) for _ in range(2)]
+        self.files = StateFiles(nvme_path, rank, {s.name: s.numel for s in specs}, states)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3d-nvme")
         # Outside materialized() the engine's master shards are empty placeholders.
         self.masters = {s.name: torch.empty(0, dtype=torch.float32) for s in specs}
         self.steps = {s.name: 0 for s in specs}
-        self.optimizer = cpu_adamw([self.masters[s.name] for s in specs], [s.weight_decay for s in specs],
-                                   lr, betas, eps)
+        self.written = set()  # groups whose state files hold a stepped or loaded state
+        self.optimizer = optimizer_spec.build_host([(self.masters[s.name], s.weight_decay) for s in specs],
+                                                   lr, betas, eps)
         for s in specs:
             self._write_initial_master(s)
         self.specs = {s.name: s.released() for s in specs}  # the device master copy can be freed
@@ -192,7 +199,7 @@ class NvmeOffload(OffDevicePlacement):
             self.files.write(c.name, state, c.lo, t[:c.hi - c.lo])
 
     def step(self, master_grads: dict, coef: float, lr: float) -> None:
-        """AdamW chunk by chunk; the I/O thread reads chunk i+1 (after writing chunk i-1 back) while
+        """The spec's host step chunk by chunk; the I/O thread reads chunk i+1 (after writing chunk i-1 back) while
         the CPU updates chunk i. `master_grads` are the engine's, already unscaled."""
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
@@ -210,6 +217,7 @@ class NvmeOffload(OffDevicePlacement):
             w.result()
         for name in self.steps:
             self.steps[name] += 1
+        self.written.update(self.steps)
 
     def _update(self, c: Chunk, buf: ChunkBuffer, device_grad: torch.Tensor, coef: float) -> None:
         n = c.hi - c.lo
@@ -217,10 +225,10 @@ class NvmeOffload(OffDevicePlacement):
         self.copier.to_host(grad, device_grad[c.lo:c.hi])
         self.copier.wait_host()
         scale_(grad, coef)
-        step = torch.tensor(float(self.steps[c.name]), dtype=torch.float32)  # adamw adds one
+        step = torch.tensor(float(self.steps[c.name]), dtype=torch.float32)  # the step adds one
         master = buf.states["master"][:n]
-        adamw_step(master, grad, buf.states["exp_avg"][:n], buf.states["exp_avg_sq"][:n], step,
-                   self.optimizer.param_groups[c.group_index])
+        self.optimizer_spec.host_step(master, grad, {k: buf.states[k][:n] for k in self.optimizer_spec.states},
+                                      step, self.optimizer.param_groups[c.group_index])
         source = master
         if buf.staging is not None:
             source = buf.staging[:n].copy_(master)
@@ -232,37 +240,44 @@ class NvmeOffload(OffDevicePlacement):
     @contextlib.contextmanager
     def materialized(self):
         """Inside: the engine's master shards and `optimizer.state` hold the full states as host
-        tensors (optimizer.state empty before the first step, as torch's AdamW); on exit whatever
-        they then hold (a loaded checkpoint, say) is written back and the memory released."""
+        tensors; a group never stepped nor loaded gets the spec's `initial_state` (its files hold nothing
+        yet). On exit whatever they then hold (a loaded checkpoint, say) is written back and the memory released."""
+        opt = self.optimizer_spec
         for name, master in self.masters.items():
             numel = self.specs[name].numel
             master.data = torch.empty(numel, dtype=torch.float32)
             self.files.read(name, "master", 0, master.data)
-            if self.steps[name]:
-                state = {"step": torch.tensor(float(self.steps[name]), dtype=torch.float32)}
-                for key in STATES[1:]:
-                    state[key] = torch.empty(numel, dtype=torch.float32)
-                    self.files.read(name, key, 0, state[key])
+            if name in self.written:
+                state = {key: torch.empty(numel, dtype=torch.float32) for key in opt.states}
+                for key, tensor in state.items():
+                    self.files.read(name, key, 0, tensor)
                 self.optimizer.state[master] = state
+                opt.set_step_count(self.optimizer, [master], self.steps[name])
         try:
             yield
         finally:
             self._write_back()
 
     def _write_back(self) -> None:
+        opt = self.optimizer_spec
         for name, master in self.masters.items():
             self.files.write(name, "master", 0, master.data.contiguous())
-            state = self.optimizer.state.pop(master, {})
-            self.steps[name] = int(state["step"]) if "step" in state else 0
-            for key in STATES[1:]:
-                moment = state.get(key)
-                self.files.write(name, key, 0, moment.float().contiguous() if moment is not None
-                                 else torch.zeros_like(master.data))
+            state = self.optimizer.state.get(master)
+            if state:
+                missing = [key for key in opt.states if key not in state]
+                if missing:
+                    raise KeyError(f"group {name!r}: the {opt.name} optimizer's state lacks {missing}; "
+                                   f"it keeps {list(opt.states)}")
+                self.steps[name] = opt.step_count(self.optimizer, [master])
+                for key in opt.states:
+                    self.files.write(name, key, 0, state[key].float().contiguous())
+                self.written.add(name)
+            self.optimizer.state.pop(master, None)
             master.data = torch.empty(0, dtype=torch.float32)
 
     def after_load(self) -> None:
         """Inside materialized(): keep the CPU mode flags and publish the loaded masters."""
-        keep_cpu_mode(self.optimizer)
+        self.optimizer_spec.keep_host_mode(self.optimizer)
         for name, master in self.masters.items():
             spec = self.specs[name]
             copy_into_pieces(self.copier, spec, 0, master.data.to(spec.dtype))
@@ -270,7 +285,7 @@ class NvmeOffload(OffDevicePlacement):
 
     def off_device_bytes(self) -> dict:
         numel = sum(s.numel for s in self.specs.values())
-        return {"nvme_master_params": numel * FP32, "nvme_optimizer_states": 2 * numel * FP32,
+        return {"nvme_master_params": numel * FP32, "nvme_optimizer_states": numel * self.optimizer_spec.state_bytes,
                 "host_buffers": sum(b.nbytes() for b in self.buffers)}
 
     def close(self) -> None:

@@ -1,17 +1,18 @@
-"""ZeRO-Offload: fp32 master shards and Adam states in host memory, the Adam step on the CPU.
+"""ZeRO-Offload: fp32 master shards and optimizer states in host memory, the optimizer step on the CPU.
 
 The engine hands over, per parameter group, a `GroupSpec`: its fp32 master (initial values, in
 master coordinates), the device tensors holding the matching compute-dtype parameter elements
 (`param_pieces`: one tensor, or one piece per bucket at stages 1/2) and the group's weight decay.
 From then on:
 
-- the master and Adam's moments live on the host (page-locked on CUDA, so copies are DMA);
+- the master and the optimizer's states (its `OptimizerSpec.states`) live on the host (page-locked on CUDA, so copies are DMA);
 - the reduced gradient shard comes to the host: at stages 2/3 piece by piece while backward still
   runs (`accumulate_grad`, as each bucket's reduction completes) into a host-only shard, as
   ZeRO-Offload keeps it; at stage 1 (and for stage 3's persistent groups) whole at the step; on
   CUDA on a side stream ordered by stream waits;
-- the step applies the engine's unscale and clip factors on the host, runs torch's AdamW in its
-  fused CPU mode (bench/bench_offload.py measures fused against foreach and single-tensor), casts
+- the step applies the engine's unscale and clip factors on the host, runs the spec's host optimizer
+  (AdamW: torch's in its fused CPU mode; bench/bench_offload.py measures fused against foreach and
+  single-tensor), casts
   the updated master to the compute dtype on the host and copies that into the device pieces.
 
 NVMe placement (zero3d/nvme.py) keeps the same interface with the states in files. The step order
@@ -22,12 +23,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.optim.adamw import adamw as functional_adamw
 
 from zero3d.accounting import nbytes, optimizer_state_bytes
+from zero3d.optim import ADAMW, OptimizerSpec
 from zero3d.placement import OffDevicePlacement
-
-CPU_ADAM_MODE = {"fused": True}  # the fastest CPU mode, measured by bench/bench_offload.py
 
 
 @dataclass(frozen=True)
@@ -111,32 +110,9 @@ def copy_into_pieces(copier: Copier, spec: GroupSpec, lo: int, source: torch.Ten
             copier.to_device(piece[a - offset:b - offset], source[a - lo:b - lo])
 
 
-def adamw_step(master, grad, exp_avg, exp_avg_sq, step: torch.Tensor, group: dict) -> None:
-    """torch's own AdamW math on one (piece of a) group, in the mode `CPU_ADAM_MODE` picks."""
-    functional_adamw([master], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False,
-                     beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-                     foreach=False, **CPU_ADAM_MODE)
-
-
 def scale_(tensor: torch.Tensor, factor: float) -> None:
     if factor != 1.0:
         tensor.mul_(factor)
-
-
-def cpu_adamw(masters: list, weight_decays: list, lr: float, betas: tuple, eps: float) -> torch.optim.AdamW:
-    """torch's AdamW over host masters in its fast CPU mode: its `state` is what checkpoints read."""
-    return torch.optim.AdamW([{"params": [m], "weight_decay": wd} for m, wd in zip(masters, weight_decays)],
-                             lr=lr, betas=betas, eps=eps, **CPU_ADAM_MODE)
-
-
-def keep_cpu_mode(optimizer: torch.optim.Optimizer) -> None:
-    """A loaded optimizer state may carry another run's mode flags and device step counters."""
-    for param_group in optimizer.param_groups:
-        param_group.update(foreach=False, **CPU_ADAM_MODE)
-    for state in optimizer.state.values():
-        if "step" in state:
-            state["step"] = torch.as_tensor(state["step"], dtype=torch.float32, device="cpu").reshape(())
 
 
 @dataclass
@@ -150,8 +126,8 @@ class HostGroup:
 
 
 class HostOffload(OffDevicePlacement):
-    """offload_optimizer = "cpu": every state in host memory; `optimizer` is a torch AdamW over the
-    host masters, so `optimizer.state` and the masters are ordinary tensors (checkpoints).
+    """offload_optimizer = "cpu": every state in host memory; `optimizer` is the spec's host optimizer
+    over the host masters, so `optimizer.state` and the masters are ordinary tensors (checkpoints).
 
     Groups whose spec `holds_grad` (stages 2/3: gradients reduced bucket by bucket) keep their
     gradient shard only here, as ZeRO-Offload does: each reduced bucket piece is copied down
@@ -161,12 +137,14 @@ class HostOffload(OffDevicePlacement):
 
     name = "cpu"
 
-    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier):
+    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier,
+                 optimizer_spec: OptimizerSpec = ADAMW):
         self.device = copier.device
         self.copier = copier
+        self.optimizer_spec = optimizer_spec
         self.groups = {spec.name: self._host_group(spec) for spec in specs}
-        self.optimizer = cpu_adamw([g.master for g in self.groups.values()],
-                                   [g.spec.weight_decay for g in self.groups.values()], lr, betas, eps)
+        self.optimizer = optimizer_spec.build_host([(g.master, g.spec.weight_decay) for g in self.groups.values()],
+                                                   lr, betas, eps)
         self._landing = []  # (group, lo, hi, alpha): pieces copied down, not yet added into the shard
 
     def _host_group(self, spec: GroupSpec) -> HostGroup:
@@ -216,7 +194,7 @@ class HostOffload(OffDevicePlacement):
 
     def step(self, master_grads: dict, coef: float, lr: float) -> None:
         """The engine's unscaled gradients (held groups: the host shards themselves; the others
-        copied down now), clipped, AdamW on the CPU, updated parameters into the device pieces in
+        copied down now), clipped, the optimizer step on the CPU, updated parameters into the device pieces in
         the compute dtype."""
         for name, group in self.groups.items():
             if not group.spec.holds_grad:
@@ -251,7 +229,7 @@ class HostOffload(OffDevicePlacement):
     # ------------------------------------------------------------ checkpoints and accounting
 
     def after_load(self) -> None:
-        keep_cpu_mode(self.optimizer)
+        self.optimizer_spec.keep_host_mode(self.optimizer)
         self.publish()
 
     def off_device_bytes(self) -> dict:

@@ -1,4 +1,4 @@
-"""Where the fp32 master and Adam states live — device, host memory or NVMe files — behind one interface."""
+"""Where the fp32 master and optimizer states live — device, host memory or NVMe files — behind one interface."""
 import contextlib
 
 import torch
@@ -24,7 +24,7 @@ class Placement:
         """Before the step: every gradient piece handed over has arrived."""
 
     def step(self, master_grads: dict, coef: float, lr: float) -> None:
-        """Clip by `coef`, AdamW at `lr`; {group name: fp32 unscaled gradient in master coordinates}."""
+        """Clip by `coef`, the optimizer step at `lr`; {group name: fp32 unscaled gradient in master coordinates}."""
         raise NotImplementedError
 
     @property
@@ -56,7 +56,7 @@ class Placement:
 
 class DevicePlacement(Placement):
     """offload_optimizer = "none": the masters are the engine's device tensors (`master_pieces`),
-    updated in place by `optimizer` (built over exactly those pieces)."""
+    updated in place by `optimizer` (the spec's `build`, over exactly those pieces)."""
 
     def __init__(self, groups: dict, optimizer: torch.optim.Optimizer):
         self.groups, self.optimizer = groups, optimizer

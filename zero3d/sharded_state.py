@@ -14,11 +14,15 @@ from typing import Protocol
 
 import torch
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from zero3d.optim import OptimizerSpec
 
 
 class DPRank(Protocol):
     rank: int  # this rank's index in the data-parallel group
+
+
+class Settings(Protocol):
+    optimizer_spec: OptimizerSpec  # the optimizer's state names, initial state and step count
 
 
 class ShardedEngine(Protocol):
@@ -27,7 +31,8 @@ class ShardedEngine(Protocol):
     # {name: GroupState}: each group's `layout`, `params`, `param_flat` and `master_pieces`.
     groups: dict
     dp: DPRank
-    # Adam over the master pieces: `state[piece]` (step, exp_avg, exp_avg_sq), `param_groups`, `defaults`.
+    settings: Settings
+    # Over the master pieces: `state[piece]` holds the spec's states (and whatever step count it keeps).
     optimizer: torch.optim.Optimizer
 
     def masters_loaded(self) -> None:
@@ -49,7 +54,7 @@ class StatePiece:
     shape: tuple  # the TP-local parameter's shape
     lo: int
     hi: int
-    tensors: dict  # {"param": model dtype, "master": fp32, "exp_avg": fp32, "exp_avg_sq": fp32}, 1-D views
+    tensors: dict  # {"param": model dtype, "master": fp32, and each optimizer state (fp32)}, 1-D views
 
 
 def _is_full(tensor: torch.Tensor, layout) -> bool:
@@ -73,42 +78,46 @@ def _master_piece(g, slot, lo: int, hi: int, shard_lo: int) -> tuple:
     raise AssertionError(f"{slot.name}[{lo}:{hi}] lies in no master piece of group {g.name!r}")
 
 
-def adam_moments(engine: ShardedEngine, piece: torch.Tensor) -> dict:
-    """The optimizer's per-element states of one master piece; before the first step, zeros (and a
-    step count of 0, as the optimizer would create them)."""
-    state = engine.optimizer.state[piece]
-    if not state:
-        state["step"] = _step_tensor(engine, piece, 0)
-    for key in MOMENTS:
-        if key not in state:
-            state[key] = torch.zeros_like(piece, memory_format=torch.preserve_format)
-    return {key: state[key] for key in MOMENTS}
-
-
-def _step_tensor(engine: ShardedEngine, piece: torch.Tensor, count: int) -> torch.Tensor:
-    fused = engine.optimizer.defaults.get("fused")  # torch's fused AdamW keeps the count on the device
-    return torch.tensor(float(count), dtype=torch.float32, device=piece.device if fused else "cpu")
+def training_states(engine: ShardedEngine) -> tuple:
+    """What a resume loads, each a checkpoint tensor: the master and the optimizer's states (the
+    model-dtype parameters follow from the master)."""
+    return ("master", *engine.settings.optimizer_spec.states)
 
 
 def _all_master_pieces(engine: ShardedEngine) -> list:
     return [piece for g in engine.groups.values() for _, piece in g.master_pieces]
 
 
-def adam_step_count(engine: ShardedEngine) -> int:
-    """Optimizer steps taken (skipped fp16 overflow steps excluded); the same for every group."""
-    group = engine.optimizer.param_groups[0]
-    if "step" in group:  # apex FusedAdam counts per group
-        return int(group["step"])
-    return int(engine.optimizer.state.get(_all_master_pieces(engine)[0], {}).get("step", 0))
+def optimizer_states(engine: ShardedEngine, piece: torch.Tensor) -> dict:
+    """The optimizer's per-element states of one master piece, by the spec's names. A piece the
+    optimizer has not stepped yet gets the spec's `initial_state` now (what its first step would
+    create); any other state lacking one of the spec's names is an error."""
+    spec, optimizer = engine.settings.optimizer_spec, engine.optimizer
+    state = optimizer.state[piece]
+    if not state:
+        steps = spec.step_count(optimizer, _all_master_pieces(engine))
+        if steps:
+            raise KeyError(f"the {spec.name} optimizer took {steps} steps but holds no state for a master "
+                           f"piece of {piece.numel()} elements")
+        state.update(spec.initial_state(optimizer, piece))
+    missing = [key for key in spec.states if key not in state]
+    if missing:
+        raise KeyError(f"the {spec.name} optimizer's state of a master piece lacks {missing}: it has "
+                       f"{sorted(state)}, the spec needs {list(spec.states)}")
+    return {key: state[key] for key in spec.states}
 
 
-def set_adam_step_count(engine: ShardedEngine, count: int) -> None:
-    for pg in engine.optimizer.param_groups:
-        if "step" in pg:
-            pg["step"] = count
-    for piece in _all_master_pieces(engine):
-        adam_moments(engine, piece)
-        engine.optimizer.state[piece]["step"] = _step_tensor(engine, piece, count)
+def optimizer_step_count(engine: ShardedEngine) -> int:
+    """Optimizer steps taken (skipped fp16 overflow steps excluded), wherever the spec keeps them."""
+    return engine.settings.optimizer_spec.step_count(engine.optimizer, _all_master_pieces(engine))
+
+
+def set_optimizer_step_count(engine: ShardedEngine, count: int) -> None:
+    """The count a checkpoint restores, into every piece's state (created if not stepped yet)."""
+    pieces = _all_master_pieces(engine)
+    for piece in pieces:
+        optimizer_states(engine, piece)
+    engine.settings.optimizer_spec.set_step_count(engine.optimizer, pieces, count)
 
 
 def _pieces(engine: ShardedEngine, writing: bool) -> list[StatePiece]:
@@ -123,10 +132,10 @@ def _pieces(engine: ShardedEngine, writing: bool) -> list[StatePiece]:
             ranges = owned_pieces(g.layout, rank)
         for slot, lo, hi, shard_lo in ranges:
             piece, at = _master_piece(g, slot, lo, hi, shard_lo)
-            moments = adam_moments(engine, piece)
+            states = optimizer_states(engine, piece)
             tensors = {"param": _view(g.param_flat, g.layout, slot, lo, hi, shard_lo),
                        "master": piece[at:at + hi - lo],
-                       **{k: v.view(-1)[at:at + hi - lo] for k, v in moments.items()}}
+                       **{k: v.view(-1)[at:at + hi - lo] for k, v in states.items()}}
             out.append(StatePiece(slot.name, slot.shape, lo, hi, tensors))
     return out
 

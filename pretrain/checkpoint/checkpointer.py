@@ -24,10 +24,11 @@ import torch.distributed.checkpoint as dcp
 
 from pretrain.checkpoint.choose import find_usable
 from pretrain.checkpoint.files import MANIFEST, CheckpointError, file_record, read_json, write_json_durably
-from pretrain.checkpoint.read import DCP_METADATA, FORMAT, LATEST, load_dcp, read_dcp_metadata
+from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, load_dcp, optimizer_fields, read_dcp_metadata,
+                                      saved_optimizer)
 from pretrain.checkpoint.recovery import PENDING, publish_step_dir, written_record
-from pretrain.checkpoint.tensors import (PREFIXES, TRAINING_STATES, global_shapes, model_templates,
-                                         parameter_names, sharded_state)
+from pretrain.checkpoint.tensors import (global_shapes, model_templates, parameter_names, saved_states,
+                                         sharded_state)
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.layout import layout_text
 from pretrain.sections import ModelConfig
@@ -163,9 +164,9 @@ class Checkpointer:
             staged = [engine_state.StatePiece(p.name, p.shape, p.lo, p.hi,
                                               {k: v.detach().to("cpu", copy=True) for k, v in p.tensors.items()})
                       for p in engine_state.pieces_to_write(engine)]  # the device-to-host copy
-            adam_step = engine_state.adam_step_count(engine)
-        state = sharded_state(staged, templates, tuple(PREFIXES), writing=True)
-        meta = {**meta, "format": FORMAT, "step": step, "adam_step": adam_step,
+            steps = engine_state.optimizer_step_count(engine)
+        state = sharded_state(staged, templates, ("param", *engine_state.training_states(engine)), writing=True)
+        meta = {**meta, "format": FORMAT, "step": step, **optimizer_fields(engine.settings.optimizer_spec, steps),
                 "scaler": engine.scaler.state_dict(), "parameter_names": self._names}
         rng = rng_state()
         group = self._writer_group()
@@ -286,18 +287,31 @@ class Checkpointer:
     def load(self, usable: dict, layout: dict, seed: int) -> dict:
         """Collective: restore the checkpoint `find_usable` chose. Returns {"step", "consumed_samples", "path", "notes"}."""
         step_dir, manifest, engine = usable["path"], usable["manifest"], self.engine
+        name, steps = saved_optimizer(manifest)
+        spec = engine.settings.optimizer_spec
+        if name != spec.name:
+            raise CheckpointError(f"{step_dir}: its optimizer states are {name!r}'s; this run's optimizer is "
+                                  f"{spec.name!r}",
+                                  fix="resume with the optimizer that wrote it, or set train.resume = false")
         with engine.materialized_states():  # NVMe offload: written back to their files on exit
             self._load_states(step_dir)
-            engine_state.set_adam_step_count(engine, manifest["adam_step"])
+            engine_state.set_optimizer_step_count(engine, steps)
         notes = usable["notes"] + self._restore_scalars(manifest, layout, seed, step_dir)
         return {"step": manifest["step"], "consumed_samples": manifest.get("consumed_samples"),
                 "path": step_dir, "notes": notes}
 
     def _load_states(self, step_dir: Path) -> None:
         templates = self._model_templates()
-        state = sharded_state(engine_state.pieces_to_load(self.engine), templates, TRAINING_STATES, writing=False)
+        states = engine_state.training_states(self.engine)
         saved = read_dcp_metadata(step_dir).state_dict_metadata  # verified above; read without pickle
-        for key, shape in global_shapes(templates, TRAINING_STATES).items():
+        held = saved_states(saved)
+        missing = [s for s in states if s not in held]
+        if missing:  # before any tensor is allocated or read
+            raise CheckpointError(f"{step_dir}: holds no {', '.join(f'optim/{s}/' for s in missing)} tensors; "
+                                  f"this run's {self.engine.settings.optimizer_spec.name} optimizer resumes from "
+                                  f"{', '.join(states)}; the checkpoint holds {', '.join(held) or 'none'}")
+        state = sharded_state(engine_state.pieces_to_load(self.engine), templates, states, writing=False)
+        for key, shape in global_shapes(templates, states).items():
             if key in state and key not in saved:
                 raise CheckpointError(f"{step_dir}: tensor {key!r} is not in the checkpoint (another model?)")
             if key in state and tuple(saved[key].size) != shape:

@@ -24,10 +24,8 @@ from pretrain.atomic import publish, temporary_name
 from pretrain.checkpoint.read import LATEST, latest_name
 from pretrain.checkpoint.files import MANIFEST, CheckpointError
 from pretrain.checkpoint.read import load_dcp, read_checkpoint
-from pretrain.checkpoint.tensors import PREFIXES
+from pretrain.checkpoint.tensors import MODEL_PREFIX as MODEL
 from pretrain.errors import EXIT_CONFIG, EXIT_INPUT
-
-MODEL = PREFIXES["param"]
 
 
 def resolve_step_dir(path: Path) -> Path:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from pretrain.checkpoint.files import MANIFEST, CheckpointError, read_json, verify_file
 from pretrain.checkpoint.unpickler import DTYPES, unpickle_metadata
+from zero3d.optim import ADAMW, OptimizerSpec
 
 DCP_METADATA = ".metadata"
 LATEST = "latest"
@@ -195,6 +196,23 @@ def _number(v) -> bool:
     return type(v) in (int, float) and v == v and abs(v) != float("inf")
 
 
+def optimizer_fields(spec: OptimizerSpec, steps: int) -> dict:
+    """The manifest's record of the optimizer: its name and step count (and the count under the spec's
+    legacy key, for code of before `optimizer_step`)."""
+    legacy = {spec.legacy_step_key: steps} if spec.legacy_step_key else {}
+    return {"optimizer": spec.name, "optimizer_step": steps, **legacy}
+
+
+def saved_optimizer(manifest: dict) -> tuple:
+    """(optimizer name, step count) a manifest records: `optimizer` and `optimizer_step`, or, in a checkpoint
+    written before those fields, AdamW's count under its legacy key; (None, None) when neither is there."""
+    if "optimizer_step" in manifest:
+        return manifest.get("optimizer"), manifest["optimizer_step"]
+    if ADAMW.legacy_step_key in manifest:
+        return ADAMW.name, manifest[ADAMW.legacy_step_key]
+    return None, None
+
+
 def check_fields(step_dir: Path, manifest: dict) -> None:
     """The manifest fields resume and export use, with their types: a wrong one is a damaged checkpoint."""
     scaler = manifest.get("scaler")
@@ -202,8 +220,10 @@ def check_fields(step_dir: Path, manifest: dict) -> None:
     names = manifest.get("parameter_names")
     consumed = manifest.get("consumed_samples")
     tokenizer = manifest.get("tokenizer", {"kind": ""})  # absent in checkpoints written before it was recorded
+    optimizer = saved_optimizer(manifest)
     problems = [
-        (type(manifest.get("adam_step")) is int and manifest["adam_step"] >= 0, "adam_step"),
+        (type(optimizer[0]) is str and type(optimizer[1]) is int and optimizer[1] >= 0,
+         "optimizer/optimizer_step"),
         (type(scaler) is dict and (not scaler or (set(scaler) == {"scale", "clean_steps", "overflows_left"}
                                                   and all(_number(v) for v in scaler.values()))), "scaler"),
         (type(identity) is dict and type(identity.get("model")) is dict, "identity"),

@@ -1,8 +1,9 @@
 """A rank's pieces of each parameter as global tensors: megatron ShardedTensors that DCP writes and reads.
 
-Every parameter is one global tensor per state — "model/<key>" (model dtype), "optim/master/<key>",
-"optim/exp_avg/<key>", "optim/exp_avg_sq/<key>" (fp32) — with the key, global shape and offsets of
-megatron's `model.sharded_state_dict()` (TP/PP-aware; decoder layers stacked on a leading axis).
+Every parameter is one global tensor per state — "model/<key>" (model dtype), "optim/master/<key>" and
+"optim/<state>/<key>" for each of the optimizer's states (fp32, zero3d/optim.py's OptimizerSpec.states) —
+with the key, global shape and offsets of megatron's `model.sharded_state_dict()` (TP/PP-aware; decoder
+layers stacked on a leading axis).
 A rank's DP piece is a contiguous range of the flattened TP-local parameter; it is cut into the few
 contiguous boxes that range covers, so any other layout can read any part of it back.
 """
@@ -18,9 +19,18 @@ from megatron.core.dist_checkpointing.strategies.checkpointable import (Checkpoi
 
 from pretrain.checkpoint.files import CheckpointError
 
-PREFIXES = {"param": "model/", "master": "optim/master/", "exp_avg": "optim/exp_avg/",
-            "exp_avg_sq": "optim/exp_avg_sq/"}
-TRAINING_STATES = ("master", "exp_avg", "exp_avg_sq")  # what a resume loads; parameters follow from master
+MODEL_PREFIX = "model/"  # the model-dtype parameters ("param"); every other state is "optim/<state>/"
+
+
+def prefix(state: str) -> str:
+    """The DCP key prefix of a state: "model/" for the parameters, "optim/<state>/" for the master and
+    each optimizer state."""
+    return MODEL_PREFIX if state == "param" else f"optim/{state}/"
+
+
+def saved_states(saved_keys) -> list:
+    """The "optim/<state>/" states (the master and the optimizer's) a checkpoint holds tensors of."""
+    return sorted({key.split("/")[1] for key in saved_keys if key.startswith("optim/")})
 
 
 def flat_range_boxes(shape: tuple, lo: int, hi: int) -> list[tuple[tuple, tuple]]:
@@ -147,8 +157,8 @@ def sharded_state(pieces: list, templates: dict, states: tuple, writing: bool) -
             continue
         for state in states:
             for part in parts:
-                shards[PREFIXES[state] + part.sh.key] += _piece_shards(PREFIXES[state] + part.sh.key, part, piece,
-                                                                       piece.tensors[state])
+                shards[prefix(state) + part.sh.key] += _piece_shards(prefix(state) + part.sh.key, part, piece,
+                                                                     piece.tensors[state])
     return {key: (CheckpointableShardedTensor.from_sh_ten(s[0]) if len(s) == 1 else
                   LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(x) for x in s]))
             for key, s in shards.items()}
@@ -156,5 +166,5 @@ def sharded_state(pieces: list, templates: dict, states: tuple, writing: bool) -
 
 def global_shapes(templates: dict, states: tuple) -> dict:
     """{DCP key: global shape} of every tensor a sharded_state() over these templates can hold."""
-    return {PREFIXES[state] + part.sh.key: tuple(part.sh.global_shape) for parts in templates.values()
+    return {prefix(state) + part.sh.key: tuple(part.sh.global_shape) for parts in templates.values()
             for part in parts for state in states}

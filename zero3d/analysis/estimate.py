@@ -7,6 +7,7 @@ from typing import Optional
 from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig
+from zero3d.optim import ADAMW
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
 GIB = 2**30
@@ -30,14 +31,15 @@ class Precision:
     name: str
     param_bytes: int  # working copy used in forward/backward
     grad_bytes: int
-    optimizer_bytes: int  # K: Adam moments, plus the fp32 master copy under mixed precision
+    optimizer_bytes: int  # K: the optimizer's states, plus the fp32 master copy under mixed precision
     activation_bytes: int
 
 
-PRECISIONS = {
-    "fp16": Precision("fp16", 2, 2, 12, 2),  # fp32 master 4 + momentum 4 + variance 4
-    "bf16": Precision("bf16", 2, 2, 12, 2),
-    "fp32": Precision("fp32", 4, 4, 8, 4),  # the parameters are the master copy: K = 8
+MASTER_BYTES = 4  # the fp32 master copy, per parameter
+PRECISIONS = {  # K from the engine's default optimizer (zero3d/optim.py's ADAMW)
+    "fp16": Precision("fp16", 2, 2, MASTER_BYTES + ADAMW.state_bytes, 2),  # the fp32 master + the states
+    "bf16": Precision("bf16", 2, 2, MASTER_BYTES + ADAMW.state_bytes, 2),
+    "fp32": Precision("fp32", 4, 4, ADAMW.state_bytes, 4),  # the parameters are the master copy: K = the states
 }
 
 

@@ -4,14 +4,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, PRECISIONS,
+from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
 from zero3d.config import PLACEMENTS as OFFLOAD_PLACEMENTS
 from zero3d.config import ZeroConfig
 
 DEFAULT_NVME_BUFFER_BYTES = ZeroConfig.nvme_buffer_bytes  # the NVMe stream's two host buffers, as the engine defaults them
-MASTER_BYTES = 4  # the fp32 master copy, per parameter
 # --largest without --hidden/--heads: the Figure 7 hidden sizes and GPT-3 13B's 5120 × 40, then
 # hidden grown by HIDDEN_STEP at GPT-3's head size (heads = hidden / HEAD_DIM) until not one layer fits
 OFFLOAD_SHAPES = ((1536, 16), (1920, 16), (2304, 24), (3072, 24), (4096, 32), (5120, 40))
@@ -89,8 +88,8 @@ def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1,
                       nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1) -> OffloadBreakdown:
     """Move what zero3d's `zero.offload_optimizer` / `zero.offload_params` move (docs/estimator.md, Offload).
 
-    Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + Adam moments; in fp32 training the
-    parameters are the master, and the host keeps its own fp32 master copy besides the moments) leave
+    Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + optimizer states; in fp32 training the
+    parameters are the master, and the host keeps its own fp32 master copy besides the states) leave
     the device. "cpu" holds them in host memory with an fp32 gradient shard (plus a compute-dtype
     staging copy the pieces land in); at stages 2-3 that host shard is the only one, as in ZeRO-Offload
     (Ren et al. 2021): the device keeps just the bucket buffers. "nvme" holds them in files and only
@@ -110,7 +109,7 @@ def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1,
     pcie = nvme_io = 0.0
     if offload_optimizer != "none":
         device["optimizer_bytes"] = 0.0
-        mixed = p.param_bytes != MASTER_BYTES  # K includes the master; in fp32 K is the moments alone
+        mixed = p.param_bytes != MASTER_BYTES  # K includes the master; in fp32 K is the optimizer states alone
         moments = (p.optimizer_bytes - (MASTER_BYTES if mixed else 0)) * shard
         states = {"master_params": MASTER_BYTES * shard, "optimizer_states": moments}
         staging = p.grad_bytes * shard if mixed or grads_on_host else 0.0
