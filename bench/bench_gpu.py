@@ -229,7 +229,8 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, parallel_groups
     from pretrain.runtime.layout import init_layout
-    from pretrain.train import engine_settings, loss_share, run_micro_batches, step_mean_loss
+    from pretrain.step import loss_share, run_micro_batches, step_mean_loss
+    from pretrain.train import engine_settings
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     cfg = load_config(None, model_overrides(shape) + [

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 import zero3d
@@ -16,10 +15,9 @@ from pretrain.checkpoint.choose import find_usable, recover
 from pretrain.checkpoint.hf import load_into
 from pretrain.checkpoint.hf_run import check_save_final_hf, imported_model, save_dir_of, write_final_hf
 from pretrain.config import Config
-from pretrain.schedule import lr_at  # noqa: F401 - tests replace pretrain.train.lr_at
+from pretrain.schedule import lr_at
 from pretrain.sections import TrainConfig
 from zero3d.analysis.flops import StepFlops
-from pretrain.data.batch import collate, loss_tokens, to_device
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
@@ -27,8 +25,8 @@ from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_REQUEUE, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model.gpt import DTYPES, activation_checkpointing, build_model, gather_units, gpt_loss, parallel_groups
-from pretrain.pipeline import pipeline_micro_batches
+from pretrain.model.gpt import DTYPES, activation_checkpointing, build_model, gather_units, parallel_groups
+from pretrain.step import evaluate, train_step
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text
 from pretrain.runtime.status import record_failure, write_status
@@ -43,103 +41,6 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
     fp16 = cfg.precision.dtype == "fp16"
     return zero3d.EngineSettings(zero=cfg.zero, optimizer=cfg.optimizer, dtype=DTYPES[cfg.precision.dtype],
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
-
-
-def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Layout, forward_only=False) -> list:
-    """Forward (and backward, loss ÷ accumulation) of each micro-batch; returns this rank's losses
-    (none on pipeline stages that do not compute the loss). With loss masks each loss is its masked sum ÷
-    the step's mean unmasked count per micro-batch (pretrain.data.batch.loss_tokens)."""
-    normaliser = loss_tokens(micro_batches, topo.dp_group)
-    if topo.pp > 1:
-        return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only, normaliser)
-    losses = []
-    for batch in micro_batches:
-        loss = gpt_loss(engine, batch, normaliser)
-        if not forward_only:
-            engine.backward(loss / len(micro_batches))
-        losses.append(loss.detach())
-    return losses
-
-
-def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Layout) -> list:
-    return run_micro_batches(engine, [batches.get(step, i) for i in range(topo.grad_accum)], cfg, topo)
-
-
-def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Layout,
-               stop_requested: Callable[[], bool] = lambda: False, save_written: Callable[[], bool] = lambda: False):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss, StepResult, stop agreed,
-    pending save written on every rank)."""
-    losses = forward_backward(engine, batches, step, cfg, topo)
-    out = finish_step(engine, losses, step, cfg, topo, stop_requested, save_written)
-    if topo.device.type == "cuda":
-        torch.cuda.synchronize()  # perf/step_time measures the step's kernels, not their launch
-    return out
-
-
-def finish_step(engine, losses: list, step: int, cfg: Config, topo: Layout,
-                stop_requested: Callable[[], bool] = lambda: False, save_written: Callable[[], bool] = lambda: False):
-    """The engine's step after the micro-batches' backward: (mean loss, StepResult, stop agreed, pending
-    save written on every rank).
-
-    The step's loss sum, this rank's stop request (asked as late as possible: a signal caught during
-    this step stops after it) and whether its part of the pending asynchronous save is on disk ride in
-    the engine's gradient-norm all-reduce: one host read per step decides overflow and clipping (the
-    norm), the stop (requested on any rank), the save's publication (written on all ranks), and gives
-    every rank the same loss and norm, so NonfiniteGuard's verdict needs no further agreement."""
-    lr = lr_at(step, cfg)
-    sums = torch.zeros(3, dtype=torch.float64, device=topo.device)
-    sums[:1] = loss_share(losses, topo)
-    if stop_requested():
-        sums[1] = 1.0
-    if save_written():
-        sums[2] = 1.0
-    result = engine.step(lr, sums=sums)
-    return step_mean_loss(result, topo), result, result.sums[1] > 0, result.sums[2] == topo.world_size
-
-
-def loss_share(losses: list[torch.Tensor], topo: Layout) -> torch.Tensor:
-    """This rank's share of the step's loss sum, fp64 on the device, for `engine.step(lr, sums=...)`, which
-    sums it over every rank: the sum of its micro-batch losses on the last pipeline stage's TP rank 0,
-    0 elsewhere (TP ranks hold the same loss, megatron's vocab-parallel cross-entropy all-reduces it over
-    TP; earlier stages hold none), so the world sum is the sum over the DP ranks. No host read."""
-    value = torch.zeros(1, dtype=torch.float64, device=topo.device)
-    if topo.is_last_stage and topo.tp_rank == 0:
-        value += torch.stack(losses).double().sum()
-    return value
-
-
-def step_mean_loss(result: zero3d.StepResult, topo: Layout) -> float:
-    """The step's mean loss over micro-batches and DP ranks from `loss_share`'s world sum (the same
-    value as `mean_loss`, without its all-reduce and read)."""
-    return result.sums[0] / (topo.grad_accum * topo.dp)
-
-
-def mean_loss(losses: list[torch.Tensor], topo: Layout) -> float:
-    """The mean over micro-batches and DP ranks, computed on the last pipeline stage, known to all
-    (its own all-reduce and host read: `evaluate`; a training step uses `loss_share`)."""
-    value = torch.zeros(1, dtype=torch.float64, device=topo.device)
-    if topo.is_last_stage:
-        value += torch.stack(losses).double().sum()
-        dist.all_reduce(value, group=topo.dp_group)
-        value /= len(losses) * topo.dp
-    if topo.pp > 1:
-        from megatron.core import parallel_state
-        dist.broadcast(value, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=topo.pp_group)
-    return value.item()
-
-
-@torch.no_grad()
-def evaluate(engine, valid, cfg: Config, topo: Layout) -> float:
-    """Mean loss over eval_iters global batches (Megatron's evaluation): the first eval_iters × G
-    validation samples, each DP rank its share, so the value does not depend on the layout."""
-    engine.eval()
-    n, per_rank = cfg.train.micro_batch_size, cfg.train.global_batch_size // topo.dp
-    micro_batches = [to_device(collate([valid.sample(k * cfg.train.global_batch_size + topo.dp_rank * per_rank
-                                                     + m * n + j) for j in range(n)]), topo.device)
-                     for k in range(cfg.train.eval_iters) for m in range(per_rank // n)]
-    losses = run_micro_batches(engine, micro_batches, cfg, topo, forward_only=True)
-    engine.train()
-    return mean_loss(losses, topo)
 
 
 def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):

@@ -8,7 +8,8 @@ from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity
 from pretrain.config import load_config
 from pretrain.model.gpt import build_model, parallel_groups
 from pretrain.runtime.layout import destroy_layout, init_layout
-from pretrain.train import Batches, engine_settings, forward_backward, layout_signature, mean_loss
+from pretrain.step import forward_backward, mean_loss
+from pretrain.train import Batches, engine_settings, layout_signature
 
 # 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.
 CKPT_BASE = BASE + ["train.global_batch_size=12", "model.make_vocab_size_divisible_by=64"]

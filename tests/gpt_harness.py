@@ -8,7 +8,8 @@ import zero3d
 from pretrain.config import load_config
 from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
 from pretrain.runtime.layout import init_layout
-from pretrain.train import Batches, engine_settings, forward_backward, mean_loss
+from pretrain.step import forward_backward, mean_loss
+from pretrain.train import Batches, engine_settings
 
 BUCKET_ELEMENTS = 4000  # zero.bucket_elements of every run unless overridden
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",

@@ -10,9 +10,10 @@ import torch
 
 import megatron_patches
 from pretrain.config import Config, ConfigError
+from pretrain.data.loader import Batches
 from pretrain.runtime.layout import Layout, destroy_layout, init_layout, start_fake
-from pretrain.schedule import lr_at
-from pretrain.train import Batches, build_and_wrap, forward_backward
+from pretrain.step import train_step
+from pretrain.train import build_and_wrap
 from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
 from zero3d.accounting import step_counter_bytes
 from zero3d.optim import fused_adamw
@@ -168,14 +169,20 @@ def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
                           "do not hold; probe with --real, or without quantization (it adds no model states)")
 
 
+def read_fake_step_floats(values: torch.Tensor) -> list[float]:
+    """The engine's one host read on fake tensors, which hold no values: [squared gradient norm, loss sum, stop
+    requests, saves written] as FAKE_SQUARED_GRAD_NORM and zeros. The zeros are what every rank sums in the probe
+    (no stop is requested, no save is pending), and a finite stand-in for the loss."""
+    return [FAKE_SQUARED_GRAD_NORM] + [0.0] * (values.numel() - 1)
+
+
 def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun:
-    """Build, wrap and train `steps` steps on this rank, as pretrain.train does, under the tracker."""
+    """Build, wrap and train `steps` steps on this rank with the loop's own step (pretrain.step), under the tracker."""
     refuse_file_offload_on_fake_tensors(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     seams = {}
-    if fake:  # fake tensors hold no values: the engine's one host read gets a finite stand-in (the probe
-        # passes no step sums: the read is the squared norm alone)
-        seams["read_host_floats"] = lambda values: [FAKE_SQUARED_GRAD_NORM] * values.numel()
+    if fake:
+        seams["read_host_floats"] = read_fake_step_floats
     if topo.device.type == "cpu":
         # Fake and CPU ranks stand in for a CUDA rank: the GPU's fused AdamW, not the CPU's unfused
         # one, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds.
@@ -205,10 +212,7 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun
                 if acts:
                     acts.reset_step()
                 t0 = time.perf_counter()
-                forward_backward(engine, batches, step, cfg, topo)
-                phases.enter("reduction")
-                engine.step(lr_at(step, cfg))
-                phases.enter("idle")
+                train_step(engine, batches, step, cfg, topo, on_phase=phases.enter)
                 step_seconds.append(time.perf_counter() - t0)
             model_states = tracker.now_by_category()
         counters = step_counter_bytes(engine.optimizer)

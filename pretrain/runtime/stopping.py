@@ -13,7 +13,7 @@ class StopRequest:
     """SIGUSR1 (Slurm's warning before the time limit or preemption), SIGTERM or SIGINT (Ctrl-C) asks for a
     stop: after this step, with a checkpoint.
 
-    A signal may reach some ranks only, or reach them at different steps; `pretrain.train.finish_step` sums the flag
+    A signal may reach some ranks only, or reach them at different steps; `pretrain.step.finish_step` sums the flag
     over every rank in the step's one all-reduce, so all ranks save the same checkpoint and leave together.
     A second SIGINT calls `abort` (one line, status.json) and ends the process at once, exit 130: the
     checkpoint being written, if any, is left as an incomplete .tmp that the next start removes.
@@ -58,7 +58,7 @@ class NonfiniteGuard:
 
     def is_nonfinite(self, loss: float, grad_norm: float, loss_scale: float) -> bool:
         """The verdict on one step: the same on every rank, which all hold the same loss, norm and scale
-        (pretrain.train.finish_step reads them from one all-reduce)."""
+        (pretrain.step.finish_step reads them from one all-reduce)."""
         if not math.isfinite(loss):
             return True
         if math.isfinite(grad_norm):

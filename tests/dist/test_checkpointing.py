@@ -12,7 +12,8 @@ from gpt_harness import BASE, SyntheticTokens
 from pretrain.config import load_config
 from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss
 from pretrain.runtime.layout import init_layout
-from pretrain.train import Batches, engine_settings, mean_loss
+from pretrain.step import mean_loss
+from pretrain.train import Batches, engine_settings
 from zero3d.activations import ActivationCheckpointing, checkpoint
 
 SEED = 1234

@@ -93,7 +93,8 @@ def normalised_rank(rank, world_size):
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_inputs, parallel_groups
     from pretrain.runtime.layout import init_layout
-    from pretrain.train import engine_settings, mean_loss, run_micro_batches
+    from pretrain.step import mean_loss, run_micro_batches
+    from pretrain.train import engine_settings
     batches = micro_batches(4)
     keys = DOCUMENTS + ["data.eod_mask_loss=true", "zero.stage=0", "train.global_batch_size=8"]
     cfg = load_config(None, BASE + keys)

@@ -3,7 +3,7 @@
 over every ZeRO stage, fp16 loss scaling, Pa+cpu, a 2-stage pipeline and ZeRO++'s qgZ / qwZ: none in
 forward/backward, one in engine.step (one vector all-reduced over every rank: the squared gradient norm — overflow,
 clip and norm decided from it — the step's loss sum and the ranks' stop requests), read through the loop's own
-`finish_step`, whose mean loss equals the separately all-reduced `mean_loss` bit for bit; on CPU torch's single-tensor AdamW also reads its host step counter once per
+`pretrain.step.finish_step`, whose mean loss equals the separately all-reduced `mean_loss` bit for bit; on CPU torch's single-tensor AdamW also reads its host step counter once per
 optimizer tensor (a host tensor: no device wait)."""
 import contextlib
 import traceback
@@ -74,7 +74,8 @@ def syncs_rank(rank, world_size, steps=2):
     from pretrain.config import load_config
     from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
     from pretrain.runtime.layout import init_layout
-    from pretrain.train import Batches, engine_settings, finish_step, mean_loss, run_micro_batches
+    from pretrain.step import finish_step, mean_loss, run_micro_batches
+    from pretrain.train import Batches, engine_settings
     out = {}
     for name, overrides in CASES.items():
         cfg = load_config(None, BASE + ["train.global_batch_size=4", *overrides])

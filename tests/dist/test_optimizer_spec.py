@@ -69,10 +69,11 @@ def plain_sgd(rank, world_size, overrides, steps):
     (matrices decay), the gradient clipped by the engine's rule (coefficient 1 / (norm + 1e-6) below 1)."""
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model
-    from pretrain.runtime.topology import destroy_topology, init_topology
-    from pretrain.train import Batches, forward_backward, mean_loss
+    from pretrain.runtime.layout import destroy_layout, init_layout
+    from pretrain.step import forward_backward, mean_loss
+    from pretrain.train import Batches
     cfg = load_config(None, CKPT_BASE + list(overrides))
-    topo = init_topology(cfg)
+    topo = init_layout(cfg)
     try:
         model = build_model(cfg, topo.device)
         params = list(model.parameters())
@@ -93,7 +94,7 @@ def plain_sgd(rank, world_size, overrides, steps):
             opt.zero_grad()
         return losses
     finally:
-        destroy_topology()
+        destroy_layout()
 
 
 def test_sgd_spec_trains_offloads_and_resumes_at_another_layout(tmp_path):

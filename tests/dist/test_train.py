@@ -215,14 +215,14 @@ def _train_with_signal(rank, world_size, overrides, signal_rank, signal_step):
     import os
     import signal
 
-    import pretrain.train as loop
-    lr_at = loop.lr_at
+    import pretrain.step as training_step
+    lr_at = training_step.lr_at
 
     def lr_at_with_signal(step, cfg):
         if rank == signal_rank and step == signal_step:
             os.kill(os.getpid(), signal.SIGUSR1)
         return lr_at(step, cfg)
-    loop.lr_at = lr_at_with_signal
+    training_step.lr_at = lr_at_with_signal
     _train(rank, world_size, overrides)
 
 

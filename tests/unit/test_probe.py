@@ -239,3 +239,29 @@ def test_stage3_estimate_is_within_5_percent_of_the_probed_13b_rank():
     for run in runs.values():
         assert run.peak_phase == "backward"
         assert run.peak_by_category["temporaries"] == pytest.approx(estimate.buffer_bytes, rel=1e-3)
+
+
+def test_the_fake_host_read_gives_the_step_no_stop_and_no_written_save():
+    """On fake tensors the engine's one read is the probe's stand-in: the norm slot FAKE_SQUARED_GRAD_NORM (finite:
+    every step updates), the step sums zeros, which is what every rank of a probe sums (no stop requested, no save
+    pending). So the loop's own finish_step reads "do not stop" and "not written", with a finite mean loss."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import zero3d
+    from pretrain.probe.rank import FAKE_SQUARED_GRAD_NORM, read_fake_step_floats
+    from pretrain.step import finish_step
+
+    class Engine:  # the engine's read: [squared norm, the step sums...] summed, then read through the seam
+        def step(self, lr, sums):
+            squares = torch.zeros(1, dtype=torch.float64)
+            total, *totals = read_fake_step_floats(torch.cat((squares, sums)))
+            return zero3d.StepResult(grad_norm=total ** 0.5, skipped=False, loss_scale=1.0, sums=tuple(totals))
+
+    topo = SimpleNamespace(device=torch.device("cpu"), is_last_stage=True, tp_rank=0, grad_accum=2, dp=1, world_size=1)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        losses = [torch.ones(()), torch.ones(())]
+        outcome = finish_step(Engine(), losses, 0, load_config("configs/tiny.toml"), topo)
+    assert (outcome.loss, outcome.stopping, outcome.written) == (0.0, False, False)
+    assert outcome.result.grad_norm == FAKE_SQUARED_GRAD_NORM ** 0.5

@@ -77,8 +77,9 @@ def test_engine_imports_no_analysis_pretrain_or_megatron():
 
 # pretrain's floors, lowest first: a module imports pretrain modules of its own floor or of floors below it.
 # Ground: what every floor reads (the config tree, its self-checking sections and the blend grammar, errors, metrics sinks,
-# the run summary). Wings by concern, each a package. The loop and the model above them; the probe runs the
-# loop's own step, so it stands above the loop; the command-line entry modules on top, imported by nothing.
+# the run summary). Wings by concern, each a package. The model above them; the training step (pretrain/step.py, with
+# the pipeline schedule it runs) above the model, the loop above the step; the probe runs the loop's own step and
+# builds as the loop does, so it stands above the loop; the command-line entry modules on top, imported by nothing.
 PRETRAIN_FLOORS = (
     ("ground", ("pretrain", "pretrain.atomic", "pretrain.config", "pretrain.sections", "pretrain.errors",
                 "pretrain.metrics",
@@ -87,7 +88,8 @@ PRETRAIN_FLOORS = (
     ("runtime wing", ("pretrain.runtime",)),
     ("checkpoint wing", ("pretrain.checkpoint",)),
     ("model wing", ("pretrain.model",)),
-    ("loop", ("pretrain.train", "pretrain.pipeline", "pretrain.memory_check")),
+    ("step", ("pretrain.step", "pretrain.pipeline")),
+    ("loop", ("pretrain.train", "pretrain.memory_check")),
     ("probe wing", ("pretrain.probe",)),
     ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.hf_config", "pretrain.preprocess", "pretrain.probe.__main__",
                "pretrain.launcher", "pretrain.config_reference")),
@@ -429,3 +431,21 @@ def test_adam_is_named_in_its_spec_only():
              if path not in ("zero3d/optim.py", "zero3d/analysis/paper_tables.py")
              and ("exp_avg" in line or "adam_step" in line or twelve.search(line))]
     assert found == []
+
+
+def _calls(prefix: str) -> list[tuple[str, int, str]]:
+    """(relative path, line number, callee as written, e.g. "engine.step") of every call in the .py files under `prefix`."""
+    return [(str(path.relative_to(REPO)), node.lineno, ast.unparse(node.func))
+            for path in sorted((REPO / prefix).rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call)]
+
+
+def test_one_module_composes_the_training_step():
+    """Issue #35: the engine's step is called from pretrain/step.py alone, so the loop and the probe run one step (the
+    micro-batches, the step sums, the agreed flags); the probe marks its phases through the step's hook and calls
+    none of the step's parts itself."""
+    engine_steps = {path for path, _, callee in _calls("pretrain") if callee.endswith("engine.step")}
+    assert engine_steps == {"pretrain/step.py"}
+    parts = ("forward_backward", "run_micro_batches", "finish_step", "engine.step", "lr_at")
+    probe = [f"{path}:{n}: {callee}" for path, n, callee in _calls("pretrain/probe") if callee.endswith(parts)]
+    assert probe == []
