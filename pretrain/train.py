@@ -3,7 +3,6 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -101,14 +100,6 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     if topo.is_main and cfg.train.save_final_hf and not stopped:  # the others may leave: rank 0 alone reads it
         write_final_hf(cfg, topo.world_size, result["end_step"])
     return result
-
-
-
-
-
-
-
-
 
 
 def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
