@@ -312,6 +312,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                  f"optimizer.{key} is set but optimizer.schedule = {o.schedule!r} does not use it (only 'wsd' "
                  f"does); remove it or set optimizer.schedule = \"wsd\"")
     _check_irrelevant(cfg)
+    _check_context(cfg)
     names = m.shape.parameter_names() if o.no_decay_patterns else []
     for pattern in o.no_decay_patterns:
         _require(any(fnmatch.fnmatchcase(name, pattern) for name in names),
@@ -332,13 +333,37 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         validate_layout(cfg, world_size)
 
 
+def _check_context(cfg: Config) -> None:
+    """Context parallelism's rules: equal chunks, an attention that computes across them, no per-sample masks."""
+    m, c = cfg.model, cfg.parallel.context
+    if c == 1:
+        return
+    valid = [str(k) for k in range(1, m.seq_length // 2 + 1) if m.seq_length % (2 * k) == 0]
+    _require(m.seq_length % (2 * c) == 0,
+             f"parallel.context = {c} does not split model.seq_length = {m.seq_length} into 2 × {c} equal chunks; "
+             f"valid parallel.context values for this sequence length: {', '.join(valid[:12])}")
+    _require(m.attention != "local",
+             "parallel.context > 1 with model.attention = 'local' is refused: megatron's local attention has no "
+             "context parallelism; use model.attention = 'auto', 'sdpa' or 'te'")
+    _require(m.attention_dropout == 0.0,
+             f"parallel.context > 1 with model.attention_dropout = {m.attention_dropout} is refused: the dropout "
+             "masks would differ from context 1's; use model.attention_dropout = 0")
+    _require(not cfg.data.reset_attention_mask, "parallel.context > 1 with data.reset_attention_mask = true is not "
+             "supported yet: the per-document masks are not split into context chunks; set it to false")
+    _require(cfg.parallel.pipeline == 1, f"parallel.context > 1 with parallel.pipeline = {cfg.parallel.pipeline} is "
+             "not supported yet; use parallel.pipeline = 1")
+    _require(not cfg.zero.node_aware(), "parallel.context > 1 with zero.secondary_partition / hybrid / quantize_* is "
+             "not supported yet: their node groups are built over the data-parallel ranks alone")
+
+
 def validate_layout(cfg: Config, world_size: int) -> int:
     """Returns the gradient-accumulation steps; raises if the layout does not divide."""
     p, t = cfg.parallel, cfg.train
-    model_parallel = p.tensor * p.pipeline
+    model_parallel = p.tensor * p.pipeline * p.context
+    degrees = "parallel.tensor × parallel.pipeline" + (" × parallel.context" if p.context > 1 else "")
     _require(world_size % model_parallel == 0,
-             f"world size {world_size} is not divisible by parallel.tensor × parallel.pipeline = "
-             f"{model_parallel}; valid world sizes are multiples of {model_parallel}")
+             f"world size {world_size} is not divisible by {degrees} = {model_parallel}; valid world sizes are "
+             f"multiples of {model_parallel}")
     dp = world_size // model_parallel
     per_step = t.micro_batch_size * dp
     _require(t.global_batch_size % per_step == 0,

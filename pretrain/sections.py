@@ -151,10 +151,14 @@ class ParallelConfig(Section):
     """Pipeline stages; data parallelism takes the rest of the world."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs tensor > 1)."""
+    context: int = 1
+    """Context parallelism: each sequence split into 2 × context equal chunks over that many ranks (rank i holds
+    chunks i and 2·context − 1 − i); attention exact across them, ZeRO sharded over data × context."""
 
     def check(self) -> None:
         require(self.tensor >= 1, f"parallel.tensor = {self.tensor} is invalid; must be >= 1")
         require(self.pipeline >= 1, f"parallel.pipeline = {self.pipeline} is invalid; must be >= 1")
+        require(self.context >= 1, f"parallel.context = {self.context} is invalid; must be >= 1")
         require(not (self.sequence_parallel and self.tensor == 1),
                 "parallel.sequence_parallel = true needs parallel.tensor > 1")
 

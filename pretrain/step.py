@@ -52,9 +52,9 @@ def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Layout, fo
         return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only, normaliser)
     losses = []
     for batch in micro_batches:
-        loss = gpt_loss(engine, batch, normaliser)
-        if not forward_only:
-            engine.backward(loss / len(micro_batches))
+        loss = gpt_loss(engine, batch, normaliser, (topo.cp, topo.cp_rank))
+        if not forward_only:  # context parallelism: the engine averages over data × context, the shares add up
+            engine.backward((loss * topo.cp if topo.cp > 1 else loss) / len(micro_batches))
         losses.append(loss.detach())
     return losses
 
@@ -109,7 +109,7 @@ def mean_loss(losses: list[torch.Tensor], topo: Layout) -> float:
     value = torch.zeros(1, dtype=torch.float64, device=topo.device)
     if topo.is_last_stage:
         value += torch.stack(losses).double().sum()
-        dist.all_reduce(value, group=topo.dp_group)
+        dist.all_reduce(value, group=topo.zero_group if topo.cp > 1 else topo.dp_group)  # context shares add up
         value /= len(losses) * topo.dp
     if topo.pp > 1:
         from megatron.core import parallel_state

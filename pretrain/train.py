@@ -57,7 +57,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
 
 def layout_signature(cfg: Config, topo: Layout) -> dict:
     """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
-    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp,
+    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
             "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
             # hybrid sharding: shards node-local (over gpus_per_node's DP ranks), replicated across nodes
             "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}

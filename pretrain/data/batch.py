@@ -53,11 +53,23 @@ def loss_tokens(micro_batches: list, dp_group) -> Optional[torch.Tensor]:
     return (count.clamp(min=1.0) / (len(masks) * ranks)).float()
 
 
+def context_chunks(t: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """Context parallelism: this rank's two of the 2·cp equal chunks of `t` along `dim`, chunk cp_rank then chunk
+    2·cp − 1 − cp_rank (causal load balance: every rank holds as many early as late tokens)."""
+    if cp == 1:
+        return t
+    chunks = t.chunk(2 * cp, dim=dim)
+    return torch.cat((chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]), dim=dim)
+
+
 def token_mean(per_token: torch.Tensor, loss_mask: Optional[torch.Tensor],
-               loss_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+               loss_tokens: Optional[torch.Tensor] = None, cp: int = 1) -> torch.Tensor:
     """A micro-batch's loss from its per-token losses [b, s]: their mean, or with a loss mask the masked sum ÷
-    `loss_tokens` (see `loss_tokens`; None: this micro-batch's own unmasked count)."""
+    `loss_tokens` (see `loss_tokens`; None: this micro-batch's own unmasked count). With context parallelism
+    (`cp` ranks, each holding 1/cp of every sequence) this rank's share of it: the shares sum to the loss."""
     if loss_mask is None:
-        return per_token.float().mean()
+        return per_token.float().mean() if cp == 1 else per_token.float().mean() / cp
+    if cp > 1 and loss_tokens is None:
+        raise ValueError("a context-parallel share of a masked loss needs the whole micro-batch's count (loss_tokens)")
     total = (per_token.float() * loss_mask).sum()
     return total / (loss_mask.sum().clamp(min=1.0) if loss_tokens is None else loss_tokens.squeeze())

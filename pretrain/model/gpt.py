@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from pretrain.config import Config
-from pretrain.data.batch import field, token_mean, tokens_of
+from pretrain.data.batch import context_chunks, field, token_mean, tokens_of
 from zero3d.activations import ActivationCheckpointing, checkpoint
 from zero3d.config import ZeroConfig
 
@@ -128,6 +128,7 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         normalization=NORMALIZATION[m.norm], layernorm_epsilon=m.norm_epsilon, qk_layernorm=m.qk_layernorm,
         tensor_model_parallel_size=cfg.parallel.tensor,
         pipeline_model_parallel_size=cfg.parallel.pipeline, pipeline_dtype=DTYPES[dtype],
+        context_parallel_size=cfg.parallel.context,
         sequence_parallel=cfg.parallel.sequence_parallel,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, params_dtype=DTYPES[dtype],
@@ -213,7 +214,8 @@ def parallel_groups(model, topo):
     if model.config.qk_layernorm and topo.tp > 1:  # each TP rank normalised its own heads: a partial sum too
         tied.update({p: tp_group for name, p in model.named_parameters()
                      if "q_layernorm" in name or "k_layernorm" in name})
-    return zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded,
+    # ZeRO over data × context: the context ranks hold the same parameters, each the gradient of its chunks
+    return zero3d.ParallelGroups(dp_group=topo.zero_group or topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded,
                                  node_topology=topo.node, gpus_per_node=topo.gpus_per_node)
 
 
@@ -249,9 +251,17 @@ def gpt_inputs(batch):
     return inputs, positions, mask, labels
 
 
-def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None, context: tuple = (1, 0)) -> torch.Tensor:
     """Next-token loss of a micro-batch (megatron's vocab-parallel cross entropy): the mean over its tokens, or
-    with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean)."""
+    with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean).
+    `context` = (cp, cp_rank): with cp > 1 this rank runs its two chunks of every sequence (the attention gathers
+    the others' keys and values) and returns its share of the loss."""
     inputs, positions, mask, labels = gpt_inputs(batch)
+    loss_mask = field(batch, "loss_mask")
+    cp, cp_rank = context
+    if cp > 1:  # the causal mask is by position across the chunks: the attention builds it (pretrain/model/context.py)
+        inputs, positions, labels = (context_chunks(t, cp, cp_rank) for t in (inputs, positions, labels))
+        loss_mask = None if loss_mask is None else context_chunks(loss_mask, cp, cp_rank)
+        mask = None
     per_token = model(inputs, positions, mask, labels=labels)
-    return token_mean(per_token, field(batch, "loss_mask"), loss_tokens)
+    return token_mean(per_token, loss_mask, loss_tokens, cp)

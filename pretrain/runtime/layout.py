@@ -50,16 +50,24 @@ class Layout:
     # The DP group's nodes (zero3d/comm/topology.py), with intra-/inter-node groups, only when a node-aware
     # zero.* mode is on.
     node: Optional[object] = None
+    # Context parallelism: the ranks that split one sequence (parallel.context) and this rank's place among them.
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
+    # The ranks ZeRO shards over and averages gradients across: data × context (megatron's data-parallel group
+    # with context parallelism); None: the DP group.
+    zero_group: object = None
 
     def __post_init__(self):
-        for name in ("world_size", "tp", "pp", "dp", "grad_accum", "gpus_per_node"):
+        for name in ("world_size", "tp", "pp", "dp", "cp", "grad_accum", "gpus_per_node"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise LayoutError(f"{name} = {value!r} is invalid; valid: an integer >= 1")
-        if self.tp * self.pp * self.dp != self.world_size:
-            raise LayoutError(f"tp × pp × dp = {self.tp} × {self.pp} × {self.dp} is invalid for world_size = "
-                              f"{self.world_size}; valid: degrees whose product is {self.world_size}")
-        for name, size_name in (("rank", "world_size"), ("tp_rank", "tp"), ("pp_rank", "pp"), ("dp_rank", "dp")):
+        if self.tp * self.pp * self.cp * self.dp != self.world_size:
+            raise LayoutError(f"tp × pp × cp × dp = {self.tp} × {self.pp} × {self.cp} × {self.dp} is invalid for "
+                              f"world_size = {self.world_size}; valid: degrees whose product is {self.world_size}")
+        for name, size_name in (("rank", "world_size"), ("tp_rank", "tp"), ("pp_rank", "pp"), ("dp_rank", "dp"),
+                                ("cp_rank", "cp")):
             check_rank(name, getattr(self, name), size_name, getattr(self, size_name))
         if type(self.local_rank) is not int or self.local_rank < 0:
             raise LayoutError(f"local_rank = {self.local_rank!r} is invalid; valid: an integer >= 0")
@@ -164,6 +172,7 @@ def init_layout(cfg: Config, launch: Optional[dict] = None, device: Optional[tor
     with megatron_patches.one_gloo_group_per_rank_set() if dist.get_backend() == "gloo" else contextlib.nullcontext():
         ps.initialize_model_parallel(tensor_model_parallel_size=cfg.parallel.tensor,
                                      pipeline_model_parallel_size=cfg.parallel.pipeline,
+                                     context_parallel_size=cfg.parallel.context,
                                      distributed_timeout_minutes=cfg.train.timeout_minutes,
                                      create_gloo_process_groups=False)
     # megatron seeds only the CUDA generators: the CPU one is seeded here, identically on every rank.
@@ -177,7 +186,9 @@ def init_layout(cfg: Config, launch: Optional[dict] = None, device: Optional[tor
                   tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
                   dp_rank=ps.get_data_parallel_rank(), grad_accum=grad_accum, device=device,
                   dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
-                  pp_group=ps.get_pipeline_model_parallel_group())
+                  pp_group=ps.get_pipeline_model_parallel_group(), cp=cfg.parallel.context,
+                  cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+                  zero_group=ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def node_topology(cfg: Config, world_size: int, gpus_per_node: int):
@@ -235,4 +246,5 @@ def destroy_layout() -> None:
 
 def layout_text(layout: dict) -> str:
     """A checkpoint's or run's layout signature (pretrain.train.layout_signature) in words."""
-    return " × ".join(f"{k} {layout.get(k)}" for k in ("tensor", "pipeline", "data")) + f", stage {layout.get('stage')}"
+    keys = ("tensor", "pipeline", "data") + (("context",) if layout.get("context", 1) > 1 else ())
+    return " × ".join(f"{k} {layout.get(k)}" for k in keys) + f", stage {layout.get('stage')}"

@@ -1,4 +1,5 @@
 """Config loading and validation, launcher environments, megatron version guard."""
+import re
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,26 @@ def test_megatron_version_guard(monkeypatch):
     with pytest.raises(ValueError, match="device_type must be 'cpu' or 'cuda', got 'tpu'"):
         monkeypatch.setattr(version, "version", lambda name: "0.16.1")
         megatron_patches.apply("tpu")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.context=3"], "parallel.context = 3 does not split model.seq_length = 128 into 2 × 3 equal chunks; "
+                             "valid parallel.context values for this sequence length: 1, 2, 4, 8, 16, 32, 64"),
+    (["parallel.context=2", "model.attention=\"local\""], "parallel.context > 1 with model.attention = 'local' is refused"),
+    (["parallel.context=2", "model.attention_dropout=0.1"], "parallel.context > 1 with model.attention_dropout = 0.1"),
+    (["parallel.context=2", "data.reset_attention_mask=true"], "data.reset_attention_mask = true is not supported yet"),
+    (["parallel.context=2", "parallel.pipeline=2"], "parallel.context > 1 with parallel.pipeline = 2 is not supported"),
+    (["parallel.context=0"], "parallel.context = 0 is invalid; must be >= 1"),
+])
+def test_context_parallel_values_it_cannot_run_are_one_line_each(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/tiny.toml", overrides)
+
+
+def test_context_counts_in_the_world_size():
+    cfg = load_config("configs/tiny.toml", ["parallel.context=2"])
+    with pytest.raises(ConfigError, match=re.escape("world size 6 is not divisible by parallel.tensor × "
+                                                    "parallel.pipeline × parallel.context = 4; valid world sizes "
+                                                    "are multiples of 4")):
+        validate_layout(cfg, 6)
+    assert validate_layout(cfg, 8) == 16 // (4 * 2)  # global 16, micro 4, dp = 8 / (2 · 2) = 2

@@ -24,13 +24,15 @@ def test_a_consistent_layout_is_accepted():
     ({"grad_accum": 0}, "grad_accum = 0 is invalid; valid: an integer >= 1"),
     ({"gpus_per_node": 0}, "gpus_per_node = 0 is invalid; valid: an integer >= 1"),
     ({"gpus_per_node": None}, "gpus_per_node = None is invalid; valid: an integer >= 1"),
-    ({"dp": 3}, r"tp × pp × dp = 2 × 2 × 3 is invalid for world_size = 8; valid: degrees whose product is 8"),
+    ({"dp": 3}, r"tp × pp × cp × dp = 2 × 2 × 1 × 3 is invalid for world_size = 8; valid: degrees whose product is 8"),
     ({"rank": 8}, r"rank = 8 is invalid; valid: 0 .. 7 \(world_size = 8\)"),
     ({"rank": -1}, r"rank = -1 is invalid; valid: 0 .. 7 \(world_size = 8\)"),
     ({"tp_rank": 2}, r"tp_rank = 2 is invalid; valid: 0 .. 1 \(tp = 2\)"),
     ({"pp_rank": 2}, r"pp_rank = 2 is invalid; valid: 0 .. 1 \(pp = 2\)"),
     ({"dp_rank": -1}, r"dp_rank = -1 is invalid; valid: 0 .. 1 \(dp = 2\)"),
     ({"local_rank": -1}, "local_rank = -1 is invalid; valid: an integer >= 0"),
+    ({"cp": 2}, r"tp × pp × cp × dp = 2 × 2 × 2 × 2 is invalid for world_size = 8; valid: degrees whose product is 8"),
+    ({"cp": 2, "dp": 1, "cp_rank": 2}, r"cp_rank = 2 is invalid; valid: 0 .. 1 \(cp = 2\)"),
 ])
 def test_each_bad_value_is_named_with_what_is_valid(change, message):
     with pytest.raises(LayoutError, match=message):
