@@ -10,13 +10,20 @@ block-causal mask, turned once per forward into the bias all layers share (`shar
 causal attention hands SDPA the key/value groups as they are (`enable_gqa`); masked attention repeats them. What it cannot honour is refused at construction or call: packed
 sequences, attention bias, sliding windows, non-vanilla softmax, causal attention with unequal query/key lengths.
 Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
+Context parallelism (CP > 1; DotProductAttention asserts CP = 1, so its constructor sees a copy of the config at
+CP 1 and only for that assert): causal attention over the whole sequence through `context.context_parallel_attention`
+(K and V all-gathered over the CP group); masks and attention dropout are refused there.
 """
+import copy
+
 import torch
 import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from pretrain.model.context import context_parallel_attention
 
 CHOICES = ("auto", "sdpa", "local", "te")
 
@@ -31,8 +38,21 @@ class SDPAttention(DotProductAttention):
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
             raise ValueError(f"model.attention = 'sdpa' has no sliding window (window_size = {config.window_size}); "
                              "use 'local' or 'te'")
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        cp_size, parent_config = config.context_parallel_size, config
+        if cp_size > 1:
+            refuse_context_parallel(attn_mask_type, config.attention_dropout if attention_dropout is None
+                                    else attention_dropout, cp_comm_type)
+            # The parent reads context_parallel_size only in its assert: it gets a copy at CP 1, the layer the config.
+            parent_config = copy.copy(config)
+            parent_config.context_parallel_size = 1
+        super().__init__(parent_config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection)
+        self.config, self.cp_size, self.cp_group = config, cp_size, None
+        if cp_size > 1:  # megatron's pg_collection.cp where given, else its global CP group
+            self.cp_group = getattr(pg_collection, "cp", None)
+            if self.cp_group is None:
+                self.cp_group = parallel_state.get_context_parallel_group()
         # DotProductAttention divides the scale by layer_number under query-key layer scaling and multiplies
         # the scores back in the softmax: the net scale is the unscaled one.
         self.sdpa_scale = self.softmax_scale * (self.layer_number if config.apply_query_key_layer_scaling else 1)
@@ -46,6 +66,11 @@ class SDPAttention(DotProductAttention):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type == AttnMaskType.causal
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if self.cp_size > 1:
+            refuse_context_parallel(mask_type)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            context = context_parallel_attention(q, k, v, self.cp_group, self.sdpa_scale, enable_gqa=groups > 1)
+            return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
         # GQA: each key/value head serves `groups` query heads (megatron's layout, SDPA's enable_gqa grouping).
         # Causal: the kernel takes the groups as they are (CUDA's flash kernel, CPU's flash kernel), keeping K and
         # V unrepeated for backward; with a mask (CUDA's memory-efficient kernel, which has no GQA) they are
@@ -72,6 +97,21 @@ class SDPAttention(DotProductAttention):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                                 is_causal=causal, scale=self.sdpa_scale,
                                                                 **({"enable_gqa": True} if gqa else {}))
+
+
+def refuse_context_parallel(mask_type, dropout=0.0, comm_type=None):
+    """ValueError for what context-parallel SDPA attention cannot compute exactly (a non-causal mask, dropout) or
+    does otherwise (a cp_comm_type other than its all-gather of K and V)."""
+    if mask_type != AttnMaskType.causal:
+        raise ValueError(f"model.attention = 'sdpa' with context parallelism > 1 supports the causal mask only, not "
+                         f"{mask_type.name} (document boundaries / padding would need the whole sequence's mask); "
+                         "use context parallelism 1")
+    if dropout > 0.0:
+        raise ValueError(f"model.attention = 'sdpa' with context parallelism > 1 needs attention dropout 0, got "
+                         f"{dropout} (its random mask would differ from context parallelism 1's); set it to 0")
+    if comm_type not in (None, "all_gather"):
+        raise ValueError(f"model.attention = 'sdpa' with context parallelism > 1 all-gathers K and V, not "
+                         f"cp_comm_type {comm_type!r} (Transformer Engine's); use 'all_gather' or None")
 
 
 def sdpa_mask(attention_mask, mask_type):

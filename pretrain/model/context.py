@@ -1,0 +1,70 @@
+"""Exact causal attention over a CP group: K and V all-gathered, put back in sequence order, one masked SDPA."""
+import torch
+import torch.distributed as dist
+
+
+def cp_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The two of the sequence's 2·size equal chunks CP rank `rank` holds (causal load balance, as megatron's
+    get_batch_on_this_cp_rank slices them): chunk `rank`, then chunk 2·size − 1 − rank."""
+    return rank, 2 * size - 1 - rank
+
+
+def local_positions(rank: int, size: int, s_local: int, device=None) -> torch.Tensor:
+    """The global sequence positions of this rank's `s_local` tokens (its two chunks, in the order it holds them)."""
+    chunk = s_local // 2
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in cp_chunks(rank, size)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 over `group` (rank r's piece at rows r·n … (r+1)·n); backward: each rank's piece's
+    gradient is the sum over the group of the gathered gradients' rows r·n … (r+1)·n (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, piece, group):
+        ctx.group = group
+        piece = piece.contiguous()
+        out = piece.new_empty((dist.get_world_size(group) * piece.shape[0], *piece.shape[1:]))
+        dist.all_gather_into_tensor(out, piece, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        piece = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(piece, grad, group=ctx.group)
+        return piece, None
+
+
+def gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every CP rank's K and V ([b, g, s_local, d] each; one all-gather for both) as the whole sequence in
+    order, [b, g, S, d] each: the gathered pieces are rank 0's two chunks, rank 1's, …; chunk j of the
+    sequence is the piece of the rank that holds it."""
+    size, s_local = dist.get_world_size(group), k.shape[2]
+    kv = torch.stack((k, v)).movedim(3, 0)  # [s_local, 2, b, g, d]: the sequence first, as the collective cuts it
+    gathered = _GatherSequence.apply(kv, group)  # [S, 2, b, g, d] in rank order
+    held = [c for r in range(size) for c in cp_chunks(r, size)]  # the sequence chunk at each gathered chunk
+    order = sorted(range(2 * size), key=held.__getitem__)  # the gathered chunk holding sequence chunk j
+    chunks = gathered.view(2 * size, s_local // 2, *gathered.shape[1:])
+    whole = chunks[order].flatten(0, 1).movedim(0, 3)  # [2, b, g, S, d]
+    return whole[0], whole[1]
+
+
+def context_parallel_attention(q, k, v, cp_group, scale=None, dropout=0.0, enable_gqa=False):
+    """Causal attention of this CP rank's queries over the whole sequence: exactly full causal SDPA's rows for
+    this rank's tokens. q [b, h, s_local, d], k and v [b, g, s_local, d] (g divides h; g < h only with
+    `enable_gqa`), each rank's two chunks in the order it holds them; returns [b, h, s_local, d]."""
+    rank, size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
+    s_local = q.shape[2]
+    if s_local % 2:
+        raise ValueError(f"context-parallel attention needs an even local sequence length (two equal chunks), "
+                         f"got {s_local}")
+    k, v = gather_sequence(k, v, cp_group)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        # CUDA's memory-efficient kernel, which takes masks, has no GQA (SDPA would fall back to the math
+        # kernel): repeated to the query heads, after the gather, as masked attention does at CP 1.
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    query_pos = local_positions(rank, size, s_local, q.device)
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # [s_local, S]: True = attends (a query sees itself and before)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
