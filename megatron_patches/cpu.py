@@ -1,4 +1,4 @@
-"""CPU mode: the four patches megatron-core 0.16 needs to build, run and pipeline GPTModel on gloo ranks.
+"""CPU mode: the five patches megatron-core 0.16 needs to build, run, pipeline and context-split GPTModel on gloo ranks.
 
 Applied only by `megatron_patches.apply("cpu")`, never on a CUDA run, and undone by `undo_cpu_patches()`.
 Everything else CPU mode once patched goes through megatron's public seams instead (pretrain/model/gpt.py):
@@ -67,6 +67,16 @@ class _TorchWithCpuFactories:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """rope_utils.get_pos_emb_on_this_cp_rank without its pinned host index (a CUDA allocator): the same two of the
+    2·cp chunks along `seq_dim`, cp_rank and 2·cp − 1 − cp_rank."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.chunk(2 * cp, dim=seq_dim)
+    return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=seq_dim)
+
+
 def _patch(owner, name, value) -> None:
     _originals.setdefault((owner, name), getattr(owner, name))
     setattr(owner, name, value)
@@ -76,6 +86,7 @@ def apply_cpu_patches() -> None:
     """Idempotent. Each patch names the public API that would let it go (none exists in megatron-core 0.16)."""
     if _originals:
         return
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
 
@@ -90,6 +101,8 @@ def apply_cpu_patches() -> None:
     _patch(mrandom, "_set_cuda_rng_state", lambda *args, **kwargs: None)
     # 4. The pipeline schedules count tokens in torch.zeros(..., device="cuda").
     _patch(schedules, "torch", _TorchWithCpuFactories())
+    # 5. RoPE under context parallelism picks this rank's chunks of the frequencies with a pinned host index.
+    _patch(rotary, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank)
 
 
 def undo_cpu_patches() -> None:

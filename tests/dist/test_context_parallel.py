@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from gpt_harness import assert_close_runs, run_gpt_steps
+from gpt_harness import run_gpt_steps
 from pretrain.data.batch import context_chunks
 from ranks import run_ranks
 
@@ -36,9 +36,17 @@ def one_rank():
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 @pytest.mark.parametrize("context,stage", [(2, 2), (4, 3)])
 def test_context_parallel_equals_one_rank(one_rank, model, context, stage):
-    """C ranks, ZeRO over data × context (here context alone): the same losses, gradient norms and parameters as
-    one rank within 1e-6 (fp32; the sums run in another order)."""
+    """C ranks, ZeRO over data × context (here context alone): the same losses and gradient norms as one rank within
+    1e-6 (fp32; the sums run in another order), every rank the same parameters as one rank within 1e-5: the key
+    part of GPT-2's QKV bias has a zero gradient in exact arithmetic (softmax ignores a constant added to every
+    key), so Adam turns its rounding noise into steps of O(lr) whatever the layout (3.5e-6 after 10 steps at C = 2)."""
     extra = LLAMA if model == "llama" else []
     out = run_ranks(run_gpt_steps, context, FP32 + extra + [f"parallel.context={context}", f"zero.stage={stage}"],
                     STEPS, timeout=300)
-    assert_close_runs(one_rank[model] * context, out, rtol=1e-6)
+    (ref,) = one_rank[model]
+    for rank in out:
+        torch.testing.assert_close(torch.tensor(rank["loss"]), torch.tensor(ref["loss"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(rank["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-6, atol=0)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(rank["params"][name], p, rtol=0, atol=1e-5, msg=name)
+    assert ref["loss"][-1] < ref["loss"][0]  # it trained
