@@ -1,9 +1,8 @@
 """CPU mode: the five patches megatron-core 0.16 needs to build, run, pipeline and context-split GPTModel on gloo ranks.
 
 Applied only by `megatron_patches.apply("cpu")`, never on a CUDA run, and undone by `undo_cpu_patches()`.
-Everything else CPU mode once patched goes through megatron's public seams instead (pretrain/model/gpt.py):
-an explicit causal mask passed to `GPTModel.forward`, the layer norm chosen in the layer spec,
-`batch_p2p_sync=False` in the config, ZeRO-R recompute as a layer class in the spec.
+Everything else CPU mode once patched goes through megatron's public seams (pretrain/model/gpt.py): an explicit causal
+mask to `GPTModel.forward`, the norm in the layer spec, `batch_p2p_sync=False`, ZeRO-R recompute as a layer class.
 """
 import contextlib
 
@@ -67,14 +66,9 @@ class _TorchWithCpuFactories:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
-def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-    """rope_utils.get_pos_emb_on_this_cp_rank without its pinned host index (a CUDA allocator): the same two of the
-    2·cp chunks along `seq_dim`, cp_rank and 2·cp − 1 − cp_rank."""
-    if cp_group is None:
-        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-    cp, rank = cp_group.size(), cp_group.rank()
-    chunks = pos_emb.chunk(2 * cp, dim=seq_dim)
-    return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=seq_dim)
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):  # rope_utils' own without its pinned (CUDA) index
+    cp, rank, chunks = cp_group.size(), cp_group.rank(), pos_emb.chunk(2 * cp_group.size(), dim=seq_dim)
+    return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=seq_dim)  # chunks rank and 2·cp − 1 − rank
 
 
 def _patch(owner, name, value) -> None:
@@ -95,8 +89,7 @@ def apply_cpu_patches() -> None:
     # 2. The tensor-parallel dropout RNG tracker is CUDA-only (initialize_rng_tracker has no CPU kind).
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER", CpuRNGStatesTracker())
     _patch(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
-    # 3. megatron's own CheckpointFunction (model.recompute = "full" without ZeRO-R) saves and restores
-    #    the CUDA RNG state beside the CPU one; there is none on CPU.
+    # 3. megatron's own recompute (without ZeRO-R) saves and restores the CUDA RNG state; there is none on CPU.
     _patch(mrandom, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8))
     _patch(mrandom, "_set_cuda_rng_state", lambda *args, **kwargs: None)
     # 4. The pipeline schedules count tokens in torch.zeros(..., device="cuda").

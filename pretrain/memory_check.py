@@ -22,7 +22,7 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         prefetch_units=z.prefetch_units, gpu_memory_bytes=gpu_memory_bytes,
         loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.comm_modes().secondary_partition,
         hybrid=z.comm_modes().hybrid, dp_per_node=dp_per_node(cfg, world_size),
-        attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size))
+        attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size), cp=cfg.parallel.context)
 
 
 def mask_bytes(cfg: Config, world_size: int) -> int:
@@ -39,7 +39,7 @@ def mask_bytes(cfg: Config, world_size: int) -> int:
 def accumulation(cfg: Config, world_size: int) -> int:
     """Micro-batches per step on each rank (at least 1: the estimate of a layout that does not divide)."""
     t, p = cfg.train, cfg.parallel
-    return max(1, t.global_batch_size // (t.micro_batch_size * (world_size // (p.tensor * p.pipeline))))
+    return max(1, t.global_batch_size // (t.micro_batch_size * (world_size // (p.tensor * p.pipeline * p.context))))
 
 
 def attention_kind(choice: str) -> str:
@@ -84,8 +84,10 @@ def _table(estimate: MemoryBreakdown, offload: Optional[OffloadBreakdown], heade
 
 def describe(cfg: Config, world_size: int) -> str:
     p = cfg.parallel
+    cp = f" × CP {p.context}" if p.context > 1 else ""
+    dp = world_size // (p.tensor * p.pipeline * p.context)
     return (f"{cfg.model.num_layers} layers × hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}; "
-            f"{world_size} ranks = TP {p.tensor} × PP {p.pipeline} × DP {world_size // (p.tensor * p.pipeline)}; "
+            f"{world_size} ranks = TP {p.tensor} × PP {p.pipeline}{cp} × DP {dp}; "
             f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}")
 
 

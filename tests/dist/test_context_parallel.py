@@ -7,7 +7,7 @@ from pretrain.data.batch import context_chunks
 from ranks import run_ranks
 
 STEPS = 10
-FP32 = ["precision.dtype=\"fp32\"", "model.attention=\"sdpa\""]
+FP32 = ["precision.dtype=\"fp32\"", "model.attention=\"sdpa\"", "model.make_vocab_size_divisible_by=64"]  # one padded vocabulary at TP 1 and 2
 LLAMA = ["model.position_embedding=\"rope\"", "model.mlp=\"swiglu\"", "model.norm=\"rmsnorm\"", "model.bias=false",
          "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.tie_embeddings=false"]
 
@@ -29,24 +29,34 @@ def test_chunks_are_megatrons_load_balanced_split(monkeypatch):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    return {name: run_ranks(run_gpt_steps, 1, FP32 + extra, STEPS, timeout=300)
+    # every layout starts from the same weights (gpt_harness.init_by_global_name): TP slices of one global draw
+    return {name: run_ranks(run_gpt_steps, 1, FP32 + extra, STEPS, None, True, timeout=300)
             for name, extra in (("gpt", []), ("llama", LLAMA))}
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-@pytest.mark.parametrize("context,stage", [(2, 2), (4, 3)])
-def test_context_parallel_equals_one_rank(one_rank, model, context, stage):
-    """C ranks, ZeRO over data × context (here context alone): the same losses and gradient norms as one rank within
-    1e-6 (fp32; the sums run in another order), every rank the same parameters as one rank within 1e-5: the key
+LAYOUTS = {"C2-stage2": (2, ["zero.stage=2"]), "C4-stage3": (4, ["zero.stage=3"]),
+           "TP2xC2-stage3": (4, ["parallel.tensor=2", "zero.stage=3"]),
+           "TP2xC2-SP-stage2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=2"]),
+           "C2xDP2-stage1": (4, ["zero.stage=1"])}
+
+
+@pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C2-stage2"), ("gpt", "C4-stage3"),
+                                          ("llama", "C4-stage3"), ("gpt", "TP2xC2-stage3"),
+                                          ("llama", "TP2xC2-SP-stage2"), ("llama", "C2xDP2-stage1")])
+def test_context_parallel_equals_one_rank(one_rank, model, layout):
+    """C context ranks (with TP, SP or data parallelism beside), ZeRO over data × context: the same losses and gradient norms as one rank within
+    1e-6 (fp32; the sums run in another order), at TP 1 every rank the same parameters as one rank within 1e-5: the key
     part of GPT-2's QKV bias has a zero gradient in exact arithmetic (softmax ignores a constant added to every
     key), so Adam turns its rounding noise into steps of O(lr) whatever the layout (3.5e-6 after 10 steps at C = 2)."""
     extra = LLAMA if model == "llama" else []
-    out = run_ranks(run_gpt_steps, context, FP32 + extra + [f"parallel.context={context}", f"zero.stage={stage}"],
-                    STEPS, timeout=300)
+    world, layout_keys = LAYOUTS[layout]
+    context = 2 if "C2" in layout else 4
+    out = run_ranks(run_gpt_steps, world, FP32 + extra + [f"parallel.context={context}"] + layout_keys, STEPS, None,
+                    True, timeout=300)
     (ref,) = one_rank[model]
     for rank in out:
         torch.testing.assert_close(torch.tensor(rank["loss"]), torch.tensor(ref["loss"]), rtol=1e-6, atol=0)
         torch.testing.assert_close(torch.tensor(rank["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-6, atol=0)
-        for name, p in ref["params"].items():
+        for name, p in ref["params"].items() if "TP2" not in layout else ():  # TP-local slices at TP 2
             torch.testing.assert_close(rank["params"][name], p, rtol=0, atol=1e-5, msg=name)
     assert ref["loss"][-1] < ref["loss"][0]  # it trained

@@ -106,6 +106,25 @@ def dp_elements_per_step(stage: int, psi: int, dp: int, accumulation: int = 1) -
     return dp_passes(stage, accumulation) * psi * (dp - 1) / dp
 
 
+def context_bytes_per_step(*, seq: int, kv_width: int, layers: int, micro_batch: int, accumulation: int, tp: int,
+                           cp: int, act_bytes: int, recompute: str) -> Fraction:
+    """Bytes each rank sends per step over its context-parallel group of C = cp ranks (ring collectives): every
+    layer of every micro-batch all-gathers K and V ([S, b, g, d] each, g·d = kv_width/tp on a TP rank) in its
+    forward, 2·S·b·g·d·e·(C−1)/C, and reduce-scatters their gradients in backward, the same again; full
+    recomputation repeats the forward's all-gather in backward: L·A·(2 + r)·2·S·b·g·d·e·(C−1)/C, r = 1 with
+    recompute = "full", else 0 (A = accumulation micro-batches, e = act_bytes, L = layers)."""
+    if recompute not in ("none", "full"):
+        raise ValueError(f"recompute = {recompute!r} is invalid; valid values: 'none', 'full'")
+    for name, value in (("seq", seq), ("kv_width", kv_width), ("layers", layers), ("micro_batch", micro_batch),
+                        ("accumulation", accumulation), ("tp", tp), ("cp", cp), ("act_bytes", act_bytes)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} = {value!r} is invalid; must be an integer >= 1")
+    if kv_width % tp:
+        raise ValueError(f"kv_width = {kv_width} is not divisible by tp = {tp}")
+    gather = 2 * seq * micro_batch * Fraction(kv_width, tp) * act_bytes * Fraction(cp - 1, cp)
+    return layers * accumulation * (3 if recompute == "full" else 2) * gather
+
+
 # ---- Per-link DP collectives of every ZeRO stage (and ZeRO++ / hybrid modes), and their α-β time ------
 
 # The modes the engine runs at each stage ("" = plain): hybrid sharding (zero.hybrid = "node") at 1-3,

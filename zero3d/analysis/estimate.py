@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
 
+from zero3d.analysis.context import context_backward_bytes, context_layer_bytes, local_shape, validate_context
 from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig
@@ -170,7 +171,7 @@ def gradient_bucket_elements(shape: GPTShape, psi: int, tp: int, bucket_elements
 
 def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp: int,
                  bucket_elements: Optional[int], precision: str, prefetch_units: int,
-                 attention: str = "local") -> dict:
+                 attention: str = "local", cp: int = 1) -> dict:
     """{term: bytes} of the temporary buffers at the rank's peak; `buffer_bytes` is their sum.
 
     Stages 0-2 (the paper's ZeRO-100B, whose tables and maxima this estimator reproduces): the paper's fused
@@ -186,7 +187,8 @@ def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp:
     - "output-layer bucket": the output layer's weight gradient, V_pad·h/t elements in a bucket of its own
       (its unit's only weight), reduce-scattered just before the last layer's backward and held until two more
       buckets launch (zero3d/buckets.py, MAX_BUCKETS_IN_FLIGHT), b_g·V_pad·h/t;
-    - "activation gradients": backward_transient_bytes.
+    - "activation gradients": backward_transient_bytes at this CP rank's S/C tokens (`cp`), or with cp > 1
+      the attention's backward if larger (context.context_backward_bytes).
     """
     p = PRECISIONS[precision]
     if stage != 3:
@@ -196,8 +198,9 @@ def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp:
     return {"gradient bucket": (4 if bucket_elements is None else p.grad_bytes) * bucket,
             "gathered units": (1 + prefetch_units) * largest_unit * p.param_bytes,
             "output-layer bucket": shape.padded_vocab(tp) * shape.hidden // tp * p.grad_bytes,
-            "activation gradients": backward_transient_bytes(shape, micro_batch, tp, p.activation_bytes,
-                                                             attention)}
+            "activation gradients": max(backward_transient_bytes(local_shape(shape, cp), micro_batch, tp,
+                                                                 p.activation_bytes, attention),
+                                        context_backward_bytes(shape, micro_batch, tp, cp, p.activation_bytes))}
 
 
 @dataclass(frozen=True)
@@ -300,23 +303,26 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
              prefetch_units: int = ZeroConfig.prefetch_units, gpu_memory_bytes: float = V100_MEMORY_BYTES,
              margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0,
              secondary_partition: bool = False, hybrid: bool = False, dp_per_node: int = 1,
-             attention: str = "local", mask_bytes: float = 0.0) -> MemoryBreakdown:
-    """Per-GPU memory of the GPT `shape` on gpus = tp × dp under ZeRO `stage` (formulas: docs/estimator.md);
+             attention: str = "local", mask_bytes: float = 0.0, cp: int = 1) -> MemoryBreakdown:
+    """Per-GPU memory of the GPT `shape` on gpus = tp × cp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py).
     ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
     `hybrid` shards the model states over the node's m ranks instead of all dp. `attention` (ATTENTION_KINDS):
     "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
     softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
-    attention masks (document_mask_bytes), counted with the activations."""
+    attention masks (document_mask_bytes), counted with the activations. `cp` context-parallel ranks
+    (zero3d/analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
+    activations are for S/C tokens, plus the gathered K and V and the causal mask (context_layer_bytes)."""
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
+    validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
         raise ValueError(f"gpu_memory_bytes = {gpu_memory_bytes} must be > 0 and margin_fraction = "
                          f"{margin_fraction} in [0, 1)")
     prec = PRECISIONS[precision]
-    dp = gpus // tp
-    seq, hidden = shape.seq, shape.hidden
+    dp = gpus // tp  # ZeRO's group: data × context
+    seq, hidden = shape.seq // cp, shape.hidden  # this rank's tokens of a sequence
     psi = shape.params(tp)
     if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
         raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
@@ -326,8 +332,8 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
         param += extra_state_bytes(CommModes(secondary_partition=True).name, psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
-    layer_bytes = shape.layer_activation_bytes(micro_batch, tp, e, attention_state_bytes(
-        attention, seq, micro_batch, shape.heads, e))
+    layer_bytes = local_shape(shape, cp).layer_activation_bytes(micro_batch, tp, e, attention_state_bytes(
+        attention, seq, micro_batch, shape.heads, e)) + context_layer_bytes(shape, micro_batch, tp, cp, e)
     # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
@@ -346,7 +352,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
 
     terms = buffer_terms(shape, stage=stage, psi=psi, micro_batch=micro_batch, tp=tp,
                          bucket_elements=bucket_elements, precision=precision, prefetch_units=prefetch_units,
-                         attention=attention)
+                         attention=attention, cp=cp)
     buffers = float(sum(terms.values()))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer,

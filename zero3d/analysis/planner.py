@@ -1,10 +1,12 @@
-"""Planner: feasible (tp, ZeRO stage, Pa, Pa+cpu, offload, micro-batch) layouts ranked by modelled throughput."""
+"""Planner: feasible (tp, cp, ZeRO stage, Pa, Pa+cpu, offload, micro-batch) layouts ranked by modelled throughput."""
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
-from zero3d.analysis.comm_model import STAGE_MODES, Links, collectives_per_pass, dp_collectives, link_seconds
+from zero3d.analysis.comm_model import (STAGE_MODES, Links, collectives_per_pass, context_bytes_per_step,
+                                        dp_collectives, link_seconds)
+from zero3d.analysis.context import valid_context_sizes
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate, estimate_from_shape,
                                       gpt_param_count, largest_fitting_layers, paper_shape)
@@ -89,19 +91,22 @@ class Candidate:
     tflops_per_gpu: float
     samples_per_s: float
     offload: Optional[OffloadBreakdown] = None  # host / NVMe bytes and traffic when zero.offloaded
+    cp: int = 1  # context-parallel ranks splitting each sequence (dp × cp = the ZeRO group)
+    cp_s: float = 0.0  # the K/V all-gathers and reduce-scatters over the CP group, on the critical path
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s + self.pcie_s
+        return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s + self.pcie_s + self.cp_s
 
 
 def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
               global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
-              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS) -> dict:
+              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1) -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
-    hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included)."""
-    layers, hidden, seq = model.layers, model.hidden, model.seq
-    dp = gpus // tp
+    hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included).
+    `cp` context-parallel ranks: each runs S/cp tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp."""
+    layers, hidden, seq = model.layers, model.hidden, model.seq // cp
+    dp = gpus // (tp * cp)
     if global_batch % (micro_batch * dp):
         raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = "
                          f"{micro_batch} × {dp}")
@@ -122,7 +127,7 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
     # bucket's / unit's collective (collectives_per_pass), under today's overlap rules per stage
     buckets, gathers = collectives_per_pass(params_per_rank, bucket_elements, layers + 2)
     links = cluster_links(cluster)
-    colls = dp_collectives(zero.stage, zero.zeropp, params_per_rank, dp, dp_per_node(cluster, gpus, tp),
+    colls = dp_collectives(zero.stage, zero.zeropp, params_per_rank, dp * cp, dp_per_node(cluster, gpus, tp),
                            value_bytes=PRECISIONS[precision].grad_bytes, accumulation=accumulation,
                            buckets=buckets, gathers=gathers)
     seconds = {purpose: sum(link_seconds(c, links) for c in colls if c.purpose == purpose)
@@ -144,10 +149,26 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
         dp_exposed = (accumulation * max(0.0, seconds["grads"] / accumulation - backward) + seconds["params"]
                       + seconds["replicas"])
     pcie = pcie_bytes / cluster.pcie_bandwidth  # ZeRO-Offload; the CPU optimizer's own time is not modelled
-    step = compute + mp + pa + offload + dp_exposed + pcie
+    cp_s = context_seconds(cluster, model, tp, cp, micro_batch, accumulation, act_bytes, recompute)
+    step = compute + mp + pa + offload + dp_exposed + pcie + cp_s
     return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,
                 pa_s=pa, offload_s=offload, dp_s=dp_exposed, pcie_s=pcie, tflops_per_gpu=flops / step / gpus / 1e12,
-                samples_per_s=global_batch / step)
+                samples_per_s=global_batch / step, cp_s=cp_s)
+
+
+def context_seconds(cluster: Cluster, model: GPTShape, tp: int, cp: int, micro_batch: int, accumulation: int,
+                    act_bytes: int, recompute: str) -> float:
+    """The K/V all-gathers and reduce-scatters over the CP group in a step (comm_model.context_bytes_per_step), cp − 1
+    ring steps each, inside the node while the tp·cp ranks fit one, not overlapped (attention waits on its gather)."""
+    if cp == 1:
+        return 0.0
+    inside = tp * cp <= cluster.gpus_per_node
+    sent = context_bytes_per_step(seq=model.seq, kv_width=model.kv_width, layers=model.layers, micro_batch=micro_batch,
+                                  accumulation=accumulation, tp=tp, cp=cp, act_bytes=act_bytes, recompute=recompute)
+    calls = model.layers * accumulation * (3 if recompute == "full" else 2)
+    links = cluster_links(cluster)
+    return (float(sent) / (cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth_per_gpu)
+            + calls * (cp - 1) * (links.nvswitch_latency if inside else links.ib_latency))
 
 
 def _divisors(n: int) -> list:
@@ -160,7 +181,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
          gpus: Optional[int] = None, recompute: str = "full",
          bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
          margin_fraction: float = DEFAULT_MARGIN_FRACTION,
-         tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True) -> list:
+         tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True,
+         attention: str = "local") -> list:
     """Every layout that fits, best modelled throughput first.
 
     The model: `model` (any GPTShape), or the paper's GPT-2 shape by `layers`, `hidden`, `heads`, `vocab`, `seq`.
@@ -168,6 +190,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     per-GPU batch: the global batch then grows with the DP degree). Only when no layout fits on the
     device alone (and `offload`), the first of OFFLOAD_TIERS under which some layout fits the device and
     the cluster's host memory and NVMe gives the layouts instead, each with its `offload` breakdown.
+    `attention` (estimate.ATTENTION_KINDS): with "fused", a TP degree at which nothing fits also tries context
+    parallelism, the smallest cp (a divisor of gpus/tp splitting the sequence into 2·cp chunks) that fits.
     """
     if (global_batch is None) == (batch_per_gpu is None):
         raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
@@ -181,30 +205,40 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     gpus = gpus or cluster.gpus
     tps = tp_choices or [t for t in _divisors(gpus) if model.heads % t == 0 and model.groups % t == 0
                          and model.hidden % t == 0 and model.ffn_size % t == 0]
-    shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision)
+    shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision, attention=attention)
+
+    def search_layout(tp: int, cp: int, offload_optimizer: str, offload_params: str) -> list:
+        found = []
+        dp = gpus // (tp * cp)
+        step_batch = global_batch if batch_per_gpu is None else batch_per_gpu * dp
+        if step_batch % dp:
+            return found  # the global batch must split evenly over the DP ranks
+        activation_options = [ZeroChoice(0)]
+        if tp > 1 and recompute == "full":
+            activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
+        for stage in stages:
+            if (offload_optimizer != "none" and stage == 0) or (offload_params != "none" and stage != 3):
+                continue
+            for option in activation_options:
+                zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
+                modes = [""]
+                if not zero.offloaded and zero.offload_params == "none" and cp == 1:
+                    m = dp_per_node(cluster, gpus, tp)
+                    modes += [z for z in PLANNER_MODES[stage] if m >= 2 or not CommModes.named(z).needs_two_per_node]
+                for mode in modes:
+                    found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
+                                            step_batch, dp, bucket_elements, margin_fraction, cp)
+        return found
 
     def search(offload_optimizer: str = "none", offload_params: str = "none") -> list:
         found = []
         for tp in tps:
-            dp = gpus // tp
-            step_batch = global_batch if batch_per_gpu is None else batch_per_gpu * dp
-            if step_batch % dp:
-                continue  # the global batch must split evenly over the DP ranks
-            activation_options = [ZeroChoice(0)]
-            if tp > 1 and recompute == "full":
-                activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
-            for stage in stages:
-                if (offload_optimizer != "none" and stage == 0) or (offload_params != "none" and stage != 3):
-                    continue
-                for option in activation_options:
-                    zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
-                    modes = [""]
-                    if not zero.offloaded and zero.offload_params == "none":
-                        m = dp_per_node(cluster, gpus, tp)
-                        modes += [z for z in PLANNER_MODES[stage] if m >= 2 or not CommModes.named(z).needs_two_per_node]
-                    for mode in modes:
-                        found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
-                                                step_batch, dp, bucket_elements, margin_fraction)
+            cps = valid_context_sizes(model.seq, gpus // tp) if attention == "fused" else [1]
+            for cp in cps:  # the smallest context degree at which this tp fits (1: no context parallelism)
+                at_tp = search_layout(tp, cp, offload_optimizer, offload_params)
+                if at_tp:
+                    found += at_tp
+                    break
         # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
         return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
 
@@ -217,11 +251,12 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
 
 
 def _micro_batches(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, step_batch: int, dp: int,
-                   bucket_elements: Optional[int], margin_fraction: float) -> list:
+                   bucket_elements: Optional[int], margin_fraction: float, cp: int = 1) -> list:
     """The fitting candidates of one layout, over the micro-batches that divide the per-rank batch."""
     found = []
     for micro_batch in _divisors(step_batch // dp):
-        candidate = _candidate(cluster, shape, tp, zero, micro_batch, step_batch, bucket_elements, margin_fraction)
+        candidate = _candidate(cluster, shape, tp, zero, micro_batch, step_batch, bucket_elements, margin_fraction,
+                               cp)
         if candidate is None:
             break  # a larger micro-batch only needs more memory
         found.append(candidate)
@@ -229,7 +264,7 @@ def _micro_batches(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, ste
 
 
 def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_batch: int, step_batch: int,
-               bucket_elements: Optional[int], margin_fraction: float) -> Optional[Candidate]:
+               bucket_elements: Optional[int], margin_fraction: float, cp: int = 1) -> Optional[Candidate]:
     """The layout with its memory and modelled time, or None when it does not fit."""
     memory = estimate(shape["model"], gpus=shape["gpus"], recompute=shape["recompute"],
                       precision=shape["precision"], tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
@@ -237,12 +272,13 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                       gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction,
                       secondary_partition=CommModes.named(zero.zeropp).secondary_partition,
                       hybrid=CommModes.named(zero.zeropp).hybrid,
-                      dp_per_node=dp_per_node(cluster, shape["gpus"], tp))
+                      dp_per_node=dp_per_node(cluster, shape["gpus"], tp), attention=shape.get("attention", "local"),
+                      cp=cp)
     offload = None
     if zero.offloaded:
         offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
                                     offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
-                                    accumulation=step_batch // (micro_batch * (shape["gpus"] // tp)))
+                                    accumulation=step_batch // (micro_batch * (shape["gpus"] // (tp * cp))))
         memory = offload.device
         if not cluster.holds_offload(offload, shape["gpus"], margin_fraction):
             return None
@@ -251,19 +287,22 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
     timing = step_time(cluster, model=shape["model"], gpus=shape["gpus"], tp=tp, zero=zero, micro_batch=micro_batch,
                        global_batch=step_batch, params_per_rank=memory.params_per_rank,
                        recompute=shape["recompute"], precision=shape["precision"],
-                       pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements)
-    return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, **timing)
+                       pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
+                       cp=cp)
+    return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 
 def format_candidates(candidates: list, top: int = 10) -> str:
     """One line per layout: memory, modelled TFLOP/s per GPU and where the step time goes."""
     lines = []
     for c in candidates[:top]:
-        lines.append(f"  tp {c.tp:<3} dp {c.dp:<4} {c.zero.label:<24} micro-batch {c.micro_batch:<3} "
+        lines.append(f"  tp {c.tp:<3}" + (f" cp {c.cp:<3}" if c.cp > 1 else "") + f" dp {c.dp:<4} {c.zero.label:<24} "
+                     f"micro-batch {c.micro_batch:<3} "
                      f"x{c.accumulation:<3} B {c.global_batch:<5} {c.memory.total_bytes / 1e9:5.1f} GB  "
                      f"{c.tflops_per_gpu:5.1f} TFLOP/s/GPU  step {c.step_s:7.2f} s "
                      f"(compute {c.compute_s:.2f}, "
                      f"MP {c.mp_s:.2f}, Pa {c.pa_s:.2f}, cpu {c.offload_s:.2f}, DP {c.dp_s:.2f}"
+                     + (f", CP {c.cp_s:.2f}" if c.cp > 1 else "")
                      + (f", PCIe {c.pcie_s:.2f}; host {c.offload.host_bytes / 1e9:.1f} GB, NVMe "
                         f"{c.offload.nvme_bytes / 1e9:.1f} GB, PCIe {c.offload.pcie_bytes_per_step / 1e9:.1f} GB/step)"
                         if c.offload else ")"))
