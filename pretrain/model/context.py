@@ -1,6 +1,7 @@
-"""Exact causal attention over a CP group: K and V all-gathered, put back in sequence order, one masked SDPA."""
+"""Exact causal attention over a CP group: K and V all-gathered in sequence order, each local chunk over its key prefix."""
 import torch
 import torch.distributed as dist
+from torch.nn.attention.bias import causal_lower_right
 
 
 def cp_chunks(rank: int, size: int) -> tuple[int, int]:
@@ -52,19 +53,22 @@ def gather_sequence(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tens
 def context_parallel_attention(q, k, v, cp_group, scale=None, dropout=0.0, enable_gqa=False):
     """Causal attention of this CP rank's queries over the whole sequence: exactly full causal SDPA's rows for
     this rank's tokens. q [b, h, s_local, d], k and v [b, g, s_local, d] (g divides h; g < h only with
-    `enable_gqa`), each rank's two chunks in the order it holds them; returns [b, h, s_local, d]."""
+    `enable_gqa`), each rank's two chunks in the order it holds them; returns [b, h, s_local, d].
+
+    Each of the two local chunks (sequence chunk c, n tokens) attends to the key prefix that ends with it: chunks
+    0 … c − 1 whole and chunk c causally, i.e. SDPA with torch's lower-right causal bias over (n, (c + 1)·n) — no
+    mask tensor, the kernels' own causal masking with an offset, the groups unrepeated (enable_gqa)."""
     rank, size = dist.get_rank(cp_group), dist.get_world_size(cp_group)
     s_local = q.shape[2]
     if s_local % 2:
         raise ValueError(f"context-parallel attention needs an even local sequence length (two equal chunks), "
                          f"got {s_local}")
     k, v = gather_sequence(k, v, cp_group)
-    if enable_gqa and k.shape[1] != q.shape[1]:
-        # CUDA's memory-efficient kernel, which takes masks, has no GQA (SDPA would fall back to the math
-        # kernel): repeated to the query heads, after the gather, as masked attention does at CP 1.
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    query_pos = local_positions(rank, size, s_local, q.device)
-    key_pos = torch.arange(k.shape[2], device=q.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [s_local, S]: True = attends (a query sees itself and before)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    n, gqa = s_local // 2, enable_gqa and k.shape[1] != q.shape[1]
+    outs = []
+    for half, chunk in enumerate(cp_chunks(rank, size)):
+        end = (chunk + 1) * n  # the keys this chunk's queries may see: every position up to its own last one
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, half * n:(half + 1) * n], k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(n, end),
+            dropout_p=dropout, scale=scale, **({"enable_gqa": True} if gqa else {})))
+    return torch.cat(outs, dim=2)

@@ -28,25 +28,23 @@ def layer_bytes_by_hand(cp: int) -> int:
     whole s·b·h·(4e + 2) (norm, QKV and fc1 inputs, two 1-byte masks); split over t s·b·e·(2h + 2·g·d + 2f + f)
     (Q, projection input, local K and V, SwiGLU's fc1 output, the activation output) and the fused attention's
     fp32 logsumexp a·s·b·4. With cp > 1 (pretrain/model/context.py): SDPA keeps K and V gathered over all S
-    tokens and repeated to the a = 8 query heads, 2·e·S·b·(a/t)·d, in place of the local 2·e·s·b·(g/t)·d; and
-    the [s, S] causal mask as an additive bias of e bytes, whole on every TP rank, s·S·e."""
+    tokens, unrepeated (g/t groups), so the other ranks' S − s tokens add 2·e·(S − s)·b·(g/t)·d; no mask
+    tensor (the kernels' lower-right causal bias)."""
     s = S // cp
     whole = s * B * H * (4 * E + 2)
     split = s * B * E * (2 * H + 2 * GROUPS * D + 2 * F + F) + A * s * B * 4
     if cp == 1:
         return whole + split // T
-    kv = 2 * E * S * B * (A // T) * D - 2 * E * s * B * (GROUPS // T) * D
-    mask = s * S * E
-    return whole + split // T + kv + mask
+    kv = 2 * E * (S - s) * B * (GROUPS // T) * D
+    return whole + split // T + kv
 
 
 def test_layer_bytes_by_hand_numbers():
-    """The formula's numbers, written out once (whole + (split + logsumexp)/t + K and V + mask): cp 1: s = 64;
-    cp 2: s = 32, K and V 2·2·64·2·4·8 − 2·2·32·2·1·8 = 16384 − 2048, mask 32·64·2 = 4096; cp 4: s = 16,
-    K and V 16384 − 1024, mask 16·64·2 = 2048."""
+    """The formula's numbers, written out once (whole + (split + logsumexp)/t + the other ranks' K and V): cp 1:
+    s = 64; cp 2: s = 32, K and V 2·2·32·2·1·8 = 2048; cp 4: s = 16, K and V 2·2·48·2·1·8 = 3072."""
     assert layer_bytes_by_hand(1) == 81_920 + (139_264 + 4_096) // 2 == 153_600
-    assert layer_bytes_by_hand(2) == 40_960 + (69_632 + 2_048) // 2 + 14_336 + 4_096 == 95_232
-    assert layer_bytes_by_hand(4) == 20_480 + (34_816 + 1_024) // 2 + 15_360 + 2_048 == 55_808
+    assert layer_bytes_by_hand(2) == 40_960 + (69_632 + 2_048) // 2 + 2_048 == 78_848
+    assert layer_bytes_by_hand(4) == 20_480 + (34_816 + 1_024) // 2 + 3_072 == 41_472
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -68,15 +66,15 @@ def test_recompute_checkpoints(cp):
     assert m.working_set_bytes == layer_bytes_by_hand(cp)
 
 
-@pytest.mark.parametrize("cp, fc2, attention, expected", [(2, 16_384, 0, 16_384), (4, 8_192, 8_192, 8_192),
-                                                          (8, 4_096, 12_288, 12_288)])
+@pytest.mark.parametrize("cp, fc2, attention, expected", [(2, 16_384, -12_288, 16_384), (4, 8_192, -4_096, 8_192),
+                                                          (8, 4_096, 0, 4_096)])
 def test_activation_gradients_at_the_rank_tokens(cp, fc2, attention, expected):
     """The larger of fc2's moment at s = S/C tokens, s·b·h·e + s·b·f·e/t, and the attention's backward: the
-    gradients of the gathered, repeated K and V and of Q and the output, (2·e·S·b·h + 2·e·s·b·h)/t, less the
-    freed MLP activations 3·s·b·f·e/t (SwiGLU)."""
+    gradients of the gathered K and V and of Q and the output, (2·e·S·b·g·d + 2·e·s·b·h)/t, less the freed MLP
+    activations 3·s·b·f·e/t (SwiGLU): here fc2's moment is the larger at every cp."""
     s = S // cp
     assert fc2 == s * B * H * E + s * B * F * E // T
-    assert attention == (2 * E * S * B * H + 2 * E * s * B * H - 3 * s * B * F * E) // T
+    assert attention == (2 * E * S * B * GROUPS * D + 2 * E * s * B * H - 3 * s * B * F * E) // T
     terms = est.buffer_terms(SHAPE, stage=3, psi=PSI, micro_batch=B, tp=T, bucket_elements=None,
                              precision="bf16", prefetch_units=1, attention="fused", cp=cp)
     assert terms["activation gradients"] == expected
@@ -170,22 +168,22 @@ LLAMA_128K = GPTShape(layers=32, hidden=4096, heads=32, query_groups=8, seq=1310
 
 def test_planner_proposes_the_smallest_context_that_fits():
     """The Llama-3 8B shape at 128K tokens with recomputation on 8 × 8 H100 at TP 1, stage 3, global batch 64:
-    nothing fits at cp 1 or 2, so the planner proposes cp 4 (dp 16, 4 micro-batches a step), its memory the
+    nothing fits at cp 1 (139.65 GB), so the planner proposes cp 2 (dp 32, 2 micro-batches a step), its memory the
     estimator's, and its step time adds the CP collectives: bytes / NVSwitch bandwidth + α per ring step
-    (tp·cp = 4 ranks fit one node)."""
+    (tp·cp = 2 ranks fit one node)."""
     from zero3d.analysis.cluster import ClusterSpec
     from zero3d.analysis.planner import plan
     cluster = ClusterSpec(preset="dgx-h100", nodes=8).cluster("bf16")
     found = plan(cluster, model=LLAMA_128K, global_batch=64, recompute="full", precision="bf16", attention="fused",
                  tp_choices=[1], stages=(3,), offload=False)
-    assert found and {c.cp for c in found} == {4} and {c.dp for c in found} == {16}
+    assert found and {c.cp for c in found} == {2} and {c.dp for c in found} == {32}
     layout = dict(gpus=64, tp=1, stage=3, micro_batch=1, precision="bf16", attention="fused", recompute="full",
                   gpu_memory_bytes=cluster.gpu_memory_bytes)
-    assert found[0].memory == est.estimate(LLAMA_128K, cp=4, **layout)
-    assert not any(est.estimate(LLAMA_128K, cp=c, **layout).fits for c in (1, 2))
-    # L·A·3 collectives (gather, reduce-scatter, the recomputed gather) · 2·S·b·g·d·e·(C−1)/C, A = 64/(1·16) = 4
-    sent = 32 * 4 * 3 * (2 * 131072 * 1 * 1024 * 2 * 3 / 4)
-    steps = 32 * 4 * 3 * 3
+    assert found[0].memory == est.estimate(LLAMA_128K, cp=2, **layout)
+    assert not est.estimate(LLAMA_128K, cp=1, **layout).fits
+    # L·A·3 collectives (gather, reduce-scatter, the recomputed gather) · 2·S·b·g·d·e·(C−1)/C, A = 64/(1·32) = 2
+    sent = 32 * 2 * 3 * (2 * 131072 * 1 * 1024 * 2 * 1 / 2)
+    steps = 32 * 2 * 3 * 1
     expected = sent / cluster.intra_node_bandwidth + steps * cluster.links.nvswitch_latency
     assert found[0].cp_s == pytest.approx(expected)
 

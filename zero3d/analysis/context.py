@@ -1,4 +1,4 @@
-"""Context parallelism in the estimator: its layout rules, each rank's S/C tokens, the gathered K and V and the mask."""
+"""Context parallelism in the estimator: its layout rules, each rank's S/C tokens, the gathered K and V."""
 import dataclasses
 
 from zero3d.analysis.gpt_shape import GPTShape
@@ -41,32 +41,27 @@ def local_shape(shape: GPTShape, cp: int) -> GPTShape:
 def gathered_kv_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:
     """K and V as pretrain/model/context.py's attention keeps them for backward, beyond the S/C tokens' K and V
     that GPTShape.layer_activation_bytes counts, on a TP rank: each layer all-gathers K and V ([S, b, g, d] each)
-    over the CP group and repeats GQA's g groups to the a query heads (CUDA's memory-efficient kernel, the one
-    that takes a mask, has no GQA), so SDPA keeps [b, a/t, S, d] each, h wide whatever g is; the local K and V
-    are not kept. 2·e·b·(S·h − s·g·d)/t, s = S/C (g·d: the K width over all TP ranks)."""
+    over the CP group, and each local chunk's SDPA call keeps its key prefix of them (views of the gathered
+    tensors, unrepeated: enable_gqa; its causal mask is the kernels' own, lower-right aligned, no tensor), so
+    the other ranks' S − s tokens of K and V are kept too: 2·e·b·(S − s)·g·d/t, s = S/C (g·d: the K width over
+    all TP ranks)."""
     s, b, e = shape.seq // cp, micro_batch, act_bytes
-    return 2 * e * b * (shape.seq * shape.hidden - s * shape.kv_width) // tp if cp > 1 else 0
-
-
-def context_mask_bytes(shape: GPTShape, cp: int, act_bytes: int) -> int:
-    """The causal mask across the chunks that every layer's context-parallel attention builds ([S/C, S] bool) and
-    SDPA turns into an additive bias of the activation dtype, which the memory-efficient kernel keeps for
-    backward (broadcast over the micro-batch and the heads; whole on every TP rank): s·S·e, s = S/C."""
-    return shape.seq // cp * shape.seq * act_bytes if cp > 1 else 0
+    return 2 * e * b * (shape.seq - s) * shape.kv_width // tp if cp > 1 else 0
 
 
 def context_backward_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:
     """Activation gradients alive while a context-parallel layer's attention back-propagates: the gradients of
-    the gathered, repeated K and V (2·e·S·b·h/t, summed to the g groups and reduce-scattered after), of Q and of
-    the attention's output (2·e·s·b·h/t), less the MLP activations the layer's backward has freed by then
+    the gathered K and V (2·e·S·b·g·d/t, reduce-scattered after), of Q and of the attention's output
+    (2·e·s·b·h/t), less the MLP activations the layer's backward has freed by then
     (estimate.backward_transient_bytes takes the larger of this and fc2's moment)."""
     if cp == 1:
         return 0
     s, b, e, h = shape.seq // cp, micro_batch, act_bytes, shape.hidden
-    return (2 * e * shape.seq * b * h + 2 * e * s * b * h - local_shape(shape, cp).mlp_activation_bytes(b, e)) // tp
+    return (2 * e * shape.seq * b * shape.kv_width + 2 * e * s * b * h
+            - local_shape(shape, cp).mlp_activation_bytes(b, e)) // tp
 
 
 def context_layer_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:
-    """What context parallelism adds to one layer's activations at S/C tokens: gathered_kv_bytes +
-    context_mask_bytes (0 at cp = 1)."""
-    return gathered_kv_bytes(shape, micro_batch, tp, cp, act_bytes) + context_mask_bytes(shape, cp, act_bytes)
+    """What context parallelism adds to one layer's activations at S/C tokens: the other ranks' K and V
+    (gathered_kv_bytes; 0 at cp = 1)."""
+    return gathered_kv_bytes(shape, micro_batch, tp, cp, act_bytes)

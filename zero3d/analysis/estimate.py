@@ -313,7 +313,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
     attention masks (document_mask_bytes), counted with the activations. `cp` context-parallel ranks
     (zero3d/analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
-    activations are for S/C tokens, plus the gathered K and V and the causal mask (context_layer_bytes)."""
+    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes)."""
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
     validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
