@@ -60,3 +60,15 @@ def test_context_parallel_equals_one_rank(one_rank, model, layout):
         for name, p in ref["params"].items() if "TP2" not in layout else ():  # TP-local slices at TP 2
             torch.testing.assert_close(rank["params"][name], p, rtol=0, atol=1e-5, msg=name)
     assert ref["loss"][-1] < ref["loss"][0]  # it trained
+
+
+def test_checkpoint_at_context_2_resumes_at_context_1(tmp_path):
+    """Saved after step 3 of 6 at C 2 × DP 2, stage 2; resumed at C 1 × DP 4, stage 3 (the any-layout path: the
+    context ranks are data-parallel replicas to ZeRO): the last 3 losses equal the uninterrupted run's within 1e-6."""
+    from checkpoint_harness import train_segment
+    seq = ["model.seq_length=32", "precision.dtype=\"fp32\"", "model.attention=\"sdpa\"", "train.global_batch_size=16"]
+    whole = run_ranks(train_segment, 4, seq + ["parallel.context=2", "zero.stage=2"], tmp_path, 0, 6, (3,),
+                      timeout=300)[0]["loss"]
+    resumed = run_ranks(train_segment, 4, seq + ["zero.stage=3"], tmp_path, 3, 6, (), True, timeout=300)[0]
+    assert resumed["resumed"]["step"] == 3
+    torch.testing.assert_close(torch.tensor(resumed["loss"]), torch.tensor(whole[3:]), rtol=1e-6, atol=0)
