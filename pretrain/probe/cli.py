@@ -15,7 +15,7 @@ import sys
 
 from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.probe.commands import max_model_command, probe_command
-from pretrain.probe.rank import refuse_file_offload_on_fake_tensors
+from pretrain.probe.rank import refuse_what_fake_tensors_cannot_run
 
 MAX_MODEL_MEMORY_GB = 32.0  # --max-model studies the paper's C1-C5 on its 32 GB V100s
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         validate_layout(cfg, world)
         if not 0 <= args.rank < world:
             raise ConfigError(f"--rank {args.rank} is invalid; valid ranks: 0 .. {world - 1}")
-        refuse_file_offload_on_fake_tensors(cfg, fake=not args.real)
+        refuse_what_fake_tensors_cannot_run(cfg, fake=not args.real)
         if args.memory_gb is None:  # the budget --estimate and the start-up guard use
             args.memory_gb = cfg.cluster.gpu_memory_gb
     except ConfigError as err:

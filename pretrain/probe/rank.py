@@ -155,8 +155,8 @@ def host_bytes(acts, engine):
     return now
 
 
-def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
-    """The NVMe placements read and write files; fake tensors hold no bytes to write."""
+def refuse_what_fake_tensors_cannot_run(cfg: Config, fake: bool) -> None:
+    """What fake tensors cannot run: the NVMe placements' file I/O, quantization scales (data), CP's causal bias."""
     z = cfg.zero
     if fake and "nvme" in (z.offload_optimizer, z.offload_params):
         raise ConfigError(f"probe: zero.offload_optimizer = {z.offload_optimizer!r}, zero.offload_params = "
@@ -167,6 +167,10 @@ def refuse_file_offload_on_fake_tensors(cfg: Config, fake: bool) -> None:
     if fake and quantized:  # a block's scale is its values' maximum: fake tensors hold no values
         raise ConfigError(f"probe: {', '.join(quantized)}: the quantization scales are data, which fake tensors "
                           "do not hold; probe with --real, or without quantization (it adds no model states)")
+    if fake and cfg.parallel.context > 1:  # its causal bias is a tensor subclass FakeTensorMode cannot build
+        raise ConfigError(f"probe: parallel.context = {cfg.parallel.context}: context-parallel attention's lower-right "
+                          "causal bias (torch's CausalBias) cannot be built on fake tensors; probe with --real, or "
+                          "read the estimate (docs/estimator.md, Context parallelism)")
 
 
 def read_fake_step_floats(values: torch.Tensor) -> list[float]:
@@ -178,7 +182,7 @@ def read_fake_step_floats(values: torch.Tensor) -> list[float]:
 
 def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun:
     """Build, wrap and train `steps` steps on this rank with the loop's own step (pretrain.step), under the tracker."""
-    refuse_file_offload_on_fake_tensors(cfg, fake)
+    refuse_what_fake_tensors_cannot_run(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     seams = {}
     if fake:

@@ -265,3 +265,11 @@ def test_the_fake_host_read_gives_the_step_no_stop_and_no_written_save():
         outcome = finish_step(Engine(), losses, 0, load_config("configs/tiny.toml"), topo)
     assert (outcome.loss, outcome.stopping, outcome.written) == (0.0, False, False)
     assert outcome.result.grad_norm == FAKE_SQUARED_GRAD_NORM ** 0.5
+
+
+def test_context_parallelism_on_fake_tensors_is_one_line(capsys):
+    """CP's attention builds torch's CausalBias, a tensor subclass FakeTensorMode cannot make: refused before any
+    rank is set up, naming the value and what to do instead."""
+    assert probe.main(["--config", "configs/tiny_llama.toml", "parallel.context=2"]) == 2
+    assert "probe: parallel.context = 2: context-parallel attention's lower-right causal bias" in capsys.readouterr().err
+
