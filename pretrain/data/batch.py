@@ -53,13 +53,19 @@ def loss_tokens(micro_batches: list, dp_group) -> Optional[torch.Tensor]:
     return (count.clamp(min=1.0) / (len(masks) * ranks)).float()
 
 
+def context_chunk_indices(cp: int, cp_rank: int) -> tuple[int, int]:
+    """The two of a sequence's 2·cp equal chunks context rank `cp_rank` holds, in that order: chunk cp_rank, then
+    chunk 2·cp − 1 − cp_rank (causal load balance: every rank holds as many early as late tokens; megatron's
+    get_batch_on_this_cp_rank cuts them alike)."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
 def context_chunks(t: torch.Tensor, cp: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
-    """Context parallelism: this rank's two of the 2·cp equal chunks of `t` along `dim`, chunk cp_rank then chunk
-    2·cp − 1 − cp_rank (causal load balance: every rank holds as many early as late tokens)."""
+    """Context parallelism: this rank's two chunks of `t` along `dim` (context_chunk_indices)."""
     if cp == 1:
         return t
     chunks = t.chunk(2 * cp, dim=dim)
-    return torch.cat((chunks[cp_rank], chunks[2 * cp - 1 - cp_rank]), dim=dim)
+    return torch.cat([chunks[i] for i in context_chunk_indices(cp, cp_rank)], dim=dim)
 
 
 def token_mean(per_token: torch.Tensor, loss_mask: Optional[torch.Tensor],

@@ -3,11 +3,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.attention.bias import causal_lower_right
 
+from pretrain.data.batch import context_chunk_indices
+
 
 def cp_chunks(rank: int, size: int) -> tuple[int, int]:
-    """The two of the sequence's 2·size equal chunks CP rank `rank` holds (causal load balance, as megatron's
-    get_batch_on_this_cp_rank slices them): chunk `rank`, then chunk 2·size − 1 − rank."""
-    return rank, 2 * size - 1 - rank
+    """The two sequence chunks CP rank `rank` of `size` holds: the data's own rule (context_chunk_indices)."""
+    return context_chunk_indices(size, rank)
 
 
 def local_positions(rank: int, size: int, s_local: int, device=None) -> torch.Tensor:
