@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import warnings
 
 with warnings.catch_warnings():  # megatron's import-time warnings (apex / Transformer Engine absent): not a run's
@@ -23,20 +25,22 @@ with warnings.catch_warnings():  # megatron's import-time warnings (apex / Trans
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["cli_fork"])
+_ENVIRON = threading.Lock()  # the docs tier runs commands from several threads; PYTHONPATH is set around a start
 
 
 def _start_server() -> None:
     """The server started with this folder importable (Python 3.11's forkserver ignores the parent's sys.path and
     skips a preload it cannot import: every run would import torch again)."""
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), before) if p)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
+    with _ENVIRON:
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(__file__), before) if p)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.pop("PYTHONPATH") if before is None else os.environ.update(PYTHONPATH=before)
 
 
-def _child(args, env, cwd, out_path, err_path):
+def _child(args, env, cwd, out_path, err_path, status_path):
     import runpy
     code = 1
     try:
@@ -67,7 +71,33 @@ def _child(args, env, cwd, out_path, err_path):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        with open(status_path, "w") as status:  # the status as the command ended, whatever becomes of the server
+            status.write(str(code))
         os._exit(code)
+
+
+def _start(proc) -> None:
+    """proc started on the server; a server found dead is started anew (one that has just died can still look
+    alive for a moment: its socket then refuses, and the next look sees it gone)."""
+    for _ in range(50):
+        _start_server()
+        try:
+            return proc.start()
+        except ConnectionRefusedError:
+            time.sleep(0.2)
+    proc.start()
+
+
+def exit_status(status_path: str, exitcode: int) -> int:
+    """The command's exit status: the one its process wrote as it ended. The server's report (`exitcode`) only
+    where none was written (a signal ended it): a server that died meanwhile reports 255 for a command that
+    ended normally (multiprocessing's popen_forkserver), which once failed a docs command that had printed all
+    of its output."""
+    try:
+        with open(status_path) as status:
+            return int(status.read())
+    except (FileNotFoundError, ValueError):
+        return exitcode
 
 
 def run_python(args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
@@ -76,16 +106,16 @@ def run_python(args: list[str], env: dict, cwd, timeout: float) -> subprocess.Co
     _start_server()
     command = ["python", *args]
     with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = _CONTEXT.Process(target=_child, args=(list(args), dict(env), str(cwd), out, err))
-        proc.start()
+        out, err, status = (os.path.join(tmp, name) for name in ("stdout", "stderr", "status"))
+        proc = _CONTEXT.Process(target=_child, args=(list(args), dict(env), str(cwd), out, err, status))
+        _start(proc)
         proc.join(timeout)
         if proc.is_alive():
             proc.kill()
             proc.join()
             raise subprocess.TimeoutExpired(command, timeout)
         with open(out) as o, open(err) as e:
-            return subprocess.CompletedProcess(command, proc.exitcode, o.read(), e.read())
+            return subprocess.CompletedProcess(command, exit_status(status, proc.exitcode), o.read(), e.read())
 
 
 def run_pretrain_cli(argv: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
