@@ -35,11 +35,11 @@ def one_rank():
 
 
 LAYOUTS = {"C2-stage2": (2, ["zero.stage=2"]), "C4-stage3": (4, ["zero.stage=3"]),
-           "TP2xC2-SP-stage2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=2"]),
+           "TP2xC2-SP-stage3": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=3"]),
            "C2xDP2-stage1": (4, ["zero.stage=1"])}
 
 
-@pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C4-stage3"), ("llama", "TP2xC2-SP-stage2"),
+@pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C4-stage3"), ("llama", "TP2xC2-SP-stage3"),
                                           ("llama", "C2xDP2-stage1")])
 def test_context_parallel_equals_one_rank(one_rank, model, layout):
     """C context ranks (with TP, SP or data parallelism beside), ZeRO over data × context: the same losses and gradient norms as one rank within
