@@ -36,11 +36,13 @@ def one_rank():
 
 LAYOUTS = {"C2-stage2": (2, ["zero.stage=2"]), "C4-stage3": (4, ["zero.stage=3"]),
            "TP2xC2-SP-stage3": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=3"]),
-           "C2xDP2-stage1": (4, ["zero.stage=1"])}
+           "C2xDP2-stage1": (4, ["zero.stage=1"]),
+           "TP2xC2-Pa-cpu-stage2": (4, ["parallel.tensor=2", "model.recompute=\"full\"", "zero.partition_activations=true",
+                                        "zero.cpu_checkpointing=true", "zero.stage=2"])}
 
 
 @pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C4-stage3"), ("llama", "TP2xC2-SP-stage3"),
-                                          ("llama", "C2xDP2-stage1")])
+                                          ("llama", "C2xDP2-stage1"), ("gpt", "TP2xC2-Pa-cpu-stage2")])
 def test_context_parallel_equals_one_rank(one_rank, model, layout):
     """C context ranks (with TP, SP or data parallelism beside), ZeRO over data × context: the same losses and gradient norms as one rank within
     1e-6 (fp32; the sums run in another order), at TP 1 every rank the same parameters as one rank within 1e-5: the key
@@ -57,6 +59,9 @@ def test_context_parallel_equals_one_rank(one_rank, model, layout):
         torch.testing.assert_close(torch.tensor(rank["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-6, atol=0)
         for name, p in ref["params"].items() if "TP2" not in layout else ():  # TP-local slices at TP 2
             torch.testing.assert_close(rank["params"][name], p, rtol=0, atol=1e-5, msg=name)
+        if "Pa-cpu" in layout:  # each layer's input checkpoint, b × s/C × h fp32, 1/TP of it, on the host
+            acts = rank["activations"]
+            assert (acts["act/ckpt_device_bytes"], acts["act/ckpt_host_bytes"]) == (0, 2 * 2 * (16 // context) * 32 // 2 * 4)
     assert ref["loss"][-1] < ref["loss"][0]  # it trained
 
 
