@@ -343,8 +343,6 @@ def _check_context(cfg: Config) -> None:
              "masks would differ from context 1's; use model.attention_dropout = 0")
     _require(not cfg.data.reset_attention_mask, "parallel.context > 1 with data.reset_attention_mask = true is not "
              "supported yet: the per-document masks are not split into context chunks; set it to false")
-    _require(cfg.parallel.pipeline == 1, f"parallel.context > 1 with parallel.pipeline = {cfg.parallel.pipeline} is "
-             "not supported yet; use parallel.pipeline = 1")
     _require(not cfg.zero.node_aware(), "parallel.context > 1 with zero.secondary_partition / hybrid / quantize_* is "
              "not supported yet: their node groups are built over the data-parallel ranks alone")
 

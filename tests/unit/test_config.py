@@ -121,7 +121,6 @@ def test_megatron_version_guard(monkeypatch):
     (["parallel.context=2", "model.attention=\"local\""], "parallel.context > 1 with model.attention = 'local' is refused"),
     (["parallel.context=2", "model.attention_dropout=0.1"], "parallel.context > 1 with model.attention_dropout = 0.1"),
     (["parallel.context=2", "data.reset_attention_mask=true"], "data.reset_attention_mask = true is not supported yet"),
-    (["parallel.context=2", "parallel.pipeline=2"], "parallel.context > 1 with parallel.pipeline = 2 is not supported"),
     (["parallel.context=0"], "parallel.context = 0 is invalid; must be >= 1"),
 ])
 def test_context_parallel_values_it_cannot_run_are_one_line_each(overrides, message):
