@@ -288,13 +288,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              "data.reset_position_ids = true with model.position_embedding = 'rope' is refused: megatron-core's "
              "rotary embedding takes positions from the sequence, not the batch's position ids; use "
              "position_embedding = 'learned' or data.reset_position_ids = false")
-    _require(not (p.sequence_parallel and z.stage == 3),
-             "parallel.sequence_parallel = true with zero.stage = 3 is not supported: the sequence-parallel "
-             "layer-norm gradients must be summed over the TP group before stage 3 buckets them")
-    _require(not (m.qk_layernorm and p.tensor > 1 and z.stage == 3),
-             f"model.qk_layernorm = true with parallel.tensor = {p.tensor} and zero.stage = 3 is not supported: each "
-             "TP rank normalises its own heads, so the q/k norm gradients must be summed over the TP group before "
-             "stage 3 buckets them; use zero.stage <= 2, parallel.tensor = 1 or model.qk_layernorm = false")
     _require(not (p.sequence_parallel and z.partition_activations),
              "parallel.sequence_parallel = true with zero.partition_activations = true is refused: with "
              "sequence parallelism each TP rank already stores only its 1/TP of every checkpoint, so Pa "
@@ -350,8 +343,6 @@ def _check_context(cfg: Config) -> None:
              "masks would differ from context 1's; use model.attention_dropout = 0")
     _require(not cfg.data.reset_attention_mask, "parallel.context > 1 with data.reset_attention_mask = true is not "
              "supported yet: the per-document masks are not split into context chunks; set it to false")
-    _require(cfg.parallel.pipeline == 1, f"parallel.context > 1 with parallel.pipeline = {cfg.parallel.pipeline} is "
-             "not supported yet; use parallel.pipeline = 1")
     _require(not cfg.zero.node_aware(), "parallel.context > 1 with zero.secondary_partition / hybrid / quantize_* is "
              "not supported yet: their node groups are built over the data-parallel ranks alone")
 

@@ -49,7 +49,8 @@ def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Layout, fo
     the step's mean unmasked count per micro-batch (pretrain.data.batch.loss_tokens)."""
     normaliser = loss_tokens(micro_batches, topo.dp_group)
     if topo.pp > 1:
-        return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only, normaliser)
+        return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only, normaliser,
+                                      (topo.cp, topo.cp_rank))
     losses = []
     for batch in micro_batches:
         loss = gpt_loss(engine, batch, normaliser, (topo.cp, topo.cp_rank))

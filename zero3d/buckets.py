@@ -31,8 +31,9 @@ class GradientBuckets:
     is pre-divided (× `pre_scale`), reduce-scattered in place as `plan` has it (asynchronously when
     `overlap`, on `stream` when given) and, on completion, this rank's piece is handed to
     `deliver(group, shard offset, piece)`, which adds it into the group's gradient shard, so
-    micro-batches accumulate. Parameters in `held_elsewhere` (tied weights, summed over their own
-    group before they are added here) never get a `.grad` view of a bucket buffer.
+    micro-batches accumulate. Parameters in `held_elsewhere` (tied weights: their gradient is a partial sum
+    over another group) never get a `.grad` view of a bucket buffer: `hold` keeps their gradients whole until
+    `add_held` sums each over its group and adds it here.
 
     A launched bucket is replaced by a fresh one at once, so a bucket may complete once per
     micro-batch inside a pipeline schedule that launches the rest only at the end of the step."""
@@ -51,25 +52,45 @@ class GradientBuckets:
                     self.location[group.params[i]] = (group.name, i, bucket.index)
         self.buffer_bytes_peak = 0
         self.in_flight: list[BucketRun] = []
+        self.held: dict = {}  # held_elsewhere param -> its gradient so far (this step's micro-batches summed)
         self._new_runs()
 
     def _new_runs(self) -> None:
         self.runs = {group.name: [BucketRun(group, bucket, set(bucket.slot_indices)) for bucket in group.buckets]
                      for group in self.groups}
 
-    def add(self, param: torch.Tensor) -> None:
-        """`param.grad` is in: add it to its bucket's buffer unless it already lives there, drop it."""
+    def add(self, param: torch.Tensor, grad: Optional[torch.Tensor] = None) -> None:
+        """`param.grad` (or `grad`) is in: add it to its bucket's buffer unless it already lives there, drop it."""
         self.plan.stats.poll()
+        grad = param.grad if grad is None else grad
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
         view = self._slot_view(run, slot_index)
-        if not same_memory(param.grad, view):
-            view += param.grad.view(-1)
+        if not same_memory(grad, view):
+            view += grad.view(-1)
         param.grad = None
         run.missing.discard(slot_index)
         if not run.missing:
             self.runs[name][bucket_index] = BucketRun(run.group, run.bucket, set(run.bucket.slot_indices))
             self._launch(run)
+
+    def hold(self, param: torch.Tensor) -> None:
+        """A held_elsewhere parameter's `.grad` is in: kept whole (added to what it already holds), dropped."""
+        held = self.held.get(param)
+        self.held[param] = param.grad if held is None else held.add_(param.grad)
+        param.grad = None
+
+    def add_held(self, tied: dict) -> None:
+        """End of backward, for each {param: Comm} in a fixed order (every rank of each group agrees): its held
+        gradient (zeros if none arrived) summed over its group, then added to its bucket."""
+        for param, comm in tied.items():
+            name, slot_index, bucket_index = self.location[param]
+            grad = self.held.pop(param, None)
+            if grad is None:
+                slot = self.runs[name][bucket_index].group.layout.slots[slot_index]
+                grad = torch.zeros(slot.shape, dtype=self.dtype, device=self.device)
+            comm.all_reduce(grad, tag="tied_grads")
+            self.add(param, grad)
 
     def launch_remaining(self) -> None:
         """End of backward: buckets holding gradients of a partly used bucket reduce now, in a fixed

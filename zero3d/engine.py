@@ -269,10 +269,10 @@ class DataParallelEngine:
         self.hooks.clear()
         self.placement.close()
 
-    def _sum_tied_grads(self) -> None:
-        """Stages keeping whole gradients (0, 1) sum tied ones over their group once per step;
-        stage 2 sums each micro-batch's before it is bucketed (finish_backward)."""
-        for param, comm in self.tied.items():
+    def _sum_tied_grads(self, tied: Optional[dict] = None) -> None:
+        """Stages keeping whole gradients (0, 1; stage 3's persistent ones: `tied`) sum tied ones over their
+        group once per step; stages 2/3 sum each micro-batch's before it is bucketed (finish_backward)."""
+        for param, comm in (self.tied if tied is None else tied).items():
             comm.all_reduce(param.grad, tag="tied_grads")
 
     def _norm_ranges(self, layout: FlatLayout, flat: bool) -> tuple:

@@ -1,6 +1,4 @@
 """Stage 2 (Pos+g): gradients reduced bucket by bucket during backward; each rank keeps only its shard."""
-import torch
-
 from zero3d.buckets import GradientBuckets
 from zero3d.whole_params import WholeParamsEngine
 
@@ -16,7 +14,6 @@ class GradientShardedEngine(WholeParamsEngine):
         self.buckets = GradientBuckets(list(self.groups.values()), self.plan, self._deliver_grad_piece,
                                        dtype=settings.dtype, device=self.device, pre_scale=self.pre_scale,
                                        held_elsewhere=frozenset(self.tied), overlap=settings.zero.overlap_comm)
-        self._tied_grads = {}  # tied weight -> its gradient of this step, summed over copies at the end
         for param in self.buckets.location:
             self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -27,20 +24,14 @@ class GradientShardedEngine(WholeParamsEngine):
 
     def _on_grad_ready(self, param):
         if param in self.tied:  # held whole until summed over its group (finish_backward)
-            held = self._tied_grads.get(param)
-            self._tied_grads[param] = param.grad if held is None else held.add_(param.grad)
-            param.grad = None
-            return
-        self.buckets.add(param)
+            self.buckets.hold(param)
+        else:
+            self.buckets.add(param)
 
     def finish_backward(self):
         """Tied gradients summed over their group and bucketed; the partly used buckets launched.
         The reductions still in flight complete in step()."""
-        for param, comm in self.tied.items():
-            grad = self._tied_grads.pop(param, None)
-            param.grad = torch.zeros_like(param) if grad is None else grad
-            comm.all_reduce(param.grad, tag="tied_grads")
-            self.buckets.add(param)
+        self.buckets.add_held(self.tied)
         self.buckets.launch_remaining()
 
     def _reduce_grads(self):

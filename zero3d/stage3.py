@@ -24,7 +24,14 @@ arrived, the unit is freed. Per step (no accumulation, no recompute) that is Ψ 
 + Ψ gradients = 3Ψ(N_d−1)/N_d elements, Ψ counted over the padded buffers (< N_d padding per
 bucket), in one collective per bucket each.
 
-Tied weights: a unit that uses another unit's parameter (megatron's output layer handed the word
+Weights tied across ranks (`ParallelGroups.tied`: megatron's sequence-parallel layer norms, q/k norms at
+TP > 1, whose gradients are partial sums over the TP group): a sharded one's gradient skips its bucket
+during backward and is held whole (small: norms), accumulated over its unit's uses; once backward ends
+(`finish_backward`) each is all-reduced over its group (tag "tied_grads", in `tied`'s order on every rank)
+and added to its bucket, which is then reduce-scattered over DP into the owner's shard. A persistent one's
+gradient is summed over its group at the step, before the DP all-reduce.
+
+Shared weights: a unit that uses another unit's parameter (megatron's output layer handed the word
 embeddings when `share_embeddings_and_output_weights`, PP = 1) borrows that unit: it is gathered
 with it in forward and backward (in backward freed once the borrower's input gradient exists,
 unless the lender's own backward has begun), at the cost of one more gather of the lender each way.
@@ -36,7 +43,8 @@ fp32 master and Adam states), in groups "persistent/<decay class>" (state_bytes 
 Offload: with `zero.offload_params` the shards live on the host (or in memory-mapped files) and each
 gather first copies them to the device (`_device_shard`); the live-parameter budget is unchanged.
 
-Pipeline parallelism and gradients summed over another group are not supported (wrap_model refuses them).
+Pipeline parallelism is not supported (pretrain's config refuses it): megatron's schedule interleaves
+micro-batches' forwards and backwards, which the gather order and `backward` above do not follow.
 """
 from functools import partial
 
@@ -75,8 +83,11 @@ class ParameterShardedEngine(DataParallelEngine):
             if self.device.type == "cuda" and settings.zero.overlap_comm else None
         self.buckets = GradientBuckets([group for unit in self.units for group in unit.groups], self.plan,
                                        self._deliver_grad_piece, dtype=settings.dtype, device=self.device,
-                                       pre_scale=self.pre_scale, held_elsewhere=frozenset(),
+                                       pre_scale=self.pre_scale, held_elsewhere=frozenset(self.tied),
                                        overlap=settings.zero.overlap_comm, stream=self.stream)
+        # Tied weights (see the module docstring): sharded ones held whole, persistent ones summed in place.
+        self._tied_sharded = {p: comm for p, comm in self.tied.items() if p in self.buckets.location}
+        self._tied_persistent = {p: comm for p, comm in self.tied.items() if p not in self.buckets.location}
         self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}
         for p in self._unit_of:
             self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -299,8 +310,12 @@ class ParameterShardedEngine(DataParallelEngine):
             super().backward(loss)
         finally:
             self._in_backward = False
-        self.buckets.launch_remaining()
         self._release_all()
+
+    def finish_backward(self):
+        """Tied gradients summed over their group and bucketed; the partly used buckets launched."""
+        self.buckets.add_held(self._tied_sharded)
+        self.buckets.launch_remaining()
 
     def gathered_parameters(self) -> dict:
         """Collective: {name: full TP-local tensor} (a copy), for checks and export."""
@@ -326,7 +341,10 @@ class ParameterShardedEngine(DataParallelEngine):
         if unit.full is None:
             raise RuntimeError("a gradient arrived outside its unit's backward "
                                "(a parameter used in two separate backward passes?)")
-        self.buckets.add(param)
+        if param in self.tied:  # held whole until summed over its group (finish_backward)
+            self.buckets.hold(param)
+        else:
+            self.buckets.add(param)
         unit.pending.discard(param)
         if not unit.pending:
             self._release(unit)
@@ -336,6 +354,7 @@ class ParameterShardedEngine(DataParallelEngine):
     def _reduce_grads(self):
         self.buckets.wait()
         self._all_reduce_shards_across_nodes([group for unit in self.units for group in unit.groups])
+        self._sum_tied_grads(self._tied_persistent)
         self._all_reduce_replicated(self._persistent)
 
     def _publish_params(self):

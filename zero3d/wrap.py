@@ -21,8 +21,5 @@ def wrap_model(model, settings: EngineSettings, groups: ParallelGroups,
     stage = settings.zero.stage
     if stage not in STAGES:
         raise ValueError(f"zero.stage = {stage!r} is invalid; valid stages: {sorted(STAGES)}")
-    if stage == 3 and groups.tied:
-        raise ValueError("ZeRO stage 3 does not support gradients summed over another group (weights "
-                         "tied across pipeline stages, sequence-parallel layer norms); use zero.stage <= 2")
     settings = dataclasses.replace(settings, units=units if units is not None else settings.units)
     return STAGES[stage](model, settings, groups)

@@ -251,17 +251,24 @@ def gpt_inputs(batch):
     return inputs, positions, mask, labels
 
 
-def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None, context: tuple = (1, 0)) -> torch.Tensor:
-    """Next-token loss of a micro-batch (megatron's vocab-parallel cross entropy): the mean over its tokens, or
-    with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean).
-    `context` = (cp, cp_rank): with cp > 1 this rank runs its two chunks of every sequence (the attention gathers
-    the others' keys and values) and returns its share of the loss."""
+def local_inputs(batch, context: tuple = (1, 0)) -> tuple:
+    """(inputs, positions, attention_mask, labels, loss_mask) of a micro-batch as this rank runs them: gpt_inputs's
+    and its loss mask (None without one), or with `context` = (cp, cp_rank), cp > 1, this rank's two chunks of every
+    sequence and no mask tensor (the causal mask is by position across the chunks: the attention builds it,
+    pretrain/model/context.py, and gathers the others' keys and values)."""
     inputs, positions, mask, labels = gpt_inputs(batch)
     loss_mask = field(batch, "loss_mask")
     cp, cp_rank = context
-    if cp > 1:  # the causal mask is by position across the chunks: the attention builds it (pretrain/model/context.py)
-        inputs, positions, labels = (context_chunks(t, cp, cp_rank) for t in (inputs, positions, labels))
-        loss_mask = None if loss_mask is None else context_chunks(loss_mask, cp, cp_rank)
-        mask = None
+    if cp == 1:
+        return inputs, positions, mask, labels, loss_mask
+    inputs, positions, labels = (context_chunks(t, cp, cp_rank) for t in (inputs, positions, labels))
+    return inputs, positions, None, labels, None if loss_mask is None else context_chunks(loss_mask, cp, cp_rank)
+
+
+def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None, context: tuple = (1, 0)) -> torch.Tensor:
+    """Next-token loss of a micro-batch (megatron's vocab-parallel cross entropy): the mean over its tokens, or
+    with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean).
+    `context` = (cp, cp_rank): with cp > 1 this rank runs its chunks (local_inputs) and returns its share."""
+    inputs, positions, mask, labels, loss_mask = local_inputs(batch, context)
     per_token = model(inputs, positions, mask, labels=labels)
-    return token_mean(per_token, loss_mask, loss_tokens, cp)
+    return token_mean(per_token, loss_mask, loss_tokens, context[0])

@@ -35,15 +35,20 @@ def one_rank():
 
 
 LAYOUTS = {"C2-stage2": (2, ["zero.stage=2"]), "C4-stage3": (4, ["zero.stage=3"]),
-           "TP2xC2-SP-stage2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=2"]),
-           "C2xDP2-stage1": (4, ["zero.stage=1"])}
+           "TP2xC2-SP-stage3": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=3"]),
+           "C2xDP2-stage1": (4, ["zero.stage=1"]),
+           "TP2xC2-Pa-cpu-stage2": (4, ["parallel.tensor=2", "model.recompute=\"full\"", "zero.partition_activations=true",
+                                        "zero.cpu_checkpointing=true", "zero.stage=2"]),
+           "C2xPP2-stage1": (4, ["parallel.pipeline=2", "zero.stage=1"])}
 
 
-@pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C4-stage3"), ("llama", "TP2xC2-SP-stage2"),
-                                          ("llama", "C2xDP2-stage1")])
+@pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C4-stage3"), ("llama", "TP2xC2-SP-stage3"),
+                                          ("llama", "C2xDP2-stage1"), ("gpt", "TP2xC2-Pa-cpu-stage2"),
+                                          ("llama", "C2xPP2-stage1")])
 def test_context_parallel_equals_one_rank(one_rank, model, layout):
-    """C context ranks (with TP, SP or data parallelism beside), ZeRO over data × context: the same losses and gradient norms as one rank within
-    1e-6 (fp32; the sums run in another order), at TP 1 every rank the same parameters as one rank within 1e-5: the key
+    """C context ranks (with TP, SP, Pa+cpu, PP or data parallelism beside), ZeRO over data × context: the same losses and
+    gradient norms as one rank within 1e-6 (fp32; the sums run in another order), at TP 1 every rank the same parameters
+    as one rank within 1e-5 (a pipeline stage its own layers; the stages together all of them): the key
     part of GPT-2's QKV bias has a zero gradient in exact arithmetic (softmax ignores a constant added to every
     key), so Adam turns its rounding noise into steps of O(lr) whatever the layout (3.5e-6 after 10 steps at C = 2)."""
     extra = LLAMA if model == "llama" else []
@@ -55,9 +60,24 @@ def test_context_parallel_equals_one_rank(one_rank, model, layout):
     for rank in out:
         torch.testing.assert_close(torch.tensor(rank["loss"]), torch.tensor(ref["loss"]), rtol=1e-6, atol=0)
         torch.testing.assert_close(torch.tensor(rank["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-6, atol=0)
-        for name, p in ref["params"].items() if "TP2" not in layout else ():  # TP-local slices at TP 2
-            torch.testing.assert_close(rank["params"][name], p, rtol=0, atol=1e-5, msg=name)
+        for name, p in rank["params"].items() if "TP2" not in layout else ():  # TP-local slices at TP 2
+            torch.testing.assert_close(p, ref["params"][global_name(name, rank["pp_rank"])], rtol=0, atol=1e-5, msg=name)
+        if "Pa-cpu" in layout:  # each layer's input checkpoint, b × s/C × h fp32, 1/TP of it, on the host
+            acts = rank["activations"]
+            assert (acts["act/ckpt_device_bytes"], acts["act/ckpt_host_bytes"]) == (0, 2 * 2 * (16 // context) * 32 // 2 * 4)
+    if "TP2" not in layout:  # the stages together hold every parameter
+        assert {global_name(name, rank["pp_rank"]) for rank in out for name in rank["params"]} == set(ref["params"])
     assert ref["loss"][-1] < ref["loss"][0]  # it trained
+
+
+def global_name(name: str, pp_rank: int, layers_per_stage: int = 1) -> str:
+    """A pipeline stage's parameter name as one rank's model calls it: megatron numbers each stage's layers from 0
+    (the tests' 2 layers at PP 2: one a stage)."""
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    layer, rest = name[len(prefix):].split(".", 1)
+    return f"{prefix}{int(layer) + pp_rank * layers_per_stage}.{rest}"
 
 
 def test_checkpoint_at_context_2_resumes_at_context_1(tmp_path):

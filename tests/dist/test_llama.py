@@ -81,9 +81,10 @@ def test_every_stage_and_layout_equals_one_rank(runs, one_rank, name):
 
 
 def test_tp2_dp2_stage3_checkpoint_resumes_at_tp1_dp4_stage1(tmp_path):
-    """Saved after step 3 of 6 at TP 2 × DP 2, stage 3 (SwiGLU's fc1 stored as one global [gate; up] tensor;
-    without q/k norms, which stage 3 refuses under TP)."""
-    llama = list(LLAMA) + ["model.qk_layernorm=false"]
+    """Saved after step 3 of 6 at TP 2 × DP 2, stage 3 (SwiGLU's fc1 stored as one global [gate; up] tensor; the
+    q/k norms' gradients, partial sums over TP, summed at the end of stage 3's backward): steps 4-6 resumed at stage 1
+    equal stage 3's."""
+    llama = list(LLAMA)
     whole = run_ranks(train_segment, 4, llama + ["parallel.tensor=2", "zero.stage=3"], tmp_path, 0, 6, (3,),
                       timeout=300)[0]["loss"]
     resumed = run_ranks(train_segment, 4, llama + ["parallel.tensor=1", "zero.stage=1"], tmp_path, 3, 6, (),

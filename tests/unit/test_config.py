@@ -28,8 +28,6 @@ def test_tiny_preset_loads_and_overrides_apply():
     (["parallel.tensor=8"], "model.num_attention_heads = 4 is not divisible by parallel.tensor = 8"),
     (["parallel.pipeline=3"], "model.num_layers = 4 is not divisible by parallel.pipeline = 3"),
     (["parallel.pipeline=2", "zero.stage=3"], "zero.stage = 3 with parallel.pipeline = 2 is not supported"),
-    (["parallel.sequence_parallel=true", "zero.stage=3"],
-     "parallel.sequence_parallel = true with zero.stage = 3 is not supported"),
     (["parallel.sequence_parallel=true", "model.recompute=\"full\"", "zero.partition_activations=true"],
      "each TP rank already stores only its 1/TP of every checkpoint, so Pa would partition it twice"),
     (["parallel.sequence_parallel=true", "parallel.tensor=1"], "parallel.sequence_parallel = true needs parallel.tensor > 1"),
@@ -123,7 +121,6 @@ def test_megatron_version_guard(monkeypatch):
     (["parallel.context=2", "model.attention=\"local\""], "parallel.context > 1 with model.attention = 'local' is refused"),
     (["parallel.context=2", "model.attention_dropout=0.1"], "parallel.context > 1 with model.attention_dropout = 0.1"),
     (["parallel.context=2", "data.reset_attention_mask=true"], "data.reset_attention_mask = true is not supported yet"),
-    (["parallel.context=2", "parallel.pipeline=2"], "parallel.context > 1 with parallel.pipeline = 2 is not supported"),
     (["parallel.context=0"], "parallel.context = 0 is invalid; must be >= 1"),
 ])
 def test_context_parallel_values_it_cannot_run_are_one_line_each(overrides, message):

@@ -77,8 +77,6 @@ def test_tiny_llama_validates_at_its_layout():
      "optimizer.no_weight_decay = 'embedding.*,,output_layer.weight' has an empty pattern"),
     (['optimizer.no_weight_decay="*.linear_fc1.bias"', "model.bias=false"],
      "optimizer.no_weight_decay pattern '*.linear_fc1.bias' matches no parameter"),
-    (["model.qk_layernorm=true", "parallel.tensor=2", "zero.stage=3"],
-     "model.qk_layernorm = true with parallel.tensor = 2 and zero.stage = 3 is not supported"),
 ])
 def test_bad_architecture_values_get_one_line_naming_them(overrides, message):
     with pytest.raises(ConfigError) as err:
