@@ -7,7 +7,9 @@ from pretrain.data.batch import context_chunks
 from ranks import run_ranks
 
 STEPS = 10
-FP32 = ["precision.dtype=\"fp32\"", "model.attention=\"sdpa\"", "model.make_vocab_size_divisible_by=64"]  # one padded vocabulary at TP 1 and 2
+SEQ = 512  # the issue's sequence length: chunks of 128 tokens at C = 2, 64 at C = 4
+FP32 = ["precision.dtype=\"fp32\"", "model.attention=\"sdpa\"", "model.make_vocab_size_divisible_by=64",
+        f"model.seq_length={SEQ}"]  # one padded vocabulary at TP 1 and 2
 LLAMA = ["model.position_embedding=\"rope\"", "model.mlp=\"swiglu\"", "model.norm=\"rmsnorm\"", "model.bias=false",
          "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.tie_embeddings=false"]
 
@@ -46,11 +48,12 @@ LAYOUTS = {"C2-stage2": (2, ["zero.stage=2"]), "C4-stage3": (4, ["zero.stage=3"]
                                           ("llama", "C2xDP2-stage1"), ("gpt", "TP2xC2-Pa-cpu-stage2"),
                                           ("llama", "C2xPP2-stage1")])
 def test_context_parallel_equals_one_rank(one_rank, model, layout):
-    """C context ranks (with TP, SP, Pa+cpu, PP or data parallelism beside), ZeRO over data × context: the same losses and
-    gradient norms as one rank within 1e-6 (fp32; the sums run in another order), at TP 1 every rank the same parameters
-    as one rank within 1e-5 (a pipeline stage its own layers; the stages together all of them): the key
-    part of GPT-2's QKV bias has a zero gradient in exact arithmetic (softmax ignores a constant added to every
-    key), so Adam turns its rounding noise into steps of O(lr) whatever the layout (3.5e-6 after 10 steps at C = 2)."""
+    """C context ranks (with TP, SP, Pa+cpu, PP or data parallelism beside), ZeRO over data × context, at S = 512: the
+    same losses as one rank within 1e-6 and gradient norms within 2e-6 (fp32; the sums run in another order), at TP 1 every rank the same parameters
+    as one rank within 1e-4, a tenth of one step of lr = 1e-3 (a pipeline stage its own layers; the stages together
+    all of them): a parameter whose gradient is zero in exact arithmetic (the key part of GPT-2's QKV bias: softmax
+    ignores a constant added to every key) or nearly so gets rounding noise, which Adam's m / √v turns into steps
+    of O(lr) whatever the layout (2.25e-5 on one QKV weight element of 2048 after 10 steps, Llama C 2 × DP 2)."""
     extra = LLAMA if model == "llama" else []
     world, layout_keys = LAYOUTS[layout]
     context = 2 if "C2" in layout else 4
@@ -59,12 +62,14 @@ def test_context_parallel_equals_one_rank(one_rank, model, layout):
     (ref,) = one_rank[model]
     for rank in out:
         torch.testing.assert_close(torch.tensor(rank["loss"]), torch.tensor(ref["loss"]), rtol=1e-6, atol=0)
-        torch.testing.assert_close(torch.tensor(rank["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-6, atol=0)
+        # the norm: squares summed per shard over data × context ranks, then across them (another order than one
+        # rank's): 1.14e-6 apart at C = 4, step 10 (Llama, S = 512)
+        torch.testing.assert_close(torch.tensor(rank["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=2e-6, atol=0)
         for name, p in rank["params"].items() if "TP2" not in layout else ():  # TP-local slices at TP 2
-            torch.testing.assert_close(p, ref["params"][global_name(name, rank["pp_rank"])], rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(p, ref["params"][global_name(name, rank["pp_rank"])], rtol=0, atol=1e-4, msg=name)
         if "Pa-cpu" in layout:  # each layer's input checkpoint, b × s/C × h fp32, 1/TP of it, on the host
             acts = rank["activations"]
-            assert (acts["act/ckpt_device_bytes"], acts["act/ckpt_host_bytes"]) == (0, 2 * 2 * (16 // context) * 32 // 2 * 4)
+            assert (acts["act/ckpt_device_bytes"], acts["act/ckpt_host_bytes"]) == (0, 2 * 2 * (SEQ // context) * 32 // 2 * 4)
     if "TP2" not in layout:  # the stages together hold every parameter
         assert {global_name(name, rank["pp_rank"]) for rank in out for name in rank["params"]} == set(ref["params"])
     assert ref["loss"][-1] < ref["loss"][0]  # it trained
