@@ -14,6 +14,7 @@ import torch
 from pretrain.config import Config
 from pretrain.data.batch import context_chunks, field, token_mean, tokens_of
 from zero3d.activations import ActivationCheckpointing, checkpoint
+from zero3d.comm.core import Comm, CommStats
 from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,11 +81,33 @@ def activation_checkpointing(z: ZeroConfig, tp_group) -> Optional[ActivationChec
                                    rng_tracker=get_cuda_rng_tracker)
 
 
-def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None):
+def context_comm(cfg: Config) -> Optional[Comm]:
+    """At parallel.context > 1: the one zero3d Comm over megatron's context-parallel group through which every SDPA
+    layer of the model gathers K and V (tag pretrain.model.context.TAG); counted in a CommStats of its own until
+    `record_context_into` points it at the engine's. None at context 1."""
+    from megatron.core import parallel_state
+    if cfg.parallel.context == 1:
+        return None
+    return Comm(parallel_state.get_context_parallel_group(), CommStats())
+
+
+def record_context_into(model, stats: CommStats) -> None:
+    """Count the model's context-parallel K/V collectives in `stats` (the engine's, built after the model), so the
+    loop's comm/* metrics hold them beside ZeRO's; a model without them (context 1, Transformer Engine) is left as is."""
+    from pretrain.model.attention import SDPAttention
+    for comm in {id(m.cp_comm): m.cp_comm for m in model.modules()
+                 if isinstance(m, SDPAttention) and m.cp_comm is not None}.values():
+        comm.record_into(stats)
+
+
+def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None,
+               cp_comm: Optional[Comm] = None):
     """The decoder's spec: Transformer Engine's layers when `model.attention` resolves to "te", else
     megatron's local layers (with `TorchNorm` where apex is missing or the norm is RMSNorm) whose core attention is
-    `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
+    `SDPAttention` ("sdpa", given `cp_comm` at context > 1) or megatron's DotProductAttention ("local"); ZeRO-R
+    layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -102,7 +125,7 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
             self_attention.submodules, q_layernorm=norm, k_layernorm=norm))
     if attention == "sdpa":
         self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
-            self_attention.submodules, core_attention=SDPAttention))
+            self_attention.submodules, core_attention=ModuleSpec(SDPAttention, params={"context_comm": cp_comm})))
     if documents:  # the batch's mask is applied as given: SDPA gets it instead of is_causal, local's softmax too
         self_attention = dataclasses.replace(
             self_attention, params={**(self_attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary})
@@ -159,7 +182,8 @@ def position_embedding(m) -> dict:
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
     `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; with
-    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/model/loss.py)."""
+    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/model/loss.py); at parallel.context > 1
+    its attention layers share one `context_comm` (`record_context_into` counts it in the engine's CommStats)."""
     import contextlib
 
     from megatron.core import parallel_state
@@ -172,7 +196,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
         chunked = {"chunk_tokens": cfg.model.loss_chunk_tokens} if cfg.model.loss_chunk_tokens else {}
         model = (ChunkedLossGPTModel if chunked else GPTModel)(
                          config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
-                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations),
+                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations, context_comm(cfg)),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                          max_sequence_length=cfg.model.seq_length, **position_embedding(cfg.model),
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
