@@ -1,5 +1,6 @@
 """Exact causal attention over a CP group: K and V all-gathered in sequence order, each local chunk over its key prefix."""
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.attention.bias import causal_lower_right
 
 from pretrain.data.batch import context_chunk_indices
@@ -58,8 +59,9 @@ def gather_sequence(k: torch.Tensor, v: torch.Tensor, comm: Comm) -> tuple[torch
 
 def context_parallel_attention(q, k, v, comm: Comm, scale=None, dropout=0.0, enable_gqa=False):
     """Causal attention of this CP rank's queries over the whole sequence: exactly full causal SDPA's rows for
-    this rank's tokens; `comm`: a zero3d Comm over the CP group, which counts the K/V collectives (TAG). q [b, h, s_local, d], k and v [b, g, s_local, d] (g divides h; g < h only with
-    `enable_gqa`), each rank's two chunks in the order it holds them; returns [b, h, s_local, d].
+    this rank's tokens. q [b, h, s_local, d], k and v [b, g, s_local, d] (g divides h; g < h only with
+    `enable_gqa`), each rank's two chunks in the order it holds them; returns [b, h, s_local, d]. `comm`: a zero3d
+    Comm over the CP group, which counts the K/V collectives (TAG).
 
     Each of the two local chunks (sequence chunk c, n tokens) attends to the key prefix that ends with it: chunks
     0 … c − 1 whole and chunk c causally, i.e. SDPA with torch's lower-right causal bias over (n, (c + 1)·n) — no
@@ -75,6 +77,23 @@ def context_parallel_attention(q, k, v, comm: Comm, scale=None, dropout=0.0, ena
     for half, chunk in enumerate(cp_chunks(rank, size)):
         end = (chunk + 1) * n  # the keys this chunk's queries may see: every position up to its own last one
         outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, half * n:(half + 1) * n], k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(n, end),
+            q[:, :, half * n:(half + 1) * n], k[:, :, :end], v[:, :, :end], **causal_to_the_end(n, end, q),
             dropout_p=dropout, scale=scale, **({"enable_gqa": True} if gqa else {})))
     return torch.cat(outs, dim=2)
+
+
+def causal_to_the_end(n: int, end: int, like: torch.Tensor) -> dict:
+    """SDPA's arguments for `n` queries that are the last n of `end` key positions: torch's lower-right causal
+    bias — or, on fake tensors (the probe, pretrain/probe), `is_causal`.
+
+    Fake tensors hold no values; what the probe measures is which tensors the call keeps for backward, and their
+    shapes. On a GPU the lower-right bias runs the same fused op as `is_causal` (CausalBias._dispatch calls
+    aten._scaled_dot_product_flash_attention with is_causal=True, flash's causal mask being lower right, or the
+    memory-efficient kernel with its lower-right mask type), which keeps Q, the key and value prefix, the output
+    and the logsumexp and no mask: what SDPA with `is_causal` over the same shapes keeps, on fake tensors too.
+    The bias itself cannot be built under FakeTensorMode (CausalBias is a tensor subclass; nor under the probe's
+    memory tracker), and built outside them, CPU's dispatch would materialize the [n, end] mask as the CPU kernel's
+    bias in the query's dtype and keep it (n·end·e bytes a chunk: what a real CPU step holds, no GPU kernel)."""
+    if isinstance(like, FakeTensor):
+        return {"is_causal": True}
+    return {"attn_mask": causal_lower_right(n, end)}

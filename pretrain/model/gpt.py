@@ -257,12 +257,13 @@ def gather_units(model) -> list[tuple]:
     return [unit for unit in units if unit[1] is not None]
 
 
-def gpt_inputs(batch):
+def gpt_inputs(batch, causal_mask: bool = True):
     """(inputs, positions, attention_mask, labels) of a micro-batch (pretrain/data/batch.py): its token block
     [batch, seq+1] cut into inputs and labels, and its position ids and attention mask where the run's
     document-boundary keys carry them. Otherwise positions count from 0 and the causal mask (True = masked) is
     explicit on CPU, where megatron's default one would be built on "cuda" (only `model.attention = "local"`
-    reads it: SDPA applies `is_causal` without a mask); on GPU it is None and the fused causal kernels apply it."""
+    reads it: SDPA applies `is_causal` without a mask); on GPU it is None and the fused causal kernels apply it.
+    `causal_mask=False`: no causal mask is built (context parallelism, whose attention applies it by position)."""
     tokens = tokens_of(batch)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
@@ -270,8 +271,8 @@ def gpt_inputs(batch):
     if positions is None:
         positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
     mask = field(batch, "attention_mask")
-    if mask is None and not inputs.is_cuda:
-        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
+    if mask is None and causal_mask and not inputs.is_cuda:
+        mask = torch.ones(seq, seq, dtype=torch.bool).triu_(1).view(1, 1, seq, seq)  # in place: one [s, s] at a time
     return inputs, positions, mask, labels
 
 
@@ -280,10 +281,12 @@ def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None, context: 
     with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean).
     `context` = (cp, cp_rank): with cp > 1 this rank runs its two chunks of every sequence (the attention gathers
     the others' keys and values) and returns its share of the loss."""
-    inputs, positions, mask, labels = gpt_inputs(batch)
-    loss_mask = field(batch, "loss_mask")
     cp, cp_rank = context
-    if cp > 1:  # the causal mask is by position across the chunks: the attention builds it (pretrain/model/context.py)
+    # cp > 1: the causal mask is by position across the chunks: the attention applies it (pretrain/model/context.py),
+    # and no [s, s] mask is built (config refuses the per-document ones)
+    inputs, positions, mask, labels = gpt_inputs(batch, causal_mask=cp == 1)
+    loss_mask = field(batch, "loss_mask")
+    if cp > 1:
         inputs, positions, labels = (context_chunks(t, cp, cp_rank) for t in (inputs, positions, labels))
         loss_mask = None if loss_mask is None else context_chunks(loss_mask, cp, cp_rank)
         mask = None

@@ -1,4 +1,4 @@
-"""Context-parallel causal attention (pretrain/model/context.py, SDPAttention at CP > 1) equals full causal SDPA; its Comm counts its K/V collectives."""
+"""CP attention (pretrain/model/context.py, SDPAttention at CP > 1) equals full causal SDPA; its Comm counts its K/V."""
 from fractions import Fraction
 
 import pytest
