@@ -24,7 +24,8 @@ from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_REQUEUE, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
-from pretrain.model.gpt import DTYPES, activation_checkpointing, build_model, gather_units, parallel_groups
+from pretrain.model.gpt import (DTYPES, activation_checkpointing, build_model, gather_units, parallel_groups,
+                                record_context_into)
 from pretrain.step import evaluate, train_step
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text
@@ -43,7 +44,8 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
 
 
 def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
-    """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats;
+    """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats (the
+    checkpoints' and context parallelism's collectives too);
     `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them."""
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
@@ -52,6 +54,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
+    record_context_into(model, engine.comm_stats)
     return model, engine, activations
 
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain.config import load_config
-from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups
+from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups, record_context_into
 from pretrain.runtime.layout import init_layout
 from pretrain.step import forward_backward, mean_loss
 from pretrain.train import Batches, engine_settings
@@ -77,8 +77,9 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
+    record_context_into(model, engine.comm_stats)
     batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
-    out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_elements": [],
+    out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_bytes": [], "comm_elements": [],
            "param_checksum": [], "params_init": {n: p.detach().float().clone() for n, p in full_params(engine).items()}}
     for step in range(steps):
         engine.comm_stats.reset()
@@ -91,6 +92,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
         out["skipped"].append(result.skipped)
         out["loss_scale"].append(result.loss_scale)
         out["comm"].append(engine.comm_stats.report())
+        out["comm_bytes"].append(dict(engine.comm_stats.bytes))  # {(collective, purpose): exact Fraction}
         out["comm_elements"].append(engine.comm_stats.total(("grads", "params")))
         out["param_checksum"].append(sum(p.double().sum().item() for p in full_params(engine).values()))
     out["params"] = {n: p.detach().float().clone() for n, p in full_params(engine).items()}

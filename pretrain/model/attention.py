@@ -12,13 +12,14 @@ sequences, attention bias, sliding windows, non-vanilla softmax, causal attentio
 Attention dropout runs inside SDPA under megatron's TP RNG fork (as DotProductAttention's dropout).
 Context parallelism (CP > 1; DotProductAttention asserts CP = 1, so its constructor sees a copy of the config at
 CP 1 and only for that assert): causal attention over the whole sequence through `context.context_parallel_attention`
-(K and V all-gathered over the CP group); masks and attention dropout are refused there.
+(K and V all-gathered over the CP group through `context_comm`, the one zero3d Comm the model's layers share, which
+counts them); masks and attention dropout are refused there.
 """
 import copy
 
 import torch
 import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -32,7 +33,9 @@ class SDPAttention(DotProductAttention):
     """megatron's DotProductAttention contract computed by `torch.nn.functional.scaled_dot_product_attention`."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, context_comm=None):
+        """`context_comm`: at context parallelism > 1, the zero3d Comm over the CP group that gathers K and V
+        (build_model's `context_comm`, one for all layers, so the engine's CommStats counts it)."""
         if config.softmax_type != "vanilla":
             raise ValueError(f"model.attention = 'sdpa' supports softmax_type 'vanilla', not {config.softmax_type!r}")
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
@@ -42,17 +45,17 @@ class SDPAttention(DotProductAttention):
         if cp_size > 1:
             refuse_context_parallel(attn_mask_type, config.attention_dropout if attention_dropout is None
                                     else attention_dropout, cp_comm_type)
+            if context_comm is None or context_comm.size != cp_size:
+                raise ValueError(f"model.attention = 'sdpa' at context parallelism {cp_size} needs context_comm, a "
+                                 f"zero3d Comm over the {cp_size} CP ranks (build_model passes one), got "
+                                 f"{'None' if context_comm is None else f'one over {context_comm.size} ranks'}")
             # The parent reads context_parallel_size only in its assert: it gets a copy at CP 1, the layer the config.
             parent_config = copy.copy(config)
             parent_config.context_parallel_size = 1
         super().__init__(parent_config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
                          pg_collection=pg_collection)
-        self.config, self.cp_size, self.cp_group = config, cp_size, None
-        if cp_size > 1:  # megatron's pg_collection.cp where given, else its global CP group
-            self.cp_group = getattr(pg_collection, "cp", None)
-            if self.cp_group is None:
-                self.cp_group = parallel_state.get_context_parallel_group()
+        self.config, self.cp_size, self.cp_comm = config, cp_size, context_comm if cp_size > 1 else None
         # DotProductAttention divides the scale by layer_number under query-key layer scaling and multiplies
         # the scores back in the softmax: the net scale is the unscaled one.
         self.sdpa_scale = self.softmax_scale * (self.layer_number if config.apply_query_key_layer_scaling else 1)
@@ -69,7 +72,7 @@ class SDPAttention(DotProductAttention):
         if self.cp_size > 1:
             refuse_context_parallel(mask_type)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            context = context_parallel_attention(q, k, v, self.cp_group, self.sdpa_scale, enable_gqa=groups > 1)
+            context = context_parallel_attention(q, k, v, self.cp_comm, self.sdpa_scale, enable_gqa=groups > 1)
             return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
         # GQA: each key/value head serves `groups` query heads (megatron's layout, SDPA's enable_gqa grouping).
         # Causal: the kernel takes the groups as they are (CUDA's flash kernel, CPU's flash kernel), keeping K and

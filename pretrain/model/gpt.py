@@ -14,6 +14,7 @@ import torch
 from pretrain.config import Config
 from pretrain.data.batch import context_chunks, field, token_mean, tokens_of
 from zero3d.activations import ActivationCheckpointing, checkpoint
+from zero3d.comm.core import Comm, CommStats
 from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -80,11 +81,33 @@ def activation_checkpointing(z: ZeroConfig, tp_group) -> Optional[ActivationChec
                                    rng_tracker=get_cuda_rng_tracker)
 
 
-def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None):
+def context_comm(cfg: Config) -> Optional[Comm]:
+    """At parallel.context > 1: the one zero3d Comm over megatron's context-parallel group through which every SDPA
+    layer of the model gathers K and V (tag pretrain.model.context.TAG); counted in a CommStats of its own until
+    `record_context_into` points it at the engine's. None at context 1."""
+    from megatron.core import parallel_state
+    if cfg.parallel.context == 1:
+        return None
+    return Comm(parallel_state.get_context_parallel_group(), CommStats())
+
+
+def record_context_into(model, stats: CommStats) -> None:
+    """Count the model's context-parallel K/V collectives in `stats` (the engine's, built after the model), so the
+    loop's comm/* metrics hold them beside ZeRO's; a model without them (context 1, Transformer Engine) is left as is."""
+    from pretrain.model.attention import SDPAttention
+    for comm in {id(m.cp_comm): m.cp_comm for m in model.modules()
+                 if isinstance(m, SDPAttention) and m.cp_comm is not None}.values():
+        comm.record_into(stats)
+
+
+def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None,
+               cp_comm: Optional[Comm] = None):
     """The decoder's spec: Transformer Engine's layers when `model.attention` resolves to "te", else
     megatron's local layers (with `TorchNorm` where apex is missing or the norm is RMSNorm) whose core attention is
-    `SDPAttention` ("sdpa") or megatron's DotProductAttention ("local"); ZeRO-R layers when `activations`."""
+    `SDPAttention` ("sdpa", given `cp_comm` at context > 1) or megatron's DotProductAttention ("local"); ZeRO-R
+    layers when `activations`."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -102,7 +125,7 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
             self_attention.submodules, q_layernorm=norm, k_layernorm=norm))
     if attention == "sdpa":
         self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
-            self_attention.submodules, core_attention=SDPAttention))
+            self_attention.submodules, core_attention=ModuleSpec(SDPAttention, params={"context_comm": cp_comm})))
     if documents:  # the batch's mask is applied as given: SDPA gets it instead of is_causal, local's softmax too
         self_attention = dataclasses.replace(
             self_attention, params={**(self_attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary})
@@ -159,7 +182,8 @@ def position_embedding(m) -> dict:
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
     `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; with
-    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/model/loss.py)."""
+    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/model/loss.py); at parallel.context > 1
+    its attention layers share one `context_comm` (`record_context_into` counts it in the engine's CommStats)."""
     import contextlib
 
     from megatron.core import parallel_state
@@ -172,7 +196,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
         chunked = {"chunk_tokens": cfg.model.loss_chunk_tokens} if cfg.model.loss_chunk_tokens else {}
         model = (ChunkedLossGPTModel if chunked else GPTModel)(
                          config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
-                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations),
+                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations, context_comm(cfg)),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                          max_sequence_length=cfg.model.seq_length, **position_embedding(cfg.model),
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
@@ -233,12 +257,13 @@ def gather_units(model) -> list[tuple]:
     return [unit for unit in units if unit[1] is not None]
 
 
-def gpt_inputs(batch):
+def gpt_inputs(batch, causal_mask: bool = True):
     """(inputs, positions, attention_mask, labels) of a micro-batch (pretrain/data/batch.py): its token block
     [batch, seq+1] cut into inputs and labels, and its position ids and attention mask where the run's
     document-boundary keys carry them. Otherwise positions count from 0 and the causal mask (True = masked) is
     explicit on CPU, where megatron's default one would be built on "cuda" (only `model.attention = "local"`
-    reads it: SDPA applies `is_causal` without a mask); on GPU it is None and the fused causal kernels apply it."""
+    reads it: SDPA applies `is_causal` without a mask); on GPU it is None and the fused causal kernels apply it.
+    `causal_mask=False`: no causal mask is built (context parallelism, whose attention applies it by position)."""
     tokens = tokens_of(batch)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
@@ -246,8 +271,8 @@ def gpt_inputs(batch):
     if positions is None:
         positions = torch.arange(seq, device=inputs.device).unsqueeze(0).expand_as(inputs)
     mask = field(batch, "attention_mask")
-    if mask is None and not inputs.is_cuda:
-        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1).view(1, 1, seq, seq)
+    if mask is None and causal_mask and not inputs.is_cuda:
+        mask = torch.ones(seq, seq, dtype=torch.bool).triu_(1).view(1, 1, seq, seq)  # in place: one [s, s] at a time
     return inputs, positions, mask, labels
 
 
@@ -256,9 +281,9 @@ def local_inputs(batch, context: tuple = (1, 0)) -> tuple:
     and its loss mask (None without one), or with `context` = (cp, cp_rank), cp > 1, this rank's two chunks of every
     sequence and no mask tensor (the causal mask is by position across the chunks: the attention builds it,
     pretrain/model/context.py, and gathers the others' keys and values)."""
-    inputs, positions, mask, labels = gpt_inputs(batch)
-    loss_mask = field(batch, "loss_mask")
     cp, cp_rank = context
+    inputs, positions, mask, labels = gpt_inputs(batch, causal_mask=cp == 1)  # cp > 1: no [s, s] mask built
+    loss_mask = field(batch, "loss_mask")
     if cp == 1:
         return inputs, positions, mask, labels, loss_mask
     inputs, positions, labels = (context_chunks(t, cp, cp_rank) for t in (inputs, positions, labels))

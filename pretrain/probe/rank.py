@@ -156,7 +156,7 @@ def host_bytes(acts, engine):
 
 
 def refuse_what_fake_tensors_cannot_run(cfg: Config, fake: bool) -> None:
-    """What fake tensors cannot run: the NVMe placements' file I/O, quantization scales (data), CP's causal bias."""
+    """What fake tensors cannot run: the NVMe placements' file I/O, quantization scales (data)."""
     z = cfg.zero
     if fake and "nvme" in (z.offload_optimizer, z.offload_params):
         raise ConfigError(f"probe: zero.offload_optimizer = {z.offload_optimizer!r}, zero.offload_params = "
@@ -167,10 +167,6 @@ def refuse_what_fake_tensors_cannot_run(cfg: Config, fake: bool) -> None:
     if fake and quantized:  # a block's scale is its values' maximum: fake tensors hold no values
         raise ConfigError(f"probe: {', '.join(quantized)}: the quantization scales are data, which fake tensors "
                           "do not hold; probe with --real, or without quantization (it adds no model states)")
-    if fake and cfg.parallel.context > 1:  # its causal bias is a tensor subclass FakeTensorMode cannot build
-        raise ConfigError(f"probe: parallel.context = {cfg.parallel.context}: context-parallel attention's lower-right "
-                          "causal bias (torch's CausalBias) cannot be built on fake tensors; probe with --real, or "
-                          "read the estimate (docs/estimator.md, Context parallelism)")
 
 
 def read_fake_step_floats(values: torch.Tensor) -> list[float]:

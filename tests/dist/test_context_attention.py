@@ -1,4 +1,6 @@
-"""Context-parallel causal attention (pretrain/model/context.py, SDPAttention at CP > 1) equals full causal SDPA."""
+"""CP attention (pretrain/model/context.py, SDPAttention at CP > 1) equals full causal SDPA; its Comm counts its K/V."""
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -33,25 +35,31 @@ def cp_rank(rank, size):
 
     from pretrain.model.attention import SDPAttention
     from pretrain.model.context import context_parallel_attention
+    from zero3d.comm.core import Comm, CommStats
     dist.init_process_group("gloo")
+    comm = Comm(dist.group.WORLD, CommStats())
     out = {}
     for name, kv_heads in CASES.items():
         q, k, v, grad = (local(t, rank, size).requires_grad_(i < 3) for i, t in enumerate(inputs(kv_heads)))
-        o = context_parallel_attention(q, k, v, dist.group.WORLD, SCALE, enable_gqa=kv_heads < HEADS)
+        o = context_parallel_attention(q, k, v, comm, SCALE, enable_gqa=kv_heads < HEADS)
         o.backward(grad)
         out[name] = (o.detach(), q.grad, k.grad, v.grad)
+    out["counted"] = dict(comm.stats.bytes)
     tp = [dist.new_group([r]) for r in range(size)][rank]
     pgs = ProcessGroupCollection(tp=tp, cp=dist.group.WORLD)
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * D, num_attention_heads=HEADS, num_query_groups=2,
                                attention_dropout=0.0, context_parallel_size=size, use_cpu_initialization=True)
-    layer = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=pgs)
+    layer = SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=pgs, context_comm=comm)
     q, k, v, _ = (local(t, rank, size).permute(2, 0, 1, 3) for t in inputs(2))  # [s, b, heads, d]
     out["layer"] = (layer(q, k, v, None), config.context_parallel_size)
     refusals = []
-    for mask_type, dropout, comm in ((AttnMaskType.padding, 0.0, None), (AttnMaskType.causal, 0.1, None),
-                                     (AttnMaskType.causal, 0.0, "p2p")):
+    for mask_type, dropout, comm_type, given in ((AttnMaskType.padding, 0.0, None, comm),
+                                                (AttnMaskType.causal, 0.1, None, comm),
+                                                (AttnMaskType.causal, 0.0, "p2p", comm),
+                                                (AttnMaskType.causal, 0.0, None, None)):
         try:
-            SDPAttention(config, 1, mask_type, "self", attention_dropout=dropout, cp_comm_type=comm, pg_collection=pgs)
+            SDPAttention(config, 1, mask_type, "self", attention_dropout=dropout, cp_comm_type=comm_type,
+                         pg_collection=pgs, context_comm=given)
         except ValueError as err:
             refusals.append(str(err))
     try:
@@ -78,6 +86,11 @@ def test_context_parallel_attention_is_full_causal_attention(size):
                 # repeated heads): within 1e-6, relative and absolute (a V gradient of ~2 differs by ~1.7e-6).
                 torch.testing.assert_close(got, local(want, rank, size), rtol=1e-6, atol=1e-6,
                                            msg=lambda m: f"C={size} {name} rank {rank} {what}: {m}")
+    # Counted by the Comm: per case one ring all-gather of K and V ([S, 2, B, kv_heads, D] fp32) and one
+    # reduce-scatter of their gradients, each rank sending (size − 1)/size of it.
+    sent = sum(Fraction(2 * S * B * kv_heads * D * 4 * (size - 1), size) for kv_heads in CASES.values())
+    for out, _ in ranks:
+        assert out["counted"] == {("all_gather", "context_kv"): sent, ("reduce_scatter", "context_kv"): sent}
     q, k, v, _ = inputs(2)
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     for rank, (out, refusals) in enumerate(ranks):
@@ -89,4 +102,6 @@ def test_context_parallel_attention_is_full_causal_attention(size):
             "model.attention = 'sdpa' with context parallelism > 1 supports the causal mask only, not padding ",
             "model.attention = 'sdpa' with context parallelism > 1 needs attention dropout 0, got 0.1 ",
             "model.attention = 'sdpa' with context parallelism > 1 all-gathers K and V, not cp_comm_type 'p2p' ",
+            f"model.attention = 'sdpa' at context parallelism {size} needs context_comm, a zero3d Comm over the {size} "
+            "CP ranks ",
             "model.attention = 'sdpa' with context parallelism > 1 supports the causal mask only, not arbitrary "]

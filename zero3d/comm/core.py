@@ -186,6 +186,11 @@ class Comm:
         self._nodes = [g // gpus_per_node for g in self._global_ranks] if gpus_per_node else None
         self._gloo = is_gloo(group)
 
+    def record_into(self, stats: CommStats) -> None:
+        """Count (and time) this Comm's later calls in `stats`: an object built before the CommStats it joins
+        (a model's, before the engine's) is pointed at it."""
+        self.stats = stats
+
     def _record(self, op: str, tag: str, tensor: torch.Tensor, factor: int = 1) -> None:
         if self.size > 1:
             volume = Fraction(factor * tensor.numel() * (self.size - 1), self.size)
