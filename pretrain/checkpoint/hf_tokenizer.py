@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from pretrain.checkpoint.files import CheckpointError
-from pretrain.data.datasets import identity_sha256
-from pretrain.data.tokenizers import GPT2_PATTERN, TokenizerSpec, load_tokenizer
+from pretrain.data.tokenizers import GPT2_PATTERN, TokenizerSpec, identity_sha256, load_tokenizer
 from pretrain.errors import TokenizerError
 
 SPACE = "\u2581"  # sentencepiece's whitespace symbol
