@@ -10,9 +10,9 @@ import torch.distributed as dist
 import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
-from pretrain.checkpoint.choose import find_usable, recover
 from pretrain.checkpoint.hf import load_into
 from pretrain.checkpoint.hf_run import check_save_final_hf, imported_model, save_dir_of, write_final_hf
+from pretrain.checkpoint.recovery import find_usable, recover
 from pretrain.config import Config
 from pretrain.schedule import lr_at
 from pretrain.sections import TrainConfig

@@ -21,11 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 from pretrain.atomic import publish, temporary_name
-from pretrain.checkpoint.read import LATEST, latest_name
-from pretrain.checkpoint.files import MANIFEST, CheckpointError
-from pretrain.checkpoint.read import load_dcp, read_checkpoint
+from pretrain.checkpoint.read import MANIFEST, load_dcp, read_checkpoint
+from pretrain.checkpoint.recovery import LATEST, latest_name
 from pretrain.checkpoint.tensors import MODEL_PREFIX as MODEL
-from pretrain.errors import EXIT_CONFIG, EXIT_INPUT
+from pretrain.errors import EXIT_CONFIG, EXIT_INPUT, CheckpointError
 
 
 def resolve_step_dir(path: Path) -> Path:

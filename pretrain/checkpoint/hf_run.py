@@ -4,10 +4,9 @@ import importlib.util
 from pathlib import Path
 
 from pretrain.checkpoint.export import export
-from pretrain.checkpoint.files import CheckpointError
 from pretrain.checkpoint.hf import ImportedModel, architecture, check_matches
 from pretrain.config import Config
-from pretrain.errors import EXIT_INPUT, ConfigError
+from pretrain.errors import EXIT_INPUT, CheckpointError, ConfigError
 from pretrain.runtime.status import write_status
 
 

@@ -15,9 +15,8 @@ and it adds no BOS zero3d does not: `AutoTokenizer.from_pretrained(out)(text).in
 from pathlib import Path
 from typing import Optional
 
-from pretrain.checkpoint.files import CheckpointError
 from pretrain.data.tokenizers import GPT2_PATTERN, TokenizerSpec, identity_sha256, load_tokenizer
-from pretrain.errors import TokenizerError
+from pretrain.errors import CheckpointError, TokenizerError
 
 SPACE = "\u2581"  # sentencepiece's whitespace symbol
 

@@ -151,8 +151,8 @@ def test_export_without_transformers_names_the_extra(monkeypatch):
     """transformers is a test dependency and the `hf` extra, not the runtime's: its absence is one line."""
     import sys
 
-    from pretrain.checkpoint.files import CheckpointError
     from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+    from pretrain.errors import CheckpointError
     from pretrain.data.tokenizers import TokenizerSpec
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(CheckpointError, match=r"transformers, which is not installed: pip install 'transformers==5\.24\.0' "
