@@ -3,6 +3,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -10,8 +11,8 @@ import torch.distributed as dist
 import zero3d
 from pretrain import metrics
 from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
-from pretrain.checkpoint.hf import load_into
-from pretrain.checkpoint.hf_run import check_save_final_hf, imported_model, save_dir_of, write_final_hf
+from pretrain.checkpoint.export import check_save_final_hf, write_final_hf
+from pretrain.checkpoint.hf import ImportedModel, check_matches, load_into
 from pretrain.checkpoint.recovery import find_usable, recover
 from pretrain.config import Config
 from pretrain.schedule import lr_at
@@ -102,15 +103,21 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     return result
 
 
+def imported_model(directory: str, m) -> ImportedModel:
+    """The HF directory train.init_from names, its model the run's (CheckpointError naming each key that differs)."""
+    initial = ImportedModel(Path(directory))
+    check_matches(initial.model, m, directory)
+    return initial
+
+
 def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
-    from pretrain.checkpoint.hf_tokenizer import tokenizer_record
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
-    save_dir = save_dir_of(cfg)
+    save_dir = cfg.save_dir
     d, m, t = cfg.data, cfg.model, cfg.train
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
@@ -157,7 +164,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
-                    identity=identity, tokenizer=tokenizer_record(files.spec()),
+                    identity=identity, tokenizer=files.tokenizer_record(),
                     flops_per_step=flops_per_step, peak=peak,
                     stragglers=Stragglers(cfg.logging.straggler_factor, topo.device))
     engine.train()

@@ -50,6 +50,13 @@ class DataFiles:
     def load_tokenizer(self) -> TextTokenizer:
         return load_tokenizer(self.spec())
 
+    def tokenizer_record(self) -> dict:
+        """What a checkpoint's manifest records of the tokenizer (export --format hf reads it back): its spec, its
+        files as absolute paths."""
+        spec = self.spec()
+        return {"kind": spec.kind, "model": str(Path(spec.model).resolve()) if spec.model else None,
+                "merges": str(Path(spec.merges).resolve()) if spec.merges else None, "eod": spec.eod}
+
     def prefixes(self) -> list[str]:
         blends = [self.blend] if self.blend else [b for b in self.blend_per_split or [] if b]
         return list(dict.fromkeys(prefix for prefixes, _ in blends for prefix in prefixes))

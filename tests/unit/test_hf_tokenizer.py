@@ -7,7 +7,7 @@ import json
 import pytest
 import sentencepiece as spm
 
-from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+from pretrain.checkpoint.export import hf_tokenizer
 from pretrain.data.corpus import read_documents
 from pretrain.data.preprocess import train_tokenizer
 from pretrain.data.tokenizers import Tokenizer, TokenizerSpec
