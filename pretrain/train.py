@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain import metrics
-from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
+from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, layout_signature, run_identity
 from pretrain.checkpoint.export import check_save_final_hf, write_final_hf
 from pretrain.checkpoint.hf import ImportedModel, check_matches, load_into
 from pretrain.checkpoint.recovery import find_usable, recover
@@ -54,14 +54,6 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     if activations is not None:
         activations.record_into(engine.comm_stats)
     return model, engine, activations
-
-
-def layout_signature(cfg: Config, topo: Layout) -> dict:
-    """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
-    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
-            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
-            # hybrid sharding: shards node-local (over gpus_per_node's DP ranks), replicated across nodes
-            "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}
 
 
 def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None) -> dict:
@@ -127,8 +119,10 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     may_resume = t.resume and (save_dir / LATEST).is_file()
     initial = None if may_resume or not t.init_from else imported_model(t.init_from, m)
     files = from_rank0(lambda: prepare_files(d, m.vocab_size))
+    # what the run's checkpoints record of it: its layout, its identity (model, tokenizer, data), its tokenizer's spec
     layout = layout_signature(cfg, topo)
     identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
+    tokenizer_record = files.tokenizer_record()
     usable = None
     if t.resume:
         say(topo, recover(save_dir, t.keep_checkpoints))
@@ -164,7 +158,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
-                    identity=identity, tokenizer=files.tokenizer_record(),
+                    identity=identity, tokenizer=tokenizer_record,
                     flops_per_step=flops_per_step, peak=peak,
                     stragglers=Stragglers(cfg.logging.straggler_factor, topo.device))
     engine.train()

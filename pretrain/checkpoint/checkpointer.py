@@ -28,15 +28,24 @@ from pretrain.checkpoint.recovery import (LATEST, PENDING, find_usable, publish_
                                           written_record)
 from pretrain.checkpoint.tensors import (global_shapes, model_templates, parameter_names, saved_states,
                                          sharded_state)
+from pretrain.config import Config
 from pretrain.errors import CheckpointError
 from pretrain.runtime.agreement import from_rank0
-from pretrain.runtime.layout import layout_text
+from pretrain.runtime.layout import Layout, layout_text
 from pretrain.sections import ModelConfig
 from zero3d import sharded_state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
 
-__all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
+__all__ = ["Checkpointer", "CheckpointError", "layout_signature", "run_identity", "LATEST"]
+
+
+def layout_signature(cfg: Config, topo: Layout) -> dict:
+    """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
+    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
+            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
+            # hybrid sharding: shards node-local (over gpus_per_node's DP ranks), replicated across nodes
+            "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}
 
 
 def run_identity(m: ModelConfig, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
