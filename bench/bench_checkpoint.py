@@ -32,11 +32,11 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
     import torch.distributed as dist
 
     import zero3d
-    from pretrain.checkpoint.checkpointer import Checkpointer
+    from pretrain.checkpoint.checkpointer import Checkpointer, layout_signature
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, gpt_loss
     from pretrain.runtime.layout import destroy_layout, init_layout
-    from pretrain.train import engine_settings, layout_signature
+    from pretrain.train import engine_settings
 
     cfg = load_config(None, [f"model.num_layers={layers}", f"model.hidden_size={hidden}",
                              "model.num_attention_heads=8", "model.seq_length=64", "model.vocab_size=1024",

@@ -27,9 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pretrain.data.preprocess import tokenize_corpus  # noqa: E402
+from pretrain.data.preprocess import tokenize_corpus, train_tokenizer  # noqa: E402
 from pretrain.data.indexed import token_dtype  # noqa: E402
-from pretrain.data.tokenizer import train_tokenizer  # noqa: E402
 
 CORPUS = REPO / "data" / "corpus.jsonl"
 

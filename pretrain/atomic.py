@@ -1,5 +1,6 @@
 """Atomic file writes: every file the project writes takes its real name only once it is complete."""
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -52,3 +53,24 @@ def write_atomically(target: str | os.PathLike, data: str | bytes, durable: bool
         else:
             tmp.write_text(data)
     return target
+
+
+@contextmanager
+def publishing_directory(target: str | os.PathLike) -> Iterator[Path]:
+    """A new, hidden directory for the block to write the files of the directory `target` into, published together
+    when the block ends: renamed onto `target` where there is none yet, else each file renamed into `target` (staged
+    inside it, on its file system) beside the files it holds. When the block raises, the staged files are removed and
+    `target` is left as it was: the block's files arrive all together or not at all."""
+    target = Path(target)
+    exists = target.is_dir()
+    staging = temporary_name(target / "staging" if exists else target)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        if exists:
+            for path in sorted(staging.iterdir()):
+                os.replace(path, target / path.name)
+        else:
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

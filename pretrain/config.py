@@ -73,6 +73,11 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir or f"runs/{self.logging.name}")
 
+    @property
+    def save_dir(self) -> Path:
+        """Where the run's checkpoints are: train.save_dir, else <run_dir>/checkpoints."""
+        return Path(self.train.save_dir) if self.train.save_dir else self.run_dir / "checkpoints"
+
 
 # ---------------------------------------------------------------- loading
 

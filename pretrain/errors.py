@@ -73,6 +73,13 @@ class TokenizerError(InputError, ValueError):
         super().__init__(what, where, fix, agreed)
 
 
+class CheckpointError(InputError):
+    """A checkpoint that cannot be used, with the file and the reason (exit code 3, one line)."""
+
+    def __init__(self, what: str, where: str = "checkpoint", fix: str = "", agreed: "bool | None" = None):
+        super().__init__(what, where, fix, agreed)
+
+
 class NumericalError(ProjectError):
     """The loss or the gradient norm stayed non-finite; the last good checkpoint is kept."""
 

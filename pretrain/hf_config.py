@@ -3,9 +3,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain.checkpoint.files import CheckpointError
 from pretrain.checkpoint.hf import model_section, read_hf_config, toml_value
-from pretrain.errors import EXIT_INPUT
+from pretrain.errors import EXIT_INPUT, CheckpointError
 
 
 def main(argv=None) -> int:

@@ -3,16 +3,17 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 import zero3d
 from pretrain import metrics
-from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, run_identity
-from pretrain.checkpoint.choose import find_usable, recover
-from pretrain.checkpoint.hf import load_into
-from pretrain.checkpoint.hf_run import check_save_final_hf, imported_model, save_dir_of, write_final_hf
+from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, layout_signature, run_identity
+from pretrain.checkpoint.export import check_save_final_hf, write_final_hf
+from pretrain.checkpoint.hf import ImportedModel, check_matches, load_into
+from pretrain.checkpoint.recovery import find_usable, recover
 from pretrain.config import Config
 from pretrain.schedule import lr_at
 from pretrain.sections import TrainConfig
@@ -58,14 +59,6 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     return model, engine, activations
 
 
-def layout_signature(cfg: Config, topo: Layout) -> dict:
-    """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
-    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
-            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
-            # hybrid sharding: shards node-local (over gpus_per_node's DP ranks), replicated across nodes
-            "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}
-
-
 def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None) -> dict:
     """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}.
 
@@ -105,15 +98,21 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     return result
 
 
+def imported_model(directory: str, m) -> ImportedModel:
+    """The HF directory train.init_from names, its model the run's (CheckpointError naming each key that differs)."""
+    initial = ImportedModel(Path(directory))
+    check_matches(initial.model, m, directory)
+    return initial
+
+
 def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
-    from pretrain.checkpoint.hf_tokenizer import tokenizer_record
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
-    save_dir = save_dir_of(cfg)
+    save_dir = cfg.save_dir
     d, m, t = cfg.data, cfg.model, cfg.train
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
@@ -123,8 +122,10 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     may_resume = t.resume and (save_dir / LATEST).is_file()
     initial = None if may_resume or not t.init_from else imported_model(t.init_from, m)
     files = from_rank0(lambda: prepare_files(d, m.vocab_size))
+    # what the run's checkpoints record of it: its layout, its identity (model, tokenizer, data), its tokenizer's spec
     layout = layout_signature(cfg, topo)
     identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
+    tokenizer_record = files.tokenizer_record()
     usable = None
     if t.resume:
         say(topo, recover(save_dir, t.keep_checkpoints))
@@ -160,7 +161,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
-                    identity=identity, tokenizer=tokenizer_record(files.spec()),
+                    identity=identity, tokenizer=tokenizer_record,
                     flops_per_step=flops_per_step, peak=peak,
                     stragglers=Stragglers(cfg.logging.straggler_factor, topo.device))
     engine.train()

@@ -5,8 +5,7 @@ import contextlib
 from pathlib import Path
 
 from pretrain.config import Config
-from pretrain.data.tokenizer import check_vocab
-from pretrain.data.tokenizers import load_tokenizer, spec_of
+from pretrain.data.tokenizers import check_vocab, load_tokenizer, spec_of
 from pretrain.errors import EXIT_INPUT, ConfigError, DataError, InputError, TokenizerError
 from pretrain.memory_check import device_estimate
 from pretrain.runtime.preflight import check_paths

@@ -4,12 +4,12 @@ import torch.distributed as dist
 
 import zero3d
 from gpt_harness import BASE, SyntheticTokens
-from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity
+from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity, layout_signature
 from pretrain.config import load_config
 from pretrain.model.gpt import build_model, parallel_groups
 from pretrain.runtime.layout import destroy_layout, init_layout
 from pretrain.step import forward_backward, mean_loss
-from pretrain.train import Batches, engine_settings, layout_signature
+from pretrain.train import Batches, engine_settings
 
 # 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.
 CKPT_BASE = BASE + ["train.global_batch_size=12", "model.make_vocab_size_divisible_by=64"]

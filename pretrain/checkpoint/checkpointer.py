@@ -22,21 +22,30 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.choose import find_usable
-from pretrain.checkpoint.files import MANIFEST, CheckpointError, file_record, read_json, write_json_durably
-from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, LATEST, load_dcp, optimizer_fields, read_dcp_metadata,
-                                      saved_optimizer)
-from pretrain.checkpoint.recovery import PENDING, publish_step_dir, written_record
+from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, file_record, load_dcp, optimizer_fields,
+                                      read_dcp_metadata, read_json, saved_optimizer)
+from pretrain.checkpoint.recovery import (LATEST, PENDING, find_usable, publish_step_dir, write_json_durably,
+                                          written_record)
 from pretrain.checkpoint.tensors import (global_shapes, model_templates, parameter_names, saved_states,
                                          sharded_state)
+from pretrain.config import Config
+from pretrain.errors import CheckpointError
 from pretrain.runtime.agreement import from_rank0
-from pretrain.runtime.layout import layout_text
+from pretrain.runtime.layout import Layout, layout_text
 from pretrain.sections import ModelConfig
 from zero3d import sharded_state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
 
-__all__ = ["Checkpointer", "CheckpointError", "run_identity", "LATEST"]
+__all__ = ["Checkpointer", "CheckpointError", "layout_signature", "run_identity", "LATEST"]
+
+
+def layout_signature(cfg: Config, topo: Layout) -> dict:
+    """The layout a checkpoint was written with (a resume may use another; per-rank RNG then re-derived)."""
+    return {"world_size": topo.world_size, "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
+            "stage": cfg.zero.stage, "dtype": cfg.precision.dtype,
+            # hybrid sharding: shards node-local (over gpus_per_node's DP ranks), replicated across nodes
+            "hybrid": cfg.zero.hybrid, "gpus_per_node": topo.gpus_per_node}
 
 
 def run_identity(m: ModelConfig, tensor_parallel: int, tokenizer_model: Path, data_prefix: str) -> dict:
@@ -103,7 +112,7 @@ def _cause(err: BaseException) -> str:
 
 class Checkpointer:
     """Collective save/load of one run's model and engine states (every rank makes the same calls); which
-    checkpoint to load is chosen before the model exists (pretrain/checkpoint/choose.py)."""
+    checkpoint to load is chosen before the model exists (pretrain/checkpoint/recovery.py: find_usable)."""
 
     def __init__(self, save_dir: Path, model, engine, keep: int = 0, async_save: bool = True,
                  timeout_minutes: float = 10.0, max_failed_saves: int = 3):

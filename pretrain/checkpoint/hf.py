@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.files import CheckpointError
-from pretrain.errors import ConfigError
+from pretrain.errors import CheckpointError, ConfigError
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"

@@ -1,5 +1,11 @@
-"""The one way a checkpoint is read: DCP's .metadata unpickled from an allow-list, validated, tensors read bounded."""
+"""The one way a checkpoint is read: DCP's .metadata unpickled from an allow-list, validated, tensors read bounded.
+
+Every file is held to its record in checkpoint.json (its size and SHA-256: `file_record`, `verify_file`) before it is
+read; a JSON file that cannot be read is a CheckpointError naming it (`read_json`).
+"""
+import hashlib
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -12,14 +18,55 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from pretrain.checkpoint.files import MANIFEST, CheckpointError, read_json, verify_file
+from pretrain.atomic import fsync_path
 from pretrain.checkpoint.unpickler import DTYPES, unpickle_metadata
+from pretrain.errors import CheckpointError
 from zero3d.optim import ADAMW, OptimizerSpec
 
+MANIFEST = "checkpoint.json"
 DCP_METADATA = ".metadata"
-LATEST = "latest"
 
 _SHARD_NAME = re.compile(r"__\d+_\d+\.distcp")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a CheckpointError naming the file and what is wrong with it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read: {err}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is malformed JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is malformed: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def file_record(path: Path) -> dict:
+    """{"bytes", "sha256"} of a file, fsynced first so what is hashed is what is on disk."""
+    fsync_path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def verify_file(step_dir: Path, name: str, expected: dict) -> str:
+    """'' when `name` matches its manifest record, else why not (missing, truncated, tampered)."""
+    path = step_dir / name
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return f"{path} has {size} bytes, the manifest records {expected['bytes']} (truncated or replaced)"
+    if file_record(path)["sha256"] != expected["sha256"]:
+        return f"{path} does not match its SHA-256 in {MANIFEST} (corrupted or tampered)"
+    return ""
 
 
 def _check(ok: bool, path: Path, what: str) -> None:
@@ -273,16 +320,3 @@ def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
         raise CheckpointError(f"checkpoint {step_dir} was written for another model, tokenizer or data: "
                               + "; ".join(diffs) + ". Resume with the same ones, or set train.resume = false "
                               "(or another train.save_dir).")
-
-
-def latest_name(save_dir: Path) -> str:
-    """The step directory `<save_dir>/latest` names (step_<8 digits>), or a CheckpointError saying what it holds."""
-    path = save_dir / LATEST
-    try:
-        text = path.read_bytes()
-    except OSError as err:
-        raise CheckpointError(f"{path} cannot be read: {err.strerror}") from None
-    name = text.decode("latin-1").strip()
-    if re.fullmatch(r"step_\d{8}", name) is None:
-        raise CheckpointError(f"{path} holds {text[:40]!r}, not the name of a step directory (step_<8 digits>)")
-    return name

@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.dist_checkpointing.strategies.checkpointable import (CheckpointableShardedTensor,
                                                                         LocalShardsContainer)
 
-from pretrain.checkpoint.files import CheckpointError
+from pretrain.errors import CheckpointError
 
 MODEL_PREFIX = "model/"  # the model-dtype parameters ("param"); every other state is "optim/<state>/"
 

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata, _MEM_FORMAT_ENCODING)
 
-from pretrain.checkpoint.files import CheckpointError
+from pretrain.errors import CheckpointError
 
 _DCP = "torch.distributed.checkpoint.metadata"
 # The dataclasses a .metadata may build (NEWOBJ + BUILD): nothing else is ever instantiated.

@@ -9,7 +9,6 @@ and the other ranks load them after a barrier. So a .bin/.idx written by Megatro
 gives here the samples Megatron-LM would train on, for the same seed, sequence length and split.
 """
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +21,13 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from pretrain.atomic import write_atomically
 from pretrain.blend import Blend
 from pretrain.sections import DataConfig
 from pretrain.data.corpus import expand_inputs, read_documents
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
-from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import TextTokenizer, check_vocab, sample_sentences, train_tokenizer
-from pretrain.data.tokenizers import TokenizerSpec, load_tokenizer, spec_of, train_hf_tokenizer
+from pretrain.data.preprocess import sample_sentences, tokenize_files, train_hf_tokenizer, train_tokenizer
+from pretrain.data.tokenizers import (TextTokenizer, TokenizerSpec, check_eod, check_vocab, identity_path,
+                                      load_tokenizer, spec_of)
 from pretrain.errors import DataError
 
 HF_TRAIN_DOCUMENTS = 200_000  # documents a byte-level BPE trains on, sampled from a bigger corpus
@@ -40,7 +38,7 @@ class DataFiles:
 
     tokenizer_path is the file whose bytes a checkpoint's identity hashes: the sentencepiece .model, or
     for the other kinds a small JSON in cache_dir holding the kind, its settings and the SHA-256 over
-    every file the tokenizer reads (`TextTokenizer.files_sha256`)."""
+    every file the tokenizer reads (pretrain/data/tokenizers.py: `identity_path`)."""
     tokenizer_path: str
     blend: Optional[Blend]  # split by data.split ...
     blend_per_split: Optional[list[Optional[Blend]]]  # ... or one blend per split (train, valid, test)
@@ -51,6 +49,13 @@ class DataFiles:
 
     def load_tokenizer(self) -> TextTokenizer:
         return load_tokenizer(self.spec())
+
+    def tokenizer_record(self) -> dict:
+        """What a checkpoint's manifest records of the tokenizer (export --format hf reads it back): its spec, its
+        files as absolute paths."""
+        spec = self.spec()
+        return {"kind": spec.kind, "model": str(Path(spec.model).resolve()) if spec.model else None,
+                "merges": str(Path(spec.merges).resolve()) if spec.merges else None, "eod": spec.eod}
 
     def prefixes(self) -> list[str]:
         blends = [self.blend] if self.blend else [b for b in self.blend_per_split or [] if b]
@@ -68,29 +73,6 @@ class DatasetTokenizer:
     @property
     def eos(self) -> int:
         return self.eod
-
-
-def identity_path(tokenizer: TextTokenizer, spec: TokenizerSpec, cache_dir: str | os.PathLike) -> str:
-    """The file a checkpoint's identity hashes for `tokenizer` (see DataFiles); written once, atomically."""
-    if spec.kind == "sentencepiece":
-        return str(spec.model)
-    record = _identity_record(tokenizer)
-    path = Path(cache_dir) / f"tokenizer-identity-{hashlib.sha256(record.encode()).hexdigest()[:16]}.json"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, record + "\n")
-    return str(path)
-
-
-def _identity_record(tokenizer: TextTokenizer) -> str:
-    return json.dumps({**tokenizer.identity(), "files_sha256": tokenizer.files_sha256()}, sort_keys=True)
-
-
-def identity_sha256(tokenizer: TextTokenizer, spec: TokenizerSpec) -> str:
-    """The tokenizer_sha256 a checkpoint's identity holds for this tokenizer: the SHA-256 of identity_path's file."""
-    if spec.kind == "sentencepiece":
-        return hashlib.sha256(Path(spec.model).read_bytes()).hexdigest()
-    return hashlib.sha256((_identity_record(tokenizer) + "\n").encode()).hexdigest()
 
 
 def _digest(*parts: object) -> str:
@@ -137,22 +119,13 @@ def build_corpus_files(corpus: str, spec: TokenizerSpec | str | None, cache_dir:
             documents = sample_sentences(read_documents(corpus), HF_TRAIN_DOCUMENTS)
             train_hf_tokenizer(documents, tokenizer_path, vocab_size, spec.eod or "<|endoftext|>")
         spec = TokenizerSpec("hf", str(tokenizer_path), eod=spec.eod)
-    tokenizer_hash = load_tokenizer(spec).files_sha256()
-    prefix = str(Path(cache_dir) / f"tokens-{_digest(corpus_key, tokenizer_hash)}")
+    tokenizer = load_tokenizer(spec)
+    prefix = str(Path(cache_dir) / f"tokens-{_digest(corpus_key, tokenizer.files_sha256())}")
     try:
         check_indexed_dataset(prefix)
     except DataError:  # absent, or left inconsistent by an interrupted build: build it (again)
-        tokenize_corpus([corpus], spec, prefix)
+        tokenize_files(files, spec, tokenizer, prefix)
     return spec, prefix
-
-
-def check_eod(tokenizer: TextTokenizer, data: DataConfig) -> None:
-    """Document boundaries are found by the end-of-document id: a tokenizer without one is refused."""
-    if data.document_keys() and not 0 <= tokenizer.eod_id < tokenizer.vocab_size:
-        keys = ", ".join(f"data.{key} = true" for key in data.document_keys())
-        raise DataError(f"{keys} needs an end-of-document id, but the {tokenizer.kind} tokenizer "
-                        f"{tokenizer.model_path} has none (eod id {tokenizer.eod_id}); use a tokenizer with one "
-                        "(sentencepiece: an eos piece)")
 
 
 def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:

@@ -7,29 +7,151 @@
     python -m pretrain.preprocess --input data/corpus.jsonl --tokenizer-model tok.model --output-prefix out/c \\
         --train-tokenizer --vocab-size 512
 
-Workers parse and tokenize chunks of lines (or record-batch rows); the main process reads the files and
-writes the tokens in input order, so the output does not depend on the number of workers or the format.
+First, where asked, a tokenizer is trained on the corpus (`train_tokenizer`: sentencepiece BPE; `train_hf_tokenizer`:
+a byte-level BPE), from a bounded, seeded sample of it. Workers parse and tokenize chunks of lines (or record-batch
+rows); the main process reads the files and writes the tokens in input order, so the output does not depend on the
+number of workers or the format.
 """
 import argparse
+import io
 import multiprocessing
 import os
+import random
+import re
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
+from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy
+import sentencepiece as spm
 from tqdm import tqdm
 
+from pretrain.atomic import write_atomically
 from pretrain.data.corpus import (CHUNK_BYTES, Chunk, chunk_documents, expand_inputs, read_chunks,
                                   read_documents)
 from pretrain.data.indexed import IndexedWriter, check_indexed_dataset, token_dtype
-from pretrain.data.tokenizer import MAX_SENTENCES, TextTokenizer, sample_sentences, train_tokenizer
-from pretrain.data.tokenizers import DEFAULT_EOD, KINDS, TokenizerSpec, load_tokenizer, train_hf_tokenizer
+from pretrain.data.tokenizers import DEFAULT_EOD, KINDS, TextTokenizer, TokenizerSpec, byte_level, load_tokenizer
 from pretrain.errors import EXIT_INPUT, DataError, TokenizerError
 
+# ---- a tokenizer trained on the corpus
+MAX_SENTENCES = 2_000_000  # sentences a tokenizer trains on, sampled from a bigger corpus
+SAMPLE_SEED = 1234
+
+# Fixed special ids so every model trained here agrees on them; pad stays off (-1) because
+# GPT samples are cut from one unbroken token stream and never padded.
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def _lines(documents: Iterable[str]) -> Iterator[str]:
+    # sentencepiece trains on single lines (a newline never sits inside a training sentence);
+    # newlines still encode at run time, through the byte-fallback piece <0x0A>.
+    for document in documents:
+        for line in document.split("\n"):
+            if line.strip():
+                yield line
+
+
+def _clear_training_error(err: RuntimeError, vocab_size: int, corpus_name: str) -> TokenizerError:
+    """Turn sentencepiece's internal assertion text into a message naming the requested size."""
+    text = str(err)
+    too_high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", text)
+    if too_high:
+        return TokenizerError(
+            f"vocab_size {vocab_size} is too large for corpus {corpus_name!r}: sentencepiece can "
+            f"learn at most {too_high.group(1)} pieces from it; lower model.vocab_size or use a larger "
+            "corpus")
+    too_low = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", text)
+    if too_low:
+        return TokenizerError(
+            f"vocab_size {vocab_size} is too small for corpus {corpus_name!r}: the 256 byte-fallback "
+            f"pieces, the special tokens and the corpus's characters need at least {too_low.group(1)}")
+    return TokenizerError(f"training a tokenizer of vocab_size {vocab_size} on {corpus_name!r} failed: "
+                          f"{text}")
+
+
+def sample_sentences(sentences: Iterable[str], limit: int, seed: int = SAMPLE_SEED) -> list[str]:
+    """At most `limit` sentences, a uniform sample (reservoir sampling, seeded) kept in corpus order.
+
+    Memory stays bounded by `limit` however big the corpus; a corpus with fewer sentences is used whole.
+    """
+    rng = random.Random(seed)
+    reservoir: list[tuple[int, str]] = []
+    for number, sentence in enumerate(sentences):
+        if number < limit:
+            reservoir.append((number, sentence))
+        elif (slot := rng.randrange(number + 1)) < limit:
+            reservoir[slot] = (number, sentence)
+    return [sentence for _, sentence in sorted(reservoir)]
+
+
+def train_tokenizer(corpus: str | os.PathLike | Sequence[str | os.PathLike], model_prefix: str | os.PathLike,
+                    vocab_size: int, max_sentences: int = MAX_SENTENCES, key: str = "text") -> Path:
+    """Train a BPE model on the corpus (JSONL files or globs) and write it atomically to <model_prefix>.model.
+
+    Deterministic: at most max_sentences lines, sampled with a fixed seed, in corpus order, one thread.
+    byte_fallback makes any text encodable; identity normalisation and kept whitespace make
+    decode(encode(text)) == text for all text without U+2581, the symbol sentencepiece uses for a space.
+    """
+    if max_sentences < 1:
+        raise TokenizerError(f"max_sentences {max_sentences} must be at least 1")
+    corpus_name = str(corpus) if isinstance(corpus, (str, os.PathLike)) else ", ".join(map(str, corpus))
+    model_path = Path(f"{model_prefix}.model")
+    # Sampled before training: sentencepiece would turn a DataError raised inside its iterator into
+    # an opaque RuntimeError, and it keeps every sentence it is given in memory.
+    sentences = sample_sentences(_lines(read_documents(corpus, key)), max_sentences)
+    model_bytes = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model_bytes,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,  # indentation runs in code become single pieces
+            split_digits=True,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            num_threads=1,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=-1,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise _clear_training_error(err, vocab_size, corpus_name) from None
+    model_path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomically(model_path, model_bytes.getvalue())  # never half a model under the real name
+
+
+def train_hf_tokenizer(documents: Iterable[str], path: str | os.PathLike, vocab_size: int,
+                       eod: str = DEFAULT_EOD) -> Path:
+    """Train a byte-level BPE (GPT-2's scheme) with `tokenizers` and write its tokenizer.json atomically.
+
+    vocab_size counts the 256 byte tokens, the merges and `eod`, added last (as GPT-2's 50256).
+    Deterministic for the same documents; callers pass the same bounded sample sentencepiece trains on.
+    """
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import BPE
+    from tokenizers.pre_tokenizers import ByteLevel
+    from tokenizers.trainers import BpeTrainer
+    if vocab_size < 257:
+        raise TokenizerError(f"vocab_size {vocab_size} is too small for a byte-level BPE: the 256 byte "
+                             "tokens and the end-of-document token need at least 257")
+    hf = byte_level(HF(BPE()))
+    trainer = BpeTrainer(vocab_size=vocab_size - 1, initial_alphabet=ByteLevel.alphabet(), show_progress=False,
+                         special_tokens=[])
+    hf.train_from_iterator(documents, trainer=trainer)
+    hf.add_special_tokens([eod])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomically(path, hf.to_str(pretty=True))
+
+
+# ---- the corpus tokenized into .bin/.idx
 LOG_INTERVAL_S = 30.0
 
 
@@ -61,14 +183,10 @@ def _spec(tokenizer: "TokenizerSpec | str | os.PathLike") -> TokenizerSpec:
     return tokenizer if isinstance(tokenizer, TokenizerSpec) else TokenizerSpec("sentencepiece", str(tokenizer))
 
 
-def _init_worker(tokenizer: TokenizerSpec, key: str) -> None:
-    _worker.update(tokenizer=load_tokenizer(tokenizer), key=key)
-
-
 def _init_pool_worker(tokenizer: TokenizerSpec, key: str) -> None:
     """One of N worker processes: one thread each (no `tokenizers` thread pool per worker, no fork warning)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _init_worker(tokenizer, key)
+    _worker.update(tokenizer=load_tokenizer(tokenizer), key=key)
 
 
 def tokenize_chunk(chunk: Chunk) -> TokenizedChunk:
@@ -84,18 +202,19 @@ def tokenize_chunk(chunk: Chunk) -> TokenizedChunk:
     return TokenizedChunk(lengths, tokens, empty, chunk.bytes_done)
 
 
-def tokenized_chunks(chunks: Iterable[Chunk], tokenizer: TokenizerSpec, key: str,
+def tokenized_chunks(chunks: Iterable[Chunk], tokenizer: TextTokenizer, spec: TokenizerSpec, key: str,
                      workers: int) -> Iterator[TokenizedChunk]:
-    """tokenize_chunk over the chunks, results in input order; `workers` processes (1: this one).
+    """tokenize_chunk over the chunks, results in input order; `workers` processes (1: this one, with `tokenizer`;
+    else each loads its own from `spec`).
 
     At most 2 × workers chunks are in flight (Pool.imap would read the whole corpus ahead into its
     task queue); leaving the generator early terminates the pool.
     """
     if workers == 1:
-        _init_worker(tokenizer, key)
+        _worker.update(tokenizer=tokenizer, key=key)
         yield from map(tokenize_chunk, chunks)
         return
-    with multiprocessing.Pool(workers, initializer=_init_pool_worker, initargs=(tokenizer, key)) as pool:
+    with multiprocessing.Pool(workers, initializer=_init_pool_worker, initargs=(spec, key)) as pool:
         pending: deque = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(tokenize_chunk, (chunk,)))
@@ -149,15 +268,23 @@ def tokenize_corpus(inputs: Sequence[str | os.PathLike], tokenizer_model: "Token
     """
     if workers < 1:
         raise DataError(f"workers {workers} must be at least 1")
-    files = expand_inputs(inputs)
     spec = _spec(tokenizer_model)
+    files = expand_inputs(inputs)
     tokenizer = load_tokenizer(spec)
+    return tokenize_files(files, spec, tokenizer, output_prefix, workers, key, progress, log_interval_s, chunk_bytes)
+
+
+def tokenize_files(files: list[Path], spec: TokenizerSpec, tokenizer: TextTokenizer, output_prefix: str | os.PathLike,
+                   workers: int = 1, key: str = "text", progress: str = "off", log_interval_s: float = LOG_INTERVAL_S,
+                   chunk_bytes: int = CHUNK_BYTES) -> PreprocessStats:
+    """tokenize_corpus of files already listed (expand_inputs) with `tokenizer`, loaded from `spec` (which each of
+    `workers` processes loads anew)."""
     stats = PreprocessStats(files=len(files), dtype=token_dtype(tokenizer.vocab_size).__name__)
     start = time.perf_counter()
     meter = Progress(sum(f.stat().st_size for f in files), progress, log_interval_s)
     try:
         with IndexedWriter(output_prefix, tokenizer.vocab_size) as writer:
-            for result in tokenized_chunks(read_chunks(files, chunk_bytes, key), spec, key, workers):
+            for result in tokenized_chunks(read_chunks(files, chunk_bytes, key), tokenizer, spec, key, workers):
                 ends = numpy.cumsum(result.lengths)
                 for begin, end in zip(ends - result.lengths, ends):
                     writer.add_document(result.tokens[begin:end])

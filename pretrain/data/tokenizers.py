@@ -1,26 +1,126 @@
-"""Tokenizer kinds besides sentencepiece, behind one interface (tokenizer.TextTokenizer), and `load_tokenizer`.
+"""What a tokenizer is and how to load it: one interface (TextTokenizer), five kinds, `load_tokenizer`, the checks.
 
-  "hf"        a Hugging Face tokenizer.json, through the `tokenizers` library (or one trained here:
-              byte-level BPE, `train_hf_tokenizer`)
-  "gpt2_bpe"  GPT-2's vocab.json + merges.txt: `tokenizers`' byte-level BPE from those files, GPT-2's ids
-  "tiktoken"  a tiktoken BPE ranks file, loaded locally, split with GPT-2's pattern (GPT2_PATTERN)
-  "none"      token files made elsewhere: no tokenizer file, ids are the vocabulary (megatron's NullTokenizer)
+  "sentencepiece"  a sentencepiece .model (one trained here: pretrain/data/preprocess.py)
+  "hf"             a Hugging Face tokenizer.json, through the `tokenizers` library (or one trained here: byte-level
+                   BPE, pretrain/data/preprocess.py)
+  "gpt2_bpe"       GPT-2's vocab.json + merges.txt: `tokenizers`' byte-level BPE from those files, GPT-2's ids
+  "tiktoken"       a tiktoken BPE ranks file, loaded locally, split with GPT-2's pattern (GPT2_PATTERN)
+  "none"           token files made elsewhere: no tokenizer file, ids are the vocabulary (megatron's NullTokenizer)
 
-Nothing is downloaded: every kind reads only the files it is given.
+Nothing is downloaded: every kind reads only the files it is given. A checkpoint's identity holds a tokenizer's
+`identity_sha256` (the hash of `identity_path`'s file).
 """
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+import sentencepiece as spm
+
 from pretrain.atomic import write_atomically
-from pretrain.data.tokenizer import TextTokenizer, Tokenizer
-from pretrain.errors import TokenizerError
+from pretrain.errors import DataError, TokenizerError
+from pretrain.sections import DataConfig
 
 KINDS = ("sentencepiece", "hf", "gpt2_bpe", "tiktoken", "none")
 DEFAULT_EOD = "<|endoftext|>"
 # tiktoken's "gpt2" split pattern (the regex of `tokenizers`' ByteLevel pre-tokenizer, GPT-2's encoder.py).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TextTokenizer:
+    """What the data pipeline asks of a tokenizer, whatever its kind.
+
+    Subclasses set `kind` and `files` (every file the tokenizer reads) and implement encode, decode,
+    vocab_size and eod_id; `eod_id` is appended after every document.
+    """
+
+    kind: str = ""
+    files: tuple[Path, ...] = ()
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def eod_id(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        """The beginning-of-sequence id, or None where the kind has none (zero3d never inserts it)."""
+        return None
+
+    @property
+    def model_path(self) -> Optional[Path]:
+        """The main file (model, tokenizer.json, vocab.json, BPE file); None for kind "none"."""
+        return self.files[0] if self.files else None
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def identity(self) -> dict:
+        """What besides the files' bytes decides the ids (the kind, its settings)."""
+        return {"kind": self.kind}
+
+    def files_sha256(self) -> str:
+        """SHA-256 over the kind, its settings and the bytes of every file the tokenizer reads (in order):
+        the tokenizer's part of a checkpoint's identity and of the token cache's key."""
+        digest = hashlib.sha256(repr(sorted(self.identity().items())).encode())
+        for path in self.files:
+            digest.update(b"\0" + hashlib.sha256(Path(path).read_bytes()).digest())
+        return digest.hexdigest()
+
+
+class Tokenizer(TextTokenizer):
+    """Kind "sentencepiece": a loaded sentencepiece model (zero3d's own trained tokenizer)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_path: str | os.PathLike):
+        self.files = (Path(model_path),)
+        if not self.model_path.is_file():
+            raise TokenizerError(f"tokenizer model {str(self.model_path)!r} does not exist")
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(self.model_path))
+        except (OSError, RuntimeError) as err:
+            raise TokenizerError(
+                f"tokenizer model {str(self.model_path)!r} is not a sentencepiece model: {err}") from None
+        if self._sp.eos_id() < 0:
+            raise TokenizerError(
+                f"tokenizer model {str(self.model_path)!r} has no end-of-sequence piece; "
+                "documents need one to be separated (train it with eos_id set)")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.vocab_size()
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    @property
+    def eod_id(self) -> int:
+        """Appended after every document, as Megatron's preprocess_data does with --append-eod."""
+        return self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, in one call into sentencepiece."""
+        return self._sp.encode(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
 
 
 def _existing(path: str | os.PathLike, what: str) -> Path:
@@ -29,7 +129,7 @@ def _existing(path: str | os.PathLike, what: str) -> Path:
     return Path(path)
 
 
-def _byte_level(tokenizer):
+def byte_level(tokenizer):
     """GPT-2's byte-level pre-tokenizer and decoder on a `tokenizers` model (no prefix space added)."""
     from tokenizers import decoders, pre_tokenizers
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -96,7 +196,7 @@ class GPT2BPETokenizer(_HFBased):
         from tokenizers.models import BPE
         self.files = (_existing(vocab, "vocab.json"), _existing(merges, "merges.txt"))
         try:
-            hf = _byte_level(HF(BPE.from_file(str(vocab), str(merges))))
+            hf = byte_level(HF(BPE.from_file(str(vocab), str(merges))))
         except Exception as err:
             raise TokenizerError(f"vocab.json {str(vocab)!r} and merges.txt {str(merges)!r} are not a GPT-2 "
                                  f"BPE: {err}") from None
@@ -214,25 +314,42 @@ def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
     return TiktokenTokenizer(spec.model, spec.eod)
 
 
-def train_hf_tokenizer(documents: Iterable[str], path: str | os.PathLike, vocab_size: int,
-                       eod: str = DEFAULT_EOD) -> Path:
-    """Train a byte-level BPE (GPT-2's scheme) with `tokenizers` and write its tokenizer.json atomically.
+def check_vocab(tokenizer: "TextTokenizer", model_vocab_size: int) -> None:
+    """DataError when the tokenizer's ids would not fit the model's embedding (model.vocab_size)."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise DataError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than model.vocab_size "
+                        f"{model_vocab_size}; raise model.vocab_size or use a smaller tokenizer "
+                        f"({tokenizer.model_path})")
 
-    vocab_size counts the 256 byte tokens, the merges and `eod`, added last (as GPT-2's 50256).
-    Deterministic for the same documents; callers pass the same bounded sample sentencepiece trains on.
-    """
-    from tokenizers import Tokenizer as HF
-    from tokenizers.models import BPE
-    from tokenizers.pre_tokenizers import ByteLevel
-    from tokenizers.trainers import BpeTrainer
-    if vocab_size < 257:
-        raise TokenizerError(f"vocab_size {vocab_size} is too small for a byte-level BPE: the 256 byte "
-                             "tokens and the end-of-document token need at least 257")
-    hf = _byte_level(HF(BPE()))
-    trainer = BpeTrainer(vocab_size=vocab_size - 1, initial_alphabet=ByteLevel.alphabet(), show_progress=False,
-                         special_tokens=[])
-    hf.train_from_iterator(documents, trainer=trainer)
-    hf.add_special_tokens([eod])
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomically(path, hf.to_str(pretty=True))
+
+def check_eod(tokenizer: TextTokenizer, data: DataConfig) -> None:
+    """Document boundaries are found by the end-of-document id: a tokenizer without one is refused."""
+    if data.document_keys() and not 0 <= tokenizer.eod_id < tokenizer.vocab_size:
+        keys = ", ".join(f"data.{key} = true" for key in data.document_keys())
+        raise DataError(f"{keys} needs an end-of-document id, but the {tokenizer.kind} tokenizer "
+                        f"{tokenizer.model_path} has none (eod id {tokenizer.eod_id}); use a tokenizer with one "
+                        "(sentencepiece: an eos piece)")
+
+
+def identity_path(tokenizer: TextTokenizer, spec: TokenizerSpec, cache_dir: str | os.PathLike) -> str:
+    """The file a checkpoint's identity hashes for `tokenizer`: the sentencepiece .model, or for the other kinds a
+    small JSON in cache_dir holding the kind, its settings and `files_sha256`; written once, atomically."""
+    if spec.kind == "sentencepiece":
+        return str(spec.model)
+    record = _identity_record(tokenizer)
+    path = Path(cache_dir) / f"tokenizer-identity-{hashlib.sha256(record.encode()).hexdigest()[:16]}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, record + "\n")
+    return str(path)
+
+
+def _identity_record(tokenizer: TextTokenizer) -> str:
+    return json.dumps({**tokenizer.identity(), "files_sha256": tokenizer.files_sha256()}, sort_keys=True)
+
+
+def identity_sha256(tokenizer: TextTokenizer, spec: TokenizerSpec) -> str:
+    """The tokenizer_sha256 a checkpoint's identity holds for this tokenizer: the SHA-256 of identity_path's file."""
+    if spec.kind == "sentencepiece":
+        return hashlib.sha256(Path(spec.model).read_bytes()).hexdigest()
+    return hashlib.sha256((_identity_record(tokenizer) + "\n").encode()).hexdigest()

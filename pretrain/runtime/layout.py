@@ -245,6 +245,6 @@ def destroy_layout() -> None:
 
 
 def layout_text(layout: dict) -> str:
-    """A checkpoint's or run's layout signature (pretrain.train.layout_signature) in words."""
+    """A checkpoint's or run's layout signature (pretrain.checkpoint.checkpointer.layout_signature) in words."""
     keys = ("tensor", "pipeline", "data") + (("context",) if layout.get("context") not in (None, 1) else ())
     return " × ".join(f"{k} {layout.get(k)}" for k in keys) + f", stage {layout.get('stage')}"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoint_harness import train_segment
-from pretrain.checkpoint.files import read_json
+from pretrain.checkpoint.read import read_json
 from pretrain.checkpoint.read import read_dcp_metadata
 from ranks import run_ranks
 

@@ -14,7 +14,7 @@ SEQ = 32
 def blend_files(tmp_path_factory):
     """Two prefixes written with the shipped corpus's tokenizer (trained once here)."""
     from pretrain.data.indexed import IndexedWriter
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.data.preprocess import train_tokenizer
     root = tmp_path_factory.mktemp("blend")
     model = train_tokenizer(REPO / "data/corpus.jsonl", root / "tok", 400)
     rng = numpy.random.default_rng(1)

@@ -139,7 +139,7 @@ def _zero3d_logits(rank, world_size, overrides, params_file):
 def corpus_tokenizer(tmp_path_factory):
     """A sentencepiece model zero3d trains on the shipped corpus (vocabulary 384: no padding at TP 1 or 2), and the corpus's documents."""
     from pretrain.data.corpus import read_documents
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.data.preprocess import train_tokenizer
     corpus = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
     path = train_tokenizer(corpus, tmp_path_factory.mktemp("sp") / "corpus", 384)
     return path, list(read_documents(corpus))
@@ -156,7 +156,7 @@ def test_a_run_trained_at_tp2_dp2_stage3_exports_to_transformers(kind, tmp_path,
 
     from checkpoint_harness import train_segment
     from pretrain.checkpoint.export import main as export_main
-    from pretrain.data.tokenizer import Tokenizer
+    from pretrain.data.tokenizers import Tokenizer
     sp_model, documents = corpus_tokenizer
     overrides = (LLAMA_KEYS if kind == "llama" else []) + ["parallel.tensor=2", "zero.stage=3", "model.vocab_size=384"]
     # the synthetic-token run records no tokenizer: name the one it stands for, as `--tokenizer` does for a moved file

@@ -9,7 +9,7 @@ import torch
 import checkpoint_harness
 from checkpoint_harness import CKPT_BASE, train_segment
 from gpt_harness import SyntheticTokens
-from pretrain.checkpoint.files import read_json
+from pretrain.checkpoint.read import read_json
 from ranks import run_ranks
 from zero3d.optim import OptimizerSpec
 

@@ -112,7 +112,7 @@ def test_a_save_after_only_skipped_steps_resumes_bitwise(tmp_path):
     manifest says step 3, adam_step 0 and the scaler's state by hand (scale 2^20, one overflow left before the
     next back-off, no clean step); the resumed run backs off at step 3 as the whole run did, and from step 4
     on trains bit for bit the same (the moments and Adam's step start where an untouched optimizer's do)."""
-    from pretrain.checkpoint.files import read_json
+    from pretrain.checkpoint.read import read_json
     whole = run_ranks(train_segment, 2, ALL_SKIPPED, tmp_path, 0, 7, (3,), timeout=300)
     assert whole[0]["loss_scale"] == [2.0 ** 30, 2.0 ** 20, 2.0 ** 20, 2.0 ** 10, 2.0 ** 10, 2.0 ** 10, 2.0 ** 10]
     manifest = read_json(tmp_path / "step_00000003" / "checkpoint.json")

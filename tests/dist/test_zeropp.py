@@ -6,7 +6,7 @@ import torch
 
 from checkpoint_harness import train_segment
 from gpt_harness import assert_bucket_layout
-from pretrain.checkpoint.files import read_json
+from pretrain.checkpoint.read import read_json
 from ranks import run_ranks
 from zero3d.analysis.comm_model import dp_collectives, link_bytes, zeropp_collectives
 from zero3d.analysis.estimate import extra_state_bytes, model_state_bytes

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from pretrain.atomic import replacing, temporary_name, write_atomically
+from pretrain.atomic import publishing_directory, replacing, temporary_name, write_atomically
 from pretrain.errors import EXIT_INPUT, DataError, InputError, TokenizerError
 
 
@@ -27,6 +27,30 @@ def test_a_write_that_fails_leaves_the_old_file_and_removes_its_temporary(tmp_pa
             raise RuntimeError("disk full")
     assert target.read_text() == "step_00000002\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_a_directory_of_files_is_published_whole_or_not_at_all(tmp_path):
+    new = tmp_path / "out" / "export"  # none yet: the staged directory is renamed onto it
+    with publishing_directory(new) as staging:
+        assert staging == temporary_name(new) and staging.is_dir()
+        (staging / "model.safetensors").write_bytes(b"weights")
+        (staging / "config.json").write_text("{}\n")
+        assert not new.exists()  # nothing of it shows before the block ends
+    assert sorted(p.name for p in new.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in new.parent.iterdir()) == ["export"]
+    (new / "notes.txt").write_text("kept\n")  # an existing directory: the files renamed in beside what it holds
+    with publishing_directory(new) as staging:
+        assert staging.parent == new
+        (staging / "config.json").write_text('{"step": 2}\n')
+    assert sorted(p.name for p in new.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert (new / "config.json").read_text() == '{"step": 2}\n' and (new / "notes.txt").read_text() == "kept\n"
+    for target in (new, tmp_path / "never"):  # a block that fails leaves the target as it was, no staging
+        with pytest.raises(RuntimeError, match="disk full"):
+            with publishing_directory(target) as staging:
+                (staging / "config.json").write_text("{}")
+                raise RuntimeError("disk full")
+    assert sorted(p.name for p in new.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_the_temporary_is_hidden_beside_the_target_and_per_process(tmp_path):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from pretrain.checkpoint.files import CheckpointError
+from pretrain.errors import CheckpointError
 from pretrain.checkpoint.read import FORMAT, read_dcp_metadata
 from pretrain.checkpoint.export import read_model_tensors
 
@@ -247,8 +247,7 @@ def test_an_unchanged_checkpoint_loads_its_tensors(checkpoint):
 
 
 def test_latest_with_a_nul_byte_and_a_bogus_wandb_mode_are_one_line_errors(tmp_path, checkpoint):
-    from pretrain.checkpoint.choose import candidates
-    from pretrain.checkpoint.read import latest_name
+    from pretrain.checkpoint.recovery import candidates, latest_name
     from pretrain.errors import EXIT_INPUT, InputError
     from pretrain.metrics import wandb_mode
     (tmp_path / "step_00000001").mkdir()

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pretrain.checkpoint.files import CheckpointError, read_json, verify_file
-from pretrain.checkpoint.read import read_dcp_metadata
+from pretrain.checkpoint.read import read_dcp_metadata, read_json, verify_file
+from pretrain.errors import CheckpointError
 from pretrain.checkpoint.tensors import flat_index, flat_range_boxes, is_main_replica
 from zero3d.flat import FlatLayout
 from zero3d.sharded_state import owned_pieces

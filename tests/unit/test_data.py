@@ -13,8 +13,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from pretrain.data import preprocess as preprocess_cli
 from pretrain.data.corpus import read_documents
 from pretrain.data.indexed import check_indexed_dataset, check_token_ids
-from pretrain.data.preprocess import tokenize_corpus
-from pretrain.data.tokenizer import Tokenizer, sample_sentences, train_tokenizer
+from pretrain.data.preprocess import sample_sentences, tokenize_corpus, train_tokenizer
+from pretrain.data.tokenizers import Tokenizer
 from pretrain.errors import DataError, TokenizerError
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"

@@ -18,7 +18,8 @@ from pretrain.errors import DataError
 from pretrain.data.datasets import DataFiles, TokenBlocks, open_datasets, prepare_files
 from pretrain.data.indexed import IndexedWriter
 from pretrain.data.loader import Batches
-from pretrain.data.tokenizer import Tokenizer, train_tokenizer
+from pretrain.data.preprocess import train_tokenizer
+from pretrain.data.tokenizers import Tokenizer
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpus.jsonl"
 VOCAB, SEQ = 400, 32

@@ -12,7 +12,8 @@ from pretrain.model.attention import resolve
 from pretrain.config import ConfigError, DataConfig, load_config
 from pretrain.data.batch import loss_tokens, token_mean
 from pretrain.errors import DataError
-from pretrain.data.datasets import check_eod, open_datasets, prepare_files
+from pretrain.data.datasets import open_datasets, prepare_files
+from pretrain.data.tokenizers import check_eod
 from pretrain.data.loader import Batches
 
 VOCAB, EOD, SEQ = 64, 1, 24

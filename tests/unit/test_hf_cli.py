@@ -151,8 +151,8 @@ def test_export_without_transformers_names_the_extra(monkeypatch):
     """transformers is a test dependency and the `hf` extra, not the runtime's: its absence is one line."""
     import sys
 
-    from pretrain.checkpoint.files import CheckpointError
-    from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+    from pretrain.checkpoint.export import hf_tokenizer
+    from pretrain.errors import CheckpointError
     from pretrain.data.tokenizers import TokenizerSpec
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(CheckpointError, match=r"transformers, which is not installed: pip install 'transformers==5\.24\.0' "
@@ -161,7 +161,7 @@ def test_export_without_transformers_names_the_extra(monkeypatch):
     # train.save_final_hf says so at the start, not after the run
     import importlib.util
 
-    from pretrain.checkpoint.hf_run import check_save_final_hf
+    from pretrain.checkpoint.export import check_save_final_hf
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
     find_spec = importlib.util.find_spec

@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from hf_models import save
-from pretrain.checkpoint.files import CheckpointError
+from pretrain.errors import CheckpointError
 from pretrain.checkpoint.hf import ImportedModel, check_matches, model_section, read_hf_config
 from pretrain.config import load_config
 

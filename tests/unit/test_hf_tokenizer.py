@@ -7,11 +7,11 @@ import json
 import pytest
 import sentencepiece as spm
 
-from pretrain.checkpoint.files import CheckpointError
-from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+from pretrain.checkpoint.export import hf_tokenizer
 from pretrain.data.corpus import read_documents
-from pretrain.data.tokenizer import Tokenizer, train_tokenizer
-from pretrain.data.tokenizers import TokenizerSpec
+from pretrain.data.preprocess import train_tokenizer
+from pretrain.data.tokenizers import Tokenizer, TokenizerSpec
+from pretrain.errors import CheckpointError
 from test_tokenizer_kinds import CORPUS
 
 EDGES = ["  leading", "a  b   c", "\n\n  x", "tabs\t\tand", "123456 7", "ünïcödé 🙂 中文", " ", "", "end  ",

@@ -5,7 +5,7 @@ from gpt_harness import BASE
 from pretrain.checkpoint.checkpointer import run_identity
 from pretrain.checkpoint.read import check_identity
 from pretrain.config import load_config
-from pretrain.checkpoint.files import CheckpointError
+from pretrain.errors import CheckpointError
 
 
 def identity(tmp_path, overrides=(), tp=1, prefix="data/a"):

@@ -42,7 +42,7 @@ def test_blend_prefix_without_its_index(capsys, tmp_path):
 
 def test_tokenizer_larger_than_the_model(capsys, tmp_path):
     """A 400-piece sentencepiece model against model.vocab_size 384: its ids would index past the embedding."""
-    from pretrain.data.tokenizer import train_tokenizer
+    from pretrain.data.preprocess import train_tokenizer
     model = train_tokenizer(REPO / "data/corpus.jsonl", tmp_path / "tok", 400, max_sentences=2000)
     assert submit.main(TINY + ["--dry-run", f"data.tokenizer_model={model}", "model.vocab_size=384"]) == 3
     assert lines(capsys) == [f"cannot start tiny: data.tokenizer_model: tokenizer vocabulary 400 is larger than "

@@ -85,7 +85,7 @@ def test_each_kind_exported_for_transformers_gives_the_reference_ids(tmp_path, f
     matches an added token in text, GPT-2's files and tiktoken's ordinary encoding read it as plain text)."""
     from transformers import AutoTokenizer
 
-    from pretrain.checkpoint.hf_tokenizer import hf_tokenizer
+    from pretrain.checkpoint.export import hf_tokenizer
     root, documents = files
     texts = documents[:40] + [f"one{EOD}two", f" {EOD} "]
     hf_tokenizer(specs(root)[kind], 64).save_pretrained(tmp_path)

@@ -16,9 +16,8 @@ import pytest
 from cli_fork import run_pretrain_cli
 from pretrain.data import preprocess as preprocess_cli
 from pretrain.data.corpus import read_documents
-from pretrain.data.datasets import identity_path
-from pretrain.data.tokenizer import train_tokenizer
-from pretrain.data.tokenizers import TokenizerSpec, load_tokenizer
+from pretrain.data.preprocess import train_tokenizer
+from pretrain.data.tokenizers import TokenizerSpec, identity_path, load_tokenizer
 from pretrain.errors import EXIT_INPUT
 from test_tokenizer_kinds import CORPUS, VOCAB, files  # noqa: F401  (files: the module-scoped fixture)
 
