@@ -3,7 +3,8 @@
 Tests marked `waits` (the Slurm tier, the fail-fast timeouts: minutes of sleeping on schedulers, heartbeats and
 collective timeouts) leave the CPU idle; run in series with the CPU-bound tiers they doubled the wall time on a
 2-core machine. Tests marked `one_core` (the docs tier, long single-process runs) use one core of two. Both kinds
-run in the side lane beside the compute lane (many-process tests and the unit tier): the compute lane's output
+run in the side lane beside the compute lane (many-process tests and the unit tier), with the few long tests
+marked `side_lane`, which even the two lanes' wall times (the suite's time is the longer lane's): the compute lane's output
 streams live, the side lane's is printed when both have ended, then one closing line with the totals. The exit
 code is non-zero when either lane failed. Arguments after `--` go to both pytest runs (e.g. `-k resume`, `-x`).
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "-m", "pytest", "-q", "-rs", "--timeout", "900"]
-SIDE = "waits or one_core"
+SIDE = "waits or one_core or side_lane"
 ONE_PROCESS_TIERS = ("unit",)
 
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
         waits_rc = waits.wait()
         waits_log.seek(0)
         waits_text = waits_log.read()
-    print(f"\n---- the side lane (-m '{SIDE}': Slurm tier, fail-fast timeouts, docs tier, one-process runs) ----")
+    print(f"\n---- the side lane (-m '{SIDE}': Slurm tier, fail-fast timeouts, docs tier, one-process runs, the launcher's signals) ----")
     sys.stdout.write(waits_text)
     counts = {}
     for lane in ("".join(compute_text), waits_text):

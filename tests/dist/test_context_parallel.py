@@ -39,13 +39,13 @@ def one_rank():
 LAYOUTS = {"C2-stage2": (2, ["zero.stage=2"]), "C4-stage3": (4, ["zero.stage=3"]),
            "TP2xC2-SP-stage3": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true", "zero.stage=3"]),
            "C2xDP2-stage1": (4, ["zero.stage=1"]),
-           "TP2xC2-Pa-cpu-stage2": (4, ["parallel.tensor=2", "model.recompute=\"full\"", "zero.partition_activations=true",
-                                        "zero.cpu_checkpointing=true", "zero.stage=2"]),
+           "TP2xC2-Pa-cpu-stage3": (4, ["parallel.tensor=2", "model.recompute=\"full\"", "zero.partition_activations=true",
+                                        "zero.cpu_checkpointing=true", "zero.stage=3"]),
            "C2xPP2-stage1": (4, ["parallel.pipeline=2", "zero.stage=1"])}
 
 
 @pytest.mark.parametrize("model,layout", [("gpt", "C2-stage2"), ("llama", "C4-stage3"), ("llama", "TP2xC2-SP-stage3"),
-                                          ("llama", "C2xDP2-stage1"), ("gpt", "TP2xC2-Pa-cpu-stage2"),
+                                          ("llama", "C2xDP2-stage1"), ("gpt", "TP2xC2-Pa-cpu-stage3"),
                                           ("llama", "C2xPP2-stage1")])
 def test_context_parallel_equals_one_rank(one_rank, model, layout):
     """C context ranks (with TP, SP, Pa+cpu, PP or data parallelism beside), ZeRO over data × context, at S = 512: the

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.side_lane  # ~60 s of launches: run beside the compute lane (tools/run_suite.py)
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "ZERO3D_DEBUG", "ZERO3D_INTERRUPTED_EXIT")
