@@ -10,6 +10,9 @@ from zero3d.analysis.estimate import GIB
 from zero3d.analysis.flops import StepFlops
 from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape
 
+# Over 400 lines: the schema of every config section in one place, a docstring per field (docs/config.md is
+# generated from them: pretrain/config_reference.py); each section checks its own values.
+
 
 def require(ok: bool, message: str) -> None:
     """Raise ConfigError(message) unless ok: a message names the bad value and what is valid."""

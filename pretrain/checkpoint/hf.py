@@ -16,6 +16,9 @@ import torch
 
 from pretrain.errors import CheckpointError, ConfigError
 
+# Over 400 lines: both directions of the mapping (export: hf_config, to_hf; import: HFTensors, import_recipe,
+# load_into, check_matches), which share each architecture's names and QKV layouts (_layer_names, _qkv_split/_join).
+
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
