@@ -265,7 +265,7 @@ def _train_with_a_slow_rank(rank, world_size, overrides):
     import pretrain.train as loop
     if rank == 1:
         step = loop.train_step
-        loop.train_step = lambda *args: (time.sleep(0.4), step(*args))[1]
+        loop.train_step = lambda *args, **kwargs: (time.sleep(0.4), step(*args, **kwargs))[1]
     _train(rank, world_size, overrides)
 
 
