@@ -19,7 +19,8 @@ def finished_line(usable: dict, cfg: Config) -> Optional[str]:
     if step < cfg.train.steps:
         return None
     return (f"{cfg.run_dir} is finished: {usable['path'].name} is step {step} of train.steps = {cfg.train.steps}; "
-            "nothing was trained or written (raise train.steps to train on, or give the run another logging.name)")
+            "nothing to train, its records left as they are (raise train.steps to train on, or give the run another "
+            "logging.name)")
 
 
 def saved_schedule(saved: dict, cfg: Config) -> SimpleNamespace:

@@ -94,8 +94,8 @@ def test_a_finished_run_says_so_and_writes_nothing(finished_run, monkeypatch):
     before = snapshot(run_dir)
     codes, out, lines = restart(finished_run, monkeypatch, [])
     assert codes == [0] and lines == [], lines
-    assert (f"{run_dir} is finished: step_00000002 is step 2 of train.steps = 2; nothing was trained or written (raise "
-            "train.steps to train on, or give the run another logging.name)") in out.splitlines(), out
+    assert (f"{run_dir} is finished: step_00000002 is step 2 of train.steps = 2; nothing to train, its records left "
+            "as they are (raise train.steps to train on, or give the run another logging.name)") in out.splitlines(), out
     assert "step 1/" not in out and snapshot(run_dir) == before and not (run_dir / "run.lock").exists()
 
 
