@@ -42,11 +42,19 @@ def _started(pid: int) -> Optional[float]:
         return -1.0
 
 
+def _user() -> str:
+    """This process's user name (its uid where the system has no name for it, as in some containers)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
 def holder_record(environ=os.environ) -> dict:
     """What the lock says of this process."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": _started(os.getpid()),
             "job_id": environ.get("SLURM_JOB_ID"), "restart": int(environ.get("SLURM_RESTART_COUNT", 0) or 0),
-            "job_name": environ.get("SLURM_JOB_NAME"), "user": getpass.getuser(), "since": time.time(),
+            "job_name": environ.get("SLURM_JOB_NAME"), "user": _user(), "since": time.time(),
             "token": uuid.uuid4().hex}
 
 
@@ -68,7 +76,7 @@ def stale_reason(holder: dict, environ=os.environ) -> Optional[str]:
     if job and ours and job == ours and int(holder.get("restart") or 0) < int(environ.get("SLURM_RESTART_COUNT", 0) or 0):
         return f"it was an earlier allocation of this job (restart {holder.get('restart')}), which Slurm ended"
     if (job and ours and environ.get(SINGLETON_VARIABLE) == "1" and holder.get("job_name") == environ.get("SLURM_JOB_NAME")
-            and holder.get("user") == getpass.getuser() and job.isdigit() and ours.isdigit() and int(job) < int(ours)):
+            and holder.get("user") == _user() and job.isdigit() and ours.isdigit() and int(job) < int(ours)):
         return (f"Slurm job {job} of this run directory's name ended before this one started "
                 "(--dependency=singleton)")
     return None

@@ -31,7 +31,7 @@ SLURM = {"SLURM_JOB_ID": "120", "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NAME": "t
 
 
 def test_only_a_certain_end_makes_a_lock_stale(monkeypatch):
-    monkeypatch.setattr(lock.getpass, "getuser", lambda: "me")
+    monkeypatch.setattr(lock, "_user", lambda: "me")
     assert lock.stale_reason(holder(), {}) is None  # this live process
     assert lock.stale_reason(holder(pid=dead_pid()), {}) == "its process is gone"
     assert lock.stale_reason(holder(pid_started=1.0), {}) == "its pid now belongs to a later process"
