@@ -129,7 +129,8 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     assert refused.returncode == EXIT_INPUT, (refused.stdout[-2000:], refused.stderr[-3000:])
     (line,) = [x for x in refused.stderr.splitlines() if x.strip()]
     assert line.startswith(f"error: {prefix}.bin was tokenized by another tokenizer than this run's: ") and (
-        f"(sha256 {record['files_sha256'][:12]}), the run's is {kind} {different} of {VOCAB} ids (sha256 "
+        f"(sha256 {record['files_sha256'][:12]}), the run's is {kind} "
+        f"{', '.join(str(f) for f in load_tokenizer(other).files)} of {VOCAB} ids (sha256 "
         f"{load_tokenizer(other).files_sha256()[:12]}) (data.blend): name the tokenizer that made it") in line, line
     assert snapshot(run_dir) == before
     # files made elsewhere carry no record: said on stdout, and then the checkpoint's own tokenizer hash refuses it
