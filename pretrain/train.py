@@ -1,4 +1,5 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
+import dataclasses
 import math
 import sys
 import time
@@ -44,6 +45,12 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
 
 
+def engine_groups(model, topo: Layout) -> zero3d.ParallelGroups:
+    """The engine's process groups (the model wing's parallel_groups) with megatron's TP group, over which an
+    optimizer that takes matrices whole (Muon) joins their TP shards."""
+    return dataclasses.replace(parallel_groups(model, topo), tp_group=topo.tp_group)
+
+
 def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats (the
     checkpoints' and context parallelism's collectives too);
@@ -52,7 +59,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     model = build_model(cfg, topo.device, activations)
     if initial is not None:
         load_into(model, initial)
-    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), engine_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     record_context_into(model, engine.comm_stats)
@@ -129,7 +136,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     usable = None
     if t.resume:
         say(topo, recover(save_dir, t.keep_checkpoints))
-        usable = find_usable(save_dir, identity)
+        usable = find_usable(save_dir, identity, (cfg.optimizer.name, cfg.optimizer.state_dtype))
     if t.init_from and usable is None and initial is None:  # no save of this run was usable after all
         initial = imported_model(t.init_from, m)
     start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
