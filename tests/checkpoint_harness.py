@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 import zero3d
-from gpt_harness import BASE, SyntheticTokens
+from gpt_harness import BASE, SyntheticTokens, init_by_global_name
 from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity, layout_signature
 from pretrain.config import load_config
 from pretrain.model.gpt import build_model
@@ -26,16 +26,19 @@ def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
 
 def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=(), resume=False,
                   keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None, max_failed_saves=3,
-                  around_save=None, seed_for_rng=None):
+                  around_save=None, seed_for_rng=None, layout_free_init=False):
     """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at
     (around_save(rank, step, "before" | "after", checkpointer) runs on every rank around each save);
-    with `seed_for_rng`, also the generators start-up would make from that seed (out["seeded"])."""
+    with `seed_for_rng`, also the generators start-up would make from that seed (out["seeded"]); with
+    `layout_free_init`, the weights gpt_harness.init_by_global_name draws (the same at any layout)."""
     import os
     import signal
     cfg = load_config(None, CKPT_BASE + list(overrides))
     topo = init_layout(cfg)
     try:
         model = build_model(cfg, topo.device)
+        if layout_free_init:
+            init_by_global_name(model)
         psi = sum(p.numel() for p in model.parameters())  # before stage 3 frees them
         engine = zero3d.wrap_model(model, engine_settings(cfg), engine_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)

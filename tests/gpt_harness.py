@@ -106,6 +106,10 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     out["bucket_numels"], out["param_numels"] = raw_bucket_numels(engine), param_numels
     out["decaying"] = sorted(slot.name for g in engine.groups.values() if g.decays for slot in g.layout.slots)
     out["activations"] = activations.report() if activations else {}
+    # the optimizer's whole matrices (Muon): (name, owner DP rank or -1, each DP rank's (lo, hi, at) or None, numel, TP-split)
+    whole = engine.whole_matrices
+    out["whole_matrices"] = [(m.slot.name, m.owner, m.parts, m.slot.numel, m.slot.tp_partitioned)
+                             for m in whole.matrices] if whole else []
     from megatron.core import parallel_state
     # megatron's gloo copy of each DP group (a full TCP mesh at start-up, a polling thread a rank): never read here
     out["megatron_gloo_dp_group"] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None

@@ -222,7 +222,7 @@ class DataParallelEngine:
         and optimizer states of every group moved off it: each group's master becomes the host tensor (NVMe:
         an empty placeholder outside `materialized_states()`)."""
         zero, opt, spec = self.settings.zero, self.settings.optimizer, self.settings.optimizer_spec
-        whole = self._whole_matrix_step()
+        self.whole_matrices = whole = self._whole_matrix_step()
         if zero.offload_optimizer == "none":
             fused = self.settings.fused_optimizer
             return DevicePlacement(self.groups, FlatOptimizer(
