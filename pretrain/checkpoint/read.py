@@ -151,6 +151,11 @@ def read_dcp_metadata(step_dir: Path):
     return md
 
 
+# A tensor may load into a wider dtype only where every value converts exactly: bf16 optimizer states resumed as
+# fp32 ones (optimizer.state_dtype; check_optimizer refuses the other direction).
+EXACT_WIDENINGS = {(torch.bfloat16, torch.float32)}
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader, its metadata and its data reads replaced: byte items refused, each tensor read
     from its validated range with torch.load(weights_only=True) and checked against its chunk."""
@@ -179,7 +184,8 @@ class SafeFileSystemReader(FileSystemReader):
                                       f"be read: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from None
             target = planner.resolve_tensor(req).detach()
             where = f"{step_dir / info.relative_path}: tensor {req.storage_index.fqn!r}"
-            if type(tensor) is not torch.Tensor or tensor.dtype != target.dtype:
+            if type(tensor) is not torch.Tensor or (tensor.dtype != target.dtype
+                                                    and (tensor.dtype, target.dtype) not in EXACT_WIDENINGS):
                 raise CheckpointError(f"{where} holds {getattr(tensor, 'dtype', type(tensor).__name__)}, "
                                       f"expected {target.dtype}")
             try:
@@ -272,7 +278,8 @@ def check_optimizer(step_dir: Path, manifest: dict, name: str, state_dtype: str)
     allowed, and the note returned says so (None: nothing to note)."""
     saved, saved_dtype = saved_optimizer(manifest)[0], saved_state_dtype(manifest)
     if saved != name:
-        raise CheckpointError(f"{step_dir}: its optimizer states are {saved!r}'s; this run's optimizer is {name!r}",
+        raise CheckpointError(f"{step_dir}: its optimizer states are {saved}'s (optimizer.name = {saved!r}); this "
+                              f"run's optimizer.name is {name!r}",
                               fix=f"resume with optimizer.name = {saved!r}, or set train.resume = false")
     if saved_dtype == "fp32" and state_dtype == "bf16":
         raise CheckpointError(f"{step_dir}: its {name} states are fp32; optimizer.state_dtype = 'bf16' would round "

@@ -308,3 +308,60 @@ def test_model_state_bytes_with_bf16_states_are_the_generalised_formula(elementw
                                          3: 12 * psi // n}[stage]
         else:
             assert any(name.endswith("matrix") for name in padded) and states < 4 * psi
+
+
+# ------------------------------------------------------------ resume across layouts
+
+
+SAVE_AT, LAST = 3, 6
+SAVED_LAYOUT = [TP2_DP3, "zero.stage=2"]  # 6 ranks
+RESUMED_LAYOUT = ["zero.stage=3"]  # 2 ranks: TP 1 × DP 2
+
+
+def _save_each(rank, world_size, root):
+    """Each optimizer at TP 2 × DP 3, stage 2: steps 0-5 uninterrupted, saved after step 3."""
+    return {name: train_segment(rank, world_size, ODD + overrides + SAVED_LAYOUT, root / name, 0, LAST, (SAVE_AT,),
+                                layout_free_init=True, keep_world=True)["loss"]
+            for name, overrides in OPTIMIZERS.items()}
+
+
+def _resume_each(rank, world_size, root):
+    """Each optimizer's save resumed at TP 1 × DP 2, stage 3; then Muon with bf16 states saved and resumed at this
+    layout, with bf16 and with fp32 states."""
+    out = {name: train_segment(rank, world_size, ODD + overrides + RESUMED_LAYOUT, root / name, SAVE_AT, LAST, (),
+                               True, keep_world=True)
+           for name, overrides in OPTIMIZERS.items()}
+    muon_bf16 = ODD + OPTIMIZERS["muon"] + RESUMED_LAYOUT + ["optimizer.state_dtype=bf16"]
+    out["bf16"] = train_segment(rank, world_size, muon_bf16, root / "bf16", 0, LAST, (SAVE_AT,), keep_world=True)
+    out["bf16_as_fp32"] = train_segment(rank, world_size, muon_bf16[:-1] + ["optimizer.state_dtype=fp32"],
+                                        root / "bf16", SAVE_AT, LAST, (), True, keep_world=True)
+    return {name: {"loss": run["loss"], "notes": run["notes"], "step": (run.get("resumed") or {}).get("step")}
+            for name, run in out.items()}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("optimizers")
+    saved = run_ranks(_save_each, 6, root, timeout=600)[0]
+    return saved, run_ranks(_resume_each, 2, root, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_optimizer_resumes_at_another_layout(resumed, name):
+    """Saved at TP 2 × DP 3 stage 2 after step 3 (Muon: its matrix groups' momentum, the AdamW groups' moments),
+    resumed at TP 1 × DP 2 stage 3: steps 4-6 lose what the uninterrupted run lost, within 1e-5 relative (the layouts
+    sum in other orders)."""
+    saved, out = resumed
+    assert out[name]["step"] == SAVE_AT
+    torch.testing.assert_close(torch.tensor(out[name]["loss"]), torch.tensor(saved[name][SAVE_AT:]), rtol=1e-5, atol=0)
+
+
+def test_bf16_states_resume_as_fp32_states_exactly(resumed):
+    """bf16 → fp32 is exact: resumed with fp32 states at the layout that saved, the first two steps lose exactly what
+    the bf16 run lost (the step after the resume reads the same state values; the next one's states differ by the
+    rounding bf16 would have made, so its loss only closely), and the resume says the states continue as fp32."""
+    _, out = resumed
+    bf16, fp32 = out["bf16"]["loss"][SAVE_AT:], out["bf16_as_fp32"]["loss"]
+    assert fp32[:2] == bf16[:2] and fp32[2] != bf16[2]
+    torch.testing.assert_close(torch.tensor(fp32), torch.tensor(bf16), rtol=1e-3, atol=0)
+    assert any("bf16 optimizer states continue as fp32 ones (exactly)" in note for note in out["bf16_as_fp32"]["notes"])
