@@ -39,7 +39,7 @@ from pretrain.runtime.watchdog import Watchdog
 
 def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
     """The engine's settings: the config's own zero3d sections, the dtype and megatron's gather units;
-    `seams` (the probe's optimizer_factory / read_host_floats) pass through."""
+    `seams` (the probe's fused_optimizer / read_host_floats) pass through."""
     fp16 = cfg.precision.dtype == "fp16"
     return zero3d.EngineSettings(zero=cfg.zero, optimizer=cfg.optimizer, dtype=DTYPES[cfg.precision.dtype],
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
