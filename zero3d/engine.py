@@ -14,11 +14,11 @@ from zero3d.flat import FlatLayout, flatten_grads, flatten_params, group_kind, p
 from zero3d.nvme import NvmeOffload
 from zero3d.offload import Copier, GroupSpec, HostOffload
 from zero3d.optim import OptimizerSpec, spec_named
-from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor, hyper_of
+from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
 from zero3d.comm.topology import NodeTopology
-from zero3d.whole_matrix import WholeMatrixStep
+from zero3d.whole_matrix import whole_matrix_step
 
 
 def read_host_floats(values: torch.Tensor) -> list[float]:
@@ -222,7 +222,8 @@ class DataParallelEngine:
         and optimizer states of every group moved off it: each group's master becomes the host tensor (NVMe:
         an empty placeholder outside `materialized_states()`)."""
         zero, opt, spec = self.settings.zero, self.settings.optimizer, self.settings.optimizer_spec
-        self.whole_matrices = whole = self._whole_matrix_step()
+        # the optimizer's whole-matrix step over the groups of whole matrices (Muon; None: there are none)
+        self.whole_matrices = whole = whole_matrix_step(self.groups, self.dp, self.tp, spec, opt, self.device)
         if zero.offload_optimizer == "none":
             fused = self.settings.fused_optimizer
             return DevicePlacement(self.groups, FlatOptimizer(
@@ -241,22 +242,6 @@ class DataParallelEngine:
             if spec.holds_grad:  # the device gradient shard is freed: the host one replaces it
                 group.grads = placement.grad(spec.name)
         return placement
-
-    def _whole_matrix_step(self) -> Optional[WholeMatrixStep]:
-        """The optimizer's whole-matrix step over the groups of whole matrices (None: there are none)."""
-        matrices = [(name, group.layout, self._replicated(group)) for name, group in self.groups.items() if group.matrix]
-        if not matrices:
-            return None
-        spec = self.settings.optimizer_spec
-        hyper = hyper_of(spec, self.settings.optimizer)
-        return WholeMatrixStep(matrices, self.dp, self.tp, lambda whole: spec.matrix.transform(whole, hyper),
-                               self.device)
-
-    @staticmethod
-    def _replicated(group: GroupState) -> bool:
-        """Its master covers the whole buffer on every DP rank (stage 0, stage 3's persistent groups)."""
-        master_numel = sum(piece.numel() for _, piece in group.master_pieces)
-        return master_numel == group.layout.padded_numel and group.layout.shard_numel != group.layout.padded_numel
 
     def _param_pieces(self, group: GroupState) -> tuple:
         """The model-dtype parameter elements matching the group's master coordinates, as

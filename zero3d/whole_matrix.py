@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from zero3d.comm.core import Comm
-from zero3d.flat import FlatLayout, ParamSlot
+from zero3d.flat import ParamSlot
+from zero3d.optim.flat_optimizer import hyper_of
 
 
 @dataclass(frozen=True)
@@ -204,3 +205,19 @@ class WholeMatrixStep:
             n = part[1] - part[0]
             out_view(m.group, part[2], n).copy_(received[starts[m.owner]:starts[m.owner] + n])
             starts[m.owner] += n
+
+
+def whole_matrix_step(groups: dict, dp: Comm, tp: Optional[Comm], spec, config, device) -> Optional[WholeMatrixStep]:
+    """The step over the engine's groups of whole matrices ({name: GroupState} with `matrix`, `layout` and
+    `master_pieces`), transforming each matrix by the spec's matrix rule; None when no group holds whole matrices."""
+    matrices = [(name, group.layout, replicated(group)) for name, group in groups.items() if group.matrix]
+    if not matrices:
+        return None
+    hyper = hyper_of(spec, config)
+    return WholeMatrixStep(matrices, dp, tp, lambda whole: spec.matrix.transform(whole, hyper), device)
+
+
+def replicated(group) -> bool:
+    """Its master covers the whole buffer on every DP rank (stage 0, stage 3's persistent groups), not a shard."""
+    master_numel = sum(piece.numel() for _, piece in group.master_pieces)
+    return master_numel == group.layout.padded_numel and group.layout.shard_numel != group.layout.padded_numel

@@ -49,21 +49,18 @@ class FlatOptimizer(torch.optim.Optimizer):
         super().__init__(groups, {"lr": config.lr})
         self.spec, self.hyper, self.fused, self.orthogonalize = spec, hyper_of(spec, config), fused, orthogonalize
         self.state_dtype = STATE_TORCH_DTYPES[config.state_dtype]
+        self._matrix = {t.tensor: t.matrix for t in tensors}  # piece -> a whole-matrix group's (tensors hash by identity)
         if any(t.matrix for t in tensors) and (spec.matrix is None or orthogonalize is None):
             raise ValueError(f"the {spec.name} optimizer got a group of whole matrices without "
                              + ("a matrix rule" if spec.matrix is None else "the engine's whole-matrix step"))
 
     # ------------------------------------------------------------ states and step counts
 
-    def _group_of(self, piece) -> dict:
-        for group in self.param_groups:
-            if group["params"][0] is piece:
-                return group
-        raise KeyError(f"a tensor of {piece.numel()} elements is none of the {self.spec.name} optimizer's pieces")
-
     def state_names(self, piece) -> tuple:
         """The per-element states the spec keeps for this piece (its group's kind)."""
-        return self.spec.states_of(self._group_of(piece)["matrix"])
+        if piece not in self._matrix:
+            raise KeyError(f"a tensor of {piece.numel()} elements is none of the {self.spec.name} optimizer's pieces")
+        return self.spec.states_of(self._matrix[piece])
 
     def _step_tensor(self, piece, count: int) -> torch.Tensor:
         # a fused kernel reads the count on the tensors' device; the foreach kernels on the host
