@@ -273,7 +273,8 @@ class OptimizerConfig:
     name: Literal["adamw", "lion", "sgd", "muon"] = "adamw"
     # Dtype of the optimizer's per-element states (Adam's moments, momentum buffers), on the device and offloaded:
     # "bf16" halves them (K = 4 + 8 → 4 + 4 bytes a parameter for AdamW); the master stays fp32 and the update is
-    # computed in fp32 (states upcast, updated, rounded back to nearest).
+    # computed in fp32 (states upcast, updated, rounded back to nearest). With beta2 near 1 (1 − beta2 < 2⁻⁸) most of
+    # the second moment's increments round away in bf16 (docs/optimizers.md).
     state_dtype: Literal["fp32", "bf16"] = "fp32"
     # Peak learning rate (the loop passes each step's value to `engine.step(lr)`).
     lr: float = 1e-3

@@ -54,8 +54,11 @@ def _layouts(rank, world_size, runs, steps=STEPS):
     return out
 
 
-def _elementwise_and_bytes(rank, world_size):
-    return {**_layouts(rank, world_size, ELEMENTWISE_RUNS), **_layouts(rank, world_size, BYTES_RUNS, steps=1)}
+def _elementwise_and_bytes(rank, world_size, nvme_path):
+    nvme = {"lion/tp2_dp3_stage2_nvme": OPTIMIZERS["lion"] + [TP2_DP3, "zero.stage=2", 'zero.offload_optimizer="nvme"',
+                                                             f'zero.nvme_path="{nvme_path}"']}
+    return {**_layouts(rank, world_size, {**ELEMENTWISE_RUNS, **nvme}),
+            **_layouts(rank, world_size, BYTES_RUNS, steps=1)}
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +67,8 @@ def muon_layouts():
 
 
 @pytest.fixture(scope="module")
-def elementwise_layouts():
-    return run_ranks(_elementwise_and_bytes, 6, timeout=600)
+def elementwise_layouts(tmp_path_factory):
+    return run_ranks(_elementwise_and_bytes, 6, tmp_path_factory.mktemp("nvme"), timeout=600)
 
 
 # ------------------------------------------------------------ the references, written from the published rules
@@ -233,7 +236,7 @@ def assert_like_one_rank(out, ref):
         torch.testing.assert_close(torch.tensor(r["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("run", list(ELEMENTWISE_RUNS))
+@pytest.mark.parametrize("run", [*ELEMENTWISE_RUNS, "lion/tp2_dp3_stage2_nvme"])
 def test_elementwise_optimizers_at_tp2_dp3_train_like_one_rank(elementwise_layouts, one_rank, run):
     assert_like_one_rank([r[run] for r in elementwise_layouts], one_rank[run.split("/")[0]]["engine"])
 
@@ -345,6 +348,14 @@ def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("optimizers")
     saved = run_ranks(_save_each, 6, root, timeout=600)[0]
     return saved, run_ranks(_resume_each, 2, root, timeout=600)[0]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_optimizer_at_tp2_dp3_stage2_trains_like_one_rank(resumed, one_rank, name):
+    """The save runs (TP 2 × DP 3, stage 2, the same model and batches) are the one-rank runs' first steps, 1e-5."""
+    saved, _ = resumed
+    torch.testing.assert_close(torch.tensor(saved[name]), torch.tensor(one_rank[name]["engine"]["loss"][:LAST]),
+                               rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
