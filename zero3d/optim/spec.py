@@ -3,7 +3,7 @@ its update, elementwise over flat fp32 master pieces; optionally a rule for the 
 
 Nothing here imports torch: the config, the planner and the estimator read a spec's keys and bytes without it.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 MASTER_BYTES = 4  # the fp32 master copy of a parameter, whatever the optimizer
@@ -62,17 +62,9 @@ class OptimizerSpec:
         """The states of a group: the matrix rule's for a group of whole matrices, else the elementwise ones."""
         return self.matrix.states if matrix and self.matrix else self.states
 
-    def all_states(self) -> tuple:
-        """Every state name it keeps, elementwise ones first."""
-        return self.states + tuple(s for s in (self.matrix.states if self.matrix else ()) if s not in self.states)
-
     def state_bytes(self, matrix: bool = False, state_dtype: str = "fp32") -> int:
         """Bytes of state per element of a group's master (the master's own 4 bytes not included)."""
         return len(self.states_of(matrix)) * STATE_DTYPES[state_dtype]
 
     def takes_whole(self, name: str, shape: tuple) -> bool:
         return self.matrix is not None and self.matrix.takes(name, tuple(shape))
-
-    def keys(self) -> tuple:
-        """Its own keys of [optimizer] (the fields of `hyper`)."""
-        return tuple(f.name for f in fields(self.hyper)) if self.hyper else ()
