@@ -1,4 +1,5 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
+import dataclasses
 import math
 import sys
 import time
@@ -41,10 +42,16 @@ from pretrain.runtime.watchdog import Watchdog
 
 def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
     """The engine's settings: the config's own zero3d sections, the dtype and megatron's gather units;
-    `seams` (the probe's optimizer_factory / read_host_floats) pass through."""
+    `seams` (the probe's fused_optimizer / read_host_floats) pass through."""
     fp16 = cfg.precision.dtype == "fp16"
     return zero3d.EngineSettings(zero=cfg.zero, optimizer=cfg.optimizer, dtype=DTYPES[cfg.precision.dtype],
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
+
+
+def engine_groups(model, topo: Layout) -> zero3d.ParallelGroups:
+    """The engine's process groups (the model wing's parallel_groups) with megatron's TP group, over which an
+    optimizer that takes matrices whole (Muon) joins their TP shards."""
+    return dataclasses.replace(parallel_groups(model, topo), tp_group=topo.tp_group)
 
 
 def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
@@ -55,7 +62,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     model = build_model(cfg, topo.device, activations)
     if initial is not None:
         load_into(model, initial)
-    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), engine_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     record_context_into(model, engine.comm_stats)
@@ -158,7 +165,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     usable = None
     if t.resume:
         say(topo, recover(save_dir, t.keep_checkpoints))
-        usable = find_usable(save_dir, identity)
+        usable = find_usable(save_dir, identity, (cfg.optimizer.name, cfg.optimizer.state_dtype))
     if usable is not None:
         if line := finished_line(usable, cfg):
             say(topo, [line])
