@@ -74,8 +74,9 @@ class ModelConfig(Section):
     scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
     loss_chunk_tokens: int = 1024
     """Output layer + cross-entropy this many tokens at a time (pretrain/model/loss.py); 0: megatron's, in one piece."""
-    compile: bool = False
-    """torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet."""
+    compile: Literal["auto", True, False] = "auto"
+    """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it: true, false, or
+    auto = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains)."""
     position_embedding: Literal["learned", "rope"] = "learned"
     """learned: GPT-2's absolute position table (seq_length × hidden); rope: rotary embeddings (Llama)."""
     rope_base: int = 10000

@@ -205,15 +205,20 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
         from pretrain.model.attention import shared_attention_bias
         model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)
-    if cfg.model.compile:  # each layer's forward through torch.compile
+    if compiles(cfg.model.compile, on_cuda):  # each layer's forward through torch.compile; hooks (ZeRO's) stay eager
         for layer in model.decoder.layers:
-            layer.compile(backend=COMPILE_BACKEND)
+            layer.forward = torch.compile(layer.forward, backend=COMPILE_BACKEND)
     if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
         model.decoder.register_forward_pre_hook(
             lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),
             with_kwargs=True)
     # As Megatron's Float16Module does: every parameter in the training dtype (layer norms too).
     return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
+
+
+def compiles(choice, on_cuda: bool) -> bool:
+    """Whether model.compile = `choice` compiles the layers: true, false, or "auto" = on CUDA only."""
+    return on_cuda if choice == "auto" else bool(choice)
 
 
 def _has_sdpa(model) -> bool:
