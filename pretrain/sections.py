@@ -67,8 +67,10 @@ class ModelConfig(Section):
     """Dropout of the attention probabilities, in [0, 1)."""
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation (> 0)."""
-    recompute: Literal["none", "full"] = "none"
-    """full: every transformer layer recomputed in backward."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """full: every transformer layer recomputed in backward from its input; selective: each layer keeps only its GEMMs'
+    and fused attention's outputs and recomputes the rest (norms, RoPE, activations, materialised attention scores:
+    pretrain/model/recompute.py); none: every activation kept."""
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Core attention (pretrain/model/attention.py): auto = Transformer Engine on GPU where importable, else torch's
     scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
