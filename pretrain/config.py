@@ -95,7 +95,7 @@ def _coerce(key: str, value, annotation):
         return _coerce(key, value, inner)
     if origin is Literal:
         choices = typing.get_args(annotation)
-        if value not in choices or type(value) is not type(choices[0]):
+        if not any(value == c and type(value) is type(c) for c in choices):  # True is not 1, "true" not True
             raise ConfigError(f"{key} = {value!r} is invalid; valid values: "
                               f"{', '.join(repr(c) for c in choices)}")
         return value
@@ -265,9 +265,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_fp16_only(cfg.precision)  # before the rebuild: its message names the dtype
     _rebuild_sections(cfg)
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
-    _require(not (m.compile and z.stage == 3),
-             "model.compile = true with zero.stage = 3 is refused: stage 3 swaps each parameter's storage around "
-             "its gathers, which the compiled layers' saved tensors do not survive; use stage 0-2 or model.compile = false")
     _require(m.num_layers % p.pipeline == 0,
              f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}; "
              "every pipeline stage holds the same number of layers")

@@ -67,15 +67,18 @@ class ModelConfig(Section):
     """Dropout of the attention probabilities, in [0, 1)."""
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation (> 0)."""
-    recompute: Literal["none", "full"] = "none"
-    """full: every transformer layer recomputed in backward."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """full: every transformer layer recomputed in backward from its input; selective: each layer keeps only its GEMMs'
+    and fused attention's outputs and recomputes the rest (norms, RoPE, activations, materialised attention scores:
+    pretrain/model/recompute.py); none: every activation kept."""
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Core attention (pretrain/model/attention.py): auto = Transformer Engine on GPU where importable, else torch's
     scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
     loss_chunk_tokens: int = 1024
     """Output layer + cross-entropy this many tokens at a time (pretrain/model/loss.py); 0: megatron's, in one piece."""
-    compile: bool = False
-    """torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet."""
+    compile: Literal["auto", True, False] = "auto"
+    """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it: true, false, or
+    auto = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains)."""
     position_embedding: Literal["learned", "rope"] = "learned"
     """learned: GPT-2's absolute position table (seq_length × hidden); rope: rotary embeddings (Llama)."""
     rope_base: int = 10000

@@ -79,12 +79,13 @@ class ParameterShardedEngine(DataParallelEngine):
         self._persistent = []  # the replicated groups of small parameters (set by _build_groups)
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
-        self.stream = torch.cuda.Stream(self.device) \
-            if self.device.type == "cuda" and settings.zero.overlap_comm else None
+        self.stream = (torch.cuda.Stream(self.device)
+                       if self.device.type == "cuda" and settings.zero.overlap_comm else None)
         self.buckets = GradientBuckets([group for unit in self.units for group in unit.groups], self.plan,
                                        self._deliver_grad_piece, dtype=settings.dtype, device=self.device,
                                        pre_scale=self.pre_scale, held_elsewhere=frozenset(self.tied),
-                                       overlap=settings.zero.overlap_comm, stream=self.stream)
+                                       overlap=settings.zero.overlap_comm, stream=self.stream,
+                                       position={p: i for i, p in enumerate(model.parameters())})
         # Tied weights (see the module docstring): sharded ones held whole, persistent ones summed in place.
         self._tied_sharded = {p: comm for p, comm in self.tied.items() if p in self.buckets.location}
         self._tied_persistent = {p: comm for p, comm in self.tied.items() if p not in self.buckets.location}
