@@ -61,7 +61,7 @@ def test_tiny_llama_validates_at_its_layout():
                                    "valid values 1, 2, 4"),
     (["model.num_query_groups=1", "parallel.tensor=2"], "model.num_query_groups = 1 is not divisible by "
                                                         "parallel.tensor = 2"),
-    (['model.mlp="relu"'], "model.mlp = 'relu' is invalid; valid values: 'gelu', 'swiglu'"),
+    (['model.mlp="relu"'], "model.mlp = 'relu' is invalid; valid values: 'gelu', 'gelu_tanh', 'swiglu'"),
     (['model.norm="batchnorm"'], "model.norm = 'batchnorm' is invalid; valid values: 'layernorm', 'rmsnorm'"),
     (['model.position_embedding="alibi"'], "model.position_embedding = 'alibi' is invalid; valid values: 'learned', "
                                            "'rope'"),
