@@ -39,7 +39,7 @@ def save(kind: str, directory: Path) -> dict:
         return {"logits": model(TOKENS).logits, "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
-# The acceptance's models (tests/dist/test_families.py): one small random model of each published family, built from
+# The acceptance's models (tests/dist/test_families_import.py): one small random model of each published family, built from
 # its own config class with what its published models have and zero3d once lacked — GPT-2's tanh GELU (gelu_new),
 # Llama-3.2's llama3 RoPE scaling (every value off Meta's, so that a value ignored shows) with tied embeddings,
 # Qwen2's Q/K/V biases, Qwen3's head size (4 heads × 24 over a hidden size of 64), Mistral's sliding window (covering

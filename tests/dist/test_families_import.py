@@ -196,3 +196,45 @@ def test_published_shapes_at_one_layer_compute_transformers_logits(tmp_path):
     (got,) = run_ranks(_real_shape_logits, 1, directories, timeout=600)
     for name in REAL_SHAPES:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+def _mlp_at_the_gpu_config(rank, world_size, mlp_kind):
+    """megatron's MLP built with the TransformerConfig a GPU run gets (transformer_config(on_cuda=True): its fusions),
+    on CPU weights, fc1 and fc2 at std 1 so that fc1's outputs span GELU's curved part and fc2 carries the difference;
+    (input, fc1, fc2 weights and biases, output)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from pretrain.config import load_config
+    from pretrain.model.gpt import transformer_config
+    from pretrain.runtime.layout import init_layout
+    cfg = load_config(None, ["logging.wandb=false", "model.hidden_size=16", "model.num_attention_heads=2",
+                             f'model.mlp="{mlp_kind}"', "train.micro_batch_size=1", "train.global_batch_size=1"])
+    init_layout(cfg)
+    config = dataclasses.replace(transformer_config(cfg, on_cuda=True), use_cpu_initialization=True)
+    mlp = build_module(get_gpt_layer_local_spec().submodules.mlp, config=config)
+    with torch.no_grad():
+        mlp.linear_fc1.weight.normal_(0, 1.0)
+        mlp.linear_fc1.bias.uniform_(-1, 1)
+        mlp.linear_fc2.weight.normal_(0, 1.0)
+    x = torch.randn(8, 1, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, bias = mlp(x)
+    return {"x": x, "out": out + bias, **{n: p.detach().clone() for n, p in mlp.named_parameters()}}
+
+
+@pytest.mark.parametrize("mlp_kind", ["gelu", "gelu_tanh"])
+def test_a_gelu_mlp_computes_its_own_gelu_with_the_gpu_fusions(mlp_kind):
+    """megatron fuses an MLP's bias and GELU on GPUs with its tanh approximation whatever the model's GELU: zero3d
+    fuses SwiGLU's alone, so the exact GELU stays exact (and the tanh one tanh). Megatron's MLP at a GPU run's config,
+    run on CPU (the fused kernel is plain torch), equals the test's own fc1 → GELU → fc2 within fp32 rounding; the two
+    GELUs differ there by far more."""
+    (got,) = run_ranks(_mlp_at_the_gpu_config, 1, mlp_kind, timeout=300)
+    pre = got["x"] @ got["linear_fc1.weight"].t() + got["linear_fc1.bias"]
+    expect = {kind: torch.nn.functional.gelu(pre, approximate=approximate) @ got["linear_fc2.weight"].t()
+              + got["linear_fc2.bias"] for kind, approximate in (("gelu", "none"), ("gelu_tanh", "tanh"))}
+    other = "gelu_tanh" if mlp_kind == "gelu" else "gelu"
+    torch.testing.assert_close(got["out"], expect[mlp_kind], rtol=0, atol=1e-5)  # outputs of ~10: fp32 sums
+    assert (expect[mlp_kind] - expect[other]).abs().max() > 1e-3
