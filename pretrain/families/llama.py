@@ -8,8 +8,8 @@ grouped by key/value head (family.qkv_join).
 """
 import torch
 
-from pretrain.families.family import (UNREAD_KEYS, Family, complete, given_head_dim, groups, head_dim, identity, integer,
-                                      qkv_join, qkv_split, rope_parameters, rope_section)
+from pretrain.families.family import (UNREAD_KEYS, Family, complete, given_head_dim, groups, head_dim, identity,
+                                      integer, qkv_join, qkv_split, rope_parameters, rope_section)
 
 
 def _cat(*tensors):
@@ -67,7 +67,8 @@ class LlamaShaped(Family):
             src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
             out.update({dst + a: (identity, [src + b]) for a, b in self._layer_names(model).items()})
             for kind in ("weight",) + (("bias",) if model.get("bias") or model.get("qkv_bias") else ()):
-                out[f"{dst}self_attention.linear_qkv.{kind}"] = (join, [f"{src}self_attn.{p}_proj.{kind}" for p in "qkv"])
+                sources = [f"{src}self_attn.{p}_proj.{kind}" for p in "qkv"]
+                out[f"{dst}self_attention.linear_qkv.{kind}"] = (join, sources)
             for kind in ("weight",) + (("bias",) if model.get("bias") else ()):
                 out[f"{dst}mlp.linear_fc1.{kind}"] = (_cat, [f"{src}mlp.gate_proj.{kind}", f"{src}mlp.up_proj.{kind}"])
         out.update({"embedding.word_embeddings.weight": (identity, ["model.embed_tokens.weight"]),
