@@ -81,7 +81,7 @@ class ModelConfig(Section):
     rope_base: int = 10000
     """RoPE's frequency base θ (Llama-3: 500000); read only with position_embedding = "rope"."""
     rope_scaling_factor: Optional[float] = None
-    """Llama-3.1's RoPE frequency scaling ("llama3") by this factor (Meta's 3.1 models: 8.0, 3.2: 32.0); None: none."""
+    """Llama-3.1's RoPE frequency scaling ("llama3") by this factor (Meta's 3.1: 8.0, 3.2: 32.0); None: none."""
     rope_scaling_low_freq_factor: float = 1.0
     """Llama-3.1's RoPE scaling: wavelengths above original_max_positions / this are divided by the factor (Meta: 1)."""
     rope_scaling_high_freq_factor: float = 4.0
@@ -116,8 +116,8 @@ class ModelConfig(Section):
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                     "make_vocab_size_divisible_by"):
             require(getattr(self, key) > 0, f"model.{key} = {getattr(self, key)} is invalid; must be > 0")
-        require(self.head_dim is None or self.head_dim > 0,
-                f"model.head_dim = {self.head_dim} is invalid; must be > 0 (or unset: hidden_size / num_attention_heads)")
+        require(self.head_dim is None or self.head_dim > 0, f"model.head_dim = {self.head_dim} is invalid; must be > 0 "
+                "(or unset: hidden_size / num_attention_heads)")
         require(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
                 f"model.hidden_size = {self.hidden_size} is not divisible by model.num_attention_heads = "
                 f"{self.num_attention_heads}; choose a head count that divides the hidden size (or set model.head_dim)")
@@ -339,8 +339,8 @@ class TrainConfig(Section):
     """Continue from the latest checkpoint in save_dir when there is one."""
     init_from: Optional[str] = None
     """A Hugging Face model directory of a family docs/families.md lists (GPT-2, Llama, Qwen2, Qwen3, Mistral;
-    safetensors and JSON only, no remote code) whose weights start the run at step 0 with a fresh optimizer, on any layout and
-    ZeRO stage; its config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints
+    safetensors and JSON only, no remote code) whose weights start the run at step 0 with a fresh optimizer, on any
+    layout and ZeRO stage; its config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints
     it). A run that resumes a checkpoint ignores it."""
     save_final_hf: Optional[str] = None
     """A new (or empty) directory: after the last step's checkpoint, rank 0 writes the model there in the Hugging

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, ROPE_SCALING_KEYS, file_record, load_dcp, optimizer_fields,
-                                      read_dcp_metadata, read_json, saved_optimizer)
+from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, ROPE_SCALING_KEYS, file_record, load_dcp,
+                                      optimizer_fields, read_dcp_metadata, read_json, saved_optimizer)
 from pretrain.checkpoint.recovery import (LATEST, PENDING, find_usable, publish_step_dir, write_json_durably,
                                           written_record)
 from pretrain.checkpoint.tensors import (global_shapes, model_templates, parameter_names, saved_states,

@@ -19,6 +19,8 @@ from zero3d.comm.core import Comm, CommStats
 from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation (GPT-2's gelu_new, megatron's openai_gelu), in one torch kernel."""
     return torch.nn.functional.gelu(x, approximate="tanh")

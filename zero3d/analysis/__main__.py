@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     arch.add_argument("--position-embedding", choices=list(POSITION_EMBEDDINGS), default="learned")
     arch.add_argument("--no-bias", action="store_true", help="no biases on the linear layers")
     arch.add_argument("--qk-layernorm", action="store_true", help="a norm over each query and key head")
-    arch.add_argument("--qkv-bias", action="store_true", help="biases on the QKV projection alone (Qwen2; with --no-bias)")
+    arch.add_argument("--qkv-bias", action="store_true",
+                      help="biases on the QKV projection alone (Qwen2; with --no-bias)")
     arch.add_argument("--head-dim", type=int, help="the head size (megatron's kv_channels); default hidden / heads")
     ap.add_argument("--prefetch-units", type=int, default=ZERO.prefetch_units, help="stage 3 units gathered ahead")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
