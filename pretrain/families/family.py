@@ -161,6 +161,16 @@ def rope_section(family: Family, config: dict, max_positions: int, scaling: tupl
     return out
 
 
+def rope_keys(model: dict) -> dict:
+    """config.json's RoPE keys of a `[model]` section: `rope_parameters` (transformers 5), and the same as 4.x reads
+    them, a top-level `rope_theta` and (scaled) `rope_scaling` (5 reads them alike beside rope_parameters)."""
+    parameters = rope_parameters(model)
+    legacy = {"rope_theta": parameters["rope_theta"]}
+    if parameters["rope_type"] != "default":
+        legacy["rope_scaling"] = {k: v for k, v in parameters.items() if k != "rope_theta"}
+    return {"rope_parameters": parameters, **legacy}
+
+
 def rope_parameters(model: dict) -> dict:
     """config.json's `rope_parameters` (transformers 5) of a `[model]` section's RoPE keys."""
     out = {"rope_theta": float(model.get("rope_base") or 10000), "rope_type": "default"}

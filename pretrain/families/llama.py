@@ -9,7 +9,7 @@ grouped by key/value head (family.qkv_join).
 import torch
 
 from pretrain.families.family import (UNREAD_KEYS, Family, complete, given_head_dim, groups, head_dim, identity,
-                                      integer, qkv_join, qkv_split, rope_parameters, rope_section)
+                                      integer, qkv_join, qkv_split, rope_keys, rope_section)
 
 
 def _cat(*tensors):
@@ -103,7 +103,7 @@ class LlamaShaped(Family):
                 or 4 * model["hidden_size"], "num_hidden_layers": model["num_layers"],
                 "num_attention_heads": model["num_attention_heads"], "num_key_value_heads": groups(model),
                 "head_dim": head_dim(model), "max_position_embeddings": model["seq_length"],
-                "rms_norm_eps": model.get("norm_epsilon", 1e-5), "rope_parameters": rope_parameters(model),
+                "rms_norm_eps": model.get("norm_epsilon", 1e-5), **rope_keys(model),
                 "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": bool(model["tie_embeddings"]),
                 "torch_dtype": "float32"}
 

@@ -270,3 +270,21 @@ def test_init_from_compares_the_head_size_as_a_size():
         check_matches(section, load_config(None, keys + ["model.seq_length=64", "model.head_dim=64"]).model, "qwen3")
     llama = model_section(PUBLISHED["Llama-3.2-1B"][0])
     assert llama["head_dim"] is None  # 64 = 2048 / 32: the heads say it
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_the_exported_rope_reads_alike_in_either_transformers_form(scaled):
+    """An export's config.json carries RoPE twice, equal: transformers 5's rope_parameters, and 4.x's top-level
+    rope_theta with (scaled) rope_scaling; each form alone reads back as the same rotary embedding (5's own reading
+    of the 4.x keys), all four llama3 values included."""
+    from transformers import LlamaConfig
+    section = model_section(PUBLISHED["Llama-3.2-1B"][0] if scaled else PUBLISHED["SmolLM2-135M"][0])
+    config = for_model(section).hf_config(section, section["vocab_size"])
+    both = LlamaConfig.from_dict(copy.deepcopy(config)).rope_parameters
+    five = LlamaConfig.from_dict({k: v for k, v in copy.deepcopy(config).items()
+                                  if k not in ("rope_theta", "rope_scaling")}).rope_parameters
+    four = LlamaConfig.from_dict({k: v for k, v in copy.deepcopy(config).items() if k != "rope_parameters"})
+    assert both == five == four.rope_parameters
+    expected = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192} if scaled else {"rope_type": "default"}
+    assert both == {**expected, "rope_theta": 500000.0 if scaled else 100000.0}
