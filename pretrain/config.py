@@ -289,6 +289,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(m.position_embedding == "rope" or not cfg.is_set("model.rope_base"),
              f"model.rope_base is set but model.position_embedding = {m.position_embedding!r} does not use it; "
              "remove it or set model.position_embedding = \"rope\"")
+    for key in ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor", "rope_scaling_original_max_positions"):
+        _require(m.rope_scaling_factor is not None or not cfg.is_set(f"model.{key}"),
+                 f"model.{key} is set but model.rope_scaling_factor is unset (no RoPE scaling reads it); remove it or "
+                 "set model.rope_scaling_factor")
     _require(not (cfg.data.reset_position_ids and m.position_embedding == "rope"),
              "data.reset_position_ids = true with model.position_embedding = 'rope' is refused: megatron-core's "
              "rotary embedding takes positions from the sequence, not the batch's position ids; use "

@@ -17,7 +17,7 @@ def main(argv=None) -> int:
         print(f"hf_config: {err}", file=sys.stderr)
         return EXIT_INPUT
     print(f"# {args.directory}: use with train.init_from = \"{args.directory}\"\n[model]")
-    print("\n".join(f"{key} = {toml_value(value)}" for key, value in model.items()))
+    print("\n".join(f"{key} = {toml_value(value)}" for key, value in model.items() if value is not None))
     return 0
 
 

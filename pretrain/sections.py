@@ -84,13 +84,24 @@ class ModelConfig(Section):
     rope_base: int = 10000
     """RoPE's frequency base θ (Llama-3: 500000); read only with position_embedding = "rope"."""
     rope_scaling_factor: Optional[float] = None
-    """Llama-3.1's RoPE frequency scaling by this factor (Meta's 3.1 models: 8.0); None: no scaling."""
-    mlp: Literal["gelu", "swiglu"] = "gelu"
-    """gelu: fc1 → GELU → fc2; swiglu: silu(gate) × up → fc2, ffn_hidden_size wide each (Llama)."""
+    """Llama-3.1's RoPE frequency scaling ("llama3") by this factor (Meta's 3.1: 8.0, 3.2: 32.0); None: none."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """Llama-3.1's RoPE scaling: wavelengths above original_max_positions / this are divided by the factor (Meta: 1)."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """Llama-3.1's RoPE scaling: wavelengths below original_max_positions / this are kept; between the two, a
+    smooth mix (Meta: 4; > low_freq_factor)."""
+    rope_scaling_original_max_positions: int = 8192
+    """Llama-3.1's RoPE scaling: the context length the model was first trained at (Meta: 8192)."""
+    mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """gelu: fc1 → exact GELU → fc2; gelu_tanh: GELU's tanh approximation (GPT-2's gelu_new, megatron's
+    openai_gelu); swiglu: silu(gate) × up → fc2, ffn_hidden_size wide each (Llama)."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     """The pre-attention, pre-MLP and final norms (and the q/k norms): LayerNorm (weight, bias) or RMSNorm."""
     norm_epsilon: float = 1e-5
     """The norms' epsilon (> 0; Llama-3: 1e-5)."""
+    head_dim: Optional[int] = None
+    """The size of each attention head (megatron's kv_channels, HF's head_dim); None: hidden_size /
+    num_attention_heads. Heads × head_dim need not be the hidden size (Qwen3-0.6B: 16 × 128, hidden 1024)."""
     num_query_groups: Optional[int] = None
     """Key/value heads: grouped-query attention (Llama-3: 8), 1 = multi-query; None: one per head. Must
     divide num_attention_heads and be divisible by parallel.tensor."""
@@ -98,14 +109,27 @@ class ModelConfig(Section):
     """A norm over each query and key head before attention (its weights summed over the TP group)."""
     bias: bool = True
     """Biases on the linear layers (QKV, projection, fc1, fc2); false: none (Llama)."""
+    qkv_bias: bool = False
+    """Biases on the QKV projection alone (Qwen2), with bias = false (megatron's add_qkv_bias)."""
+    sliding_window: Optional[int] = None
+    """A published model's sliding attention window (Mistral's, Qwen2's), kept so that it exports as it came; the
+    attention is full causal, the same function only where the window covers the sequence (>= seq_length)."""
 
     def check(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                     "make_vocab_size_divisible_by"):
             require(getattr(self, key) > 0, f"model.{key} = {getattr(self, key)} is invalid; must be > 0")
-        require(self.hidden_size % self.num_attention_heads == 0,
+        require(self.head_dim is None or self.head_dim > 0, f"model.head_dim = {self.head_dim} is invalid; must be > 0 "
+                "(or unset: hidden_size / num_attention_heads)")
+        require(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
                 f"model.hidden_size = {self.hidden_size} is not divisible by model.num_attention_heads = "
-                f"{self.num_attention_heads}; choose a head count that divides the hidden size")
+                f"{self.num_attention_heads}; choose a head count that divides the hidden size (or set model.head_dim)")
+        require(not (self.qkv_bias and self.bias), "model.qkv_bias = true with model.bias = true is redundant: bias "
+                "already puts biases on QKV (and the other linear layers); set one of them")
+        require(self.sliding_window is None or self.sliding_window >= self.seq_length,
+                f"model.sliding_window = {self.sliding_window} does not cover model.seq_length = {self.seq_length}: "
+                "zero3d's attention is full causal, equal to a sliding window only where the window covers the "
+                f"sequence; set seq_length <= {self.sliding_window}")
         require(self.ffn_hidden_size is None or self.ffn_hidden_size > 0,
                 f"model.ffn_hidden_size = {self.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
         require(self.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens = {self.loss_chunk_tokens} is invalid; "
@@ -125,6 +149,11 @@ class ModelConfig(Section):
         require(self.rope_scaling_factor is None or (rope and self.rope_scaling_factor >= 1),
                 f"model.rope_scaling_factor = {self.rope_scaling_factor} is invalid; it scales RoPE's frequencies "
                 "(position_embedding = \"rope\") by a factor >= 1 (Llama-3.1: 8.0), or is unset")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        require(0 < low < high, f"model.rope_scaling_low_freq_factor = {low} and rope_scaling_high_freq_factor = "
+                f"{high} are invalid; they must satisfy 0 < low < high (Meta's: 1 and 4)")
+        require(self.rope_scaling_original_max_positions > 0, "model.rope_scaling_original_max_positions = "
+                f"{self.rope_scaling_original_max_positions} is invalid; must be > 0 (Meta's: 8192)")
 
     @property
     def shape(self) -> GPTShape:
@@ -133,7 +162,8 @@ class ModelConfig(Section):
                         seq=self.seq_length, vocab=self.vocab_size, ffn=self.ffn_hidden_size,
                         query_groups=self.num_query_groups, mlp=self.mlp, norm=self.norm,
                         position_embedding=self.position_embedding, bias=self.bias, qk_layernorm=self.qk_layernorm,
-                        tied=self.tie_embeddings, vocab_divisible_by=self.make_vocab_size_divisible_by)
+                        tied=self.tie_embeddings, vocab_divisible_by=self.make_vocab_size_divisible_by,
+                        qkv_bias=self.qkv_bias, kv_channels=self.head_dim)
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
         """Megatron's rule (zero3d.analysis.gpt_shape.padded_vocab): a multiple of divisible_by × TP."""
@@ -318,10 +348,10 @@ class TrainConfig(Section):
     """A resume whose train.steps or optimizer schedule keys change the learning rate of a step still to train is
     refused unless this is true (pretrain/runtime/resume.py)."""
     init_from: Optional[str] = None
-    """A Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM; safetensors and
-    JSON only, no remote code) whose weights start the run at step 0 with a fresh optimizer, on any layout and
-    ZeRO stage; its config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints
-    it). A run that resumes a checkpoint of its own does not use it, and says so."""
+    """A Hugging Face model directory of a family docs/families.md lists (GPT-2, Llama, Qwen2, Qwen3, Mistral;
+    safetensors and JSON only, no remote code) whose weights start the run at step 0 with a fresh optimizer, on any
+    layout and ZeRO stage; its config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints
+    it). A run that resumes a checkpoint ignores it."""
     save_final_hf: Optional[str] = None
     """A new (or empty) directory: after the last step's checkpoint, rank 0 writes the model there in the Hugging
     Face format with the run's tokenizer (what `python -m pretrain.export <checkpoint> DIR --format hf` writes).

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, check_optimizer, file_record, load_dcp,
-                                      optimizer_fields, read_dcp_metadata, read_json, saved_optimizer)
+from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, ROPE_SCALING_KEYS, check_optimizer, file_record,
+                                      load_dcp, optimizer_fields, read_dcp_metadata, read_json, saved_optimizer)
 from pretrain.checkpoint.recovery import (LATEST, PENDING, find_usable, publish_step_dir, write_json_durably,
                                           written_record)
 from pretrain.checkpoint.tensors import (global_shapes, model_templates, parameter_names, saved_states,
@@ -60,13 +60,21 @@ def run_identity(m: ModelConfig, tensor_parallel: int, tokenizer_model: Path, da
 
 
 def architecture_identity(m: ModelConfig) -> dict:
-    """The decoder's architecture keys a resume must match (read.ARCHITECTURE_BEFORE_KEYS: checkpoints older than
-    these keys); RoPE's base and scaling only where RoPE is on."""
+    """The decoder's architecture keys a resume must match (read.ARCHITECTURE_BEFORE_KEYS and
+    read.added_architecture_keys: checkpoints older than these keys); RoPE's base and scaling only where RoPE is on,
+    the scaling's other values only where it scales."""
     rope = m.position_embedding == "rope"
+    scaled = rope and m.rope_scaling_factor is not None
     return {"position_embedding": m.position_embedding, "rope_base": m.rope_base if rope else None,
             "rope_scaling_factor": m.rope_scaling_factor if rope else None, "mlp": m.mlp, "norm": m.norm,
             "norm_epsilon": m.norm_epsilon, "num_query_groups": m.shape.groups, "qk_layernorm": m.qk_layernorm,
-            "bias": m.bias}
+            "bias": m.bias, "qkv_bias": m.qkv_bias, "head_dim": own_head_dim(m), "sliding_window": m.sliding_window,
+            **{key: getattr(m, key) if scaled else None for key in ROPE_SCALING_KEYS}}
+
+
+def own_head_dim(m: ModelConfig) -> Optional[int]:
+    """model.head_dim where it is not hidden / heads (None there: a head size the heads already say)."""
+    return None if m.head_dim is None or m.head_dim * m.num_attention_heads == m.hidden_size else m.head_dim
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -334,11 +334,28 @@ ARCHITECTURE_BEFORE_KEYS = {"position_embedding": "learned", "rope_base": None, 
                             "bias": True}
 
 
+# Llama-3.1's RoPE scaling values beside its factor (pretrain/model/rope.py), in a checkpoint's identity.
+ROPE_SCALING_KEYS = ("rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                     "rope_scaling_original_max_positions")
+MEGATRON_ROPE_SCALING = (1.0, 4.0, 8192)  # what megatron applied beside the factor before those keys existed
+
+
+def added_architecture_keys(model: dict) -> dict:
+    """The identity keys added after the architecture keys, as every checkpoint written before them trained: no
+    QKV-only biases, heads of hidden / heads (head_dim None), no sliding window, megatron's fixed RoPE-scaling
+    values."""
+    scaled = model.get("rope_scaling_factor") is not None
+    return {"qkv_bias": False, "sliding_window": None, "head_dim": None,
+            **dict(zip(ROPE_SCALING_KEYS, MEGATRON_ROPE_SCALING if scaled else (None,) * 3))}
+
+
 def check_identity(step_dir: Path, saved: dict, now: dict) -> None:
     """Refuse a checkpoint of another model, tokenizer or data set, naming what differs."""
     if isinstance(saved.get("model"), dict) and "mlp" not in saved["model"]:  # older than the architecture keys
         saved = dict(saved, model={**ARCHITECTURE_BEFORE_KEYS,
                                    "num_query_groups": saved["model"].get("num_attention_heads"), **saved["model"]})
+    if isinstance(saved.get("model"), dict) and "qkv_bias" not in saved["model"]:  # older than the families' keys
+        saved = dict(saved, model={**added_architecture_keys(saved["model"]), **saved["model"]})
     diffs = []
     for key in sorted(set(saved) | set(now)):
         a, b = saved.get(key), now.get(key)

@@ -13,12 +13,21 @@ import torch
 
 from pretrain.config import Config
 from pretrain.data.batch import context_chunks, field, token_mean, tokens_of
+from pretrain.model.rope import scale_rope_frequencies
 from zero3d.activations import ActivationCheckpointing, checkpoint
 from zero3d.comm.core import Comm, CommStats
 from zero3d.config import ZeroConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-NONLINEARITY = {"gelu": torch.nn.functional.gelu, "swiglu": torch.nn.functional.silu}  # swiglu: silu-gated
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (GPT-2's gelu_new, megatron's openai_gelu), in one torch kernel."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+NONLINEARITY = {"gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh,
+                "swiglu": torch.nn.functional.silu}  # swiglu: silu-gated
 NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
 
@@ -171,8 +180,9 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         if m.recompute == "full" and not zero_recompute else {}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_size,
+        num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim,
         gated_linear_unit=m.mlp == "swiglu", activation_func=NONLINEARITY[m.mlp], add_bias_linear=m.bias,
+        add_qkv_bias=m.qkv_bias,
         normalization=NORMALIZATION[m.norm], layernorm_epsilon=m.norm_epsilon, qk_layernorm=m.qk_layernorm,
         tensor_model_parallel_size=cfg.parallel.tensor,
         pipeline_model_parallel_size=cfg.parallel.pipeline, pipeline_dtype=DTYPES[dtype],
@@ -186,8 +196,9 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         use_cpu_initialization=not on_cuda,
         # Fusions are CUDA kernels, off on CPU; the softmax and persistent-norm ones are compiled
         # extensions (apex / megatron's fused kernels) used only where importable.
-        # megatron fuses GELU only with a bias to add (SwiGLU with or without)
-        bias_activation_fusion=on_cuda and (m.bias or m.mlp == "swiglu"), masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
+        # SwiGLU only: megatron's fused bias-GELU is GELU's tanh approximation (fused_bias_gelu.py), so an exact
+        # GELU fused would compute another function, and it fuses no other activation
+        bias_activation_fusion=on_cuda and m.mlp == "swiglu", masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
         persist_layer_norm=on_cuda and _importable("apex"),
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
@@ -197,11 +208,11 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
 
 
 def position_embedding(m) -> dict:
-    """GPTModel's position-embedding arguments: GPT-2's learned table, or RoPE (base, Llama-3.1 scaling)."""
+    """GPTModel's position-embedding arguments: GPT-2's learned table, or RoPE (its base; Llama-3.1's scaling is
+    set on the built model: pretrain/model/rope.py)."""
     if m.position_embedding == "learned":
         return {"position_embedding_type": "learned_absolute"}
-    scaling = {"rope_scaling": True, "rope_scaling_factor": m.rope_scaling_factor} if m.rope_scaling_factor else {}
-    return {"position_embedding_type": "rope", "rotary_base": m.rope_base, **scaling}
+    return {"position_embedding_type": "rope", "rotary_base": m.rope_base}
 
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
@@ -227,6 +238,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
                          post_process=parallel_state.is_pipeline_last_stage(), **chunked)
+    scale_rope_frequencies(model, cfg.model)
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
         from pretrain.model.attention import shared_attention_bias
         model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)

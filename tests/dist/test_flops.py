@@ -36,14 +36,18 @@ def _counted_step(rank, world_size, overrides):
 
 LLAMA = ['model.mlp="swiglu"', "model.num_query_groups=2", 'model.position_embedding="rope"', 'model.norm="rmsnorm"',
          "model.bias=false", "model.ffn_hidden_size=96", "model.qk_layernorm=true"]
+# Qwen3's head size (4 heads × 24 over a hidden size of 64: Q and the attention's output 96 wide), and Qwen2's
+# Q/K/V-only biases on it (parameters, not matmul FLOPs)
+QWEN = [k for k in LLAMA if k != "model.qk_layernorm=true"] + ["model.head_dim=24", "model.qkv_bias=true"]
 
 
 @pytest.mark.parametrize("overrides", [[], ['model.recompute="full"'], ["model.ffn_hidden_size=96"],
                                        ["model.ffn_hidden_size=96", 'model.recompute="full"'],
                                        ['model.mlp="swiglu"'], ["model.num_query_groups=1"],
-                                       LLAMA, LLAMA + ['model.recompute="full"']],
+                                       LLAMA, LLAMA + ['model.recompute="full"'], ['model.mlp="gelu_tanh"'],
+                                       LLAMA + ["model.head_dim=24"], QWEN],
                          ids=["gpt2", "gpt2-recompute", "ffn-3h/2", "ffn-3h/2-recompute", "swiglu", "mqa",
-                              "llama", "llama-recompute"])
+                              "llama", "llama-recompute", "gelu-tanh", "qwen3-head-size", "qwen2-qkv-bias"])
 def test_formula_equals_torch_flop_counter_within_1_percent(overrides):
     """Forward and backward once, the recomputed forward too where recompute is on: torch's count of what ran is
     the hardware FLOPs; the model FLOPs are that less one forward of the layers (recompute) or equal to it."""

@@ -84,7 +84,20 @@ def test_tp2_dp2_stage3_checkpoint_resumes_at_tp1_dp4_stage1(tmp_path):
     """Saved after step 3 of 6 at TP 2 × DP 2, stage 3 (SwiGLU's fc1 stored as one global [gate; up] tensor; the
     q/k norms' gradients, partial sums over TP, summed at the end of stage 3's backward): steps 4-6 resumed at stage 1
     equal stage 3's."""
-    llama = list(LLAMA)
+    _resumes_at_tp1_dp4_stage1(list(LLAMA), tmp_path)
+
+
+# Qwen2's Q/K/V-only biases on Qwen3's head size (4 heads × 12 = 48 over a hidden size of 32): QKV rows of 96 and
+# their biases grouped by key/value head, split over TP 2 and read back whole at TP 1
+QWEN = [k for k in LLAMA if k != "model.qk_layernorm=true"] + ["model.qkv_bias=true", "model.head_dim=12"]
+
+
+def test_qwen_shaped_tp2_dp2_stage3_checkpoint_resumes_at_tp1_dp4_stage1(tmp_path):
+    """The same resume with Q/K/V-only biases and a head size apart from hidden / heads (#53's model keys)."""
+    _resumes_at_tp1_dp4_stage1(QWEN, tmp_path)
+
+
+def _resumes_at_tp1_dp4_stage1(llama: list, tmp_path):
     whole = run_ranks(train_segment, 4, llama + ["parallel.tensor=2", "zero.stage=3"], tmp_path, 0, 6, (3,),
                       timeout=300)[0]["loss"]
     resumed = run_ranks(train_segment, 4, llama + ["parallel.tensor=1", "zero.stage=1"], tmp_path, 3, 6, (),

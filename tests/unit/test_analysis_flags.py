@@ -39,3 +39,18 @@ def test_dp_disagreeing_with_gpus_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(SHAPE + ["--gpus", "8", "--dp", "2"])
     assert exit_.value.code == 2 and "--dp 2 disagrees with --gpus 8 / --tp 1 = 8" in capsys.readouterr().err
+
+
+def test_head_dim_and_qkv_bias_flags_reach_the_estimate(capsys):
+    """--head-dim (Qwen3's head size) and --qkv-bias (Qwen2's) reach the estimate: Ψ grows by what the flags add,
+    counted by hand: Q, K and V 4 × 24 = 96 rows each instead of 64, the output projection 96 inputs instead of
+    64, and 3 × 96 QKV biases a layer where --no-bias has none."""
+    base = SHAPE + ["--gpus", "1", "--no-bias", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)["params_per_rank"]
+    assert main(base + ["--head-dim", "24", "--qkv-bias"]) == 0
+    qwen = json.loads(capsys.readouterr().out)["params_per_rank"]
+    h, layers = 64, 2
+    qkv_more = h * (3 * 4 * 24 - 3 * h)  # Q, K, V rows of 4 × 24 each (multi-head) instead of h
+    proj_more = h * (4 * 24 - h)  # the output projection's input
+    assert qwen - plain == layers * (qkv_more + proj_more + 3 * 4 * 24)

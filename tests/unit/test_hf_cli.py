@@ -44,8 +44,10 @@ CASES = {  # (how the saved Llama is damaged, what the one line says)
     "pickle": (_pickled, "are pickles, which zero3d never loads"),
     "config-disagrees-with-tensors": (_edit(intermediate_size=96), "config.json describes [48, 96]"),
     "missing-shard": (_shard_missing, "names shard 'model-00002-of-00002.safetensors', which is missing"),
-    "unsupported-architecture": (_edit(architectures=["MistralForCausalLM"]),
-                                 "architecture 'MistralForCausalLM' is not supported (checkpoint): supported: GPT2LMHeadModel"),
+    "unsupported-architecture": (_edit(architectures=["Phi3ForCausalLM"]),
+                                 "architecture 'Phi3ForCausalLM' is not supported (checkpoint): supported: GPT2LMHeadModel"),
+    "window-shorter-than-the-run": (_edit(architectures=["MistralForCausalLM"], sliding_window=16),
+                                    "model.sliding_window = None (it has 16)"),
     "auto_map": (_edit(auto_map={"AutoModelForCausalLM": "x.Model"}), "names remote code (auto_map)"),
     "another-model": (lambda d, tmp: None, "holds another model: model.num_layers = 1 (it has 2)"),
 }

@@ -57,19 +57,26 @@ def test_a_pickled_checkpoint_is_refused_unread(tmp_path, llama_dir):
 def test_remote_code_and_unsupported_architectures_are_refused(tmp_path, llama_dir):
     auto = copy(llama_dir, tmp_path / "auto", lambda c: c.update(auto_map={"AutoModelForCausalLM": "x.Model"}))
     assert "names remote code (auto_map)" in refusal(auto)
-    other = copy(llama_dir, tmp_path / "mistral", lambda c: c.update(architectures=["MistralForCausalLM"]))
-    assert refusal(other).endswith("architecture 'MistralForCausalLM' is not supported; supported: "
-                                   "GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM")
+    other = copy(llama_dir, tmp_path / "phi3", lambda c: c.update(architectures=["Phi3ForCausalLM"]))
+    assert refusal(other).endswith("architecture 'Phi3ForCausalLM' is not supported; supported: GPT2LMHeadModel, "
+                                   "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM")
     scaled = copy(llama_dir, tmp_path / "yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn",
                                                                                      "rope_theta": 1e4}))
-    assert "rope type 'yarn'" in refusal(scaled)
+    assert "RoPE type 'yarn' is not supported; supported: 'default', 'llama3'" in refusal(scaled)
     qwen3 = tmp_path / "qwen3"
     save("qwen3", qwen3)
     assert ImportedModel(qwen3).model["qk_layernorm"] is True
-    window = copy(qwen3, tmp_path / "window", lambda c: c.update(use_sliding_window=True, sliding_window=4))
-    assert refusal(window).startswith("Qwen3 attention_bias False, use_sliding_window True or layer_types")
+    # a window in the second layer only (max_window_layers 1 of 2)
+    window = copy(qwen3, tmp_path / "window", lambda c: c.update(use_sliding_window=True, sliding_window=4,
+                                                                 layer_types=["full_attention", "sliding_attention"]))
+    assert refusal(window) == ("config.json (Qwen3ForCausalLM): a sliding window of 4 in layers 1-1 only is not "
+                               "supported; supported: the window in every layer or in none")
+    everywhere = copy(qwen3, tmp_path / "everywhere", lambda c: c.update(
+        use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"] * 2))
+    imported = ImportedModel(everywhere).model  # a window in every layer: model.sliding_window, runs at <= 4 tokens
+    assert (imported["sliding_window"], imported["seq_length"]) == (4, 4)
     biased = copy(qwen3, tmp_path / "biased", lambda c: c.update(attention_bias=True))
-    assert refusal(biased).endswith("is not supported (supported: no biases, full attention in every layer)")
+    assert refusal(biased).startswith("config.json (Qwen3ForCausalLM): attention_bias = true is not supported")
 
 
 def test_a_config_that_disagrees_with_its_tensors_is_refused_before_any_is_read(tmp_path, llama_dir):
@@ -100,24 +107,28 @@ def test_hf_config_prints_the_model_section(llama_dir, capsys):
     from pretrain.hf_config import main
     assert main([str(llama_dir)]) == 0
     out = capsys.readouterr().out
-    assert "[model]\nnum_layers = 2\nhidden_size = 48\nnum_attention_heads = 6\nnum_query_groups = 2\n" in out
-    assert 'position_embedding = "rope"\nrope_base = 500000\nmlp = "swiglu"\nnorm = "rmsnorm"' in out
+    assert "[model]\nnum_layers = 2\nhidden_size = 48\nnum_attention_heads = 6\nffn_hidden_size = 80\n" in out
+    assert ('position_embedding = "rope"\nrope_base = 500000\nmlp = "swiglu"\nnorm = "rmsnorm"\nnorm_epsilon = 1e-05\n'
+            "num_query_groups = 2\n") in out
+    assert "None" not in out and "head_dim" not in out  # unset keys are left out (hidden / heads: the default)
 
 
 def test_export_refuses_a_model_no_hf_class_computes():
     from pretrain.checkpoint.hf import architecture, hf_config
-    base = {"num_attention_heads": 4, "num_query_groups": None, "rope_scaling_factor": None, "qk_layernorm": False}
+    base = {"num_attention_heads": 4, "num_query_groups": None, "rope_scaling_factor": None, "qk_layernorm": False,
+            "hidden_size": 32}
     with pytest.raises(CheckpointError, match="no Hugging Face architecture computes this model"):
         architecture({**base, "position_embedding": "rope", "mlp": "gelu", "norm": "layernorm", "bias": True})
     gpt2 = {"position_embedding": "learned", "mlp": "gelu", "norm": "layernorm", "bias": True}
-    with pytest.raises(CheckpointError, match=r"computes this model \(.*qk_layernorm = True\); supported: GPT2LMHeadModel "
-                                              r".* and Qwen3ForCausalLM \(Llama's with qk_layernorm = true, bias = false\)"):
+    with pytest.raises(CheckpointError, match=r"computes this model \(.*qk_layernorm = True.*\); supported: GPT2LMHeadModel "
+                                              r".*; Qwen3ForCausalLM \(Llama's with qk_layernorm = true, no biases"):
         architecture({**base, **gpt2, "qk_layernorm": True})  # GPT-2 has no q/k norms
     llama = {"position_embedding": "rope", "mlp": "swiglu", "norm": "rmsnorm", "bias": False}
     with pytest.raises(CheckpointError, match=r"bias = True.*qk_layernorm = True"):  # Qwen3's MLP has no biases
         architecture({**base, **llama, "bias": True, "qk_layernorm": True})
-    with pytest.raises(CheckpointError, match=r"rope_scaling_factor = 8\.0"):
-        architecture({**base, **llama, "rope_scaling_factor": 8.0})
+    with pytest.raises(CheckpointError, match=r"qk_layernorm = True.*rope_scaling_factor = 8\.0"):  # Qwen3 unscaled
+        architecture({**base, **llama, "rope_scaling_factor": 8.0, "qk_layernorm": True})
+    assert architecture({**base, **llama, "rope_scaling_factor": 8.0}) == "LlamaForCausalLM"  # Llama-3.1's
     qwen3 = hf_config({**base, **llama, "qk_layernorm": True, "hidden_size": 32, "num_layers": 2, "seq_length": 16,
                        "tie_embeddings": False}, 100)
     assert (qwen3["architectures"], qwen3["model_type"], qwen3["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 8)
@@ -131,11 +142,14 @@ def test_a_damaged_safetensors_file_or_an_incomplete_config_is_one_line(tmp_path
     assert refusal(garbage).startswith(f"{garbage / 'model.safetensors'} cannot be read as safetensors: ")
     no_layers = copy(llama_dir, tmp_path / "no_layers", lambda c: c.pop("num_hidden_layers"))
     assert refusal(no_layers) == "config.json (LlamaForCausalLM) lacks 'num_hidden_layers'"
-    odd = copy(llama_dir, tmp_path / "odd", lambda c: c.update(num_attention_heads=5))
-    assert refusal(odd) == ("head_dim 8 × 5 heads != hidden_size 48: megatron's attention needs hidden = heads × "
-                            "head size")
+    odd = copy(llama_dir, tmp_path / "odd", lambda c: c.update(num_attention_heads=4))  # head_dim 8 × 4 ≠ 48: fine,
+    assert "config.json describes [48, 32]" in refusal(odd)  # but the file's projections are of 6 heads
     zero = copy(llama_dir, tmp_path / "zero", lambda c: c.update(num_hidden_layers=0))
-    assert refusal(zero).startswith(f"{zero / 'config.json'} describes no buildable model: model.num_layers = 0")
+    assert refusal(zero) == "config.json (LlamaForCausalLM): num_hidden_layers = 0 is not a positive integer"
+    wide = copy(llama_dir, tmp_path / "wide", lambda c: c.update(num_key_value_heads=4))  # 4 groups of 6 heads
+    assert refusal(wide).startswith(f"{wide / 'config.json'} describes no buildable model: model.num_query_groups = 4 "
+                                    "is invalid; it must divide model.num_attention_heads = 6")
+
 
 
 def test_the_exported_config_carries_rope_theta_for_transformers_4_and_5(llama_dir):

@@ -67,7 +67,7 @@ def test_tiny_llama_validates_at_its_layout():
                                    "valid values 1, 2, 4"),
     (["model.num_query_groups=1", "parallel.tensor=2"], "model.num_query_groups = 1 is not divisible by "
                                                         "parallel.tensor = 2"),
-    (['model.mlp="relu"'], "model.mlp = 'relu' is invalid; valid values: 'gelu', 'swiglu'"),
+    (['model.mlp="relu"'], "model.mlp = 'relu' is invalid; valid values: 'gelu', 'gelu_tanh', 'swiglu'"),
     (['model.norm="batchnorm"'], "model.norm = 'batchnorm' is invalid; valid values: 'layernorm', 'rmsnorm'"),
     (['model.position_embedding="alibi"'], "model.position_embedding = 'alibi' is invalid; valid values: 'learned', "
                                            "'rope'"),
@@ -75,6 +75,19 @@ def test_tiny_llama_validates_at_its_layout():
     (["model.rope_base=500000"], "model.rope_base is set but model.position_embedding = 'learned' does not use it"),
     (["model.rope_scaling_factor=8.0"], "model.rope_scaling_factor = 8.0 is invalid"),
     (['model.position_embedding="rope"', "model.rope_scaling_factor=0.5"], "model.rope_scaling_factor = 0.5 is invalid"),
+    (['model.position_embedding="rope"', "model.rope_scaling_factor=8.0", "model.rope_scaling_low_freq_factor=4.0"],
+     "model.rope_scaling_low_freq_factor = 4.0 and rope_scaling_high_freq_factor = 4.0 are invalid; they must satisfy "
+     "0 < low < high"),
+    (['model.position_embedding="rope"', "model.rope_scaling_original_max_positions=0"],
+     "model.rope_scaling_original_max_positions = 0 is invalid; must be > 0"),
+    (['model.position_embedding="rope"', "model.rope_scaling_high_freq_factor=8.0"],
+     "model.rope_scaling_high_freq_factor is set but model.rope_scaling_factor is unset"),
+    (["model.qkv_bias=true"], "model.qkv_bias = true with model.bias = true is redundant"),
+    (["model.head_dim=0"], "model.head_dim = 0 is invalid; must be > 0"),
+    (["model.num_attention_heads=3"], "model.hidden_size = 64 is not divisible by model.num_attention_heads = 3; "
+                                      "choose a head count that divides the hidden size (or set model.head_dim)"),
+    (['model.position_embedding="rope"', "model.sliding_window=32"],
+     "model.sliding_window = 32 does not cover model.seq_length = 64: zero3d's attention is full causal"),
     (['model.position_embedding="rope"', "data.reset_position_ids=true"],
      "data.reset_position_ids = true with model.position_embedding = 'rope' is refused"),
     (['optimizer.no_weight_decay="embeding.*"'], "optimizer.no_weight_decay pattern 'embeding.*' matches no "

@@ -203,6 +203,17 @@ def test_fused_attention_estimate_is_what_a_probed_sdpa_layer_holds(capsys):
     assert (two_local - one_local) - (two - one) == 1_572_864 - 4_096
 
 
+def test_a_head_size_apart_from_the_hidden_size_is_estimated_and_probed(capsys):
+    """Qwen3's head size (model.head_dim = 24: 4 heads × 24 = 96 over a hidden size of 64), with Qwen2's Q/K/V biases
+    and GPT-2's tanh GELU: Q, K, V and the attention's output are 96 wide. By hand as above: whole 327,680; split
+    (Q, K, V, output e·s·b·96 each = 393,216; fc1/GeLU 524,288) + logsumexp 8,192, ÷ t = 462,848: 790,528 B per
+    layer; executed, the probe's real model per layer: that less the dropout masks plus the LayerNorm statistics."""
+    head = ("model.head_dim=24", "model.qkv_bias=true", "model.bias=false", 'model.mlp="gelu_tanh"')
+    (one, est_one), (two, est_two) = (_attention_probe(capsys, n, "auto", *head) for n in (1, 2))
+    assert (est_one["working_set_bytes"], est_two["working_set_bytes"]) == (790_528, 2 * 790_528)
+    assert two - one == 790_528 - 65_536 + 4_096
+
+
 @pytest.mark.parametrize("attention,bias", [("sdpa", 2), ("local", 0)])
 def test_document_mask_estimate_is_what_the_probed_step_holds_more(capsys, attention, bias):
     """data.reset_attention_mask, 3 micro-batches of b = 2, s = 256 (bf16): the step's three [2, 1, 256, 256] bool

@@ -64,6 +64,7 @@ def test_a_checkpoint_older_than_the_architecture_keys_is_the_gpt2_it_was(tmp_pa
 
 
 ROPE = ['model.position_embedding="rope"']
+SCALED = ROPE + ["model.rope_scaling_factor=8.0"]
 
 
 @pytest.mark.parametrize("saved,now,diff", [
@@ -73,7 +74,17 @@ ROPE = ['model.position_embedding="rope"']
      r"model\.num_attention_heads: saved 4, now 8; model\.num_query_groups: saved 2, now 4"),
     (ROPE, ROPE + ["model.rope_base=500000"], r"model\.rope_base: saved 10000, now 500000"),
     ([], ["model.norm_epsilon=1e-06"], r"model\.norm_epsilon: saved 1e-05, now 1e-06"),
-], ids=["heads", "heads-and-groups", "rope-base", "norm-epsilon"])
+    ([], ['model.mlp="gelu_tanh"'], r"model\.mlp: saved 'gelu', now 'gelu_tanh'"),
+    (SCALED, SCALED + ["model.rope_scaling_low_freq_factor=2.0"],
+     r"model\.rope_scaling_low_freq_factor: saved 1\.0, now 2\.0"),
+    (SCALED, SCALED + ["model.rope_scaling_original_max_positions=4096"],
+     r"model\.rope_scaling_original_max_positions: saved 8192, now 4096"),
+    (ROPE, ROPE + ["model.sliding_window=64"], r"model\.sliding_window: saved None, now 64"),
+    (["model.num_attention_heads=2", "model.head_dim=32"], ["model.num_attention_heads=4", "model.head_dim=16"],
+     r"model\.head_dim: saved 32, now 16; model\.num_attention_heads: saved 2, now 4; model\.num_query_groups: "
+     r"saved 2, now 4"),
+], ids=["heads", "heads-and-groups", "rope-base", "norm-epsilon", "gelu-tanh", "rope-low-freq", "rope-original",
+        "sliding-window", "head-size"])
 def test_a_changed_model_that_keeps_every_tensor_shape_is_refused(tmp_path, saved, now, diff):
     """The changes a tensor-by-tensor load cannot see (issue #40's combination: identity × resume refusal): more
     heads of a smaller width over the same hidden size, the same K/V width from other (heads, groups), another RoPE
@@ -103,3 +114,24 @@ def test_another_optimizer_or_fp32_states_into_bf16_ones_is_refused_and_bf16_int
     bf16 = {**old, "optimizer_state_dtype": "bf16"}
     assert check_optimizer(tmp_path, bf16, "adamw", "bf16") is None
     assert "its bf16 optimizer states continue as fp32 ones (exactly)" in check_optimizer(tmp_path, bf16, "adamw", "fp32")
+
+
+@pytest.mark.parametrize("now,diff", [
+    ([], None),
+    (["model.rope_scaling_high_freq_factor=8.0"], r"model\.rope_scaling_high_freq_factor: saved 4\.0, now 8\.0"),
+    (["model.bias=false", "model.qkv_bias=true"], r"model\.bias: saved True, now False; model\.qkv_bias: saved "
+                                                  r"False, now True"),
+], ids=["same", "another-high-freq-factor", "qkv-bias"])
+def test_a_checkpoint_older_than_the_families_keys_is_the_model_megatron_computed(tmp_path, now, diff):
+    """Checkpoints written before head_dim, qkv_bias, sliding_window and the RoPE scaling's three other values were
+    keys: their scaling was megatron's own (low 1, high 4, original 8192: the keys' defaults), their heads hidden /
+    heads, no QKV-only biases, no window; they resume as that model and are refused by another."""
+    from pretrain.checkpoint.read import ROPE_SCALING_KEYS
+    old = identity(tmp_path, SCALED)
+    for key in ("qkv_bias", "head_dim", "sliding_window", *ROPE_SCALING_KEYS):
+        del old["model"][key]
+    if diff is None:
+        check_identity(tmp_path, old, identity(tmp_path, SCALED))
+    else:
+        with pytest.raises(CheckpointError, match=diff):
+            check_identity(tmp_path, old, identity(tmp_path, SCALED + now))

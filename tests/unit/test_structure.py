@@ -77,13 +77,16 @@ def test_engine_imports_no_analysis_pretrain_or_megatron():
 
 # pretrain's floors, lowest first: a module imports pretrain modules of its own floor or of floors below it.
 # Ground: what every floor reads (the config tree, its self-checking sections and the blend grammar, errors, metrics sinks,
-# the run summary). Wings by concern, each a package. The model above them; the training step (pretrain/step.py, with
+# the run summary). The model families (pretrain/families/: each HF class's [model] keys, names and layouts, read by the
+# HF import and export and by hf_config) right above it, so that every wing and entry may read them. Wings by concern,
+# each a package. The model above them; the training step (pretrain/step.py, with
 # the pipeline schedule it runs) above the model, the loop above the step; the probe runs the loop's own step and
 # builds as the loop does, so it stands above the loop; the command-line entry modules on top, imported by nothing.
 PRETRAIN_FLOORS = (
     ("ground", ("pretrain", "pretrain.atomic", "pretrain.config", "pretrain.sections", "pretrain.errors",
                 "pretrain.metrics",
                 "pretrain.summary", "pretrain.blend", "pretrain.schedule")),
+    ("families wing", ("pretrain.families",)),
     ("data wing", ("pretrain.data",)),
     ("runtime wing", ("pretrain.runtime",)),
     ("checkpoint wing", ("pretrain.checkpoint",)),
@@ -94,7 +97,7 @@ PRETRAIN_FLOORS = (
     ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.hf_config", "pretrain.preprocess", "pretrain.probe.__main__",
                "pretrain.launcher", "pretrain.config_reference")),
 )
-WINGS = ("data", "runtime", "checkpoint", "model", "probe")
+WINGS = ("families", "data", "runtime", "checkpoint", "model", "probe")
 
 
 def floor_of(name: str) -> int | None:
@@ -188,11 +191,11 @@ def test_megatron_internals_only_in_patches_and_model():
 
 
 def test_megatron_patches_stay_small():
-    """The CPU patches, the gloo groups and the version check within 200 lines; the lean import (lean.py) within
-    70 more."""
+    """The CPU patches, the gloo groups, the version check and the compile seam (compile.py: megatron's one warning
+    inside its layers counted as given) within 215 lines; the lean import (lean.py) within 70 more."""
     files = {p.name: len(p.read_text().splitlines()) for p in (REPO / "megatron_patches").glob("*.py")}
     lean = files.pop("lean.py")
-    assert sum(files.values()) <= 200 and lean <= 70, f"megatron_patches/: {files}, lean.py {lean} lines"
+    assert sum(files.values()) <= 215 and lean <= 70, f"megatron_patches/: {files}, lean.py {lean} lines"
 
 
 def test_cuda_mode_patches_nothing_and_cpu_mode_is_undone():
@@ -449,3 +452,31 @@ def test_one_module_composes_the_training_step():
     parts = ("forward_backward", "run_micro_batches", "finish_step", "engine.step", "lr_at")
     probe = [f"{path}:{n}: {callee}" for path, n, callee in _calls("pretrain/probe") if callee.endswith(parts)]
     assert probe == []
+
+
+# pretrain/families/: the family modules, and the modules every family shares
+FAMILY_MACHINERY = ("__init__", "family", "registry", "table")
+
+
+def test_a_family_is_its_module_and_one_registry_line():
+    """Issue #54: a model family is one module of pretrain/families/ and one line of the registry's FAMILY_MODULES;
+    its HF class name appears in no other pretrain module (the HF import and export, hf_config and the docs' table
+    read the registry), and it imports nothing of pretrain beyond the ground floor and its own package (its layer-spec
+    choices are `[model]` keys, which the model wing builds)."""
+    from pretrain.families.registry import FAMILIES, FAMILY_MODULES
+    folder = REPO / "pretrain" / "families"
+    modules_found = sorted(p.stem for p in folder.glob("*.py") if p.stem not in FAMILY_MACHINERY)
+    assert sorted(FAMILY_MODULES) == modules_found
+    registry = (folder / "registry.py").read_text()
+    assert all(registry.count(f'\n    "{name}",\n') == 1 for name in FAMILY_MODULES)  # one line each
+    for name, family in zip(FAMILY_MODULES, FAMILIES):
+        assert type(family).__module__ == f"pretrain.families.{name}"
+        named = [f"{path}:{n}" for path, n, line in _source_lines("pretrain") if family.architecture in line
+                 and path != f"pretrain/families/{name}.py"]
+        assert named == [], f"{family.architecture} is named outside pretrain/families/{name}.py"
+        ground = dict(PRETRAIN_FLOORS)["ground"]
+        reads = [m for m, _ in imports(folder / f"{name}.py") if m.startswith("pretrain")
+                 and not m.startswith("pretrain.families") and m not in ground]
+        assert reads == [], f"pretrain/families/{name}.py imports {reads}"
+    hf_reads = [m for m, _ in imports(REPO / "pretrain" / "checkpoint" / "hf.py") if m.startswith("pretrain.families")]
+    assert hf_reads == ["pretrain.families.registry"]

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     arch.add_argument("--position-embedding", choices=list(POSITION_EMBEDDINGS), default="learned")
     arch.add_argument("--no-bias", action="store_true", help="no biases on the linear layers")
     arch.add_argument("--qk-layernorm", action="store_true", help="a norm over each query and key head")
+    arch.add_argument("--qkv-bias", action="store_true",
+                      help="biases on the QKV projection alone (Qwen2; with --no-bias)")
+    arch.add_argument("--head-dim", type=int, help="the head size (megatron's kv_channels); default hidden / heads")
     ap.add_argument("--prefetch-units", type=int, default=ZERO.prefetch_units, help="stage 3 units gathered ahead")
     ap.add_argument("--margin-fraction", type=float, default=DEFAULT_MARGIN_FRACTION)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table (not with --plan)")
@@ -171,7 +174,7 @@ def model_shape(args, vocab: int, seq: int) -> GPTShape:
     return GPTShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=seq, vocab=vocab, ffn=args.ffn,
                     query_groups=args.query_groups, mlp=args.mlp, norm=args.norm,
                     position_embedding=args.position_embedding, bias=not args.no_bias,
-                    qk_layernorm=args.qk_layernorm, tied=args.tied)
+                    qk_layernorm=args.qk_layernorm, tied=args.tied, qkv_bias=args.qkv_bias, kv_channels=args.head_dim)
 
 
 def _rank(ap: argparse.ArgumentParser, args) -> int:

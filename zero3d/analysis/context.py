@@ -52,12 +52,12 @@ def gathered_kv_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_b
 def context_backward_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:
     """Activation gradients alive while a context-parallel layer's attention back-propagates: the gradients of
     the gathered K and V (2·e·S·b·g·d/t, reduce-scattered after), of Q and of the attention's output
-    (2·e·s·b·h/t), less the MLP activations the layer's backward has freed by then
-    (estimate.backward_transient_bytes takes the larger of this and fc2's moment)."""
+    (2·e·s·b·a·d/t: a·d = h unless the shape sets its head size), less the MLP activations the layer's backward
+    has freed by then (estimate.backward_transient_bytes takes the larger of this and fc2's moment)."""
     if cp == 1:
         return 0
-    s, b, e, h = shape.seq // cp, micro_batch, act_bytes, shape.hidden
-    return (2 * e * shape.seq * b * shape.kv_width + 2 * e * s * b * h
+    s, b, e, q = shape.seq // cp, micro_batch, act_bytes, shape.query_width
+    return (2 * e * shape.seq * b * shape.kv_width + 2 * e * s * b * q
             - local_shape(shape, cp).mlp_activation_bytes(b, e)) // tp
 
 

@@ -16,33 +16,35 @@ class StepFlops:
 
 def layer_forward_flops_per_token(hidden: int, seq_length: int, ffn_hidden: Optional[int] = None,
                                   num_attention_heads: int = 1, num_query_groups: Optional[int] = None,
-                                  gated_mlp: bool = False) -> int:
+                                  gated_mlp: bool = False, head_dim: Optional[int] = None) -> int:
     """One transformer layer's forward matmul FLOPs for one token (2 per multiply-add):
 
-      Q and output projections  2·h·h each
-      K and V projections       2·h·(g·d) each, d = h / heads, g = query groups (g = heads: multi-head)
-      scores QKᵀ and AV         2·s·h each (the whole s × s matrix, as Megatron counts it)
+      Q and output projections  2·h·(a·d) each, a heads of d = head_dim (default h / a: a·d = h)
+      K and V projections       2·h·(g·d) each, g = query groups (g = heads: multi-head)
+      scores QKᵀ and AV         2·s·(a·d) each (the whole s × s matrix, as Megatron counts it)
       MLP                       2·h·f per matrix: two (GELU) or three (gated: SwiGLU)
 
-    With f = 4h, multi-head and no gate: 24·h² + 4·s·h, Narayanan et al. 2021's 24·h²·(1 + s/(6h)).
-    Softmax, norms, biases and activations are not counted (under 1% at these shapes)."""
+    With f = 4h, multi-head, d = h / a and no gate: 24·h² + 4·s·h, Narayanan et al. 2021's 24·h²·(1 + s/(6h)).
+    Softmax, norms, biases (the QKV-only ones too) and activations are not counted (under 1% at these shapes)."""
     ffn = 4 * hidden if ffn_hidden is None else ffn_hidden
     groups = num_attention_heads if num_query_groups is None else num_query_groups
-    kv_width = hidden // num_attention_heads * groups
-    projections = 2 * hidden * hidden * 2 + 2 * hidden * kv_width * 2
-    attention = 2 * seq_length * hidden * 2
+    d = hidden // num_attention_heads if head_dim is None else head_dim
+    query_width, kv_width = num_attention_heads * d, groups * d
+    projections = 2 * hidden * query_width * 2 + 2 * hidden * kv_width * 2
+    attention = 2 * seq_length * query_width * 2
     mlp = 2 * hidden * ffn * (3 if gated_mlp else 2)
     return projections + attention + mlp
 
 
 def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: int, global_batch: int,
                    recompute: bool, ffn_hidden: Optional[int] = None, num_attention_heads: int = 1,
-                   num_query_groups: Optional[int] = None, gated_mlp: bool = False) -> StepFlops:
+                   num_query_groups: Optional[int] = None, gated_mlp: bool = False,
+                   head_dim: Optional[int] = None) -> StepFlops:
     """Model and hardware FLOPs of one step. `vocab_size`: the padded vocabulary (the logit GEMM's width);
     the logit layer (2·h·V a token) is never recomputed. Integers throughout, so the counts are exact."""
     tokens = global_batch * seq_length
     layers = num_layers * layer_forward_flops_per_token(hidden, seq_length, ffn_hidden, num_attention_heads,
-                                                        num_query_groups, gated_mlp) * tokens
+                                                        num_query_groups, gated_mlp, head_dim) * tokens
     logits = 2 * hidden * vocab_size * tokens
     model = 3 * (layers + logits)
     return StepFlops(model=model, hardware=model + (layers if recompute else 0))

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 from zero3d.analysis.flops import StepFlops, gpt_step_flops
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
 
@@ -24,7 +24,8 @@ def padded_vocab(vocab: int, tp: int = 1, divisible_by: int = VOCAB_DIVISIBLE_BY
 @dataclass(frozen=True)
 class GPTShape:
     """A decoder-only transformer: GPT-2's (the defaults) or a Llama-shaped one (RoPE, SwiGLU, RMSNorm, GQA,
-    no biases, untied head). Validated when built: a bad value raises ValueError naming it and what is valid."""
+    no biases, untied head), with Qwen's head size (`kv_channels`) and QKV-only biases. Validated when built: a
+    bad value raises ValueError naming it and what is valid."""
 
     layers: int
     hidden: int
@@ -36,11 +37,18 @@ class GPTShape:
     """MLP width (each of the gate and up projections under SwiGLU); None: 4 × hidden."""
     query_groups: Optional[int] = None
     """Key/value heads (GQA; 1: MQA); None: one per query head."""
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """gelu (exact or GPT-2's tanh approximation: the same matrices) or swiglu (gate, up and down)."""
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     position_embedding: Literal["learned", "rope"] = "learned"
     bias: bool = True
     """Biases on the linear layers (QKV, projection, fc1, fc2)."""
+    qkv_bias: bool = False
+    """Biases on the QKV projection alone (Qwen2's), where `bias` is False."""
+    kv_channels: Optional[int] = None
+    """The size of each attention head (megatron's kv_channels, HF's head_dim); None: hidden / heads. The query
+    and the attention's output are heads × kv_channels wide, which need not be `hidden` (Qwen3-0.6B: 16 × 128 over
+    a hidden size of 1024)."""
     qk_layernorm: bool = False
     """A norm over each query and key head (head_dim wide, shared by the heads)."""
     tied: bool = False
@@ -52,8 +60,12 @@ class GPTShape:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} = {value!r} is invalid; must be a positive integer")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden = {self.hidden} is not divisible by heads = {self.heads}")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or self.kv_channels <= 0):
+            raise ValueError(f"kv_channels = {self.kv_channels!r} is invalid; must be a positive integer (or None: "
+                             "hidden / heads)")
+        if self.kv_channels is None and self.hidden % self.heads:
+            raise ValueError(f"hidden = {self.hidden} is not divisible by heads = {self.heads} (or give kv_channels, "
+                             "the head size)")
         if self.ffn is not None and (not isinstance(self.ffn, int) or self.ffn <= 0):
             raise ValueError(f"ffn = {self.ffn!r} is invalid; must be a positive integer (or None: 4 × hidden)")
         if self.query_groups is not None and (not isinstance(self.query_groups, int) or self.query_groups <= 0
@@ -77,7 +89,13 @@ class GPTShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
+
+    @property
+    def query_width(self) -> int:
+        """Width of the query projection and of the attention's output: heads × head size (hidden unless
+        kv_channels says otherwise)."""
+        return self.heads * self.head_dim
 
     @property
     def kv_width(self) -> int:
@@ -99,10 +117,11 @@ class GPTShape:
 
     def layer_params(self, tp: int = 1) -> int:
         """One transformer layer on one TP rank: 12h² + 13h for GPT-2 at tp = 1 (ffn = 4h)."""
-        h, f, m = self.hidden, self.ffn_size, 2 if self.gated else 1
-        qkv = h + 2 * self.kv_width
+        h, f, m, q = self.hidden, self.ffn_size, 2 if self.gated else 1, self.query_width
+        qkv = q + 2 * self.kv_width
         # split across TP: the QKV and fc1 (column-parallel) weights and biases, the projection and fc2 weights
-        split = h * qkv + h * h + h * f * m + f * h + (qkv + f * m if self.bias else 0)
+        split = (h * qkv + q * h + h * f * m + f * h + (qkv if self.bias or self.qkv_bias else 0)
+                 + (f * m if self.bias else 0))
         # whole on every rank: the projection and fc2 biases (row-parallel), the two norms, the q/k norms
         whole = (2 * h if self.bias else 0) + 2 * self.norm_params(h) \
             + (2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0)
@@ -110,9 +129,9 @@ class GPTShape:
 
     def hidden_matrix_params(self, tp: int = 1) -> int:
         """The layers' 2-D weights on one TP rank (QKV, projection, fc1, fc2): what Muon takes whole."""
-        h, f = self.hidden, self.ffn_size
+        h, f, q = self.hidden, self.ffn_size, self.query_width
         fc1 = h * f * (2 if self.gated else 1)  # SwiGLU's gate and up: one matrix
-        return self.layers * (h * (h + 2 * self.kv_width) + h * h + fc1 + f * h) // tp
+        return self.layers * (h * (q + 2 * self.kv_width) + q * h + fc1 + f * h) // tp
 
     def embedding_params(self, tp: int = 1) -> int:
         """The word embedding (this rank's slice of the padded vocabulary) and learned positions (none: RoPE)."""
@@ -133,10 +152,12 @@ class GPTShape:
         against, and the layouts the Hugging Face maps read."""
         h, f, m, v = self.hidden, self.ffn_size, 2 if self.gated else 1, self.padded_vocab(1)
         norms = ("weight", "bias") if self.norm == "layernorm" else ("weight",)
-        qkv = h + 2 * self.kv_width
+        qkv = self.query_width + 2 * self.kv_width
         layer = {f"{n}.{w}": (h,) for n in ("input_layernorm", "pre_mlp_layernorm") for w in norms}
         layer["self_attention.linear_qkv.weight"] = (qkv, h)
-        layer["self_attention.linear_proj.weight"] = (h, h)
+        if self.qkv_bias and not self.bias:
+            layer["self_attention.linear_qkv.bias"] = (qkv,)
+        layer["self_attention.linear_proj.weight"] = (h, self.query_width)
         layer.update({f"self_attention.{n}.{w}": (self.head_dim,) for n in ("q_layernorm", "k_layernorm")
                       for w in norms if self.qk_layernorm})
         layer.update({"mlp.linear_fc1.weight": (f * m, h), "mlp.linear_fc2.weight": (h, f)})
@@ -162,7 +183,7 @@ class GPTShape:
         """Model and hardware FLOPs of one step over the vocabulary padded for `tp` (zero3d.analysis.flops)."""
         return gpt_step_flops(self.layers, self.hidden, self.seq, self.padded_vocab(tp), global_batch, recompute,
                               ffn_hidden=self.ffn_size, num_attention_heads=self.heads,
-                              num_query_groups=self.groups, gated_mlp=self.gated)
+                              num_query_groups=self.groups, gated_mlp=self.gated, head_dim=self.head_dim)
 
     # ------------------------------------------------------------------ activations (bytes, one TP rank)
 
@@ -171,14 +192,16 @@ class GPTShape:
         `attention_state` the bytes core attention keeps beyond Q, K, V and its output (all heads).
 
         Whole on every rank: both norm inputs, the QKV and fc1 inputs (e each) and two 1-byte dropout masks.
-        Split by TP: Q and the projection input (e·h each), K and V (e·g·d each), fc1's output (e·f, 2·e·f
-        gated) and the activation's output (e·f); q/k norms keep their inputs too (e·(h + g·d)).
+        Split by TP: Q and the projection input (e·a·d each: e·h unless kv_channels sets d), K and V (e·g·d
+        each), fc1's output (e·f, 2·e·f gated) and the activation's output (e·f); q/k norms keep their inputs too
+        (e·(a·d + g·d)).
         GPT-2 at 2 bytes: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with local attention."""
         s, b, h, e = self.seq, micro_batch, self.hidden, act_bytes
         f, m = self.ffn_size, 2 if self.gated else 1
         whole = s * b * h * (4 * e + 2)
-        split = s * b * e * (2 * h + 2 * self.kv_width + f * m + f
-                             + (h + self.kv_width if self.qk_layernorm else 0))
+        q = self.query_width
+        split = s * b * e * (2 * q + 2 * self.kv_width + f * m + f
+                             + (q + self.kv_width if self.qk_layernorm else 0))
         return whole + (split + attention_state) // tp
 
     def mlp_activation_bytes(self, micro_batch: int, act_bytes: int) -> int:
