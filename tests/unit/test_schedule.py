@@ -100,3 +100,13 @@ def test_decay_steps_before_the_end_decays_to_min_lr_there_and_holds_it(schedule
             expected = MIN
         assert lr_at(step, cfg) == pytest.approx(expected, rel=1e-12), step
     assert lr_at(start - 1, cfg) == LR > lr_at(start + 1, cfg)  # the decay starts where the formula says
+
+
+@pytest.mark.parametrize("keys", [[], ['optimizer.schedule="wsd"', "optimizer.decay_fraction=0.2"]], ids=["cosine", "wsd"])
+def test_a_decay_of_no_steps_is_min_lr_from_decay_steps_on(keys):
+    """Nothing left to decay over — cosine with decay_steps = warmup_steps = 10; WSD's 0.2 of the 2 steps between the
+    warmup and decay_steps = 12, which rounds to none — is min_lr from decay_steps on, as after any decay."""
+    decay_steps = 12 if keys else WARMUP
+    cfg = cfg_of(f"optimizer.decay_steps={decay_steps}", *keys)
+    assert [lr_at(step, cfg) for step in range(WARMUP - 1, decay_steps + 2)] == (
+        [warmup(WARMUP - 1)] + [LR] * (decay_steps - WARMUP) + [MIN, MIN])
