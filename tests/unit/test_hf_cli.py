@@ -142,6 +142,13 @@ def test_save_final_hf_writes_what_export_writes_after_the_last_step(tmp_path):
         assert (tmp_path / "final" / name).read_bytes() == (tmp_path / "export" / name).read_bytes(), name
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "final")).__name__ == "GPT2LMHeadModel"
     assert AutoTokenizer.from_pretrained(tmp_path / "final").eos_token == "</s>"
+    # generate() stops at the id the run ended its documents with: the run's tokenizer's end-of-document id
+    from pretrain.data.tokenizers import Tokenizer
+    (model,) = (tmp_path / "cache").glob("tokenizer-*.model")
+    ours = Tokenizer(model)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((tmp_path / "final" / name).read_text())
+        assert (config["eos_token_id"], config["bos_token_id"]) == (ours.eod_id, ours.bos_id) == (2, 1), name
 
 
 @pytest.mark.parametrize("case", ["holds-a-file", "save-final-off", "no-hf-class"])
