@@ -178,11 +178,12 @@ def test_a_run_trained_at_tp2_dp2_stage3_exports_to_transformers(kind, tmp_path,
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_a_tied_llama_or_qwen3_run_exports_to_transformers_with_its_output_layer(kind, tmp_path):
+def test_a_tied_llama_or_qwen3_run_exports_to_transformers_with_its_output_layer(kind, tmp_path, monkeypatch):
     """A Llama-shaped run with model.tie_embeddings = true (Qwen3: its q/k norms too), 2 steps at TP 2, stage 3,
     `export --format hf`: the weights hold no lm_head (it is the embedding), so config.json must say
     tie_word_embeddings, or transformers would give the model a freshly initialised output layer; loaded with no
-    custom code, transformers' logits on held-out tokens equal zero3d's own forward within 1e-5."""
+    custom code, transformers' logits on held-out tokens equal zero3d's own forward within 1e-5. Exported in shards
+    (a model above the shard size: here 20 kB), with the index transformers reads, it computes the same logits."""
     import json
 
     from safetensors import safe_open
@@ -206,3 +207,12 @@ def test_a_tied_llama_or_qwen3_run_exports_to_transformers_with_its_output_layer
     with torch.no_grad():
         logits = hf(ours["tokens"]).logits
     torch.testing.assert_close(logits, ours["logits"], rtol=0, atol=1e-5)
+    import pretrain.checkpoint.export as export_module
+    monkeypatch.setattr(export_module, "SHARD_BYTES", 20_000)  # the embedding alone, the layers together
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "shards"), "--format", "hf", "--no-tokenizer"]) == 0
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "shards").glob("model-*.safetensors"))
+    assert len(shards) >= 2 and sorted(set(index["weight_map"].values())) == shards
+    with torch.no_grad():
+        sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "shards").eval()(ours["tokens"]).logits
+    assert torch.equal(sharded, logits)

@@ -115,6 +115,20 @@ def test_rope_leaves_the_sequence_length_free_and_learned_positions_do_not(tmp_p
         with pytest.raises(CheckpointError, match=rf"holds another model: model\.seq_length = {seq} \(it has 32\) \("):
             check_matches(gpt2, load_config(None, keys + [f"model.seq_length={seq}"]).model, "hf")
 
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_tied_llama_or_qwen3_imports_as_a_tied_model(tmp_path, kind):
+    """tie_word_embeddings (Llama 3.2 1B, Qwen3 0.6B): the directory holds no lm_head; it imports as a model with
+    model.tie_embeddings = true whose word embedding is transformers' input embedding (its output layer too)."""
+    import torch
+
+    from hf_models import build
+    hf = build(kind, tied=True)
+    hf.save_pretrained(tmp_path)
+    imported = ImportedModel(tmp_path)
+    assert imported.model["tie_embeddings"] is True and "output_layer.weight" not in imported.recipe
+    assert torch.equal(imported.tensor("embedding.word_embeddings.weight"), hf.get_output_embeddings().weight)
+
 def test_hf_config_prints_the_model_section(llama_dir, capsys):
     from pretrain.hf_config import main
     assert main([str(llama_dir)]) == 0
