@@ -1,6 +1,8 @@
 """SIGTERM to a rank (scancel, a container's stop, a preemption without --signal) is a stop: after the step, a
-checkpoint, status.json "interrupted", exit 75, and the same command resumes from that checkpoint. The command runs
-as users run it (`python -m pretrain`, forked from a process that imported torch once: tests/cli_fork.py)."""
+checkpoint, status.json "interrupted", exit 75, and the same command resumes from that checkpoint; so is SIGUSR1
+(Slurm's warning before the time limit), which `python -m pretrain` blocks from its first line until the loop's
+handler takes it. The command runs as users run it (`python -m pretrain`, forked from a process that imported torch
+once: tests/cli_fork.py)."""
 import json
 import os
 import signal
@@ -28,24 +30,25 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_stops_after_the_step_with_a_checkpoint_and_exit_75(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_stop_signal_stops_after_the_step_with_a_checkpoint_and_exit_75(tmp_path, signum):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS} | {"OMP_NUM_THREADS": "1"}
     run_dir, corpus = tmp_path / "run", tmp_path / "corpus.jsonl"
     corpus.write_text("".join((REPO / "data" / "corpus.jsonl").read_text().splitlines(keepends=True)[:100]))
     args = [*TINY, f"logging.run_dir={json.dumps(str(run_dir))}", f"data.corpus={json.dumps(str(corpus))}",
             f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}"]
-    command = start_python(["-m", "pretrain", *args, "train.steps=1000", "train.save_final=false"], env, REPO)
+    command = start_python(["-m", "pretrain", *args, "train.steps=300", "train.save_final=false"], env, REPO)
     deadline = time.monotonic() + 240
     while len(logged_steps(run_dir)) < 2 and time.monotonic() < deadline:  # training: a signal lands in a step
         time.sleep(0.05)
-    os.kill(command.pid, signal.SIGTERM)
-    out = command.finish(timeout=120)
+    os.kill(command.pid, signum)
+    out = command.finish(timeout=60)  # the step, then a checkpoint of a tiny model: seconds
     status = json.loads((run_dir / "status.json").read_text())
     step = status["steps"]
     assert (out.returncode, status["status"], status["exit_code"]) == (EXIT_REQUEUE, "interrupted", 75), out.stderr
     assert logged_steps(run_dir)[-1] == step >= 2  # stopped after the step the signal came in, saved at it
     assert out.stderr.splitlines()[-1] == (f"stopped by a signal (SIGINT/SIGUSR1/SIGTERM) after step {step} of "
-                                           f"1000: checkpoint step_{step:08d} saved, status.json \"interrupted\"; "
+                                           f"300: checkpoint step_{step:08d} saved, status.json \"interrupted\"; "
                                            "run the same command to resume")
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}\n"
     # the same command (a requeued job; here one step longer) continues from that checkpoint
