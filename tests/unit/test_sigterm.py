@@ -14,6 +14,7 @@ import pytest
 from cli_fork import run_pretrain_cli, start_python
 from pretrain.errors import EXIT_REQUEUE
 
+pytestmark = pytest.mark.one_core  # one process at a time, seconds each: the side lane (tools/run_suite.py)
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "ZERO3D_DEBUG",
