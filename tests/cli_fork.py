@@ -134,6 +134,9 @@ class StartedCommand:
         _start(self._proc)
         self.pid = self._proc.pid
 
+    def running(self) -> bool:
+        return self._proc.is_alive()
+
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
         """Exit status, stdout and stderr once it ends; a command running past `timeout` seconds is killed and
         raises subprocess.TimeoutExpired."""

@@ -40,9 +40,10 @@ def test_a_stop_signal_stops_after_the_step_with_a_checkpoint_and_exit_75(tmp_pa
             f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}"]
     command = start_python(["-m", "pretrain", *args, "train.steps=300", "train.save_final=false"], env, REPO)
     deadline = time.monotonic() + 240
-    while len(logged_steps(run_dir)) < 2 and time.monotonic() < deadline:  # training: a signal lands in a step
-        time.sleep(0.05)
-    os.kill(command.pid, signum)
+    while len(logged_steps(run_dir)) < 2 and command.running() and time.monotonic() < deadline:
+        time.sleep(0.05)  # until it trains: the signal lands in a step
+    if command.running():  # else its output says why it ended
+        os.kill(command.pid, signum)
     out = command.finish(timeout=60)  # the step, then a checkpoint of a tiny model: seconds
     status = json.loads((run_dir / "status.json").read_text())
     step = status["steps"]
