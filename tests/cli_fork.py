@@ -135,7 +135,8 @@ class StartedCommand:
         self.pid = self._proc.pid
 
     def running(self) -> bool:
-        return self._proc.is_alive()
+        """The command itself is still running (not only as the server reports it: see `_ended`)."""
+        return _running(self.pid)
 
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
         """Exit status, stdout and stderr once it ends; a command running past `timeout` seconds is killed and
