@@ -22,7 +22,8 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 TINY = ["--config", "configs/tiny.toml", "parallel.tensor=1", "model.num_layers=1", "model.hidden_size=32",
         "model.num_attention_heads=4", "model.seq_length=16", "model.vocab_size=384", "train.micro_batch_size=2",
         "train.global_batch_size=2", "train.eval_interval=0", "optimizer.warmup_steps=0", "train.save_interval=0",
-        "zero.bucket_elements=1000", "logging.wandb=false", "logging.console=plain", "logging.log_interval=1"]
+        "zero.bucket_elements=1000", "logging.wandb=false", "logging.console=plain", "logging.log_interval=1",
+        "optimizer.decay_steps=300"]  # fixed: the resume (a shorter train.steps) keeps the interrupted run's schedule
 
 
 def logged_steps(run_dir: Path) -> list[int]:
