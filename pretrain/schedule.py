@@ -41,4 +41,4 @@ def lr_at(step: int, cfg) -> float:
         start, shape = o.warmup_steps, o.schedule
     if step < start:
         return o.lr
-    return decayed(o.lr, o.min_lr, shape, min(1.0, (step - start) / max(1, end - start)))
+    return decayed(o.lr, o.min_lr, shape, 1.0 if step >= end else (step - start) / (end - start))

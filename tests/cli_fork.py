@@ -120,23 +120,50 @@ def _running(pid: int) -> bool:
         return False
 
 
+class StartedCommand:
+    """A command `start_python` started: its process id (signals go to it, the command itself), and `finish`."""
+
+    def __init__(self, args: list[str], env: dict, cwd):
+        _start_server()
+        self.command = ["python", *args]
+        self._tmp = tempfile.TemporaryDirectory(prefix="cli-")
+        self._out, self._err, self._status = (os.path.join(self._tmp.name, name)
+                                              for name in ("stdout", "stderr", "status"))
+        self._proc = _CONTEXT.Process(target=_child, args=(list(args), dict(env), str(cwd), self._out, self._err,
+                                                           self._status))
+        _start(self._proc)
+        self.pid = self._proc.pid
+
+    def running(self) -> bool:
+        """The command itself is still running (not only as the server reports it: see `_ended`)."""
+        return _running(self.pid)
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Exit status, stdout and stderr once it ends; a command running past `timeout` seconds is killed and
+        raises subprocess.TimeoutExpired."""
+        try:
+            deadline = time.monotonic() + timeout
+            self._proc.join(timeout)
+            if self._proc.is_alive() or not _ended(self.pid, self._status, deadline):
+                os.kill(self.pid, 9) if self._proc.exitcode is not None else self._proc.kill()
+                self._proc.join()
+                raise subprocess.TimeoutExpired(self.command, timeout)
+            with open(self._out) as o, open(self._err) as e:
+                return subprocess.CompletedProcess(self.command, exit_status(self._status, self._proc.exitcode),
+                                                   o.read(), e.read())
+        finally:
+            self._tmp.cleanup()
+
+
+def start_python(args: list[str], env: dict, cwd) -> StartedCommand:
+    """`python ARGS` started (as `run_python` runs it), not waited for."""
+    return StartedCommand(args, env, cwd)
+
+
 def run_python(args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
     """`python ARGS` (`-m MODULE ...` or `SCRIPT ...`): exit status, stdout and stderr; a run past `timeout`
     seconds is killed and raises subprocess.TimeoutExpired."""
-    _start_server()
-    command = ["python", *args]
-    with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
-        out, err, status = (os.path.join(tmp, name) for name in ("stdout", "stderr", "status"))
-        proc = _CONTEXT.Process(target=_child, args=(list(args), dict(env), str(cwd), out, err, status))
-        _start(proc)
-        deadline = time.monotonic() + timeout
-        proc.join(timeout)
-        if proc.is_alive() or not _ended(proc.pid, status, deadline):
-            os.kill(proc.pid, 9) if proc.exitcode is not None else proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired(command, timeout)
-        with open(out) as o, open(err) as e:
-            return subprocess.CompletedProcess(command, exit_status(status, proc.exitcode), o.read(), e.read())
+    return start_python(args, env, cwd).finish(timeout)
 
 
 def run_pretrain_cli(argv: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:

@@ -7,19 +7,20 @@ VOCAB = 250  # not a multiple of 128: megatron pads it (256 at TP 1 and 2), the 
 TOKENS = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def build(kind: str, vocab: int = VOCAB):
+def build(kind: str, vocab: int = VOCAB, tied: bool = False):
+    """A random `kind` model; `tied`: a Llama or Qwen3 whose output layer is its embedding (GPT-2's always is)."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     if kind == "llama":  # 6 heads in 2 key/value groups of 3, SwiGLU 80, untied
         config = LlamaConfig(vocab_size=vocab, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=32,
-                             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+                             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=tied)
         return LlamaForCausalLM(config).eval()
     if kind == "qwen3":  # the Llama's shape plus per-head q/k RMSNorms (head_dim 8), no sliding window
         from transformers import Qwen3Config, Qwen3ForCausalLM
         config = Qwen3Config(vocab_size=vocab, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                              num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-                             rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
+                             rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=tied)
         model = Qwen3ForCausalLM(config).eval()
         with torch.no_grad():  # the norms start at ones: random weights make a q/k mix-up visible
             for name, p in model.named_parameters():

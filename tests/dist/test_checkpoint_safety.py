@@ -187,6 +187,26 @@ def test_a_failed_save_is_retried_and_max_failed_saves_in_a_row_stop_the_run(sma
         assert manifest["step"] == step
 
 
+
+def test_failed_saves_with_successes_between_them_do_not_stop_the_run(small_disk):
+    """train.max_failed_saves = 2 counts failures in a row: saves 2 and 4 fail on a really full disk, saves 1, 3 and 5
+    succeed between and after them, and the run ends normally with every successful save complete."""
+    save_dir, filler = small_disk / "ckpt", small_disk / "filler"
+
+    def disk_full_at_2_and_4(rank, step, when, ckpt):
+        if step not in (2, 4):
+            return
+        ckpt.wait()  # before: the previous save published first (async); after: this one's write fails here
+        if rank == 0:
+            _fill(filler) if when == "before" else filler.unlink()
+    out = run_ranks(train_segment, 2, LAYOUT, save_dir, 0, 5, (1, 2, 3, 4, 5), False, 0, True, None, None, 2,
+                    disk_full_at_2_and_4, timeout=300)
+    assert all(len(rank["loss"]) == 5 for rank in out)
+    # the logged count after each save (an asynchronous save is published, and counted, at the next one) and at the end
+    assert [report.get("ckpt/failed_saves") for report in out[0]["reports"]] == [None, 1, 1, 1, 1, 0]
+    assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step_00000001", "step_00000003", "step_00000005"]
+    assert (save_dir / "latest").read_text() == "step_00000005\n"
+
 @pytest.mark.parametrize("payload", ["getattr_chain", "byte_record"])
 def test_issue_23_payloads_run_nothing_on_resume_or_export(two_checkpoints, tmp_path, payload):
     """The two code paths of issue 23, checkpoint.json rewritten to match: resume falls back to step 1

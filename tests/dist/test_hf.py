@@ -175,3 +175,44 @@ def test_a_run_trained_at_tp2_dp2_stage3_exports_to_transformers(kind, tmp_path,
     torch.testing.assert_close(logits, ours["logits"], rtol=0, atol=1e-5)
     generated = hf.generate(ours["tokens"][:, :4], max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape == (2, 8) and torch.equal(generated[:, :4], ours["tokens"][:, :4])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_tied_llama_or_qwen3_run_exports_to_transformers_with_its_output_layer(kind, tmp_path, monkeypatch):
+    """A Llama-shaped run with model.tie_embeddings = true (Qwen3: its q/k norms too), 2 steps at TP 2, stage 3,
+    `export --format hf`: the weights hold no lm_head (it is the embedding), so config.json must say
+    tie_word_embeddings, or transformers would give the model a freshly initialised output layer; loaded with no
+    custom code, transformers' logits on held-out tokens equal zero3d's own forward within 1e-5. Exported in shards
+    (a model above the shard size: here 20 kB), with the index transformers reads, it computes the same logits."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from checkpoint_harness import train_segment
+    from pretrain.checkpoint.export import main as export_main
+    overrides = LLAMA_KEYS + (["model.qk_layernorm=true"] if kind == "qwen3" else []) + [
+        "model.tie_embeddings=true", "parallel.tensor=2", "zero.stage=3", "model.vocab_size=384"]
+    run_ranks(train_segment, 2, overrides, tmp_path / "ckpt", 0, 2, (2,), timeout=300)
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "hf", "--no-tokenizer"]) == 0
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "megatron")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+    (ours,) = run_ranks(_zero3d_logits, 1, overrides, str(tmp_path / "megatron" / "model.safetensors"), timeout=300)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # tied, as the run was
+    with torch.no_grad():
+        logits = hf(ours["tokens"]).logits
+    torch.testing.assert_close(logits, ours["logits"], rtol=0, atol=1e-5)
+    import pretrain.checkpoint.export as export_module
+    monkeypatch.setattr(export_module, "SHARD_BYTES", 20_000)  # the embedding alone, the layers together
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "shards"), "--format", "hf", "--no-tokenizer"]) == 0
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "shards").glob("model-*.safetensors"))
+    assert len(shards) >= 2 and sorted(set(index["weight_map"].values())) == shards
+    with torch.no_grad():
+        sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "shards").eval()(ours["tokens"]).logits
+    assert torch.equal(sharded, logits)

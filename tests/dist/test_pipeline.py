@@ -50,3 +50,14 @@ def test_tensor_pipeline_and_data_parallel_together():
     out = run(8, ["zero.stage=2"] + layout, steps=4)
     assert out[0]["loss"][-1] < out[0]["loss"][0]
     assert_same_training(ref, out)
+
+
+def test_sequence_parallel_norms_at_stage_2_under_pipeline_sum_every_micro_batch():
+    """TP 2 × PP 2 with sequence parallelism, 2 micro-batches a step: megatron's schedule finishes the backward once
+    for both, so stage 2 holds each sequence-parallel norm's gradient whole across the two micro-batches before
+    summing it over TP; the same losses and gradient norms as stage 0 at that layout (which sums it at the step)."""
+    layout = ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "train.global_batch_size=4"]
+    ref = run(4, ["zero.stage=0"] + layout, steps=4)
+    out = run(4, ["zero.stage=2"] + layout, steps=4)
+    assert out[0]["loss"][-1] < out[0]["loss"][0]
+    assert_same_training(ref, out)

@@ -1,5 +1,6 @@
 """The whole training path on the shipped corpus: layouts agree, metrics are complete, resume is exact."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,53 @@ def test_resume_at_another_layout_through_the_loop(tmp_path, data_cache):
     for step in (3, 4):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=0), step
 
+
+
+@pytest.mark.parametrize("keys", [[], ["data.eod_mask_loss=true"]], ids=["loss", "eod-masked-loss"])
+def test_context_parallel_logs_the_one_rank_run(tmp_path, data_cache, keys):
+    """parallel.context = 2 through the training loop: what it logs — train/loss (the value the non-finite guard
+    reads), train/grad_norm, val/loss — equals the one-rank run's, step for step (fp32, 1e-6; the norm's squares
+    summed in another order, 2e-6). With data.eod_mask_loss each context rank's loss is its share of the masked
+    sum over the micro-batch's unmasked tokens (the step's count over every micro-batch and rank), so the loss and
+    its gradient are the one-rank run's mean over the global batch's unmasked tokens."""
+    base = SMALL + data_cache + keys + ["parallel.tensor=1", "zero.stage=2", "train.steps=4", "train.eval_interval=4",
+                                        'model.attention="sdpa"']
+    runs = {}
+    for name, world, layout in (("one", 1, []), ("context", 2, ["parallel.context=2"])):
+        run_dir = tmp_path / name
+        run_train(world, base + layout + [f"logging.run_dir={json.dumps(str(run_dir))}"])
+        runs[name] = records(run_dir)
+    one, context = runs["one"], runs["context"]
+    assert [r["step"] for r in context] == [r["step"] for r in one] == [1, 2, 3, 4]
+    for key, rtol in (("train/loss", 1e-6), ("train/grad_norm", 2e-6)):
+        assert [r[key] for r in context] == pytest.approx([r[key] for r in one], rel=rtol, abs=0), key
+    assert context[-1]["val/loss"] == pytest.approx(one[-1]["val/loss"], rel=1e-6, abs=0)
+    assert one[-1]["train/loss"] < one[0]["train/loss"]  # it trained: the steps moved the loss past the tolerance
+
+
+def test_a_non_finite_streak_at_context_2_stops_every_rank_where_one_rank_stops(tmp_path, data_cache):
+    """lr = 1e30 (finite, so accepted) makes the weights NaN producers. At parallel.context = 2 the guard reads the
+    loss the context ranks' shares sum to: both ranks stop with the one-rank run's error at its step (the second
+    non-finite step in a row), after the same logged losses, the last good checkpoint kept."""
+    base = SMALL + data_cache + ["parallel.tensor=1", "zero.stage=1", "train.steps=8", "train.save_interval=1",
+                                 "train.max_nonfinite_steps=2", "optimizer.lr=1e30", "optimizer.min_lr=0",
+                                 "optimizer.warmup_steps=0", "train.eval_interval=0", 'model.attention="sdpa"']
+    runs, errors = {}, {}
+    for name, world, layout in (("one", 1, []), ("context", 2, ["parallel.context=2"])):
+        run_dir = tmp_path / name
+        with pytest.raises(RuntimeError) as err:
+            run_train(world, base + layout + [f"logging.run_dir={json.dumps(str(run_dir))}"])
+        runs[name], errors[name] = records(run_dir), str(err.value)
+    losses = {name: [r["train/loss"] for r in rows] for name, rows in runs.items()}
+    finite = [i + 1 for i, loss in enumerate(losses["one"]) if math.isfinite(loss)]
+    assert len(losses["one"]) == finite[-1] + 2  # stopped at the second non-finite step in a row
+    assert len(losses["context"]) == len(losses["one"])
+    assert losses["context"][:len(finite)] == pytest.approx(losses["one"][:len(finite)], rel=1e-6, abs=0)
+    assert not any(math.isfinite(loss) for loss in losses["context"][len(finite):])
+    line = f"loss or gradient norm not finite for 2 consecutive steps (steps {len(finite) + 1}-{len(finite) + 2}: loss nan"
+    assert errors["one"].count(line) == 1 and errors["context"].count(line) == 2  # every rank's own error
+    for name in runs:
+        assert (tmp_path / name / "checkpoints" / "latest").read_text() == f"step_{finite[-1]:08d}\n"
 
 def test_data_error_reaches_every_rank(tmp_path):
     """A missing corpus is found before the process group starts; every rank raises the same clear error (no hang)

@@ -85,6 +85,26 @@ def test_a_bad_init_from_is_one_line_and_exit_3_before_any_data_work(tmp_path, l
     assert not (tmp_path / "pwned").exists()
 
 
+
+def test_init_from_a_learned_position_model_at_a_longer_sequence_is_refused(tmp_path):
+    """GPT-2's position table holds n_positions = 32 rows: a run at model.seq_length = 64 would need rows it does not
+    have (RoPE's sequence length is free: test_hf_import.py). One line naming the key, exit 3, before any data work."""
+    from pretrain.checkpoint.hf import ImportedModel, model_overrides
+    hf = tmp_path / "gpt2"
+    save("gpt2", hf)
+    overrides = model_overrides(ImportedModel(hf).model)  # what `python -m pretrain.hf_config` prints, as overrides
+    assert "model.seq_length=32" in overrides
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    out = run_pretrain_cli(["--config", "configs/tiny.toml", *overrides, "model.seq_length=64", "logging.wandb=false",
+                            "train.steps=2", "parallel.tensor=1", f"logging.run_dir={json.dumps(str(tmp_path / 'run'))}",
+                            f"train.init_from={json.dumps(str(hf))}",
+                            f"data.cache_dir={json.dumps(str(tmp_path / 'cache'))}"], env, REPO, timeout=120)
+    assert out.returncode == EXIT_INPUT, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"error: train.init_from = {str(hf)!r} holds another model: model.seq_length = 64 "
+                                 "(it has 32) (python -m pretrain.hf_config"), out.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
 def test_export_into_an_existing_directory_is_exit_2_before_the_checkpoint_is_read(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -124,6 +144,13 @@ def test_save_final_hf_writes_what_export_writes_after_the_last_step(tmp_path):
         assert (tmp_path / "final" / name).read_bytes() == (tmp_path / "export" / name).read_bytes(), name
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "final")).__name__ == "GPT2LMHeadModel"
     assert AutoTokenizer.from_pretrained(tmp_path / "final").eos_token == "</s>"
+    # generate() stops at the id the run ended its documents with: the run's tokenizer's end-of-document id
+    from pretrain.data.tokenizers import Tokenizer
+    (model,) = (tmp_path / "cache").glob("tokenizer-*.model")
+    ours = Tokenizer(model)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((tmp_path / "final" / name).read_text())
+        assert (config["eos_token_id"], config["bos_token_id"]) == (ours.eod_id, ours.bos_id) == (2, 1), name
 
 
 @pytest.mark.parametrize("case", ["holds-a-file", "save-final-off", "no-hf-class"])

@@ -103,6 +103,39 @@ def test_init_from_a_model_of_another_shape_names_each_key(llama_dir):
         check_matches({"position_embedding": "rope", **model}, cfg.model, "hf")
 
 
+
+def test_rope_leaves_the_sequence_length_free_and_learned_positions_do_not(tmp_path, llama_dir):
+    """A RoPE model computes any sequence length (train.init_from of the Llama at 64 or 16 positions is its model); a
+    learned position table has its n_positions rows, so GPT-2's at another length is another model, named."""
+    llama = {"position_embedding": "rope", **model_section(read_hf_config(llama_dir))}
+    keys = ['model.position_embedding="rope"', 'model.mlp="swiglu"', 'model.norm="rmsnorm"', "model.bias=false",
+            "model.hidden_size=48", "model.num_attention_heads=6", "model.num_query_groups=2", "model.ffn_hidden_size=80",
+            "model.vocab_size=250", "model.rope_base=500000", "model.num_layers=2", "model.tie_embeddings=false"]
+    for seq in (16, 32, 64):
+        check_matches(llama, load_config(None, keys + [f"model.seq_length={seq}"]).model, "hf")
+    save("gpt2", tmp_path / "gpt2")
+    gpt2 = ImportedModel(tmp_path / "gpt2").model
+    keys = ["model.hidden_size=48", "model.num_attention_heads=4", "model.ffn_hidden_size=100", "model.vocab_size=250",
+            "model.num_layers=2", "model.tie_embeddings=true"]
+    check_matches(gpt2, load_config(None, keys + ["model.seq_length=32"]).model, "hf")
+    for seq in (16, 64):
+        with pytest.raises(CheckpointError, match=rf"holds another model: model\.seq_length = {seq} \(it has 32\) \("):
+            check_matches(gpt2, load_config(None, keys + [f"model.seq_length={seq}"]).model, "hf")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_tied_llama_or_qwen3_imports_as_a_tied_model(tmp_path, kind):
+    """tie_word_embeddings (Llama 3.2 1B, Qwen3 0.6B): the directory holds no lm_head; it imports as a model with
+    model.tie_embeddings = true whose word embedding is transformers' input embedding (its output layer too)."""
+    import torch
+
+    from hf_models import build
+    hf = build(kind, tied=True)
+    hf.save_pretrained(tmp_path)
+    imported = ImportedModel(tmp_path)
+    assert imported.model["tie_embeddings"] is True and "output_layer.weight" not in imported.recipe
+    assert torch.equal(imported.tensor("embedding.word_embeddings.weight"), hf.get_output_embeddings().weight)
+
 def test_hf_config_prints_the_model_section(llama_dir, capsys):
     from pretrain.hf_config import main
     assert main([str(llama_dir)]) == 0

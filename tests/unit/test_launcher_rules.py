@@ -1,4 +1,5 @@
 """The launcher's verdict from its ranks' exit codes, and its flags, without starting a process."""
+import os
 import signal
 
 import pytest
@@ -70,3 +71,47 @@ def test_a_signal_after_the_ranks_exited_cannot_kill_the_launcher(monkeypatch, c
         for sig, handler in before.items():
             signal.signal(sig, handler)
     assert "rank 0 exited with code 130" in capsys.readouterr().err
+
+
+class StopsOnSignal:
+    """A rank that runs until it is sent a signal, then exits 75 (a stop with a checkpoint), or after 40 looks (2 s
+    of the launcher's polling) without one ends its run, 0; the first look at any rank sends `signal_to_send` to
+    this process, the launcher, as a terminal, `docker stop` or Slurm would."""
+    signal_to_send = None
+
+    def __init__(self):
+        self.received, self.returncode, self.looks = [], None, 0
+
+    def poll(self):
+        if StopsOnSignal.signal_to_send is not None:
+            signum, StopsOnSignal.signal_to_send = StopsOnSignal.signal_to_send, None
+            os.kill(os.getpid(), signum)
+        self.looks += 1
+        if self.returncode is None and (self.received or self.looks > 40):
+            self.returncode = 75 if self.received else 0
+        return self.returncode
+
+    def send_signal(self, signum):
+        self.received.append(signum)
+
+    def kill(self):
+        self.returncode = -9
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_to_the_launcher_reaches_every_rank_once(monkeypatch, signum):
+    """SIGTERM (a container's stop: the launcher is its first process), SIGUSR1 and SIGINT sent to the launcher are
+    each passed to every rank once, and the ranks' 75 is its code. Until the launcher takes the signal, this test's
+    own handler holds it (Python's default would end the test process)."""
+    ranks = []
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: ranks.append(StopsOnSignal()) or ranks[-1])
+    monkeypatch.setattr(StopsOnSignal, "signal_to_send", signum)
+    before = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    unforwarded = []
+    signal.signal(signum, lambda *a: unforwarded.append(signum))
+    try:
+        assert launcher.main(["--nproc-per-node", "2", "--config", "configs/tiny.toml"]) == 75
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert unforwarded == [] and [rank.received for rank in ranks] == [[signum], [signum]]

@@ -75,3 +75,38 @@ def test_bad_schedule_settings_are_one_line_naming_the_value(overrides, message)
     with pytest.raises(ConfigError) as err:
         cfg_of(*overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["wsd-linear", "wsd-cosine", "wsd-1-sqrt", "cosine", "linear"])
+def test_decay_steps_before_the_end_decays_to_min_lr_there_and_holds_it(schedule):
+    """optimizer.decay_steps = 60 < train.steps = 100: the decay ends at step 60, not at train.steps, and min_lr holds
+    from there to the run's end. WSD's decay is the last 0.3 of the 50 steps from the warmup to decay_steps (15):
+    steps 10..44 at LR, 45..59 decaying; cosine and linear decay over steps 10..59."""
+    name, _, shape = schedule.partition("-")
+    keys = ['optimizer.schedule="wsd"', "optimizer.decay_fraction=0.3", f'optimizer.decay_shape="{shape}"'] \
+        if name == "wsd" else [f'optimizer.schedule="{name}"']
+    cfg = cfg_of("optimizer.decay_steps=60", *keys)
+    start = {"wsd": 45, "cosine": WARMUP, "linear": WARMUP}[name]
+    left = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+            "1-sqrt": lambda p: 1 - math.sqrt(p)}[shape or name]
+    for step in range(STEPS + 5):
+        if step < WARMUP:
+            expected = warmup(step)
+        elif step < start:
+            expected = LR
+        elif step < 60:
+            expected = MIN + (LR - MIN) * left((step - start) / (60 - start))
+        else:
+            expected = MIN
+        assert lr_at(step, cfg) == pytest.approx(expected, rel=1e-12), step
+    assert lr_at(start - 1, cfg) == LR > lr_at(start + 1, cfg)  # the decay starts where the formula says
+
+
+@pytest.mark.parametrize("keys", [[], ['optimizer.schedule="wsd"', "optimizer.decay_fraction=0.2"]], ids=["cosine", "wsd"])
+def test_a_decay_of_no_steps_is_min_lr_from_decay_steps_on(keys):
+    """Nothing left to decay over — cosine with decay_steps = warmup_steps = 10; WSD's 0.2 of the 2 steps between the
+    warmup and decay_steps = 12, which rounds to none — is min_lr from decay_steps on, as after any decay."""
+    decay_steps = 12 if keys else WARMUP
+    cfg = cfg_of(f"optimizer.decay_steps={decay_steps}", *keys)
+    assert [lr_at(step, cfg) for step in range(WARMUP - 1, decay_steps + 2)] == (
+        [warmup(WARMUP - 1)] + [LR] * (decay_steps - WARMUP) + [MIN, MIN])

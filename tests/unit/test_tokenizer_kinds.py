@@ -226,3 +226,65 @@ def test_preprocess_tokenizer_flag_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
         parse_args(["--input", "c.jsonl", "--tokenizer-model", "t.model", "--output-prefix", "o", *argv])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def documents_holding_special_text(documents: list[str]) -> list[str]:
+    """Corpus documents with the end-of-document text (and sentencepiece's own control texts) inside them: at the
+    middle, at the start, at the end, twice, glued to words and alone."""
+    out = []
+    for i, d in enumerate(documents[:24]):
+        k = len(d) // 2
+        special = (EOD, "</s>", f"{EOD}{EOD}", " <s> ")[i % 4]
+        out.append((d[:k] + special + d[k:], special + d, d + special)[i % 3])
+    return out + [EOD, f"one{EOD}two", f" {EOD} ", "x</s>y", f"{EOD}\n{EOD}"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(files):
+    """A sentencepiece model zero3d trains on the same part of the corpus (its end-of-document text is "</s>")."""
+    from pretrain.data.preprocess import train_tokenizer
+    root, _ = files
+    return train_tokenizer(root / "part.jsonl", root / "sp", 512)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf", "gpt2_bpe", "tiktoken"])
+def test_end_of_document_text_in_a_document_gets_the_same_ids_on_every_path(tmp_path, files, sentencepiece_model, kind):
+    """A document holding the end-of-document text: the run's corpus build (one process, the loaded tokenizer), the
+    preprocess command's workers (each loading its own), encode() of the document alone and the exported
+    AutoTokenizer all give the reference library's ids of that document, called one document at a time (tiktoken's
+    ordinary encoding and sentencepiece read the text as text; `tokenizers` matches its added token), then the
+    end-of-document id."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from pretrain.checkpoint.export import hf_tokenizer
+    root, documents = files
+    texts = documents_holding_special_text(documents)
+    corpus = tmp_path / "special.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    spec = specs(root).get(kind) or TokenizerSpec("sentencepiece", str(sentencepiece_model))
+    if kind == "sentencepiece":
+        reference = spm.SentencePieceProcessor(model_file=str(sentencepiece_model))
+        expected = [reference.encode(t) for t in texts]
+    elif kind == "tiktoken":
+        ranks = tiktoken.load.load_tiktoken_bpe(str(root / "bpe.tiktoken"))
+        encoding = tiktoken.Encoding("reference", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens={EOD: len(ranks)})
+        expected = [encoding.encode_ordinary(t) for t in texts]
+    else:
+        expected = [ids for t in texts for ids in reference_ids(kind, root, [t])]
+    tokenizer = load_tokenizer(spec)
+    eod = tokenizer.eod_id
+    assert [tokenizer.encode(t) for t in texts] == expected
+    assert tokenizer.encode_batch(texts) == expected
+    if kind in ("sentencepiece", "tiktoken"):  # the text is text to these: the end-of-document id is never made from it
+        assert all(eod not in ids for ids in expected)
+    hf_tokenizer(spec, 64).save_pretrained(tmp_path / "hf")
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [exported(t).input_ids for t in texts] == expected
+    # the corpus built for a run (one process) and by the preprocess command (2 workers, each loading the tokenizer)
+    built = prepare_files(DataConfig(corpus=str(corpus), cache_dir=str(tmp_path / "cache"), tokenizer_kind=kind,
+                                     tokenizer_model=spec.model, tokenizer_merges=spec.merges), 512)
+    tokenize_corpus([corpus], spec, tmp_path / "tokens", workers=2)
+    for prefix in (built.blend[0][0], str(tmp_path / "tokens")):
+        assert [stored.tolist() for stored in IndexedDataset(prefix)] == [ids + [eod] for ids in expected], prefix

@@ -30,6 +30,8 @@ TINY = ["--config", "configs/tiny.toml", "parallel.tensor=1", "model.num_layers=
         "train.micro_batch_size=2", "train.global_batch_size=2", "train.eval_interval=0", "optimizer.warmup_steps=0",
         "zero.bucket_elements=1000", "logging.wandb=false", "logging.console=plain"]
 KINDS = ["sentencepiece", "hf", "gpt2_bpe", "tiktoken"]
+# tiktoken's run names its own end-of-document token (data.tokenizer_eod), as a Llama 3 tokenizer's user must
+EODS = {"tiktoken": "<|end_of_text|>"}
 
 
 def q(path) -> str:
@@ -95,16 +97,20 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
         train = ["--train-tokenizer", "--vocab-size", str(VOCAB)]
     else:
         train = []
+    eod = EODS.get(kind)
+    spec = TokenizerSpec(spec.kind, spec.model, spec.merges, eod)
     merges = ["--tokenizer-merges", spec.merges] if spec.merges else []
     assert preprocess_cli.main(["--input", str(CORPUS), "--tokenizer-kind", kind, "--tokenizer-model", spec.model,
-                                *merges, "--output-prefix", str(prefix), "--workers", "1", *train]) == 0
+                                *merges, "--output-prefix", str(prefix), "--workers", "1", *train,
+                                *(["--tokenizer-eod", eod] if eod else [])]) == 0
     capsys.readouterr()
     assert load_tokenizer(spec).vocab_size == VOCAB
 
     # optimizer.decay_steps fixed: the resume below trains on to train.steps = 4 on the first run's schedule
     data = ["~data.corpus", f"data.blend={q(prefix)}", f"data.tokenizer_kind={q(kind)}", f"data.cache_dir={q(cache)}",
             f"logging.run_dir={q(run_dir)}", "optimizer.decay_steps=4"] + (
-        [f"data.tokenizer_merges={q(spec.merges)}"] if spec.merges else [])
+        [f"data.tokenizer_merges={q(spec.merges)}"] if spec.merges else []) + (
+        [f"data.tokenizer_eod={q(eod)}"] if eod else [])
     first = run_pretrain(data + [f"data.tokenizer_model={q(spec.model)}", "train.steps=2"])
     assert first.returncode == 0, first.stderr[-3000:]
     assert "no checkpoint in" in first.stdout
@@ -117,7 +123,7 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
     # the same command naming another tokenizer file of this kind: same vocabulary, same .bin/.idx prefix
-    other = TokenizerSpec(kind, str(different), spec.merges)
+    other = TokenizerSpec(kind, str(different), spec.merges, eod)
     assert load_tokenizer(other).vocab_size == VOCAB and different.read_bytes() != Path(spec.model).read_bytes()
     saved, now = identity_sha256(spec, cache), identity_sha256(other, cache)
     assert saved != now
@@ -155,6 +161,8 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     documents = [d for d, _ in zip(read_documents(CORPUS), range(DOCUMENTS))]
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert [exported(d).input_ids for d in documents] == load_tokenizer(spec).encode_batch(documents)
+    if eod:  # the run's own end-of-document token, as the manifest recorded it
+        assert (exported.eos_token, exported.eos_token_id) == (eod, load_tokenizer(spec).eod_id)
     capsys.readouterr()
     assert export_main([str(run_dir / "checkpoints"), str(tmp_path / "hf2"), "--format", "hf",
                         "--tokenizer", str(different)]) == EXIT_INPUT
