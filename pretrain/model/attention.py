@@ -139,11 +139,12 @@ def shared_attention_bias(block, args, kwargs):
     return args, kwargs
 
 
-def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: bool = False) -> str:
+def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: bool = False, float8: bool = False) -> str:
     """The attention `model.attention` = `choice` runs: "te", "sdpa" or "local". `auto` is Transformer Engine
     on GPU where importable (and no ZeRO-R layer class is needed) unless a `document_mask` must be applied
-    (data.reset_attention_mask: config validation refuses 'te' with it), else SDPA; `te` is refused where it
-    can't run."""
+    (data.reset_attention_mask: config validation refuses 'te' with it) or the linears are `float8` (megatron's
+    local ones, pretrain/model/fp8.py; config validation refuses 'te' with precision.fp8), else SDPA; `te` is
+    refused where it can't run."""
     if choice not in CHOICES:
         raise ValueError(f"model.attention = {choice!r} is invalid; valid values: {', '.join(map(repr, CHOICES))}")
     te = on_cuda and not zero_recompute and _te_importable()
@@ -153,7 +154,7 @@ def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: boo
                "ZeRO-R's recomputed layers (zero.partition_activations / cpu / contiguous) use megatron's local layers")
         raise ValueError(f"model.attention = 'te' cannot run here: {why}; use 'auto', 'sdpa' or 'local'")
     if choice == "auto":
-        return "te" if te and not document_mask else "sdpa"
+        return "te" if te and not (document_mask or float8) else "sdpa"
     return choice
 
 

@@ -113,7 +113,8 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
 
     from pretrain.model.attention import SDPAttention, resolve
     documents = cfg.data.reset_attention_mask
-    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents)
+    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents,
+                        float8=cfg.precision.fp8 != "none")
     qk_norm = cfg.model.qk_layernorm
     if attention == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -131,6 +132,9 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
             self_attention, params={**(self_attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary})
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention))
+    if cfg.precision.fp8 != "none":  # QKV, projection, fc1, fc2 in float8 (pretrain/model/fp8.py)
+        from pretrain.model.fp8 import float8_layer
+        layer = float8_layer(layer, cfg.precision.fp8)
     if activations is not None:
         layer = dataclasses.replace(layer, module=_zero_recompute_layer_class(),
                                     params={**(layer.params or {}), "activations": activations})
