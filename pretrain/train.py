@@ -25,6 +25,7 @@ from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_REQUEUE, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
+from pretrain.model.fp8 import check_float8_device
 from pretrain.model.gpt import (DTYPES, activation_checkpointing, build_model, gather_units, parallel_groups,
                                 record_context_into)
 from pretrain.step import evaluate, train_step
@@ -109,6 +110,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
+    check_float8_device(cfg.precision.fp8, topo.device)  # precision.fp8 on a GPU without float8 matmuls: one line
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir

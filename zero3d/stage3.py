@@ -55,6 +55,7 @@ from zero3d.buckets import GradientBuckets
 from zero3d.comm.core import wait_all
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import DECAY_NAMES, flatten_params
+from zero3d.float8_gather import Float8Group, is_float8_weight
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
 from zero3d.offload import host_copy
@@ -77,6 +78,7 @@ class ParameterShardedEngine(DataParallelEngine):
         self.peak_gathered_elements = 0
         self._fetched = {}  # unit index -> device copies of host shards that its in-flight gathers read
         self._persistent = []  # the replicated groups of small parameters (set by _build_groups)
+        self._float8 = {}  # group name -> Float8Group: FP8 linear weights gathered as float8 (zero.fp8_gather)
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
         self.stream = torch.cuda.Stream(self.device) \
@@ -112,10 +114,15 @@ class ParameterShardedEngine(DataParallelEngine):
         for unit in self.units:
             for decays in named_groups:
                 named = [(name_of[p], p) for p in unit.params if decays_of.get(p) == decays and p.numel() > threshold]
-                if named:
-                    name = f"{unit.name}/{DECAY_NAMES[decays]}"
-                    out[name] = group = self._sharded_group(name, named, decays)
-                    unit.groups.append(group)
+                float8 = [self.plan.float8_gather and is_float8_weight(p) for _, p in named]  # in groups of their own
+                for suffix, part in (("", [x for x, f in zip(named, float8) if not f]),
+                                     ("/float8", [x for x, f in zip(named, float8) if f])):
+                    if part:
+                        name = f"{unit.name}/{DECAY_NAMES[decays]}{suffix}"
+                        out[name] = group = self._sharded_group(name, part, decays)
+                        unit.groups.append(group)
+                        if suffix:
+                            self._float8[name] = Float8Group(group.layout, self.dp.rank)
         for decays, kept in persistent.items():
             if kept:
                 name = f"{PERSISTENT}/{DECAY_NAMES[decays]}"
@@ -156,6 +163,13 @@ class ParameterShardedEngine(DataParallelEngine):
             return
         unit.full = []
         for group in unit.groups:
+            if group.name in self._float8:  # float8 codes and their scales (zero3d/float8_gather.py)
+                full, handles = self._float8[group.name].gather(self.plan, self._device_shard(group, unit.index), tag,
+                                                                group.params, self._fetched.setdefault(unit.index, []),
+                                                                self.stream)
+                unit.handles += handles
+                unit.full.append(full)
+                continue
             full = torch.empty(group.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
             unit.handles += self._gather_buckets(self._device_shard(group, unit.index), group, full, tag)
             for slot, p in zip(group.layout.slots, group.params):
@@ -221,6 +235,8 @@ class ParameterShardedEngine(DataParallelEngine):
         for group in unit.groups:
             for p in group.params:
                 p.data = self._empty()
+            if group.name in self._float8:
+                Float8Group.detach(group.params)
         unit.full = None
         self._live -= unit.numel
 

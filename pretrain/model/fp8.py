@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from pretrain.errors import ConfigError
 from zero3d.comm.core import all_gather_single, reduce_scatter_single
-from zero3d.float8 import (E4M3, FLOAT8_GATHERED, FLOAT8_WEIGHT, RECIPES, Float8Recipe, quantize, scaled_matmul,
-                           unavailable)
+from zero3d.float8 import (E4M3, FLOAT8_GATHERED, FLOAT8_WEIGHT, RECIPES, Float8Recipe, cast, quantize,
+                           scale_from_amax, scaled_matmul, unavailable)
 
 
 def weight_in_float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,13 +36,15 @@ def weight_in_float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gathered = getattr(weight, FLOAT8_GATHERED, None)
     if gathered is not None:
         return gathered.codes, gathered.scale
-    return quantize(weight, E4M3)
+    scale = scale_from_amax(weight.abs().amax(), E4M3)  # the weight's current amax: dynamic, never a past step's
+    return cast(weight, E4M3, scale), scale
 
 
 def forward_gemm(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
     """y = x · Wᵀ for x [m, k] and W [n, k], both in e4m3 (rowwise: x per row, W per output row)."""
     if recipe.rowwise:
-        (x8, x_scale), (w8, w_scale) = quantize(x, E4M3, True, dim=1), quantize(weight, E4M3, True, dim=1)
+        pow2 = recipe.power_of_two_scales
+        (x8, x_scale), (w8, w_scale) = quantize(x, E4M3, pow2, dim=1), quantize(weight, E4M3, pow2, dim=1)
     else:
         (x8, x_scale), (w8, w_scale) = quantize(x, E4M3), weight_in_float8(weight)
     return scaled_matmul(x8, x_scale, w8, w_scale, x.dtype, fast_accum=True)
@@ -53,10 +55,11 @@ def backward_gemms(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     """(dx = dy · W, dW = dyᵀ · x) for dy [m, n], x [m, k], W [n, k]; each GEMM's operands contiguous along its
     contraction dimension (n for dx, m for dW), so the float8 codes are transposed where needed (one byte each)."""
     if recipe.rowwise:  # each operand re-quantized along the contraction dimension of the GEMM it enters
-        g_rows, g_rows_scale = quantize(grad, E4M3, True, dim=1)  # (m, 1)
-        w_cols, w_cols_scale = quantize(weight, E4M3, True, dim=0)  # (1, k)
-        g_cols, g_cols_scale = quantize(grad, E4M3, True, dim=0)  # (1, n)
-        x_cols, x_cols_scale = quantize(x, E4M3, True, dim=0)  # (1, k)
+        fmt, pow2 = recipe.grad_dtype, recipe.power_of_two_scales
+        g_rows, g_rows_scale = quantize(grad, fmt, pow2, dim=1)  # (m, 1)
+        w_cols, w_cols_scale = quantize(weight, E4M3, pow2, dim=0)  # (1, k)
+        g_cols, g_cols_scale = quantize(grad, fmt, pow2, dim=0)  # (1, n)
+        x_cols, x_cols_scale = quantize(x, E4M3, pow2, dim=0)  # (1, k)
         dx = scaled_matmul(g_rows, g_rows_scale, w_cols.t().contiguous(), w_cols_scale.t(), grad.dtype)
         dw = scaled_matmul(g_cols.t().contiguous(), g_cols_scale.t(), x_cols.t().contiguous(), x_cols_scale.t(),
                            weight.dtype)

@@ -7,42 +7,18 @@ import math
 import pytest
 import torch
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-LARGEST = {E4M3: 448.0, E5M2: 57344.0}  # the formats' largest finite values (OCP FP8: e4m3fn 1.75·2⁸, e5m2 1.75·2¹⁵)
-
-
-def scale_rule(amax: torch.Tensor, fmt, power_of_two: bool) -> torch.Tensor:
-    """The recipes' scale: largest / amax (amax floored at 1e-12), divided in fp64, kept in fp32; rowwise rounds it
-    down to a power of two."""
-    scale = (LARGEST[fmt] / amax.double().clamp(min=1e-12)).float()
-    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
-
-
-def quantized(x: torch.Tensor, fmt, dim=None, power_of_two=False):
-    """(x dequantized from its float8 codes, the codes): tensorwise (dim None) or one scale per slice along dim."""
-    amax = x.float().abs().amax() if dim is None else x.float().abs().amax(dim=dim, keepdim=True)
-    scale = scale_rule(amax, fmt, power_of_two)
-    codes = (x.float() * scale).clamp(-LARGEST[fmt], LARGEST[fmt]).to(fmt)
-    return codes.float() * scale.reciprocal(), codes
-
-
-def reference(recipe: str, x, w, g):
-    """(y, dx, dW, db) of y = x·Wᵀ + b, x [m, k], W [n, k], incoming gradient g [m, n], by the recipe."""
-    if recipe == "tensorwise":  # one scale a tensor; e4m3 forward, e5m2 gradient
-        xq, wq, gq = quantized(x, E4M3)[0], quantized(w, E4M3)[0], quantized(g, E5M2)[0]
-        return ((xq @ wq.t()).bfloat16(), (gq @ wq).bfloat16(), (gq.t() @ xq).bfloat16(), g.sum(0))
-    # rowwise: e4m3 throughout, power-of-two scales along each GEMM's contraction dimension
-    y = (quantized(x, E4M3, 1, True)[0] @ quantized(w, E4M3, 1, True)[0].t()).bfloat16()  # contract over k
-    dx = (quantized(g, E4M3, 1, True)[0] @ quantized(w, E4M3, 0, True)[0]).bfloat16()  # over n
-    dw = (quantized(g, E4M3, 0, True)[0].t() @ quantized(x, E4M3, 0, True)[0]).bfloat16()  # over m
-    return y, dx, dw, g.sum(0)
-
+from fp8_reference import E4M3, E5M2, LARGEST, reference
 
 def run_function(recipe: str, x, w, b, g):
+    """(y, dx, dW, db) of the FP8 linear function on fresh copies of the operands."""
+    return run_on(recipe, x, torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone()), g)
+
+
+def run_on(recipe: str, x, w: torch.nn.Parameter, b: torch.nn.Parameter, g):
     from pretrain.model.fp8 import Float8LinearFunction
     from zero3d.float8 import RECIPES
     x = x.clone().requires_grad_(True)
-    w, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+    w.grad = b.grad = None
     y = Float8LinearFunction.apply(x, w, b, RECIPES[recipe], False, False, None)
     y.backward(g)
     return y.detach(), x.grad, w.grad, b.grad
@@ -71,6 +47,21 @@ def test_forward_and_backward_equal_the_recipe_to_the_bit(recipe):
     # and it is not the bf16 GEMM: float8 rounding moves the output by far more than bf16's
     plain = (x.reshape(-1, 64).float() @ w.float().t())
     assert (y.reshape(-1, 48).float() - b.float() - plain).abs().max() > 1e-3 * plain.abs().max()
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_scales_are_the_current_tensors_amax(recipe):
+    """Dynamic current scaling: a weight that changed since the last call (an optimizer step) is cast with its new
+    amax, not an earlier one: the second call equals the recipe applied to the new weight."""
+    x, w, b, g = operands(3)
+    weight, bias = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+    run_on(recipe, x, weight, bias, g)
+    with torch.no_grad():
+        weight.mul_(5.0)  # every amax five times larger
+    y, dx, dw, _ = run_on(recipe, x, weight, bias, g)
+    ref_y, ref_dx, ref_dw, _ = reference(recipe, x.reshape(-1, 64), weight.detach(), g.reshape(-1, 48))
+    assert torch.equal(y, (ref_y + b).reshape(y.shape))
+    assert torch.equal(dx, ref_dx.reshape(dx.shape)) and torch.equal(dw, ref_dw)
 
 
 def test_the_two_recipes_differ_where_they_say_they_do():
