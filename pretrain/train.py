@@ -159,7 +159,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
                                  wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
                                  start_step=start)
     flops_per_step = m.flops_per_step(topo.tp, cfg.train.global_batch_size)
-    peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
+    peak = metrics.device_peak_tflops(topo.device.type, metrics.peak_dtype(cfg.precision.dtype, cfg.precision.fp8))
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
