@@ -26,6 +26,9 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 AMAX_FLOOR = 1e-12  # torchao's EPS: an all-zero tensor gets scale max / 1e-12, not a division by zero
+# Elements a cast stages in fp32 at once (256 MiB): a larger operand is cast in row blocks, so the fp32 copy a cast
+# needs never exceeds this (a 13B layer's fc2 input at micro-batch 16 is 335M elements: 2.7 GB in two fp32 copies)
+CAST_CHUNK = 1 << 26
 FLOAT8_WEIGHT = "float8_weight"  # parameter attribute: a weight the FP8 linear layers cast (stage 3 may gather it so)
 FLOAT8_GATHERED = "float8_gathered"  # parameter attribute while stage 3 holds it gathered as float8: a Float8Weight
 
@@ -65,16 +68,26 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool =
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """Float8 codes of x · scale (in fp32), saturated to the format's range (torch's own cast does not saturate)."""
+    """Float8 codes of x · scale (in fp32), saturated to the format's range (torch's own cast does not saturate). The
+    product is staged in one fp32 copy, in place; a 2-D x of more than CAST_CHUNK elements a block of rows at a time
+    (`scale`: one element, (1, n), or (m, 1) sliced with the rows)."""
     top = torch.finfo(dtype).max
-    return (x.to(torch.float32) * scale).clamp(min=-top, max=top).to(dtype)
+    if x.numel() <= CAST_CHUNK or x.dim() != 2:
+        staged = x.to(torch.float32, copy=True)
+        return staged.mul_(scale).clamp_(min=-top, max=top).to(dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    rows = max(1, CAST_CHUNK // x.shape[1])
+    per_row = scale.dim() == 2 and scale.shape[0] > 1
+    for i in range(0, x.shape[0], rows):
+        out[i:i + rows] = cast(x[i:i + rows], dtype, scale[i:i + rows] if per_row else scale)
+    return out
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False,
              dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale) of a 2-D tensor: one scale over the whole tensor (`dim` None), or one per slice along `dim`
     (dim = 1: a scale per row, shape (m, 1); dim = 0: a scale per column, shape (1, n))."""
-    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, keepdim=dim is not None)  # max |x|, no |x| copy
     scale = scale_from_amax(amax, dtype, power_of_two)
     return cast(x, dtype, scale), scale
 

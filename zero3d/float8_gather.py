@@ -32,7 +32,7 @@ class Float8Group:
         """fp32 [weights]: the amax of each weight's elements in this rank's shard; 0 for weights it holds none of."""
         amax = torch.zeros(len(self.layout.slots), dtype=torch.float32, device=shard.device)
         for i, lo, hi in self.ranges:
-            amax[i] = shard[lo:hi].abs().amax().float()
+            amax[i] = torch.linalg.vector_norm(shard[lo:hi], ord=float("inf")).float()
         return amax
 
     def cast_shard(self, shard: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def weight_in_float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gathered = getattr(weight, FLOAT8_GATHERED, None)
     if gathered is not None:
         return gathered.codes, gathered.scale
-    scale = scale_from_amax(weight.abs().amax(), E4M3)  # the weight's current amax: dynamic, never a past step's
+    scale = scale_from_amax(torch.linalg.vector_norm(weight, ord=float("inf")), E4M3)  # its amax now, not a past step's
     return cast(weight, E4M3, scale), scale
 
 

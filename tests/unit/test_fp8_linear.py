@@ -64,6 +64,19 @@ def test_the_scales_are_the_current_tensors_amax(recipe):
     assert torch.equal(dx, ref_dx.reshape(dx.shape)) and torch.equal(dw, ref_dw)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_large_operand_cast_in_row_blocks_is_cast_alike(monkeypatch, recipe):
+    """zero3d.float8.CAST_CHUNK bounds a cast's fp32 staging: an operand above it is cast a block of rows at a time
+    (here 1000 elements: 15-row blocks of the [32, 64] input, per-row scales sliced along), to the same bits."""
+    import zero3d.float8
+    x, w, b, g = operands(5)
+    whole = run_function(recipe, x, w, b, g)
+    monkeypatch.setattr(zero3d.float8, "CAST_CHUNK", 1000)
+    blocks = run_function(recipe, x, w, b, g)
+    for a, c in zip(whole, blocks):
+        assert torch.equal(a, c)
+
+
 def test_the_two_recipes_differ_where_they_say_they_do():
     """An outlier of 2·10⁵ in one row of x: tensorwise gives every row the outlier's scale, pushing the others into
     e4m3's subnormals (an x of 1 becomes 448 / 2·10⁵ ≈ 2⁻⁸, e4m3 steps 2⁻⁹ there), rowwise scales each row by its own amax; the
