@@ -9,6 +9,7 @@ import torch
 from fp8_reference import E4M3, LARGEST, reference, scale_rule
 from gpt_harness import BASE
 from ranks import run_ranks
+from zero3d.analysis.comm_model import dp_collectives, link_bytes
 
 # A Llama shape whose every FP8 GEMM dimension is a multiple of 16 at TP 2 (hidden 32, QKV 64, ffn 64: per TP rank
 # 16, 32, 32; 2 × 16 tokens a micro-batch); lr 1e-2 so 12 steps move the loss well past the 2% bound.
@@ -51,6 +52,12 @@ def test_fp8_gather_is_the_same_run_at_half_the_bytes(gpt_run):
                 assert b_on[("fp8_all_gather", phase)] == one_pass
                 assert b_off[("all_gather", phase)] - b_on[("all_gather", phase)] == 2 * one_pass
             assert b_on[("all_reduce", "fp8_amax")] == 2 * ACCUMULATION * weights * 4 * 2 * ring
+            # the α-β model and the planner count the same bytes (comm_model.dp_collectives; one node)
+            zero3d_bytes = sum(v for (op, tag), v in b_on.items() if tag in ("params", "params_bwd", "grads", "fp8_amax"))
+            modelled = dp_collectives(3, "", sum(on["padded_numels"].values()), DP, DP, value_bytes=2,
+                                      accumulation=ACCUMULATION, float8_elements=sum(float8.values()),
+                                      float8_weights=weights, float8_groups=len(float8))
+            assert sum(link_bytes(modelled)) == zero3d_bytes
 
 
 def _gathered_weights(rank, world_size, overrides, steps):

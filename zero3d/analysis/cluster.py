@@ -84,6 +84,7 @@ class Cluster:
     nvme_bytes: float  # per NODE (ZeRO-Infinity's files)
     intra_latency: float = 5e-6  # α, seconds per ring step inside a node (assumed; the paper states none)
     inter_latency: float = 10e-6  # α, seconds per ring step across nodes (assumed)
+    fp8_peak_flops: Optional[float] = None  # per GPU, dense float8 (precision.fp8's GEMMs); None: no float8
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes", "gpu_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth",
@@ -212,7 +213,8 @@ class ClusterSpec:
         return Cluster(name=name, gpus_per_node=per_node, nodes=nodes, gpu_memory_bytes=memory,
                        intra_node_bandwidth=self.intra_bw * 1e9 if self.intra_bw else node.intra_node_bandwidth,
                        inter_node_bandwidth=inter, peak_flops=peak, pcie_bandwidth=node.pcie_bandwidth,
-                       efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes)
+                       efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes,
+                       fp8_peak_flops=node.gpu.fp8_tflops * 1e12 if node.gpu.fp8_tflops else None)
 
 
 # A run config's [cluster] (pretrain's ClusterConfig) reads as a ClusterSpec too: `gpu` names the preset

@@ -111,8 +111,8 @@ class GPTShape:
     def layer_linear_weights(self, tp: int = 1) -> int:
         """The QKV, projection, fc1 and fc2 weights of one layer on one TP rank: what precision.fp8 casts to float8
         (and zero.fp8_gather gathers as float8)."""
-        h, f, m = self.hidden, self.ffn_size, 2 if self.gated else 1
-        return (h * (h + 2 * self.kv_width) + h * h + h * f * m + f * h) // tp
+        h, f, gates = self.hidden, self.ffn_size, 2 if self.gated else 1
+        return (h * (h + 2 * self.kv_width) + h * h + h * f * gates + f * h) // tp
 
     def embedding_params(self, tp: int = 1) -> int:
         """The word embedding (this rank's slice of the padded vocabulary) and learned positions (none: RoPE)."""
