@@ -363,12 +363,13 @@ def _check_float8(cfg: Config) -> None:
     contraction and output dimensions; the tokens of a micro-batch are the weight gradient's contraction)."""
     m, p, fp8 = cfg.model, cfg.parallel, cfg.precision.fp8
     _require(fp8 == "tensorwise" or not cfg.zero.fp8_gather,
-             f"zero.fp8_gather = true needs precision.fp8 = \"tensorwise\" (the gathered weight carries one scale); "
-             f"got precision.fp8 = {fp8!r}")
+             f"zero.fp8_gather = true needs precision.fp8 = \"tensorwise\" (the gathered weight carries one scale), not "
+             f"{fp8!r}; set precision.fp8 = \"tensorwise\" or zero.fp8_gather = false")
     if fp8 == "none":
         return
     _require(cfg.precision.dtype == "bf16", f"precision.fp8 = {fp8!r} needs precision.dtype = \"bf16\" (the float8 "
-             f"GEMMs take and give bf16); got precision.dtype = {cfg.precision.dtype!r}")
+             f"GEMMs take and give bf16), not {cfg.precision.dtype!r}; set precision.dtype = \"bf16\" or "
+             "precision.fp8 = \"none\"")
     _require(m.attention != "te", f"precision.fp8 = {fp8!r} with model.attention = 'te' is refused: the float8 "
              "linears are megatron's local layers, not Transformer Engine's; use model.attention = 'auto' or 'sdpa'")
     t, shape = p.tensor, m.shape
@@ -379,8 +380,8 @@ def _check_float8(cfg: Config) -> None:
              cfg.train.micro_batch_size * m.seq_length // p.context))
     for name, value in dims:
         _require(value % FLOAT8_ALIGNMENT == 0, f"precision.fp8 = {fp8!r} needs every dimension of its GEMMs divisible by "
-                 f"{FLOAT8_ALIGNMENT} (torch._scaled_mm on CUDA); {name} = {value} is not; choose sizes that are, or "
-                 "precision.fp8 = \"none\"")
+                 f"{FLOAT8_ALIGNMENT} (torch._scaled_mm on CUDA), but {name} = {value} is not a multiple of "
+                 f"{FLOAT8_ALIGNMENT}; choose sizes that are, or precision.fp8 = \"none\"")
 
 
 def validate_layout(cfg: Config, world_size: int) -> int:

@@ -15,10 +15,12 @@ FP8 = ["precision.dtype=bf16", "precision.fp8=tensorwise"]  # configs/tiny.toml:
 
 @pytest.mark.parametrize("overrides,message", [
     (["precision.fp8=tensorwise"], "precision.fp8 = 'tensorwise' needs precision.dtype = \"bf16\" (the float8 GEMMs "
-                                   "take and give bf16); got precision.dtype = 'fp32'"),
+                                   "take and give bf16), not 'fp32'; set precision.dtype = \"bf16\" or precision.fp8 = "
+                                   "\"none\""),
     (FP8 + ["model.attention=te"], "precision.fp8 = 'tensorwise' with model.attention = 'te' is refused"),
     (FP8 + ["model.hidden_size=136", "model.num_attention_heads=4"],
-     "needs every dimension of its GEMMs divisible by 16 (torch._scaled_mm on CUDA); model.hidden_size = 136 is not"),
+     "needs every dimension of its GEMMs divisible by 16 (torch._scaled_mm on CUDA), but model.hidden_size = 136 is not "
+     "a multiple of 16; choose sizes that are, or precision.fp8 = \"none\""),
     (FP8 + ["model.hidden_size=144", "model.num_attention_heads=4"],
      "model.hidden_size / parallel.tensor = 72 is not"),
     (FP8 + ["model.num_attention_heads=8", "model.num_query_groups=2", "model.hidden_size=160", "parallel.tensor=2",
@@ -28,8 +30,8 @@ FP8 = ["precision.dtype=bf16", "precision.fp8=tensorwise"]  # configs/tiny.toml:
      "tokens of a micro-batch (train.micro_batch_size × model.seq_length / parallel.context) = 120 is not"),
     (["zero.fp8_gather=true", "zero.stage=3"], "zero.fp8_gather = true needs precision.fp8 = \"tensorwise\""),
     (["precision.dtype=bf16", "precision.fp8=rowwise", "zero.fp8_gather=true", "zero.stage=3"],
-     "zero.fp8_gather = true needs precision.fp8 = \"tensorwise\" (the gathered weight carries one scale); got "
-     "precision.fp8 = 'rowwise'"),
+     "zero.fp8_gather = true needs precision.fp8 = \"tensorwise\" (the gathered weight carries one scale), not "
+     "'rowwise'; set precision.fp8 = \"tensorwise\" or zero.fp8_gather = false"),
     (FP8 + ["zero.fp8_gather=true", "zero.stage=2"], "zero.fp8_gather = true needs zero.stage = 3"),
     (FP8 + ["zero.fp8_gather=true", "zero.stage=3", "zero.quantize_weights=int8"],
      "zero.fp8_gather = true with zero.secondary_partition or zero.quantize_weights is refused"),
