@@ -43,6 +43,9 @@ fp32 master and Adam states), in groups "persistent/<decay class>" (state_bytes 
 Offload: with `zero.offload_params` the shards live on the host (or in memory-mapped files) and each
 gather first copies them to the device (`_device_shard`); the live-parameter budget is unchanged.
 
+Float8 gathers (zero.fp8_gather, the plan's `float8_gather`): a unit's FP8 linear weights form groups of their own
+("<unit>/<class>/float8"), gathered as float8 codes and scales by zero3d/float8_gather.py's Float8Group.
+
 Pipeline parallelism is not supported (pretrain's config refuses it): megatron's schedule interleaves
 micro-batches' forwards and backwards, which the gather order and `backward` above do not follow.
 """
