@@ -49,6 +49,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats (the
     checkpoints' and context parallelism's collectives too);
     `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them."""
+    check_float8_device(cfg.precision.fp8, topo.device)  # the probe's --real builds here too, not via run_training
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
     if initial is not None:
