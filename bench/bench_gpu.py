@@ -10,7 +10,10 @@ engine stage 2, one rank) and through the plain-PyTorch model below, eager and `
   llama  a Llama-3.2-1B-like shape (16 layers × 2048 hidden × 32 heads in 8 key/value groups, SwiGLU 8192,
          RoPE base 500000, RMSNorm, no biases, untied output, seq 4096, vocab 128256): `PlainLlama`
 then `python -m pretrain.probe --real` of the 8B (TP 4), 60B and 100B (TP 16) rank slices in bf16 and fp16
-under a 32 GB cap. Each row: tokens/s, TFLOP/s (the model FLOPs of zero3d/analysis/flops.py: Megatron's
+under a 32 GB cap. With `--fp8` (and always in the dry run): the Llama shape through zero3d in FP8 beside its bf16
+row (precision.fp8 "tensorwise" and "rowwise", stage 2, the same process; MFU against the GPU's FP8 peak), and
+`probe --real` of the Llama-3 8B rank slice (configs/llama3_8b.toml: TP 1 × DP 16, stage 2) in bf16 and FP8
+under an 80 GB cap (the dry run: FP8 only, fake, 2 layers). Each row: tokens/s, TFLOP/s (the model FLOPs of zero3d/analysis/flops.py: Megatron's
 formula, with grouped-query K/V and the gated MLP's third matrix for Llama), MFU (against the GPU's dense
 peak), peak CUDA memory. The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
 `aot_eager` backend (inductor's C++ codegen costs ~40 s on a CPU: the GPU run uses inductor), and runs the
@@ -42,6 +45,8 @@ LR = 1e-4  # both sides' constant AdamW learning rate (the loss column compares 
 NAMES = {"gpt": "GPT", "llama": "Llama"}  # shape kind → the name its rows carry
 PROBES = [("8B", "configs/paper/fig2_8B_zero.toml"), ("60B", "configs/paper/fig2_60B_zero.toml"),
           ("100B", "configs/paper/fig2_100B_zero.toml")]
+FP8_RECIPES = ("tensorwise", "rowwise")  # precision.fp8's recipes, each a zero3d Llama row beside bf16's (--fp8)
+FP8_PROBE = ("Llama-3 8B", "configs/llama3_8b.toml")  # its rank slice probed in bf16 and FP8 (--fp8), 80 GB cap
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -161,13 +166,14 @@ def timed(step, steps: int, warmup: int, device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def row(label: str, step_s: float, shape: dict, device, loss: float) -> dict:
+def row(label: str, step_s: float, shape: dict, device, loss: float, peak_dtype: str = "") -> dict:
+    """`peak_dtype`: the peak MFU divides by (default the shape's dtype; "fp8" for the FP8 rows)."""
     tokens = shape["micro"] * shape["seq"]
     flops = gpt_step_flops(shape["layers"], shape["hidden"], shape["seq"], padded_vocab(shape["vocab"]),
                            shape["micro"], recompute=False, ffn_hidden=shape.get("ffn"),
                            num_attention_heads=shape["heads"], num_query_groups=shape.get("query_groups"),
                            gated_mlp=shape["kind"] == "llama")
-    perf = throughput_metrics(step_s, tokens, 1, flops, device_peak_tflops(device.type, shape["dtype"]))
+    perf = throughput_metrics(step_s, tokens, 1, flops, device_peak_tflops(device.type, peak_dtype or shape["dtype"]))
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {"row": label, "shape": shape["kind"], "step_s": step_s, "tokens_per_s": perf["perf/tokens_per_s"],
             "tflops": perf["perf/tflops_per_gpu"], "mfu": perf.get("perf/mfu"), "peak_bytes": peak, "loss": loss}
@@ -222,8 +228,9 @@ def model_overrides(shape: dict) -> list:
     return overrides
 
 
-def zero3d_row(shape: dict, device, steps: int) -> dict:
-    """One rank of `pretrain`: megatron GPTModel (model.attention auto, chunked loss) under the ZeRO engine."""
+def zero3d_row(shape: dict, device, steps: int, fp8: str = "none") -> dict:
+    """One rank of `pretrain`: megatron GPTModel (model.attention auto, chunked loss) under the ZeRO engine; `fp8`:
+    precision.fp8's recipe (in bf16, whatever the shape's dtype)."""
     import zero3d
     from megatron.core import parallel_state
     from pretrain.config import load_config
@@ -235,7 +242,8 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     cfg = load_config(None, model_overrides(shape) + [
         f"train.micro_batch_size={shape['micro']}", f"train.global_batch_size={shape['micro']}",
-        f"precision.dtype={shape['dtype']}", "zero.stage=2", f"optimizer.lr={LR}", "logging.wandb=false"])
+        f"precision.dtype={'bf16' if fp8 != 'none' else shape['dtype']}", f"precision.fp8={fp8}", "zero.stage=2",
+        f"optimizer.lr={LR}", "logging.wandb=false"])
     topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
@@ -247,15 +255,17 @@ def zero3d_row(shape: dict, device, steps: int) -> dict:
         losses.append(step_mean_loss(result, topo))
     try:
         step_s = timed(step, steps, warmup=2, device=topo.device)
-        return row(f"zero3d {NAMES[shape['kind']]} (attention {cfg.model.attention}, stage 2)", step_s, shape,
-                   topo.device, losses[-1])
+        kind = NAMES[shape["kind"]] + (f" FP8 {fp8}" if fp8 != "none" else "")
+        return row(f"zero3d {kind} (attention {cfg.model.attention}, stage 2)", step_s, shape, topo.device, losses[-1],
+                   peak_dtype="fp8" if fp8 != "none" else "")
     finally:
         engine.close()
         parallel_state.destroy_model_parallel()
 
 
-def probe_rows(dry: bool, timeout: float, quick: bool = False) -> list:
-    """`probe --real` (dry run: fake, 2 layers) of each paper rank slice in bf16 and fp16: tools/gpu_check.py's row."""
+def probe_rows(dry: bool, timeout: float, quick: bool = False, fp8: bool = False) -> list:
+    """`probe --real` (dry run: fake, 2 layers) of each paper rank slice in bf16 and fp16: tools/gpu_check.py's row;
+    with `fp8`, the Llama-3 8B slice in bf16 and FP8 tensorwise under an 80 GB cap (the dry run: FP8 only)."""
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools/gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
@@ -263,8 +273,11 @@ def probe_rows(dry: bool, timeout: float, quick: bool = False) -> list:
     # The paper configs pin the paper's Megatron kernels (materialized scores, whole-vocabulary logits) for its
     # memory figures; throughput rows run this stack's own: SDPA (or TE) and the chunked loss.
     fast = ['model.attention="auto"', "model.loss_chunk_tokens=1024"]
-    return [gpu_check.probe_row(name, config, env, dry, timeout, overrides=[f"precision.dtype=\"{dtype}\""] + fast)
+    rows = [gpu_check.probe_row(name, config, env, dry, timeout, overrides=[f"precision.dtype=\"{dtype}\""] + fast)
             for name, config in (PROBES[-1:] if quick else PROBES) for dtype in (("bf16",) if quick else ("bf16", "fp16"))]
+    precisions = ([] if dry else [[]]) + [['precision.fp8="tensorwise"']]
+    return rows + [gpu_check.probe_row(FP8_PROBE[0], FP8_PROBE[1], env, dry, timeout, overrides=extra + fast,
+                                       memory_gb=80) for extra in (precisions if fp8 else [])]
 
 
 def release_cuda(device) -> None:
@@ -306,6 +319,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-probes", action="store_true", help="skip the paper rank-slice probes")
     ap.add_argument("--quick", action="store_true", help="probe only the 100B slice, in bf16")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    ap.add_argument("--fp8", action="store_true",
+                    help="add the FP8 rows: the Llama shape in precision.fp8 tensorwise and rowwise beside bf16, and the "
+                         "Llama-3 8B rank slice probed in bf16 and FP8 (needs compute capability 8.9; the dry run "
+                         "always runs them)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps {args.steps} is invalid; must be >= 1")
@@ -316,10 +333,12 @@ def main(argv=None) -> int:
     shapes = {"gpt": DRY_SHAPE if dry else SHAPE, "llama": DRY_LLAMA_SHAPE if dry else LLAMA_SHAPE}
     if args.shapes != "both":
         shapes = {args.shapes: shapes[args.shapes]}
-    rows = []
+    rows, fp8 = [], args.fp8 or dry
     for shape in shapes.values():
         release_cuda(device)  # the previous shape's compiled model must not crowd this one's rows
-        for make in (lambda: zero3d_row(shape, device, args.steps),
+        float8 = [lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe)
+                  for recipe in (FP8_RECIPES if fp8 and shape["kind"] == "llama" else ())]
+        for make in (lambda: zero3d_row(shape, device, args.steps), *float8,
                      lambda: plain_row(shape, device, False, dry, args.steps),
                      lambda: plain_row(shape, device, True, dry, args.steps)):
             if device.type == "cuda":
@@ -328,7 +347,7 @@ def main(argv=None) -> int:
             rows.append(make())
     if not args.no_probes:
         release_cuda(device)  # the probes: subprocesses capped at 32 GB that these blocks must not crowd
-        rows += probe_rows(dry, timeout=300, quick=args.quick)
+        rows += probe_rows(dry, timeout=300, quick=args.quick, fp8=fp8)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run: tiny shapes, no GPU figure)"
     if args.json:
         print(json.dumps({"device": gpu, "shapes": shapes, "rows": rows}, default=str))

@@ -15,7 +15,7 @@ from pretrain.sections import (ClusterConfig, DataConfig, LoggingConfig, ModelCo
                                ParallelConfig, Section, TrainConfig, check_finite)
 from pretrain.sections import require as _require
 from zero3d import config as engine_config  # [zero], [optimizer], [precision]: zero3d's own dataclasses
-from zero3d.config import ZeroConfig, ZeroConfigError
+from zero3d.config import FLOAT8_ALIGNMENT, ZeroConfig, ZeroConfigError
 
 
 @dataclass
@@ -50,6 +50,10 @@ class PrecisionConfig(engine_config.LossScaleConfig):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype of the model (fp32 masters whatever it is, optimizer states in optimizer.state_dtype); fp16
     scales the loss."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """The transformer layers' QKV, projection, fc1 and fc2 GEMMs in float8 with dynamic current scaling (needs
+    dtype bf16; docs/fp8.md): "tensorwise" (one scale per tensor, gradients in e5m2) or "rowwise" (a power-of-two
+    scale per row / column, all e4m3), torchao's recipes; the output layer, norms, attention core and loss stay bf16."""
 
 
 @dataclass
@@ -322,6 +326,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
              "= 'cpu' or 'none'")
     _check_irrelevant(cfg)
     _check_context(cfg)
+    _check_float8(cfg)
     names = m.shape.parameter_names() if o.no_decay_patterns else []
     for pattern in o.no_decay_patterns:
         _require(any(fnmatch.fnmatchcase(name, pattern) for name in names),
@@ -361,6 +366,33 @@ def _check_context(cfg: Config) -> None:
              "supported yet: the per-document masks are not split into context chunks; set it to false")
     _require(not cfg.zero.node_aware(), "parallel.context > 1 with zero.secondary_partition / hybrid / quantize_* is "
              "not supported yet: their node groups are built over the data-parallel ranks alone")
+
+
+def _check_float8(cfg: Config) -> None:
+    """precision.fp8's rules: bf16 training, megatron's local linears (not Transformer Engine's), and every
+    dimension of the three GEMMs of each FP8 linear on a TP rank divisible by 16 (torch._scaled_mm on CUDA: the
+    contraction and output dimensions; the tokens of a micro-batch are the weight gradient's contraction)."""
+    m, p, fp8 = cfg.model, cfg.parallel, cfg.precision.fp8
+    _require(fp8 == "tensorwise" or not cfg.zero.fp8_gather,
+             f"zero.fp8_gather = true needs precision.fp8 = \"tensorwise\" (the gathered weight carries one scale), not "
+             f"{fp8!r}; set precision.fp8 = \"tensorwise\" or zero.fp8_gather = false")
+    if fp8 == "none":
+        return
+    _require(cfg.precision.dtype == "bf16", f"precision.fp8 = {fp8!r} needs precision.dtype = \"bf16\" (the float8 "
+             f"GEMMs take and give bf16), not {cfg.precision.dtype!r}; set precision.dtype = \"bf16\" or "
+             "precision.fp8 = \"none\"")
+    _require(m.attention != "te", f"precision.fp8 = {fp8!r} with model.attention = 'te' is refused: the float8 "
+             "linears are megatron's local layers, not Transformer Engine's; use model.attention = 'auto' or 'sdpa'")
+    t, shape = p.tensor, m.shape
+    dims = (("model.hidden_size", m.hidden_size), ("model.hidden_size / parallel.tensor", m.hidden_size // t),
+            ("QKV width / parallel.tensor", (m.hidden_size + 2 * shape.kv_width) // t),
+            ("model.ffn_hidden_size / parallel.tensor", m.ffn_size // t),
+            ("tokens of a micro-batch (train.micro_batch_size × model.seq_length / parallel.context)",
+             cfg.train.micro_batch_size * m.seq_length // p.context))
+    for name, value in dims:
+        _require(value % FLOAT8_ALIGNMENT == 0, f"precision.fp8 = {fp8!r} needs every dimension of its GEMMs divisible by "
+                 f"{FLOAT8_ALIGNMENT} (torch._scaled_mm on CUDA), but {name} = {value} is not a multiple of "
+                 f"{FLOAT8_ALIGNMENT}; choose sizes that are, or precision.fp8 = \"none\"")
 
 
 def validate_layout(cfg: Config, world_size: int) -> int:

@@ -23,7 +23,8 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.comm_modes().secondary_partition,
         hybrid=z.comm_modes().hybrid, dp_per_node=dp_per_node(cfg, world_size),
         attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size), cp=cfg.parallel.context,
-        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype)
+        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype, float8=cfg.precision.fp8,
+        fp8_gather=z.fp8_gather)
 
 
 def optimizer_states(cfg: Config) -> OptimizerStates:

@@ -16,7 +16,8 @@ from zero3d.analysis.flops import StepFlops
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU, bf16/fp16 tensor-core and plain fp32 (what fp32 matmuls get with
-# TF32 off, torch's default): one table, zero3d.analysis.cluster's GPU kinds (the planner reads the same).
+# TF32 off, torch's default), and float8 ("fp8") where the GPU has it: one table, zero3d.analysis.cluster's GPU kinds
+# (the planner reads the same).
 # V100 has no bf16; PCIe cards run lower clocks, so they have their own rows.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {key: gpu.peak_tflops() for key, gpu in GPU_KINDS.items()}
 
@@ -43,10 +44,16 @@ def detect_gpu(name: str) -> Optional[str]:
 
 
 def peak_tflops(gpu_key: Optional[str], dtype: str) -> Optional[float]:
-    """Dense peak TFLOP/s for a PEAK_TFLOPS key and "bf16" | "fp16" | "fp32"; None when unknown (CPU)."""
+    """Dense peak TFLOP/s for a PEAK_TFLOPS key and "bf16" | "fp16" | "fp32" | "fp8"; None when unknown (CPU)."""
     if gpu_key is None:
         return None
     return PEAK_TFLOPS.get(gpu_key, {}).get(dtype)
+
+
+def peak_dtype(dtype: str, fp8: str = "none") -> str:
+    """The peak MFU and HFU divide by: the training dtype's, or with precision.fp8 on the float8 peak (the
+    layers' GEMMs run there; the attention core and the logits still run in bf16, so such an MFU is conservative)."""
+    return "fp8" if fp8 != "none" else dtype
 
 
 def device_peak_tflops(device_type: str, dtype: str) -> Optional[float]:

@@ -26,6 +26,7 @@ from pretrain.runtime.preflight import check_paths
 from pretrain.errors import EXIT_OK, EXIT_REQUEUE, ConfigError, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
+from pretrain.model.fp8 import check_float8_device
 from pretrain.model.gpt import (DTYPES, activation_checkpointing, build_model, gather_units, parallel_groups,
                                 record_context_into)
 from pretrain.step import evaluate, train_step
@@ -58,6 +59,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats (the
     checkpoints' and context parallelism's collectives too);
     `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them."""
+    check_float8_device(cfg.precision.fp8, topo.device)  # the probe's --real builds here too, not via run_training
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
     model = build_model(cfg, topo.device, activations)
     if initial is not None:
@@ -142,6 +144,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
     check_attention_kernel(cfg, topo)
+    check_float8_device(cfg.precision.fp8, topo.device)  # precision.fp8 on a GPU without float8 matmuls: one line
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
@@ -199,7 +202,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
                                  wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
                                  start_step=start, use_tensorboard=cfg.logging.tensorboard)
     flops_per_step = m.flops_per_step(topo.tp, cfg.train.global_batch_size)
-    peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
+    peak = metrics.device_peak_tflops(topo.device.type, metrics.peak_dtype(cfg.precision.dtype, cfg.precision.fp8))
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
     run = LoopParts(cfg=cfg, topo=topo, engine=engine, model=model, batches=batches, valid_ds=valid_ds,
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,

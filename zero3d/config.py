@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 PLACEMENTS = ("none", "cpu", "nvme")
+# torch._scaled_mm on CUDA takes a GEMM's contraction and output dimensions only in multiples of 16; an FP8
+# linear's three GEMMs (zero3d/float8.py) contract over each of its dimensions, so every one must be.
+FLOAT8_ALIGNMENT = 16
 
 
 class ZeroConfigError(ValueError):
@@ -93,6 +96,11 @@ class ZeroConfig:
     quantize_gradients: Literal["none", "int8", "int4"] = "none"
     # Elements per quantization block (one scale each) for qwZ and qgZ; even (int4 packs two per byte).
     quant_block: int = 256
+    # Stage 3 with float8 linear layers (pretrain's precision.fp8 = "tensorwise"): their weights' all-gathers move
+    # float8 codes, one byte an element (half of bf16's): each weight's amax is all-reduced (max) over the shard
+    # group, every rank casts its shard with that scale, and the gathered codes feed the float8 GEMMs as they are;
+    # every other parameter is gathered in the model dtype. Not with secondary_partition or quantize_weights.
+    fp8_gather: bool = False
 
     def __post_init__(self):
         checks = (
@@ -154,6 +162,11 @@ class ZeroConfig:
             (z.hybrid == "none" or z.quantize_gradients == "none",
              "zero.hybrid = 'node' with zero.quantize_gradients is refused: qgZ's hierarchical reduce-scatter "
              "spans the nodes, hybrid's reduce-scatter does not"),
+            (not z.fp8_gather or z.stage == 3,
+             f"zero.fp8_gather = true needs zero.stage = 3 (only stage 3 gathers parameters); got zero.stage = {z.stage}"),
+            (not z.fp8_gather or (z.secondary_partition == "none" and z.quantize_weights == "none"),
+             "zero.fp8_gather = true with zero.secondary_partition or zero.quantize_weights is refused: those modes "
+             "gather the weights in their own formats; use one of them"),
             (z.hybrid == "none" or z.offload_optimizer == "none",
              f"zero.hybrid = 'node' with zero.offload_optimizer = {z.offload_optimizer!r} is not supported; "
              "use one of them"),

@@ -132,7 +132,7 @@ class DataParallelEngine:
         # Every DP collective as the ZeRO modes have it (zero3d/comm/plan.py); `dp`: the group states are
         # sharded over (hybrid: the node), the one the stages use.
         self.plan = CommPlan(settings.zero.comm_modes(), groups.dp_group, self.comm_stats, groups.node_topology,
-                             groups.gpus_per_node, settings.zero.quant_block)
+                             groups.gpus_per_node, settings.zero.quant_block, settings.zero.fp8_gather)
         self.dp = self.plan.shard
         dp_size = self.plan.dp_size  # gradients are averaged over every DP rank, whatever shards them
         self.world = Comm(groups.world_group, self.comm_stats)

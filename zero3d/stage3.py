@@ -43,6 +43,9 @@ fp32 master and Adam states), in groups "persistent/<decay class>" (state_bytes 
 Offload: with `zero.offload_params` the shards live on the host (or in memory-mapped files) and each
 gather first copies them to the device (`_device_shard`); the live-parameter budget is unchanged.
 
+Float8 gathers (zero.fp8_gather, the plan's `float8_gather`): a unit's FP8 linear weights form groups of their own
+("<unit>/<class>/float8"), gathered as float8 codes and scales by zero3d/float8_gather.py's Float8Group.
+
 Pipeline parallelism is not supported (pretrain's config refuses it): megatron's schedule interleaves
 micro-batches' forwards and backwards, which the gather order and `backward` above do not follow.
 """
@@ -55,6 +58,7 @@ from zero3d.buckets import GradientBuckets
 from zero3d.comm.core import wait_all
 from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import flatten_params, group_kind
+from zero3d.float8_gather import Float8Group, is_float8_weight
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
 from zero3d.offload import host_copy
@@ -77,6 +81,7 @@ class ParameterShardedEngine(DataParallelEngine):
         self.peak_gathered_elements = 0
         self._fetched = {}  # unit index -> device copies of host shards that its in-flight gathers read
         self._persistent = []  # the replicated groups of small parameters (set by _build_groups)
+        self._float8 = {}  # group name -> Float8Group: FP8 linear weights gathered as float8 (zero.fp8_gather)
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
         self.stream = (torch.cuda.Stream(self.device)
@@ -113,10 +118,15 @@ class ParameterShardedEngine(DataParallelEngine):
         for unit in self.units:
             for kind in named_groups:
                 named = [(name_of[p], p) for p in unit.params if kind_of.get(p) == kind and p.numel() > threshold]
-                if named:
-                    name = f"{unit.name}/{group_kind(*kind)}"
-                    out[name] = group = self._sharded_group(name, named, *kind)
-                    unit.groups.append(group)
+                float8 = [self.plan.float8_gather and is_float8_weight(p) for _, p in named]  # in groups of their own
+                for suffix, part in (("", [x for x, f in zip(named, float8) if not f]),
+                                     ("/float8", [x for x, f in zip(named, float8) if f])):
+                    if part:
+                        name = f"{unit.name}/{group_kind(*kind)}{suffix}"
+                        out[name] = group = self._sharded_group(name, part, *kind)
+                        unit.groups.append(group)
+                        if suffix:
+                            self._float8[name] = Float8Group(group.layout, self.dp.rank)
         for kind, kept in persistent.items():
             if kept:
                 name = f"{PERSISTENT}/{group_kind(*kind)}"
@@ -157,6 +167,13 @@ class ParameterShardedEngine(DataParallelEngine):
             return
         unit.full = []
         for group in unit.groups:
+            if group.name in self._float8:  # float8 codes and their scales (zero3d/float8_gather.py)
+                full, handles = self._float8[group.name].gather(self.plan, self._device_shard(group, unit.index), tag,
+                                                                group.params, self._fetched.setdefault(unit.index, []),
+                                                                self.stream)
+                unit.handles += handles
+                unit.full.append(full)
+                continue
             full = torch.empty(group.layout.padded_numel, dtype=self.settings.dtype, device=self.device)
             unit.handles += self._gather_buckets(self._device_shard(group, unit.index), group, full, tag)
             for slot, p in zip(group.layout.slots, group.params):
@@ -222,6 +239,8 @@ class ParameterShardedEngine(DataParallelEngine):
         for group in unit.groups:
             for p in group.params:
                 p.data = self._empty()
+            if group.name in self._float8:
+                Float8Group.detach(group.params)
         unit.full = None
         self._live -= unit.numel
 

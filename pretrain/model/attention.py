@@ -140,11 +140,12 @@ def shared_attention_bias(block, args, kwargs):
 
 
 def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: bool = False,
-            selective: bool = False) -> str:
+            selective: bool = False, float8: bool = False) -> str:
     """The attention `model.attention` = `choice` runs: "te", "sdpa" or "local". `auto` is Transformer Engine
     on GPU where importable (and no ZeRO-R or `selective` recomputation layer class is needed) unless a
-    `document_mask` must be applied (data.reset_attention_mask: config validation refuses 'te' with it), else SDPA;
-    `te` is refused where it can't run."""
+    `document_mask` must be applied (data.reset_attention_mask: config validation refuses 'te' with it) or the
+    linears are `float8` (megatron's local ones, pretrain/model/fp8.py; config validation refuses 'te' with
+    precision.fp8), else SDPA; `te` is refused where it can't run."""
     if choice not in CHOICES:
         raise ValueError(f"model.attention = {choice!r} is invalid; valid values: {', '.join(map(repr, CHOICES))}")
     te = on_cuda and not zero_recompute and not selective and _te_importable()
@@ -157,7 +158,7 @@ def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: boo
                "Engine's layers do not run")
         raise ValueError(f"model.attention = 'te' cannot run here: {why}; use 'auto', 'sdpa' or 'local'")
     if choice == "auto":
-        return "te" if te and not document_mask else "sdpa"
+        return "te" if te and not (document_mask or float8) else "sdpa"
     return choice
 
 

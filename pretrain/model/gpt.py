@@ -139,7 +139,7 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     from pretrain.model.attention import SDPAttention, resolve
     documents = cfg.data.reset_attention_mask
     attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents,
-                        selective=cfg.model.recompute == "selective")
+                        selective=cfg.model.recompute == "selective", float8=cfg.precision.fp8 != "none")
     qk_norm = cfg.model.qk_layernorm
     if attention == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -162,6 +162,9 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
         layer.submodules.mlp.submodules, linear_fc2=row_parallel))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention, mlp=mlp))
+    if cfg.precision.fp8 != "none":  # QKV, projection, fc1, fc2 in float8 (pretrain/model/fp8.py)
+        from pretrain.model.fp8 import float8_layer
+        layer = float8_layer(layer, cfg.precision.fp8)
     if activations is not None:
         layer = dataclasses.replace(layer, module=_zero_recompute_layer_class(),
                                     params={**(layer.params or {}), "activations": activations})

@@ -26,7 +26,7 @@ def timing_report(cfg: Config, world: int, run) -> dict:
     per_step_comm = {k: v / run.steps for k, v in per_step_comm.items()}
     predicted = compute + sum(per_step_comm.values())
     peak = metrics.device_peak_tflops("cuda" if run.cuda_max_allocated is not None else "cpu",
-                                      cfg.precision.dtype)
+                                      metrics.peak_dtype(cfg.precision.dtype, cfg.precision.fp8))
     tflops, model_tflops = flops.hardware / world / compute / 1e12, flops.model / world / compute / 1e12
     return {"compute_s_per_step": compute, "phase_s_per_step": {k: v / run.steps for k, v in run.phase_seconds.items()},
             "tflops_per_rank_measured": tflops, "mfu": model_tflops / peak if peak else None,

@@ -1,6 +1,7 @@
 """bench/bench_gpu.py --cpu-dry-run (what `make gpu-check` runs on a GPU, shrunk): every row runs, for the GPT and the
 Llama shape, the throughput arithmetic is each model's FLOPs over the measured step time (Llama: grouped-query K/V and
-the gated MLP's third matrix), and compiling a plain model changes no loss."""
+the gated MLP's third matrix), and compiling a plain model changes no loss; the FP8 rows (`--fp8` on a GPU) run: the
+Llama shape in precision.fp8 tensorwise and rowwise, and the Llama-3 8B rank slice probed in FP8."""
 import json
 import math
 import subprocess
@@ -11,6 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = 'probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)'
+FP8_PROBE = ('probe Llama-3 8B precision.fp8="tensorwise" model.attention="auto" model.loss_chunk_tokens=1024 '
+             "(dry run: fake, 2 layers)")
 
 
 def model_flops(s: dict, vocab: int) -> float:
@@ -32,8 +35,9 @@ def test_bench_gpu_cpu_dry_run_rows():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {r["row"]: r for r in out["rows"]}
     assert list(rows) == ["zero3d GPT (attention auto, stage 2)", "plain PyTorch GPT, eager", "plain PyTorch GPT, compiled",
-                          "zero3d Llama (attention auto, stage 2)", "plain PyTorch Llama, eager",
-                          "plain PyTorch Llama, compiled", PROBE]
+                          "zero3d Llama (attention auto, stage 2)", "zero3d Llama FP8 tensorwise (attention auto, stage 2)",
+                          "zero3d Llama FP8 rowwise (attention auto, stage 2)", "plain PyTorch Llama, eager",
+                          "plain PyTorch Llama, compiled", PROBE, FP8_PROBE]
     v = 512  # both dry shapes' vocabulary: already a multiple of 128, so megatron pads nothing
     # the hand formula itself: 2 layers × 64 hidden, GPT-2's 72·B·s·L·h²·(1 + s/6h) + 6·B·s·h·V, and the Llama shape's
     # gated MLP (3 × 64 × 160) and its K, V of 2 heads × 16 wide (beside 4 query heads)
@@ -41,7 +45,7 @@ def test_bench_gpu_cpu_dry_run_rows():
                         72 * 2 * 32 * 2 * 64 * 64 * (1 + 32 / (6 * 64)) + 6 * 2 * 32 * 64 * v, rel_tol=1e-12)
     assert model_flops(out["shapes"]["llama"], v) == 6 * 64 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160) + 64 * v) \
         + 12 * 64 * 2 * 32 * 64
-    for name in list(rows)[:6]:
+    for name in list(rows)[:8]:
         r, kind = rows[name], ("llama" if "Llama" in name else "gpt")
         s = out["shapes"][kind]
         assert r["shape"] == kind, name
@@ -53,5 +57,10 @@ def test_bench_gpu_cpu_dry_run_rows():
     for model in ("GPT", "Llama"):
         assert math.isclose(rows[f"plain PyTorch {model}, compiled"]["loss"], rows[f"plain PyTorch {model}, eager"]["loss"],
                             rel_tol=1e-5), model
-    probe = rows[PROBE]
-    assert probe["rc"] == 0 and probe["verdict"].startswith("verdict: FITS"), probe
+    for name in (PROBE, FP8_PROBE):
+        assert rows[name]["rc"] == 0 and rows[name]["verdict"].startswith("verdict: FITS"), rows[name]
+    # the FP8 rows (--fp8 on a GPU; always in the dry run): the same weights and data as the zero3d row, float8 GEMMs
+    for recipe in ("tensorwise", "rowwise"):
+        fp8 = rows[f"zero3d Llama FP8 {recipe} (attention auto, stage 2)"]["loss"]
+        assert fp8 != rows["zero3d Llama (attention auto, stage 2)"]["loss"]
+        assert math.isclose(fp8, rows["zero3d Llama (attention auto, stage 2)"]["loss"], rel_tol=0.02), recipe

@@ -29,7 +29,9 @@ def _counted_step(rank, world_size, overrides):
         loss.backward()
     flops = cfg.model.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
     shape = cfg.model.shape
+    scaled_mm = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "_scaled_mm" in str(op))
     return {"counted": counter.get_total_flops(), "model": flops.model, "hardware": flops.hardware,
+            "linears": flops.linears, "scaled_mm": scaled_mm,
             "names": sorted(n for n, _ in model.named_parameters()), "expected_names": sorted(shape.parameter_names()),
             "params": sum(p.numel() for p in model.parameters()), "expected_params": shape.params()}
 
@@ -57,3 +59,11 @@ def test_formula_equals_torch_flop_counter_within_1_percent(overrides):
     assert (out["params"], out["names"]) == (out["expected_params"], out["expected_names"])
     recompute = any("recompute" in o for o in overrides)
     assert (out["model"] < 0.9 * out["hardware"]) if recompute else (out["model"] == out["hardware"])
+
+
+def test_float8_runs_exactly_the_layers_linear_flops():
+    """precision.fp8: torch's count of the float8 GEMMs (torch._scaled_mm) in a step is StepFlops.linears, the layers'
+    QKV, projection and MLP FLOPs forward and backward, exactly; the whole count still the hardware FLOPs (1%)."""
+    (out,) = run_ranks(_counted_step, 1, LLAMA + ["precision.dtype=bf16", "precision.fp8=rowwise"], timeout=180)
+    assert out["scaled_mm"] == out["linears"] > 0.5 * out["model"]
+    assert out["hardware"] == pytest.approx(out["counted"], rel=0.01)

@@ -144,7 +144,9 @@ def test_prepare_files_builds_once_into_a_relative_cache(tmp_path, monkeypatch):
     config = DataConfig(corpus="corpus.jsonl", cache_dir="cache")
     files = prepare_files(config, VOCAB)
     built = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert [name.split("-")[0] for name in built] == ["tokenizer", "tokens", "tokens"]
+    # the tokenizer, the tokens' .bin and .idx, and the record of the tokenizer that made them
+    assert [name.split("-")[0] for name in built] == ["tokenizer", "tokens", "tokens", "tokens"]
+    assert built[3].endswith(".tokenizer.json")
     assert files.tokenizer_path == str(Path("cache") / built[0]) and files.blend == ([f"cache/{built[1][:-4]}"], None)
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()}
     assert prepare_files(config, VOCAB) == files
@@ -156,7 +158,7 @@ def test_prepare_files_builds_once_into_a_relative_cache(tmp_path, monkeypatch):
     with (tmp_path / "corpus.jsonl").open("a") as out:
         out.write(json.dumps({"text": "One more document changes the cache key."}) + "\n")
     assert prepare_files(config, VOCAB).blend != files.blend
-    assert len(list((tmp_path / "cache").iterdir())) == 6  # a second tokenizer and token pair
+    assert len(list((tmp_path / "cache").iterdir())) == 8  # a second tokenizer and tokens (.bin, .idx, record)
 
 
 def test_tokenizers_that_do_not_fit_are_refused_first(tmp_path, data):

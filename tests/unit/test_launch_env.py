@@ -37,10 +37,10 @@ def test_bad_time_limit_is_one_config_line(text, capsys):
 def test_requeue_is_on_unless_opted_out(capsys):
     assert submit.main(["--config", "configs/tiny.toml", "--dry-run"]) == 0
     sbatch = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sbatch:"))
-    assert sbatch.startswith("sbatch:    ZERO3D_REQUEUE=1 sbatch") and " --requeue " in sbatch
+    assert sbatch.startswith("sbatch:    ZERO3D_REQUEUE=1 ZERO3D_SINGLETON=1 sbatch") and " --requeue " in sbatch
     assert submit.main(["--config", "configs/tiny.toml", "--dry-run", "--no-requeue"]) == 0
     sbatch = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sbatch:"))
-    assert sbatch.startswith("sbatch:    sbatch") and " --no-requeue " in sbatch  # the launcher reads the job's flag
+    assert sbatch.startswith("sbatch:    ZERO3D_SINGLETON=1 sbatch") and " --no-requeue " in sbatch  # the launcher reads the job's flag
 
 
 STUB_PY = """#!/bin/bash

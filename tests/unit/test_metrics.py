@@ -108,6 +108,16 @@ def test_peak_table_values():
     assert metrics.device_peak_tflops("cpu", "fp32") is None
 
 
+def test_float8_runs_divide_by_the_float8_dense_peak():
+    """precision.fp8's MFU and HFU use the GPU's dense FP8 peak: NVIDIA's data sheets state 3,958 TFLOP/s "with
+    sparsity" for the H100 SXM and H200 SXM, 3,026 for the H100 PCIe, dense being half; A100 and V100 have none."""
+    assert (peak_tflops("H100", "fp8"), peak_tflops("H200", "fp8"), peak_tflops("H100-PCIe", "fp8")) == \
+        (3958 / 2, 3958 / 2, 3026 / 2)
+    assert peak_tflops("A100", "fp8") is None and peak_tflops("V100", "fp8") is None
+    assert metrics.peak_dtype("bf16", "tensorwise") == metrics.peak_dtype("bf16", "rowwise") == "fp8"
+    assert metrics.peak_dtype("bf16", "none") == "bf16"
+
+
 def test_memory_report_cpu():
     state = {"params": 1000, "grads": 2000, "master_params": 4000, "optimizer_states": 8000}
     record = memory_report("cpu", state)

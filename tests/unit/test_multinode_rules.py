@@ -39,10 +39,10 @@ def test_an_elastic_job_asks_for_a_node_range_of_whole_nodes_and_must_train_at_e
     job = submit.build_job(TINY, ["cluster.nodes=2", "cluster.min_nodes=1", "cluster.gpus_per_node=2"], cpu=True)
     assert "--nodes=1-2" in job.sbatch and "--exclusive" in job.sbatch
     assert not any(a.startswith("--ntasks") for a in job.sbatch)  # Slurm would pin it to the first allocation's
-    assert job.env == {"ZERO3D_TASKS_PER_NODE": "2"}
+    assert job.env == {"ZERO3D_TASKS_PER_NODE": "2", "ZERO3D_SINGLETON": "1"}
     fixed = submit.build_job(TINY, ["cluster.nodes=2", "cluster.gpus_per_node=2"], cpu=True)
     assert "--nodes=2" in fixed.sbatch and "--ntasks-per-node=2" in fixed.sbatch and "--exclusive" not in fixed.sbatch
-    assert fixed.env == {}
+    assert fixed.env == {"ZERO3D_SINGLETON": "1"}
     # global batch = micro-batch 4 × DP × accumulation: 48 at DP 1-4; 16 not at DP 3 (3 nodes)
     assert "--nodes=1-4" in submit.build_job(TINY, ["cluster.nodes=4", "cluster.min_nodes=1", "cluster.gpus_per_node=2",
                                                     "train.global_batch_size=48"], cpu=True).sbatch

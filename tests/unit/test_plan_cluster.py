@@ -117,7 +117,7 @@ def test_run_configs_gpu_names_its_links_and_peak():
     assert links_for_gpu("V100", 16) == PAPER_LINKS
     h100 = links_for_gpu("H100", 4)
     assert (h100.gpus_per_node, h100.nvswitch_bandwidth, h100.ib_bandwidth_per_node) == (4, 900e9, 400e9)
-    assert PEAK_TFLOPS["H100"] == {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0} and "bf16" not in PEAK_TFLOPS["V100"]
+    assert PEAK_TFLOPS["H100"] == {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0} and "bf16" not in PEAK_TFLOPS["V100"]
     with pytest.raises(ValueError, match="cluster.gpu = 'B200' has no node preset for the α-β model; valid: V100, A100"):
         links_for_gpu("B200", 8)
 

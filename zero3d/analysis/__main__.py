@@ -9,6 +9,7 @@ from zero3d.analysis.cluster import add_cluster_flags, described, spec_from_args
 from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, OptimizerStates,
                                      estimate, format_breakdown, model_state_bytes, padded_vocab)
 from zero3d.analysis.gpt_shape import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
+from zero3d.analysis.float8 import FLOAT8_RECIPES
 from zero3d.analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                               offload_breakdown)
 from zero3d.config import ZeroConfig
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="optimizer.name: its states give K (Muon's with a shape: its hidden matrices' share)")
     ap.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="fp32",
                     help="optimizer.state_dtype: bytes of each optimizer state element")
+    ap.add_argument("--fp8", choices=list(FLOAT8_RECIPES), default="none",
+                    help="precision.fp8: the layers' GEMMs in float8 (their copies in memory; --plan rank: at the "
+                         "GPU's float8 peak)")
+    ap.add_argument("--fp8-gather", action="store_true",
+                    help="zero.fp8_gather: stage 3 gathers the layers' linear weights as float8 (needs --fp8 tensorwise)")
     ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
     arch = ap.add_argument_group("architecture (default GPT-2's; a Llama-3: --ffn 14336 --query-groups 8 --mlp swiglu "
                                  "--norm rmsnorm --position-embedding rope --no-bias)")
@@ -188,7 +194,8 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
         found = plan(cluster, model=model_shape(args, args.vocab or GPT2_VOCAB, args.seq or PAPER_SEQ), gpus=gpus,
                      global_batch=args.global_batch, batch_per_gpu=args.batch_per_gpu,
                      recompute=args.recompute, precision=args.precision,
-                     bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction)
+                     bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction, float8=args.fp8,
+                     fp8_gather=args.fp8_gather)
     except ValueError as err:
         ap.error(str(err))
     offload = " (none fits without offload; the first offload tier that fits)" if found and found[0].offload else ""
@@ -296,7 +303,8 @@ def main(argv: Optional[list] = None) -> int:
             recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
             precision=args.precision, prefetch_units=args.prefetch_units,
             gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction,
-            optimizer=args.optimizer, state_dtype=args.state_dtype)
+            optimizer=args.optimizer, state_dtype=args.state_dtype,
+            float8=args.fp8, fp8_gather=args.fp8_gather)
         offload = None
         if args.offload_optimizer != "none" or args.offload_params != "none":
             offload = offload_breakdown(m, stage=args.stage, gpus=args.gpus, tp=args.tp, precision=args.precision,

@@ -22,17 +22,20 @@ class GPUKind:
     fp16_tflops: float  # dense fp16 tensor-core peak, TFLOP/s
     bf16_tflops: Optional[float]  # dense bf16 peak; None where the GPU has no bf16 tensor cores
     fp32_tflops: float  # plain fp32 (no TF32: torch leaves TF32 matmuls off by default)
+    fp8_tflops: Optional[float] = None  # dense float8 tensor-core peak (Ada, Hopper and newer); None: no float8
 
     def __post_init__(self):
         for name in ("memory_gb", "fp16_tflops", "fp32_tflops"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)} is invalid; must be > 0")
-        if self.bf16_tflops is not None and not self.bf16_tflops > 0:
-            raise ValueError(f"bf16_tflops = {self.bf16_tflops} is invalid; must be > 0 (or None: no bf16)")
+        for name in ("bf16_tflops", "fp8_tflops"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)} is invalid; must be > 0 (or None: none)")
 
     def peak_tflops(self) -> dict:
-        """{dtype: dense TFLOP/s} for the dtypes this GPU has tensor cores (or plain fp32) for."""
-        peaks = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops}
+        """{dtype: dense TFLOP/s} for the dtypes this GPU has tensor cores (or plain fp32) for; "fp8": the float8
+        GEMMs' (pretrain's precision.fp8)."""
+        peaks = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops, "fp8": self.fp8_tflops}
         return {dtype: float(value) for dtype, value in peaks.items() if value is not None}
 
     def peak_flops(self, precision: str) -> float:
@@ -50,14 +53,16 @@ class GPUKind:
 
 # Vendor data sheets: V100-SXM3-32GB (DGX-2: 2 PFLOP/s fp16 tensor over 16 GPUs = 125 each, 15.7 fp32);
 # A100-SXM4-80GB (312 bf16/fp16 dense, 19.5 fp32); H100-SXM5-80GB (989 bf16/fp16 dense, 67 fp32);
-# H200-SXM-141GB (same compute as the H100 SXM: 989 dense, 67 fp32; 141 GB HBM3e).
+# H200-SXM-141GB (same compute as the H100 SXM: 989 dense, 67 fp32; 141 GB HBM3e). FP8 dense: NVIDIA's H100 data
+# sheet gives 3,958 TFLOP/s FP8 "with sparsity" for the SXM (the H200's sheet the same), 3,026 for the PCIe card:
+# dense is half, 1,979 and 1,513; V100 and A100 have no float8 tensor cores.
 V100 = GPUKind("V100-SXM3-32GB", 32, 125, None, 15.7)
 A100 = GPUKind("A100-SXM4-80GB", 80, 312, 312, 19.5)
-H100 = GPUKind("H100-SXM5-80GB", 80, 989, 989, 67)
-H200 = GPUKind("H200-SXM-141GB", 141, 989, 989, 67)
-# PCIe cards run lower clocks: their own peaks (V100 PCIe 112 / 14; H100 PCIe 756 dense / 51)
+H100 = GPUKind("H100-SXM5-80GB", 80, 989, 989, 67, fp8_tflops=1979)
+H200 = GPUKind("H200-SXM-141GB", 141, 989, 989, 67, fp8_tflops=1979)
+# PCIe cards run lower clocks: their own peaks (V100 PCIe 112 / 14; H100 PCIe 756 dense / 51, FP8 1,513 dense)
 V100_PCIE = GPUKind("V100-PCIe-32GB", 32, 112, None, 14.0)
-H100_PCIE = GPUKind("H100-PCIe-80GB", 80, 756, 756, 51)
+H100_PCIE = GPUKind("H100-PCIe-80GB", 80, 756, 756, 51, fp8_tflops=1513)
 # The short keys cluster.gpu and pretrain.metrics (MFU) name the cards by (V100 SXM2 and SXM3 share their peaks)
 GPU_KINDS = {"V100": V100, "V100-PCIe": V100_PCIE, "A100": A100, "H100": H100, "H100-PCIe": H100_PCIE, "H200": H200}
 
@@ -80,6 +85,7 @@ class Cluster:
     intra_latency: float = 5e-6  # α, seconds per ring step inside a node (assumed; the paper states none)
     inter_latency: float = 10e-6  # α, seconds per ring step across nodes (assumed)
     fp32_flops: Optional[float] = None  # plain fp32 per GPU (Muon's Newton–Schulz runs in it); None: peak_flops
+    fp8_peak_flops: Optional[float] = None  # per GPU, dense float8 (precision.fp8's GEMMs); None: no float8
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes", "gpu_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth",
@@ -209,7 +215,8 @@ class ClusterSpec:
                        intra_node_bandwidth=self.intra_bw * 1e9 if self.intra_bw else node.intra_node_bandwidth,
                        inter_node_bandwidth=inter, peak_flops=peak, pcie_bandwidth=node.pcie_bandwidth,
                        efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes,
-                       fp32_flops=node.gpu.peak_flops("fp32"))
+                       fp32_flops=node.gpu.peak_flops("fp32"),
+                       fp8_peak_flops=node.gpu.fp8_tflops * 1e12 if node.gpu.fp8_tflops else None)
 
 
 # A run config's [cluster] (pretrain's ClusterConfig) reads as a ClusterSpec too: `gpu` names the preset

@@ -223,7 +223,8 @@ def _quantized(psi: int, pieces: Optional[Sequence[int]], parts: int, bits: int,
 def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, value_bytes: int = 2,
                    weight_bits: int = 8, grad_bits: int = 4, block: int = 256, scale_bytes: int = 4,
                    accumulation: int = 1, buckets: int = 1, gathers: int = 1,
-                   pieces: Optional[Sequence[int]] = None) -> list:
+                   pieces: Optional[Sequence[int]] = None, float8_elements: int = 0, float8_weights: int = 0,
+                   float8_groups: int = 0) -> list:
     """The DP collectives one rank runs per step at ZeRO `stage` in `mode` (STAGE_MODES[stage]), with the
     bytes it sends on each link: Ψ = psi parameters (of this rank's TP slice, padded as the flat buffers
     are), N = dp ranks, m = per_node of them per node, k = N/m nodes, b = value_bytes (gradients and
@@ -249,6 +250,9 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     +hybrid (stages 1-3): the stage's collectives over the node's m ranks (all intra, ring (m−1)/m), then
     the Ψ/m gradient shard all-reduced across the k nodes once per step: 2(Ψb/m)(k−1)/k, all inter, one
     call per bucket piece (B calls of 2(k−1) steps).
+    zero.fp8_gather (stage 3, plain or +hybrid): `float8_elements` of Ψ (the FP8 linear weights' groups, padded) are
+    gathered as float8 codes, one byte each instead of b, and before each gather every one of the `float8_groups`
+    groups all-reduces its weights' amaxes: 2·4·float8_weights·(N−1)/N bytes per pass, 2(N−1) steps a group.
 
     A ring over N ranks in k > 1 node blocks crosses nodes on k of its N edges: a rank counts 1/m of what
     it sends as inter-node (`_ring`, comm.ring_link_split).
@@ -269,6 +273,9 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
         buckets = len(pieces)
     n, m, k, a = dp, per_node, dp // per_node, accumulation
     full = Fraction(psi * value_bytes)
+    if float8_elements and (stage != 3 or CommModes.named(mode).secondary_partition
+                            or CommModes.named(mode).weight_bits is not None):
+        raise ValueError(f"float8 gathers run at stage 3 without hpZ or qwZ; got stage {stage}, mode {mode!r}")
     modes = CommModes.named(mode)
     hpz, qwz, qgz, hybrid = modes.secondary_partition, modes.weight_bits is not None, modes.grad_bits is not None, modes.hybrid
     if hybrid:
@@ -293,9 +300,13 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     elif stage in (1, 2):
         out = grad_rs + [_ring("all_gather" + where, full * ring, n, m, buckets, "params")]
     else:
-        gather = _quantized(psi, pieces, n, weight_bits, block, scale_bytes) * ring if qwz else full * ring
+        gathered = full - float8_elements * (value_bytes - 1)  # float8 codes: one byte an element
+        gather = _quantized(psi, pieces, n, weight_bits, block, scale_bytes) * ring if qwz else gathered * ring
         tag = " (qwZ)" if qwz else where
         out = [_ring("all_gather fwd" + tag, gather * a, n, m, a * gathers, "params")]
+        if float8_elements:  # each float8 group's amaxes, max-reduced before its forward and backward gathers
+            out.append(_ring("all_reduce (fp8 amax)" + where, 2 * 2 * Fraction(4 * float8_weights) * ring * a, n, m,
+                             2 * a * float8_groups, "params", 2 * (n - 1)))
         if hpz:
             out.append(_ring("all_gather bwd (node, hpZ)", full * Fraction(m - 1, m) * a, m, m, a * gathers, "params"))
         else:

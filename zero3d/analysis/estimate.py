@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from zero3d.analysis.context import context_backward_bytes, context_layer_bytes, local_shape, validate_context
+from zero3d.analysis.float8 import float8_copy_bytes, gathered_unit_bytes
 from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig
@@ -126,7 +127,8 @@ def gradient_bucket_elements(shape: GPTShape, psi: int, tp: int, bucket_elements
 
 def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp: int,
                  bucket_elements: Optional[int], precision: str, prefetch_units: int,
-                 attention: str = "local", cp: int = 1) -> dict:
+                 attention: str = "local", cp: int = 1, float8: str = "none", fp8_gather: bool = False,
+                 dp: int = 1) -> dict:
     """{term: bytes} of the temporary buffers at the rank's peak; `buffer_bytes` is their sum.
 
     Stages 0-2 (the paper's ZeRO-100B, whose tables and maxima this estimator reproduces): the paper's fused
@@ -144,18 +146,25 @@ def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp:
       buckets launch (zero3d/buckets.py, MAX_BUCKETS_IN_FLIGHT), b_g·V_pad·h/t;
     - "activation gradients": backward_transient_bytes at this CP rank's S/C tokens (`cp`), or with cp > 1
       the attention's backward if larger (context.context_backward_bytes).
+
+    With `float8` (precision.fp8) at every stage: "float8 copies", the codes and scales of fc2's backward
+    (float8_copy_bytes); at stage 3 with `fp8_gather` the gathered units hold the layers' linear weights in float8
+    (gathered_unit_bytes, `dp` the ranks they are sharded over).
     """
     p = PRECISIONS[precision]
+    float8_copies = {"float8 copies": float8_copy_bytes(shape, micro_batch, tp, float8, fp8_gather, cp)} \
+        if float8 != "none" else {}
     if stage != 3:
-        return {"gradient buffer": 4 * (psi if bucket_elements is None else min(bucket_elements, psi))}
+        return {"gradient buffer": 4 * (psi if bucket_elements is None else min(bucket_elements, psi)),
+                **float8_copies}
     bucket = gradient_bucket_elements(shape, psi, tp, bucket_elements)
-    largest_unit = max(shape.layer_params(tp), shape.embedding_params(tp))
     return {"gradient bucket": (4 if bucket_elements is None else p.grad_bytes) * bucket,
-            "gathered units": (1 + prefetch_units) * largest_unit * p.param_bytes,
+            "gathered units": (1 + prefetch_units) * gathered_unit_bytes(shape, tp, p.param_bytes, fp8_gather, dp),
             "output-layer bucket": shape.padded_vocab(tp) * shape.hidden // tp * p.grad_bytes,
             "activation gradients": max(backward_transient_bytes(local_shape(shape, cp), micro_batch, tp,
                                                                  p.activation_bytes, attention),
-                                        context_backward_bytes(shape, micro_batch, tp, cp, p.activation_bytes))}
+                                        context_backward_bytes(shape, micro_batch, tp, cp, p.activation_bytes)),
+            **float8_copies}
 
 
 @dataclass(frozen=True)
@@ -259,7 +268,8 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
              margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0,
              secondary_partition: bool = False, hybrid: bool = False, dp_per_node: int = 1,
              attention: str = "local", mask_bytes: float = 0.0, cp: int = 1, optimizer: str = "adamw",
-             state_dtype: str = "fp32") -> MemoryBreakdown:
+             state_dtype: str = "fp32", float8: str = "none",
+             fp8_gather: bool = False) -> MemoryBreakdown:
     """Per-GPU memory of the GPT `shape` on gpus = tp × cp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py).
@@ -270,7 +280,8 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     attention masks (document_mask_bytes), counted with the activations. `cp` context-parallel ranks
     (zero3d/analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
     activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `optimizer` and
-    `state_dtype` (optimizer.name, optimizer.state_dtype) give K (OptimizerStates.of_shape)."""
+    `state_dtype` (optimizer.name, optimizer.state_dtype) give K (OptimizerStates.of_shape). `float8`
+    (precision.fp8: "tensorwise", "rowwise") and `fp8_gather` (zero.fp8_gather, stage 3 tensorwise): buffer_terms."""
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
     validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
@@ -308,9 +319,12 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
         # the one layer being recomputed and back-propagated (fused attention: no [b·a, s, s] buffer either)
         working = float(layer_bytes)
 
+    if fp8_gather and (stage != 3 or float8 != "tensorwise"):
+        raise ValueError(f"fp8_gather needs stage 3 and float8 = 'tensorwise'; got stage {stage}, float8 {float8!r}")
     terms = buffer_terms(shape, stage=stage, psi=psi, micro_batch=micro_batch, tp=tp,
                          bucket_elements=bucket_elements, precision=precision, prefetch_units=prefetch_units,
-                         attention=attention, cp=cp)
+                         attention=attention, cp=cp, float8=float8, fp8_gather=fp8_gather,
+                         dp=dp_per_node if hybrid else dp)
     buffers = float(sum(terms.values()))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,

@@ -12,6 +12,9 @@ class StepFlops:
     hardware: int
     """model plus the recomputed forward of the transformer layers (`model.recompute = "full"`): the
     arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU divides it)."""
+    linears: int = 0
+    """The part of `model` in the layers' QKV, projection and MLP GEMMs: what precision.fp8 runs in float8 (the
+    attention scores and the logits stay bf16)."""
 
 
 def layer_forward_flops_per_token(hidden: int, seq_length: int, ffn_hidden: Optional[int] = None,
@@ -26,14 +29,23 @@ def layer_forward_flops_per_token(hidden: int, seq_length: int, ffn_hidden: Opti
 
     With f = 4h, multi-head, d = h / a and no gate: 24·h² + 4·s·h, Narayanan et al. 2021's 24·h²·(1 + s/(6h)).
     Softmax, norms, biases (the QKV-only ones too) and activations are not counted (under 1% at these shapes)."""
+    groups = num_attention_heads if num_query_groups is None else num_query_groups
+    d = hidden // num_attention_heads if head_dim is None else head_dim
+    attention = 2 * seq_length * num_attention_heads * d * 2
+    return attention + layer_linear_flops_per_token(hidden, ffn_hidden, num_attention_heads, groups, gated_mlp,
+                                                    head_dim)
+
+
+def layer_linear_flops_per_token(hidden: int, ffn_hidden: Optional[int] = None, num_attention_heads: int = 1,
+                                 num_query_groups: Optional[int] = None, gated_mlp: bool = False,
+                                 head_dim: Optional[int] = None) -> int:
+    """The projections' and the MLP's share of `layer_forward_flops_per_token` (its GEMMs with weights)."""
     ffn = 4 * hidden if ffn_hidden is None else ffn_hidden
     groups = num_attention_heads if num_query_groups is None else num_query_groups
     d = hidden // num_attention_heads if head_dim is None else head_dim
     query_width, kv_width = num_attention_heads * d, groups * d
     projections = 2 * hidden * query_width * 2 + 2 * hidden * kv_width * 2
-    attention = 2 * seq_length * query_width * 2
-    mlp = 2 * hidden * ffn * (3 if gated_mlp else 2)
-    return projections + attention + mlp
+    return projections + 2 * hidden * ffn * (3 if gated_mlp else 2)
 
 
 def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: int, global_batch: int,
@@ -47,7 +59,9 @@ def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: in
                                                         num_query_groups, gated_mlp, head_dim) * tokens
     logits = 2 * hidden * vocab_size * tokens
     model = 3 * (layers + logits)
-    return StepFlops(model=model, hardware=model + (layers if recompute else 0))
+    linears = 3 * num_layers * layer_linear_flops_per_token(hidden, ffn_hidden, num_attention_heads, num_query_groups,
+                                                            gated_mlp, head_dim) * tokens
+    return StepFlops(model=model, hardware=model + (layers if recompute else 0), linears=linears)
 
 
 def gpt_flops_per_step(num_layers: int, hidden: int, seq_length: int, vocab_size: int,

@@ -127,11 +127,16 @@ class GPTShape:
             + (2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0)
         return split // tp + whole
 
-    def hidden_matrix_params(self, tp: int = 1) -> int:
-        """The layers' 2-D weights on one TP rank (QKV, projection, fc1, fc2): what Muon takes whole."""
+    def layer_linear_weights(self, tp: int = 1) -> int:
+        """The QKV, projection, fc1 and fc2 weights of one layer on one TP rank: what precision.fp8 casts to float8
+        (and zero.fp8_gather gathers as float8)."""
         h, f, q = self.hidden, self.ffn_size, self.query_width
         fc1 = h * f * (2 if self.gated else 1)  # SwiGLU's gate and up: one matrix
-        return self.layers * (h * (q + 2 * self.kv_width) + q * h + fc1 + f * h) // tp
+        return (h * (q + 2 * self.kv_width) + q * h + fc1 + f * h) // tp
+
+    def hidden_matrix_params(self, tp: int = 1) -> int:
+        """The layers' 2-D weights on one TP rank (QKV, projection, fc1, fc2): what Muon takes whole."""
+        return self.layers * self.layer_linear_weights(tp)
 
     def embedding_params(self, tp: int = 1) -> int:
         """The word embedding (this rank's slice of the padded vocabulary) and learned positions (none: RoPE)."""

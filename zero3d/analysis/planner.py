@@ -11,6 +11,7 @@ from zero3d.analysis.context import valid_context_sizes
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, OptimizerStates, estimate, estimate_from_shape,
                                       gpt_param_count, largest_fitting_layers, paper_shape)
+from zero3d.analysis.flops import StepFlops
 from zero3d.analysis.gpt_shape import GPTShape
 from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from zero3d.comm.modes import CommModes
@@ -103,13 +104,30 @@ class Candidate:
                 + self.optimizer_s)
 
 
+def compute_seconds(cluster: Cluster, flops: StepFlops, recompute: str, float8: str, gpus: int) -> float:
+    """The step's hardware FLOPs at the cluster's peak (× its efficiency); with `float8` (precision.fp8) the layers'
+    linear GEMMs, their recomputed forward included, at its float8 peak, the rest (attention, logits) at the
+    training precision's."""
+    if float8 == "none":
+        return flops.hardware / (gpus * cluster.peak_flops * cluster.efficiency)
+    if cluster.fp8_peak_flops is None:
+        raise ValueError(f"float8 = {float8!r} needs float8 tensor cores; {cluster.name} has none (e.g. "
+                         "--cluster dgx-h100 or dgx-h200)")
+    linears = flops.linears * (4 if recompute == "full" else 3) // 3
+    return ((flops.hardware - linears) / cluster.peak_flops + linears / cluster.fp8_peak_flops) / \
+        (gpus * cluster.efficiency)
+
+
 def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
               global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
-              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw") -> dict:
+              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw",
+              float8: str = "none", fp8_gather: bool = False) -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
-    hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included).
-    `cp` context-parallel ranks: each runs S/cp tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp.
-    `optimizer` (optimizer.name): Muon adds its whole-matrix step (muon_seconds)."""
+    hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included), the
+    float8 GEMMs at the float8 peak with `float8` (compute_seconds). `cp` context-parallel ranks: each runs S/cp
+    tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp. `optimizer` (optimizer.name): Muon adds its
+    whole-matrix step (muon_seconds). `fp8_gather` (stage 3): the layers' linear weights gathered as float8 codes
+    (comm_model.dp_collectives)."""
     layers, hidden, seq = model.layers, model.hidden, model.seq // cp
     dp = gpus // (tp * cp)
     if global_batch % (micro_batch * dp):
@@ -117,8 +135,9 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
                          f"{micro_batch} × {dp}")
     accumulation = global_batch // (micro_batch * dp)
     act_bytes = PRECISIONS[precision].activation_bytes
-    flops = model.step_flops(global_batch, recompute == "full", tp).hardware
-    compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
+    step_flops = model.step_flops(global_batch, recompute == "full", tp)
+    flops = step_flops.hardware
+    compute = compute_seconds(cluster, step_flops, recompute, float8, gpus)
     micro_compute = compute / accumulation
     # MP link: NVSwitch while the TP group stays inside a node, else the node's share of IB
     inside_node = tp <= cluster.gpus_per_node
@@ -132,9 +151,11 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
     # bucket's / unit's collective (collectives_per_pass), under today's overlap rules per stage
     buckets, gathers = collectives_per_pass(params_per_rank, bucket_elements, layers + 2)
     links = cluster_links(cluster)
+    float8_gather = dict(float8_elements=layers * model.layer_linear_weights(tp), float8_weights=4 * layers,
+                         float8_groups=layers) if fp8_gather and zero.stage == 3 else {}
     colls = dp_collectives(zero.stage, zero.zeropp, params_per_rank, dp * cp, dp_per_node(cluster, gpus, tp),
                            value_bytes=PRECISIONS[precision].grad_bytes, accumulation=accumulation,
-                           buckets=buckets, gathers=gathers)
+                           buckets=buckets, gathers=gathers, **float8_gather)
     seconds = {purpose: sum(link_seconds(c, links) for c in colls if c.purpose == purpose)
                for purpose in ("grads", "params", "replicas")}
     backward = micro_compute * (3 / 4 if recompute == "full" else 2 / 3)
@@ -209,7 +230,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
          bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
          margin_fraction: float = DEFAULT_MARGIN_FRACTION,
          tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True,
-         attention: str = "local", optimizer: str = "adamw", state_dtype: str = "fp32") -> list:
+         attention: str = "local", optimizer: str = "adamw", state_dtype: str = "fp32",
+         float8: str = "none", fp8_gather: bool = False) -> list:
     """Every layout that fits, best modelled throughput first.
 
     The model: `model` (any GPTShape), or the paper's GPT-2 shape by `layers`, `hidden`, `heads`, `vocab`, `seq`.
@@ -221,6 +243,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     parallelism, the smallest cp (a divisor of gpus/tp splitting the sequence into 2·cp chunks) that fits.
     `optimizer`, `state_dtype` (optimizer.name, optimizer.state_dtype): K in the memory (OptimizerStates), and
     Muon's whole-matrix step in the time (muon_seconds).
+    `float8` (precision.fp8) and `fp8_gather` (zero.fp8_gather, at stage 3 without hpZ / qwZ): the float8 GEMMs'
+    copies and compute, and stage 3's float8 weight gathers (estimate, step_time).
     """
     if (global_batch is None) == (batch_per_gpu is None):
         raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
@@ -235,7 +259,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     tps = tp_choices or [t for t in _divisors(gpus) if model.heads % t == 0 and model.groups % t == 0
                          and model.hidden % t == 0 and model.ffn_size % t == 0]
     shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision, attention=attention,
-                 optimizer=optimizer, state_dtype=state_dtype)
+                 optimizer=optimizer, state_dtype=state_dtype, float8=float8, fp8_gather=fp8_gather)
 
     def search_layout(tp: int, cp: int, offload_optimizer: str, offload_params: str) -> list:
         found = []
@@ -254,7 +278,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
                 modes = [""]
                 if not zero.offloaded and zero.offload_params == "none" and cp == 1:
                     m = dp_per_node(cluster, gpus, tp)
-                    modes += [z for z in PLANNER_MODES[stage] if m >= 2 or not CommModes.named(z).needs_two_per_node]
+                    modes += [z for z in PLANNER_MODES[stage] if (m >= 2 or not CommModes.named(z).needs_two_per_node)
+                              and not (fp8_gather and _gathers_its_own_way(z))]
                 for mode in modes:
                     found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
                                             step_batch, dp, bucket_elements, margin_fraction, cp)
@@ -280,6 +305,16 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     return found
 
 
+def _gathers_its_own_way(mode: str) -> bool:
+    """hpZ and qwZ gather the parameters in their own formats: zero.fp8_gather is refused beside them."""
+    modes = CommModes.named(mode)
+    return modes.secondary_partition or modes.weight_bits is not None
+
+
+def _fp8_gather(shape: dict, zero: ZeroChoice) -> bool:
+    return shape.get("fp8_gather", False) and zero.stage == 3
+
+
 def _micro_batches(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, step_batch: int, dp: int,
                    bucket_elements: Optional[int], margin_fraction: float, cp: int = 1) -> list:
     """The fitting candidates of one layout, over the micro-batches that divide the per-rank batch."""
@@ -303,7 +338,8 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                       secondary_partition=CommModes.named(zero.zeropp).secondary_partition,
                       hybrid=CommModes.named(zero.zeropp).hybrid,
                       dp_per_node=dp_per_node(cluster, shape["gpus"], tp), attention=shape.get("attention", "local"),
-                      cp=cp, optimizer=shape.get("optimizer", "adamw"), state_dtype=shape.get("state_dtype", "fp32"))
+                      cp=cp, optimizer=shape.get("optimizer", "adamw"), state_dtype=shape.get("state_dtype", "fp32"),
+                      float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero))
     offload = None
     if zero.offloaded:
         offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
@@ -320,7 +356,8 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                        global_batch=step_batch, params_per_rank=memory.params_per_rank,
                        recompute=shape["recompute"], precision=shape["precision"],
                        pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
-                       cp=cp, optimizer=shape.get("optimizer", "adamw"))
+                       cp=cp, optimizer=shape.get("optimizer", "adamw"),
+                       float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero))
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 

@@ -243,6 +243,17 @@ class Comm:
             return None
         return self._issue(all_gather_single, async_op, output_tensor=full, input_tensor=piece)
 
+    def all_gather_float8(self, full: torch.Tensor, piece: torch.Tensor, tag: str, async_op=False):
+        """Float8 codes all-gathered as they are (stage 3's zero.fp8_gather): one byte an element, sent as uint8
+        (gloo and NCCL move bytes), counted as "fp8_all_gather", a ring all-gather of those bytes."""
+        self._record("fp8_all_gather", tag, full)
+        if self.size == 1:
+            if not same_memory(full, piece):
+                full.copy_(piece)
+            return None
+        return self._issue(all_gather_single, async_op, output_tensor=full.view(torch.uint8),
+                           input_tensor=piece.view(torch.uint8))
+
     def all_gather_quantized(self, full: torch.Tensor, piece: torch.Tensor, spec: QuantSpec, tag: str,
                              async_op=False, check_finite=True):
         """qwZ: every rank's `piece` quantized (zero3d/comm/quantize.py), all-gathered as codes + scales,

@@ -4,6 +4,7 @@ from the communication modes and the node topology, so the stages never read a m
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.comm.hierarchical import overflow_safe_quantized_reduce_scatter
@@ -21,10 +22,12 @@ class CommPlan:
     """
 
     def __init__(self, modes: CommModes, dp_group, stats: CommStats, node: Optional[NodeTopology] = None,
-                 gpus_per_node: Optional[int] = None, quant_block: int = 256):
+                 gpus_per_node: Optional[int] = None, quant_block: int = 256, float8_gather: bool = False):
         """`node`: the DP group's NodeTopology with its sub-groups (zero3d/comm/topology.py), needed by every
-        node-aware mode; `gpus_per_node` (without a topology): only to split each collective's bytes per link."""
+        node-aware mode; `gpus_per_node` (without a topology): only to split each collective's bytes per link;
+        `float8_gather` (zero.fp8_gather): stage 3 gathers the FP8 linear weights as float8 codes."""
         self.modes, self.stats = modes, stats
+        self.float8_gather = float8_gather
         gpus_per_node = node.gpus_per_node if node is not None else gpus_per_node
         self.dp = Comm(dp_group, stats, gpus_per_node=gpus_per_node)
         self.dp_size = self.dp.size
@@ -70,6 +73,14 @@ class CommPlan:
             return self.shard.all_gather_quantized(full, piece, self._weights, phase, async_op=async_op,
                                                    check_finite=False)
         return self.shard.all_gather(full, piece, tag=phase, async_op=async_op)
+
+    def reduce_float8_amax(self, amax: torch.Tensor) -> None:
+        """zero.fp8_gather: each weight's amax, the max over the shard group (in place; tag "fp8_amax")."""
+        self.shard.all_reduce(amax, tag="fp8_amax", op=dist.ReduceOp.MAX)
+
+    def gather_float8(self, full: torch.Tensor, piece: torch.Tensor, phase: str, async_op: bool = True):
+        """zero.fp8_gather: a bucket of float8 codes gathered into `full` over the shard group (tag `phase`)."""
+        return self.shard.all_gather_float8(full, piece, tag=phase, async_op=async_op)
 
     def sum_across_replicas(self, pieces: list) -> None:
         """Hybrid: each tensor in `pieces` (a gradient shard's pieces) summed over the ranks holding the same

@@ -1,0 +1,55 @@
+"""The planner with precision.fp8 and zero.fp8_gather: the float8 GEMMs at the GPU's float8 peak, stage 3's float8
+gathers in the α-β model, refusals where the GPU has no float8 (zero3d/analysis/planner.py, comm_model.py)."""
+from fractions import Fraction
+
+import pytest
+
+from zero3d.analysis.cluster import ClusterSpec
+from zero3d.analysis.comm_model import dp_collectives, link_bytes
+from zero3d.analysis.gpt_shape import GPTShape
+from zero3d.analysis.planner import ZeroChoice, plan, step_time
+from zero3d.comm.modes import CommModes
+
+LLAMA3_8B = GPTShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, query_groups=8,
+                     mlp="swiglu", norm="rmsnorm", position_embedding="rope", bias=False)
+H100 = ClusterSpec(preset="dgx-h100", nodes=2).cluster("bf16")
+
+
+def test_the_float8_gemms_run_at_the_float8_peak():
+    """Llama-3 8B, 16 H100, stage 3, full recomputation: the layers' linear GEMMs (6 per token per weight, forward,
+    recomputed forward and backward: 8 with the recomputation) at 1,979 TFLOP/s, the attention and logits at 989."""
+    s, b, h, f, kv, layers, v = 8192, 128, 4096, 14336, 1024, 32, 128256
+    linears = layers * 2 * (h * h + 2 * h * kv + h * h + 3 * h * f) * b * s  # one forward
+    attention, logits = layers * 4 * s * h * b * s, 2 * h * v * b * s
+    args = dict(model=LLAMA3_8B, gpus=16, tp=1, zero=ZeroChoice(3), micro_batch=2, global_batch=b,
+                params_per_rank=LLAMA3_8B.params(), recompute="full", precision="bf16")
+    bf16, fp8 = step_time(H100, **args), step_time(H100, **args, float8="tensorwise")
+    rate = 16 * H100.efficiency
+    assert bf16["compute_s"] == pytest.approx((4 * (linears + attention) + 3 * logits) / (989e12 * rate))
+    assert fp8["compute_s"] == pytest.approx((4 * attention + 3 * logits) / (989e12 * rate)
+                                             + 4 * linears / (1979e12 * rate))
+    assert 1.5 < bf16["compute_s"] / fp8["compute_s"] < 2
+
+
+def test_fp8_gathers_send_one_byte_a_weight_element_and_the_amaxes():
+    """Stage 3, N = 4 on one node, A = 2: each gather pass sends the float8 groups' E elements at one byte and the rest
+    at two, and each of G groups all-reduces its W amaxes (4 bytes each) before each of the 2A gathers."""
+    psi, e, w, g, n, a = 10_000, 6_000, 8, 2, 4, 2
+    plain = sum(link_bytes(dp_collectives(3, "", psi, n, n, value_bytes=2, accumulation=a)))
+    fp8 = sum(link_bytes(dp_collectives(3, "", psi, n, n, value_bytes=2, accumulation=a, float8_elements=e,
+                                        float8_weights=w, float8_groups=g)))
+    ring = Fraction(n - 1, n)
+    assert plain - fp8 == 2 * a * e * ring - 2 * a * 2 * 4 * w * ring
+    with pytest.raises(ValueError, match="float8 gathers run at stage 3 without hpZ or qwZ"):
+        dp_collectives(3, "+hpZ", psi, n, 2, float8_elements=e)
+
+
+def test_no_float8_on_an_a100_and_fp8_gather_layouts_have_no_hpz_or_qwz():
+    a100 = ClusterSpec(preset="dgx-a100", nodes=2).cluster("bf16")
+    args = dict(model=LLAMA3_8B, gpus=16, global_batch=128, recompute="full", precision="bf16")
+    with pytest.raises(ValueError, match="float8 = 'tensorwise' needs float8 tensor cores; 2 DGX A100"):
+        plan(a100, **args, float8="tensorwise")
+    found = plan(H100, **args, float8="tensorwise", fp8_gather=True)
+    modes = [CommModes.named(c.zero.zeropp) for c in found if c.zero.stage == 3]
+    assert modes and not any(m.secondary_partition or m.weight_bits for m in modes)
+    assert found[0].tflops_per_gpu > plan(H100, **args)[0].tflops_per_gpu * 1.3

@@ -1,0 +1,117 @@
+"""Float8 arithmetic of the two dynamic current-scaling training recipes (torchao 0.18's `Float8LinearConfig`
+recipes "tensorwise" and "rowwise", restated here): each operand of each GEMM is scaled by its own absolute
+maximum at the moment it is cast (no amax history), cast to float8, multiplied by `torch._scaled_mm` with the
+inverse scales, and the product comes out in bf16.
+
+- tensorwise: one scale per tensor; input and weight in e4m3, the output gradient in e5m2 (its range), the
+  scales as computed (`max / amax`, in fp64 then fp32).
+- rowwise: one scale per row or column along each GEMM's contraction dimension (the input per row, the weight
+  per output row, then for the backward GEMMs per column of the re-quantized operands); every operand in e4m3;
+  scales rounded down to a power of two (so dequantizing is exact).
+
+A GEMM is written `a @ bᵀ` with both operands contiguous along the contraction dimension k ([m, k] and [n, k]):
+`_scaled_mm`'s layouts on CUDA (a row-major, b column-major) without a copy. `torch._scaled_mm`'s rules,
+measured on torch 2.13's CPU kernel and read from its meta registration (the CUDA checks): operands float8
+(e4m3fn, e5m2, and the fnuz variants); scales fp32, both one element (tensorwise) or a contiguous (m, 1) and
+(1, n) (rowwise); out_dtype any float (the CPU kernel dequantizes both operands to fp32, multiplies in fp32 and
+rounds once to out_dtype); on CUDA a must be row-major, b column-major, and k and n divisible by 16 (the CPU
+kernel checks neither; zero3d/config.py's FLOAT8_ALIGNMENT, which pretrain's config holds every FP8 GEMM to). This module imports only torch: the engine's stage 3 casts shards with it
+(`zero3d/comm/float8_gather.py`), pretrain's FP8 linear layers (`pretrain/model/fp8.py`) their operands.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+AMAX_FLOOR = 1e-12  # torchao's EPS: an all-zero tensor gets scale max / 1e-12, not a division by zero
+# Elements a cast stages in fp32 at once (256 MiB): a larger operand is cast in row blocks, so the fp32 copy a cast
+# needs never exceeds this (a 13B layer's fc2 input at micro-batch 16 is 335M elements: 2.7 GB in two fp32 copies)
+CAST_CHUNK = 1 << 26
+FLOAT8_WEIGHT = "float8_weight"  # parameter attribute: a weight the FP8 linear layers cast (stage 3 may gather it so)
+FLOAT8_GATHERED = "float8_gathered"  # parameter attribute while stage 3 holds it gathered as float8: a Float8Weight
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """How one recipe scales and casts: the granularity, the gradient's format, the scale rounding."""
+
+    name: str
+    rowwise: bool  # one scale per row / column along the contraction dimension; False: one per tensor
+    grad_dtype: torch.dtype  # the output gradient's float8 format (input and weight: e4m3)
+    power_of_two_scales: bool  # each scale rounded down to a power of two
+
+    @property
+    def casts_grad_as(self) -> str:
+        return "e5m2" if self.grad_dtype == E5M2 else "e4m3"
+
+
+RECIPES = {"tensorwise": Float8Recipe("tensorwise", rowwise=False, grad_dtype=E5M2, power_of_two_scales=False),
+           "rowwise": Float8Recipe("rowwise", rowwise=True, grad_dtype=E4M3, power_of_two_scales=True)}
+
+
+@dataclass(frozen=True)
+class Float8Weight:
+    """A weight already in float8 (stage 3's float8 gather): its e4m3 codes and the scale they were cast with
+    (codes = saturate(weight · scale)); the FP8 linear layers use it instead of casting the weight themselves."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor  # fp32, one element
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False) -> torch.Tensor:
+    """The cast's scale(s), fp32: the format's largest value / max(amax, AMAX_FLOOR), divided in fp64 (torchao: the
+    same value eager and compiled), optionally rounded down to a power of two."""
+    scale = (torch.finfo(dtype).max / torch.clamp(amax.to(torch.float64), min=AMAX_FLOOR)).to(torch.float32)
+    return torch.exp2(torch.floor(torch.log2(scale))) if power_of_two else scale
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """Float8 codes of x · scale (in fp32), saturated to the format's range (torch's own cast does not saturate). The
+    product is staged in one fp32 copy, in place; a 2-D x of more than CAST_CHUNK elements a block of rows at a time
+    (`scale`: one element, (1, n), or (m, 1) sliced with the rows)."""
+    top = torch.finfo(dtype).max
+    if x.numel() <= CAST_CHUNK or x.dim() != 2:
+        staged = x.to(torch.float32, copy=True)
+        return staged.mul_(scale).clamp_(min=-top, max=top).to(dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    rows = max(1, CAST_CHUNK // x.shape[1])
+    per_row = scale.dim() == 2 and scale.shape[0] > 1
+    for i in range(0, x.shape[0], rows):
+        out[i:i + rows] = cast(x[i:i + rows], dtype, scale[i:i + rows] if per_row else scale)
+    return out
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False,
+             dim: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of a 2-D tensor: one scale over the whole tensor (`dim` None), or one per slice along `dim`
+    (dim = 1: a scale per row, shape (m, 1); dim = 0: a scale per column, shape (1, n))."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, keepdim=dim is not None)  # max |x|, no |x| copy
+    scale = scale_from_amax(amax, dtype, power_of_two)
+    return cast(x, dtype, scale), scale
+
+
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """a @ bᵀ dequantized, for float8 `a` [m, k] and `b` [n, k], each contiguous along k, cast with `a_scale`
+    (one element, or (m, 1)) and `b_scale` (one element, or (n, 1)); out_dtype [m, n]."""
+    if a_scale.numel() == 1:
+        return torch._scaled_mm(a, b.t(), a_scale.reciprocal().reshape(()), b_scale.reciprocal().reshape(()),
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return torch._scaled_mm(a, b.t(), a_scale.reciprocal().reshape(-1, 1).contiguous(),
+                            b_scale.reciprocal().reshape(1, -1).contiguous(), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def unavailable(device: torch.device) -> Optional[str]:
+    """Why float8 matmuls cannot run on `device` (None when they can): torch without float8 dtypes or
+    `_scaled_mm`, or a CUDA GPU below compute capability 8.9 (Ada, Hopper and newer have float8 tensor cores)."""
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no float8 dtypes or torch._scaled_mm"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; float8 "
+                    "matmuls need 8.9 or newer (Ada, Hopper, Blackwell)")
+    return None
