@@ -10,13 +10,15 @@ Loss paths (`model.loss_chunk_tokens` = c, `model.loss_recompute`):
 - c = 0: megatron's: ColumnParallelLinear's [s, b, vocab/TP] logits into `vocab_parallel_cross_entropy`.
 - c > 0 (default): `FusedLinearCrossEntropy`: output layer and vocab-parallel cross-entropy c tokens at a time, the
   gradients with respect to the hidden states, the weight and the bias computed in the forward pass (the softmax
-  statistics all-reduced over TP per chunk, as megatron's cross-entropy does); backward only scales them. Neither the
+  statistics all-reduced over TP per chunk, as megatron's cross-entropy does; the GEMMs in the model dtype, the
+  softmax and the weight gradient's sum over chunks in fp32); backward only scales them. Neither the
   [tokens × vocab/TP] logits nor a second output GEMM exist. It holds from forward to backward the fp32 weight (and
-  bias) gradient [vocab/TP, h] and the [tokens, h] hidden-state gradient (model dtype).
-  The weight gradient is a sum over tokens, so it can only be scaled afterwards by one number: the gradient
-  reaching the per-token losses must be `loss_mask` (handed to the model's forward; none: every token 1) times one
-  number, as `pretrain.data.batch.token_mean` makes it (a mean, or a masked sum over a count). Anything else is
-  refused in backward (an asynchronous check: no host read), naming model.loss_recompute.
+  bias) gradient [vocab/TP, h] and the [tokens, h] hidden-state gradient (model dtype), each token's part weighted by
+  its `loss_mask` (handed to the model's forward; none: every token 1). The weight gradient is a sum over tokens,
+  so backward can only scale it by one number: the gradient reaching the per-token losses must be that loss mask
+  times one number, as `pretrain.data.batch.token_mean` makes it (a mean, or a masked sum over a count; the loss
+  scale and the division by micro-batches are that one number too). Anything else is refused in backward (an
+  asynchronous check: no host read), naming model.loss_recompute.
 - c > 0, `model.loss_recompute = true`: each chunk's output layer and cross-entropy under torch's non-reentrant
   checkpoint: nothing of the loss kept between forward and backward, one more output GEMM per step, any gradient.
 

@@ -121,10 +121,10 @@ class UniformTokens:
         return torch.randint(0, self.vocab, (self.seq_length + 1,), generator=torch.Generator().manual_seed(5000 + i))
 
 
-@pytest.mark.parametrize("kind, ranks, layout", [("llama", 4, ["parallel.tensor=2", "zero.stage=3"]),
-                                                 ("gpt2", 2, ["parallel.tensor=1", "zero.stage=1"])],
-                         ids=["llama-tp2-dp2-stage3", "gpt2-tied-tp1-dp2-stage1"])
-def test_an_import_at_a_padded_vocabulary_starts_at_transformers_loss(kind, ranks, layout, tmp_path):
+@pytest.mark.parametrize("kind, ranks, layout, seq", [("llama", 4, ["parallel.tensor=2", "zero.stage=3"], 16),
+                                                      ("gpt2", 2, ["parallel.tensor=1", "zero.stage=1"], 32)],
+                         ids=["llama-tp2-dp2-stage3", "gpt2-tied-tp1-dp2-stage1"])  # GPT-2: its 32 learned positions
+def test_an_import_at_a_padded_vocabulary_starts_at_transformers_loss(kind, ranks, layout, seq, tmp_path):
     """Vocabulary 300: megatron pads the output layer to 512 rows at TP 2 (rank 1 holds ids 256..511, 44 real) and
     to 384 at TP 1; the imported padded rows are zero, so a softmax over them would start log(512/300) = 0.53 (TP 2)
     or log(384/300) = 0.25 (TP 1) above transformers. The first step's loss is transformers' on the same 8 samples."""
@@ -134,8 +134,8 @@ def test_an_import_at_a_padded_vocabulary_starts_at_transformers_loss(kind, rank
     hf = build(kind, vocab=300)
     hf.save_pretrained(tmp_path)
     overrides = model_overrides(ImportedModel(tmp_path).model) + [
-        "model.seq_length=16", "train.global_batch_size=8", f'train.init_from="{tmp_path}"', *layout]
-    tokens = UniformTokens(300, 16)
+        f"model.seq_length={seq}", "train.global_batch_size=8", f'train.init_from="{tmp_path}"', *layout]
+    tokens = UniformTokens(300, seq)
     out = run_ranks(run_gpt_steps, ranks, overrides, 1, None, False, tokens, timeout=300)
     samples = torch.stack([tokens.sample(i) for i in range(8)])
     with torch.no_grad():

@@ -176,3 +176,19 @@ def test_fused_loss_equals_the_recomputed_and_megatron_losses():
         for path in ("fused", "recomputed"):
             for name, expected in bias_case["reference"].items():
                 torch.testing.assert_close(bias_case[path][name], expected, rtol=1e-6, atol=1e-6, msg=f"{path} {name}")
+
+
+def test_fused_chunks_at_stage3_train_as_megatron_loss_at_stage0(gpt_run):
+    """ZeRO stage 3 gathers the output layer for the forward that now also makes its weight gradient, which reaches the
+    stage's hooks once, in backward: with the fused loss in chunks of 7 (each micro-batch's 32 tokens: 5 chunks) at
+    TP 2 × DP 2 with SP, untied and tied, 4 steps train as stage 0 with megatron's loss (fp32, 1e-5 as test_stage3)."""
+    from gpt_harness import assert_close_runs
+    for extra in ([], ["model.tie_embeddings=true"]):
+        common = ["parallel.tensor=2", "parallel.sequence_parallel=true", f"model.vocab_size={VOCAB}",
+                  "train.global_batch_size=4", *extra]
+        ref = gpt_run(4, common + ["zero.stage=0", "model.loss_chunk_tokens=0"], 4)
+        out = gpt_run(4, common + ["zero.stage=3", "model.loss_chunk_tokens=7"], 4)
+        assert_close_runs(ref, out, rtol=1e-5)
+        weight = "embedding.word_embeddings.weight" if extra else "output_layer.weight"  # the loss's weight
+        moved = (out[0]["params"][weight] - out[0]["params_init"][weight]).abs().max()
+        assert moved > 100 * 1e-5, moved  # 4 Adam steps of lr 1e-3: far beyond the tolerance

@@ -400,7 +400,7 @@ def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> st
     rows = [("parameters", m.param_bytes), ("gradients", m.grad_bytes),
             ("optimizer states (incl. master)", m.optimizer_bytes), ("  = model states", m.model_state_bytes),
             ("activation checkpoints", m.checkpoint_bytes), ("layer working set", m.working_set_bytes),
-            ("logits (fp32, loss)", m.logits_bytes)]
+            ("loss (logits, fused kept grads)", m.logits_bytes)]
     if m.mask_bytes:
         rows.append(("attention masks (documents)", m.mask_bytes))
     rows += [("  = activations", m.activation_bytes), ("temporary buffers", m.buffer_bytes),
