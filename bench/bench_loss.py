@@ -11,7 +11,8 @@ same on every path):
     recomputed  model.loss_chunk_tokens = c, model.loss_recompute = true: chunks under torch's checkpoint
     fused       model.loss_chunk_tokens = c (the default): FusedLinearCrossEntropy, every gradient in forward
 
-Each path runs once counted, then `steps` times timed (the paths interleaved; the median). Peak: the largest number
+Each path runs once counted, then `steps` times timed (the paths interleaved; the median; on CPU the process's CPU
+seconds, all its threads: a shared machine's other work does not count, on CUDA wall seconds). Peak: the largest number
 of bytes alive at once above the inputs (the weight's and hidden states' gradients included): on CPU every storage an
 operator makes, counted until it is freed (a TorchDispatchMode), on CUDA torch's allocator peak. Kept: the bytes
 autograd holds for backward at the end of forward (saved_tensors_hooks; the inputs and weight excluded).
@@ -113,15 +114,16 @@ def measure(vocab, args, device):
                 loss = run_once(path, hidden, weight, labels, args, vocab, census)
             peak = live.peak
         out[path] = [[], peak, census.bytes, loss.item()]
+    clock = time.perf_counter if device.type == "cuda" else time.process_time  # CPU: this process's CPU seconds
     for _ in range(args.steps):  # timed, the paths interleaved
         for path in PATHS:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock()
             run_once(path, hidden, weight, labels, args, vocab)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            out[path][0].append(time.perf_counter() - t0)
+            out[path][0].append(clock() - t0)
     return {path: (statistics.median(times), peak, kept, loss) for path, (times, peak, kept, loss) in out.items()}
 
 
@@ -143,7 +145,8 @@ def print_table(rows, args):
     where = f"one CPU rank ({torch.get_num_threads()} threads)" if args.device == "cpu" else args.device
     print(f"output layer + cross-entropy, {args.tokens} tokens, hidden {args.hidden}, chunks of {args.chunk}, "
           f"{args.dtype}, {where}; median of {args.steps} steps after a counted one")
-    print(f"{'vocab':>7} {'path':<10} {'step s':>7} {'x fused':>7} {'peak MB':>8} {'kept MB':>8} {'loss':>9}")
+    clock = "cpu s" if args.device == "cpu" else "step s"
+    print(f"{'vocab':>7} {'path':<10} {clock:>7} {'x fused':>7} {'peak MB':>8} {'kept MB':>8} {'loss':>9}")
     fused = {r["vocab"]: r for r in rows if r["path"] == "fused"}
     for r in rows:
         print(f"{r['vocab']:7d} {r['path']:<10} {r['time']:7.3f} {r['time'] / fused[r['vocab']]['time']:7.2f} "

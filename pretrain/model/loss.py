@@ -102,8 +102,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden) if needs_grad else None
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
-        d_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if needs_grad and bias is not None else None
+        d_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                  if needs_grad and bias is not None else None)
         for start in range(0, n, chunk):
             part = slice(start, min(start + chunk, n))
             h = hidden[part]

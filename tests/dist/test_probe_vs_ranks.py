@@ -102,8 +102,8 @@ def test_fake_probe_equals_real_cpu_ranks(overrides):
         tokens, e = cfg.train.micro_batch_size * cfg.model.seq_length, 4 if cfg.precision.dtype == "fp32" else 2
         logits = tokens * cfg.model.padded_vocab_size(TP) // TP * (4 + (e if e != 4 else 0))
         transients = logits + tokens * cfg.model.hidden_size * e + 128 * tokens
-        assert measured.saved_tensor_peak <= probed.category_peaks["activations"] \
-            <= measured.saved_tensor_peak + transients, (probed.category_peaks["activations"], measured.saved_tensor_peak)
+        assert (measured.saved_tensor_peak <= probed.category_peaks["activations"]
+                <= measured.saved_tensor_peak + transients), (probed.category_peaks["activations"], measured.saved_tensor_peak)
         for category in ("activations", "temporaries"):
             assert probed.category_peaks[category] == pytest.approx(measured.category_peaks[category], rel=0.05,
                                                                     abs=GLOO_STAGING_SLACK), category
