@@ -27,6 +27,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
         "pyarrow==26.0.1" \
         "numpy>=1.26,<3" \
         "wandb==0.31.0" \
+        "tensorboard==2.21.0" \
         "psutil==7.2.2" \
         "tqdm==4.70.1" \
         "matplotlib==3.11.2" \

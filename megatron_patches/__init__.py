@@ -1,4 +1,6 @@
-"""The only place zero3d patches megatron-core: CPU/gloo mode (cpu.py, groups.py) and its import made lean (lean.py)."""
+"""The only place zero3d patches megatron-core: CPU/gloo mode (cpu.py, groups.py), its import made lean (lean.py), its
+layers traced whole by torch.compile (compile.py)."""
+from megatron_patches.compile import no_warnings_inside_layers
 from megatron_patches.cpu import (apply_cpu_patches, cpu_patches_applied, tied_embeddings_stay_on_cpu,
                                   undo_cpu_patches)
 from megatron_patches.groups import destroy_megatron_groups, one_gloo_group_per_rank_set
@@ -15,4 +17,5 @@ def apply(device_type: str) -> None:
 
 
 __all__ = ["apply", "apply_cpu_patches", "undo_cpu_patches", "cpu_patches_applied", "tied_embeddings_stay_on_cpu",
-           "one_gloo_group_per_rank_set", "destroy_megatron_groups", "check_megatron_version", "MEGATRON_TESTED"]
+           "one_gloo_group_per_rank_set", "destroy_megatron_groups", "check_megatron_version", "MEGATRON_TESTED",
+           "no_warnings_inside_layers"]

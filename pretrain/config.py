@@ -20,7 +20,9 @@ from zero3d.config import ZeroConfig, ZeroConfigError
 
 @dataclass
 class OptimizerConfig(engine_config.OptimizerConfig):
-    """[optimizer]: zero3d's AdamW settings (validated there) with this recipe's defaults, plus the schedule."""
+    """[optimizer]: zero3d's optimizer and its settings (validated there) with this recipe's defaults, plus the
+    schedule. `name` picks the optimizer; each optimizer's own keys are marked with the optimizers that read them, and
+    setting another optimizer's key is an error."""
 
     weight_decay: float = 0.1
     beta2: float = 0.95
@@ -46,7 +48,8 @@ class PrecisionConfig(engine_config.LossScaleConfig):
     """[precision]: the compute dtype, plus zero3d's fp16 loss-scale settings (validated there)."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Compute dtype of the model (fp32 masters and Adam states whatever it is); fp16 scales the loss."""
+    """Compute dtype of the model (fp32 masters whatever it is, optimizer states in optimizer.state_dtype); fp16
+    scales the loss."""
 
 
 @dataclass
@@ -92,7 +95,7 @@ def _coerce(key: str, value, annotation):
         return _coerce(key, value, inner)
     if origin is Literal:
         choices = typing.get_args(annotation)
-        if value not in choices or type(value) is not type(choices[0]):
+        if not any(value == c and type(value) is type(c) for c in choices):  # True is not 1, "true" not True
             raise ConfigError(f"{key} = {value!r} is invalid; valid values: "
                               f"{', '.join(repr(c) for c in choices)}")
         return value
@@ -262,9 +265,6 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_fp16_only(cfg.precision)  # before the rebuild: its message names the dtype
     _rebuild_sections(cfg)
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
-    _require(not (m.compile and z.stage == 3),
-             "model.compile = true with zero.stage = 3 is refused: stage 3 swaps each parameter's storage around "
-             "its gathers, which the compiled layers' saved tensors do not survive; use stage 0-2 or model.compile = false")
     _require(m.num_layers % p.pipeline == 0,
              f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}; "
              "every pipeline stage holds the same number of layers")
@@ -309,6 +309,13 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         _require(o.schedule == "wsd" or not cfg.is_set(f"optimizer.{key}"),
                  f"optimizer.{key} is set but optimizer.schedule = {o.schedule!r} does not use it (only 'wsd' "
                  f"does); remove it or set optimizer.schedule = \"wsd\"")
+    for key in o.foreign_keys(sorted(k.removeprefix("optimizer.") for k in vars(cfg).get("_given", ())
+                                     if k.startswith("optimizer."))):
+        _require(False, o.foreign_key_error(key))
+    _require(not (o.name == "muon" and z.offload_optimizer == "nvme"),
+             "optimizer.name = 'muon' with zero.offload_optimizer = 'nvme' is not supported: Muon's step needs each "
+             "hidden matrix's direction whole, which the NVMe stream's chunks do not hold; use zero.offload_optimizer "
+             "= 'cpu' or 'none'")
     _check_irrelevant(cfg)
     _check_context(cfg)
     names = m.shape.parameter_names() if o.no_decay_patterns else []

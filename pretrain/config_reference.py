@@ -53,7 +53,8 @@ def type_text(annotation) -> str:
         inner = [a for a in typing.get_args(annotation) if a is not type(None)]
         return " \\| ".join(type_text(a) for a in inner) + " \\| none"
     if origin is typing.Literal:
-        return " \\| ".join(f'`"{v}"`' if isinstance(v, str) else f"`{v}`" for v in typing.get_args(annotation))
+        return " \\| ".join(f'`"{v}"`' if isinstance(v, str) else f"`{str(v).lower()}`" if isinstance(v, bool)
+                            else f"`{v}`" for v in typing.get_args(annotation))
     return getattr(annotation, "__name__", str(annotation))
 
 

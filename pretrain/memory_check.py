@@ -3,8 +3,8 @@ import dataclasses
 from typing import Optional
 
 from pretrain.config import Config, ConfigError
-from zero3d.analysis.estimate import (GB, PRECISIONS, MemoryBreakdown, document_mask_bytes, estimate,
-                                      format_breakdown)
+from zero3d.analysis.estimate import (GB, PRECISIONS, MemoryBreakdown, OptimizerStates, document_mask_bytes,
+                                      estimate, format_breakdown)
 from zero3d.analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
 from zero3d.config import ZeroConfig
 
@@ -22,7 +22,15 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         prefetch_units=z.prefetch_units, gpu_memory_bytes=gpu_memory_bytes,
         loss_chunk_tokens=m.loss_chunk_tokens, loss_recompute=m.loss_recompute, secondary_partition=z.comm_modes().secondary_partition,
         hybrid=z.comm_modes().hybrid, dp_per_node=dp_per_node(cfg, world_size),
-        attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size), cp=cfg.parallel.context)
+        attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size), cp=cfg.parallel.context,
+        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype)
+
+
+def optimizer_states(cfg: Config) -> OptimizerStates:
+    """K's inputs for this config (one pipeline stage's layers, as estimate_config counts them)."""
+    m = cfg.model
+    return OptimizerStates.of_shape(dataclasses.replace(m.shape, layers=m.num_layers // cfg.parallel.pipeline),
+                                    cfg.parallel.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
 
 
 def mask_bytes(cfg: Config, world_size: int) -> int:
@@ -69,7 +77,8 @@ def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float) -> tu
         return estimate, None
     offload = offload_breakdown(estimate, stage=cfg.zero.stage, gpus=world_size // cfg.parallel.pipeline,
                                 tp=cfg.parallel.tensor, precision=cfg.precision.dtype,
-                                accumulation=accumulation(cfg, world_size), **settings)
+                                accumulation=accumulation(cfg, world_size), optimizer=optimizer_states(cfg),
+                                **settings)
     return offload.device, offload
 
 
@@ -88,7 +97,8 @@ def describe(cfg: Config, world_size: int) -> str:
     dp = world_size // (p.tensor * p.pipeline * p.context)
     return (f"{cfg.model.num_layers} layers × hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}; "
             f"{world_size} ranks = TP {p.tensor} × PP {p.pipeline}{cp} × DP {dp}; "
-            f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}")
+            f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}; "
+            f"{cfg.optimizer.name}, {cfg.optimizer.state_dtype} states")
 
 
 def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None) -> tuple:

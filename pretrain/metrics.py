@@ -65,6 +65,7 @@ def throughput_metrics(step_time_s: float, tokens_per_step: int, world_size: int
     record = {
         "perf/step_time_s": step_time_s,
         "perf/tokens_per_s": tokens_per_step / step_time_s,
+        "perf/tokens_per_s_per_gpu": tokens_per_step / step_time_s / world_size,
         "perf/tflops_per_gpu": hardware,
         "perf/model_tflops_per_gpu": model,
     }
@@ -81,26 +82,55 @@ def memory_report(device_type: str, state_bytes: dict[str, int]) -> dict:
         # Peaks since process start: the step's high-water mark, which is what decides an OOM.
         record["mem/max_allocated_bytes"] = torch.cuda.max_memory_allocated()
         record["mem/max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        # the caching allocator's counters since process start: a retry frees its cached blocks and allocates again
+        # (fragmentation near the limit), an OOM is an allocation that failed even then
+        stats = torch.cuda.memory_stats()
+        record["mem/alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+        record["mem/ooms"] = int(stats.get("num_ooms", 0))
     else:
         record["mem/rss_bytes"] = psutil.Process().memory_info().rss
     return record
 
 
+def bandwidth_report(comm: dict) -> dict:
+    """Achieved bandwidth of zero3d's collectives this step, from CommStats' report (`comm`): bytes sent ÷ their
+    summed launch→completion seconds, in GB/s — over all of them and, where the bytes are split per link, each
+    link's bytes over the same seconds. Nothing before any collective was timed."""
+    seconds = comm.get("comm/time/seconds")
+    if not seconds:
+        return {}
+    out = {"comm/time/gbps": comm["comm/total/bytes"] / seconds / 1e9}
+    for link in ("intra", "inter"):
+        if f"comm/{link}_node_bytes" in comm:
+            out[f"comm/time/{link}_node_gbps"] = comm[f"comm/{link}_node_bytes"] / seconds / 1e9
+    return out
+
+
 # ---------------------------------------------------------------- sinks
 
 
-def format_record(record: dict) -> str:
-    """The console fields of a record, in a fixed order, skipping those it lacks."""
+def clock_text(seconds: float) -> str:
+    """H:MM:SS of a duration (rounded to the second)."""
+    hours, rest = divmod(int(round(seconds)), 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def format_record(record: dict, eta_s: Optional[float] = None) -> str:
+    """The console fields of a record, in a fixed order, skipping those it lacks; `eta_s`: the time left."""
     fields = [("train/loss", "loss", "{:.4f}"), ("val/loss", "val_loss", "{:.4f}"),
               ("train/lr", "lr", "{:.1e}"), ("train/grad_norm", "grad_norm", "{:.3g}"),
               ("train/loss_scale", "scale", "{:.0f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-              ("perf/tflops_per_gpu", "TFLOP/s/GPU", "{:.3g}")]
+              ("perf/tokens_per_s_per_gpu", "tok/s/GPU", "{:.0f}"), ("perf/tflops_per_gpu", "TFLOP/s/GPU", "{:.3g}")]
     parts = [f"{label} {fmt.format(record[key])}" for key, label, fmt in fields if key in record]
     parts += [f"{label} {100 * record[key]:.1f}%" for key, label in (("perf/mfu", "MFU"), ("perf/hfu", "HFU"))
               if key in record]
     memory = record.get("mem/max_allocated_bytes", record.get("mem/rss_bytes"))
     if memory is not None:
         parts.append(f"mem {memory / 2**30:.2f} GiB")
+    if "perf/step_time_s" in record:
+        parts.append(f"step {record['perf/step_time_s']:.3g} s")
+    if eta_s is not None:
+        parts.append(f"ETA {clock_text(eta_s)}")
     return " | ".join(parts)
 
 
@@ -118,14 +148,25 @@ class ConsoleSink:
             mode = "bar" if interactive else "plain"
         self.mode = mode
         self.total_steps = total_steps
+        self.first: Optional[tuple[int, float]] = None  # (step, monotonic time) of the first step logged
         self.bar = None
         if mode == "bar":
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, file=self.stream,
                             dynamic_ncols=True, unit="step")
 
+    def eta(self, step: int, record: dict) -> Optional[float]:
+        """Seconds to train.steps: the steps left × the wall time per step since the first logged step (evaluation
+        and saves included); at the first, its own step time."""
+        now, left = time.monotonic(), self.total_steps - step
+        if self.first is None:
+            self.first = (step, now)
+        if step > self.first[0]:
+            return left * (now - self.first[1]) / (step - self.first[0])
+        return left * record["perf/step_time_s"] if "perf/step_time_s" in record else None
+
     def log(self, step: int, record: dict) -> None:
-        text = format_record(record)
+        text = format_record(record, self.eta(step, record))
         if self.bar is None:
             print(f"step {step}/{self.total_steps} | {text}", file=self.stream, flush=True)
             return
@@ -139,6 +180,30 @@ class ConsoleSink:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class TensorBoardSink:
+    """TensorBoard event files in <run_dir>/tensorboard (torch.utils.tensorboard's SummaryWriter): every numeric key
+    of a record (booleans as 0/1) as a scalar at its step, the same keys as metrics.jsonl's; TensorBoard stores
+    float32. Flushed at every log, as the JSONL line is written at once."""
+
+    DIR = "tensorboard"
+
+    def __init__(self, run_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / self.DIR))
+
+    def log(self, step: int, record: dict) -> None:
+        for key, value in record.items():
+            value = value.item() if hasattr(value, "item") else value
+            if isinstance(value, (bool, int, float)):
+                self.writer.add_scalar(key, float(value), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def _json_value(value):
@@ -260,8 +325,8 @@ class MetricsLogger:
 
 def make_logger(rank: int, run_dir: str | Path, config_dict: dict, total_steps: int,
                 console_mode: str, use_wandb: bool, wandb_project: str, wandb_name: str,
-                wandb_group: Optional[str], start_step: int = 0) -> MetricsLogger:
-    """Rank 0: console + <run_dir>/metrics.jsonl (+ W&B); other ranks: a logger that does nothing.
+                wandb_group: Optional[str], start_step: int = 0, use_tensorboard: bool = False) -> MetricsLogger:
+    """Rank 0: console + <run_dir>/metrics.jsonl (+ W&B, + TensorBoard); other ranks: a logger that does nothing.
 
     start_step > 0 means the run resumed from a checkpoint: the bar starts there and W&B continues
     the run recorded in <run_dir>/wandb_run_id, if there is one.
@@ -275,5 +340,7 @@ def make_logger(rank: int, run_dir: str | Path, config_dict: dict, total_steps: 
         resume_id = id_file.read_text().strip() if start_step > 0 and id_file.is_file() else None
         sinks.append(WandbSink(wandb_project, wandb_name, wandb_group, config_dict, run_dir, resume_id))
     sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+    if use_tensorboard:
+        sinks.append(TensorBoardSink(run_dir))
     sinks.append(ConsoleSink(total_steps, console_mode, start_step=start_step))
     return MetricsLogger(sinks)

@@ -67,8 +67,10 @@ class ModelConfig(Section):
     """Dropout of the attention probabilities, in [0, 1)."""
     init_method_std: float = 0.02
     """Standard deviation of the normal initialisation (> 0)."""
-    recompute: Literal["none", "full"] = "none"
-    """full: every transformer layer recomputed in backward."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """full: every transformer layer recomputed in backward from its input; selective: each layer keeps only its GEMMs'
+    and fused attention's outputs and recomputes the rest (norms, RoPE, activations, materialised attention scores:
+    pretrain/model/recompute.py); none: every activation kept."""
     attention: Literal["auto", "sdpa", "local", "te"] = "auto"
     """Core attention (pretrain/model/attention.py): auto = Transformer Engine on GPU where importable, else torch's
     scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
@@ -78,8 +80,9 @@ class ModelConfig(Section):
     loss_recompute: bool = False
     """With loss_chunk_tokens > 0: each chunk recomputed in backward instead (one more output GEMM per step, nothing
     of the loss kept between forward and backward, any function of the per-token losses differentiable)."""
-    compile: bool = False
-    """torch.compile of each transformer layer (inductor); off: no GPU measurement says it is faster yet."""
+    compile: Literal["auto", True, False] = "auto"
+    """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it: true, false, or
+    auto = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains)."""
     position_embedding: Literal["learned", "rope"] = "learned"
     """learned: GPT-2's absolute position table (seq_length × hidden); rope: rotary embeddings (Llama)."""
     rope_base: int = 10000
@@ -185,8 +188,11 @@ class DataConfig(Section):
     The blends and the split are parsed once, when the section is built: `blends()`, `split_shares()`."""
 
     section: ClassVar[str] = "data"
-    corpus: str = "data/corpus.jsonl"
-    """JSONL file or glob ({"text": ...} a line; .gz/.zst too), used without a blend."""
+    corpus: Optional[str] = None
+    """JSONL, Parquet or Arrow file or glob ({"text": ...} a line; .gz/.zst too), tokenized into cache_dir, used
+    without a blend; unset with no blend: the run refuses to start (data/corpus.jsonl: the shipped demo corpus)."""
+    text_column: str = "text"
+    """The JSON field (JSONL) or column (Parquet, Arrow) of data.corpus holding each document's text."""
     tokenizer_kind: Literal["sentencepiece", "hf", "gpt2_bpe", "tiktoken", "none"] = "sentencepiece"
     """sentencepiece .model, hf tokenizer.json, gpt2_bpe vocab.json+merges.txt, tiktoken BPE file; none: blend ids."""
     tokenizer_model: Optional[str] = None
@@ -235,8 +241,9 @@ class DataConfig(Section):
         self._check_tokenizer(per_split or self.blend is not None)
         require(self.num_workers is None or self.num_workers >= 0,
                 f"data.num_workers = {self.num_workers} must be >= 0 (or unset: 2 on CUDA, 0 on CPU)")
-        for key in ("corpus", "cache_dir"):
-            require(bool(getattr(self, key).strip()), f"data.{key} = '' is invalid; name a path")
+        for key in ("corpus", "cache_dir", "text_column"):
+            require(getattr(self, key) is None or bool(getattr(self, key).strip()),
+                    f"data.{key} = {getattr(self, key)!r} is invalid; name a " + ("column" if key == "text_column" else "path"))
 
     def _check_tokenizer(self, blend: bool) -> None:
         kind = self.tokenizer_kind
@@ -314,11 +321,14 @@ class TrainConfig(Section):
     """Checkpoint directory; None: <run_dir>/checkpoints."""
     resume: bool = True
     """Continue from the latest checkpoint in save_dir when there is one."""
+    allow_schedule_change: bool = False
+    """A resume whose train.steps or optimizer schedule keys change the learning rate of a step still to train is
+    refused unless this is true (pretrain/runtime/resume.py)."""
     init_from: Optional[str] = None
     """A Hugging Face model directory (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM; safetensors and
     JSON only, no remote code) whose weights start the run at step 0 with a fresh optimizer, on any layout and
     ZeRO stage; its config.json must describe this [model] section (`python -m pretrain.hf_config DIR` prints
-    it). A run that resumes a checkpoint ignores it."""
+    it). A run that resumes a checkpoint of its own does not use it, and says so."""
     save_final_hf: Optional[str] = None
     """A new (or empty) directory: after the last step's checkpoint, rank 0 writes the model there in the Hugging
     Face format with the run's tokenizer (what `python -m pretrain.export <checkpoint> DIR --format hf` writes).
@@ -374,6 +384,8 @@ class LoggingConfig(Section):
     """The wandb project."""
     wandb_group: Optional[str] = None
     """The wandb group (a sweep's runs share one)."""
+    tensorboard: bool = True
+    """TensorBoard event files in <run_dir>/tensorboard: metrics.jsonl's numeric keys as scalars."""
     summary_warmup_steps: int = 10
     """Steps left out of the run summary's medians (warm-up)."""
 

@@ -11,6 +11,7 @@ from pretrain.data.loader import Batches
 from pretrain.model.gpt import gpt_loss
 from pretrain.pipeline import pipeline_micro_batches
 from pretrain.runtime.layout import Layout
+from pretrain.runtime.phases import NO_CLOCK
 from pretrain.schedule import lr_at
 
 
@@ -33,35 +34,43 @@ def no_phase(phase: str) -> None:
 
 def train_step(engine, batches: Batches, step: int, cfg: Config, topo: Layout,
                stop_requested: Callable[[], bool] = never, save_written: Callable[[], bool] = never,
-               on_phase: Callable[[str], None] = no_phase) -> StepOutcome:
+               on_phase: Callable[[str], None] = no_phase, clock=NO_CLOCK) -> StepOutcome:
     """One optimizer step over grad_accum micro-batches (forward_backward, then finish_step). `on_phase` is
-    called with "reduction" before the engine's step and "idle" after it (the probe's phase names)."""
-    losses = forward_backward(engine, batches, step, cfg, topo)
+    called with "reduction" before the engine's step and "idle" after it (the probe's phase names); `clock` (the
+    loop's PhaseClock) is told each phase the step enters."""
+    losses = forward_backward(engine, batches, step, cfg, topo, clock)
+    clock.enter("optimizer")
     out = finish_step(engine, losses, step, cfg, topo, stop_requested, save_written, on_phase)
     if topo.device.type == "cuda":
         torch.cuda.synchronize()  # perf/step_time measures the step's kernels, not their launch
     return out
 
 
-def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Layout, forward_only=False) -> list:
+def run_micro_batches(engine, micro_batches: list, cfg: Config, topo: Layout, forward_only=False,
+                      clock=NO_CLOCK) -> list:
     """Forward (and backward, loss ÷ accumulation) of each micro-batch; returns this rank's losses
     (none on pipeline stages that do not compute the loss). With loss masks each loss is its masked sum ÷
     the step's mean unmasked count per micro-batch (pretrain.data.batch.loss_tokens)."""
     normaliser = loss_tokens(micro_batches, topo.dp_group)
     if topo.pp > 1:
+        clock.enter("forward_backward")  # megatron's schedule interleaves them
         return pipeline_micro_batches(engine, micro_batches, cfg.model.seq_length, forward_only, normaliser,
                                       (topo.cp, topo.cp_rank))
     losses = []
     for batch in micro_batches:
+        clock.enter("forward")
         loss = gpt_loss(engine, batch, normaliser, (topo.cp, topo.cp_rank))
         if not forward_only:  # context parallelism: the engine averages over data × context, the shares add up
+            clock.enter("backward")
             engine.backward((loss * topo.cp if topo.cp > 1 else loss) / len(micro_batches))
         losses.append(loss.detach())
     return losses
 
 
-def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Layout) -> list:
-    return run_micro_batches(engine, [batches.get(step, i) for i in range(topo.grad_accum)], cfg, topo)
+def forward_backward(engine, batches: Batches, step: int, cfg: Config, topo: Layout, clock=NO_CLOCK) -> list:
+    clock.enter("data")
+    micro_batches = [batches.get(step, i) for i in range(topo.grad_accum)]
+    return run_micro_batches(engine, micro_batches, cfg, topo, clock=clock)
 
 
 def finish_step(engine, losses: list, step: int, cfg: Config, topo: Layout,

@@ -1,4 +1,5 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
+import dataclasses
 import math
 import sys
 import time
@@ -22,7 +23,7 @@ from pretrain.data.loader import Batches  # noqa: F401 - also imported from here
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
-from pretrain.errors import EXIT_OK, EXIT_REQUEUE, NumericalError, peer_error
+from pretrain.errors import EXIT_OK, EXIT_REQUEUE, ConfigError, NumericalError, peer_error
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model.gpt import (DTYPES, activation_checkpointing, build_model, gather_units, parallel_groups,
@@ -33,15 +34,24 @@ from pretrain.runtime.stragglers import Stragglers, straggler_text
 from pretrain.runtime.status import record_failure, write_status
 from pretrain.runtime.layout import Layout, init_layout, launcher_env, lost_peers
 from pretrain.runtime.lifecycle import abort_now, resume_line, say, start_run, start_watchdog
+from pretrain.runtime.phases import PhaseClock
+from pretrain.runtime.lock import acquire as acquire_lock, check_free, release as release_lock
+from pretrain.runtime.resume import finished_line, init_from_line, schedule_lines
 from pretrain.runtime.watchdog import Watchdog
 
 
 def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
     """The engine's settings: the config's own zero3d sections, the dtype and megatron's gather units;
-    `seams` (the probe's optimizer_factory / read_host_floats) pass through."""
+    `seams` (the probe's fused_optimizer / read_host_floats) pass through."""
     fp16 = cfg.precision.dtype == "fp16"
     return zero3d.EngineSettings(zero=cfg.zero, optimizer=cfg.optimizer, dtype=DTYPES[cfg.precision.dtype],
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
+
+
+def engine_groups(model, topo: Layout) -> zero3d.ParallelGroups:
+    """The engine's process groups (the model wing's parallel_groups) with megatron's TP group, over which an
+    optimizer that takes matrices whole (Muon) joins their TP shards."""
+    return dataclasses.replace(parallel_groups(model, topo), tp_group=topo.tp_group)
 
 
 def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
@@ -52,7 +62,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     model = build_model(cfg, topo.device, activations)
     if initial is not None:
         load_into(model, initial)
-    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), engine_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     record_context_into(model, engine.comm_stats)
@@ -60,10 +70,14 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
 
 
 def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None) -> dict:
-    """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}.
+    """Run the configured job: {"record": last logged record, "end_step", "stopped_early", ...}; {"finished": True}
+    when the checkpoint already reached train.steps (said in one line; nothing trained or written).
 
-    Nothing is written into the run directory until every check that can refuse the run has passed on
-    every rank (memory, data, tokenizer, the checkpoint's model and vocabulary: `start_run`): a refused
+    Nothing of this run is written into the run directory until every check that can refuse it has passed on
+    every rank — paths, memory, kernels, data, tokenizer, the checkpoint's model, vocabulary and schedule, the
+    datasets, the model's build and the checkpoint's load (`run_training`, then `start_run`, the one place that
+    writes the run's records); rank 0 holds the run directory's lock from before the save directory is first
+    touched (an interrupted save's repair) until the process ends, and releases it on every way out. A refused
     start leaves a previous run's config.json and status.json as they were. From then on a failure is
     recorded by the rank it happens on (see pretrain.runtime.status); the final status is written
     between two barriers, after every rank has finished saving and before any rank leaves, so a
@@ -74,28 +88,46 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
     topo = None
     timeout_s = cfg.train.timeout_minutes * 60
     try:
-        launch = launch or launcher_env()
-        check_paths(cfg)
-        if cfg.train.save_final_hf:
-            check_save_final_hf(cfg)
-        topo = init_layout(cfg, launch)
-        result = run_training(cfg, topo, progress)
-    except BaseException as err:
-        if progress["started"]:
-            lost = lost_peers() if topo is not None and peer_error(err, topo.rank, timeout_s) else ""
-            record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
-                           progress["step"], timeout_s, lost)
-        raise
-    stopped = result["stopped_early"]
-    dist.barrier()  # every rank has finished its last save
-    if topo.is_main:
-        write_status(cfg.run_dir, "interrupted" if stopped else "ok",
-                     "stop signal: checkpoint saved, resume to continue" if stopped else "", topo.world_size,
-                     result["end_step"], EXIT_REQUEUE if stopped else EXIT_OK)
-    dist.barrier()  # status.json is complete before any rank exits
-    if topo.is_main and cfg.train.save_final_hf and not stopped:  # the others may leave: rank 0 alone reads it
-        write_final_hf(cfg, topo.world_size, result["end_step"])
-    return result
+        try:
+            launch = launch or launcher_env()
+            check_paths(cfg)
+            if cfg.train.save_final_hf:
+                check_save_final_hf(cfg)
+            topo = init_layout(cfg, launch)
+            result = run_training(cfg, topo, progress)
+        except BaseException as err:
+            if progress["started"]:
+                lost = lost_peers() if topo is not None and peer_error(err, topo.rank, timeout_s) else ""
+                record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
+                               progress["step"], timeout_s, lost)
+            raise
+        if result.get("finished"):  # said by rank 0; the finished run's records stay as they are
+            return result
+        stopped = result["stopped_early"]
+        dist.barrier()  # every rank has finished its last save
+        if topo.is_main:
+            write_status(cfg.run_dir, "interrupted" if stopped else "ok",
+                         "stop signal: checkpoint saved, resume to continue" if stopped else "", topo.world_size,
+                         result["end_step"], EXIT_REQUEUE if stopped else EXIT_OK)
+        dist.barrier()  # status.json is complete before any rank exits
+        if topo.is_main and cfg.train.save_final_hf and not stopped:  # the others may leave: rank 0 alone reads it
+            write_final_hf(cfg, topo.world_size, result["end_step"])
+        return result
+    finally:
+        release_lock()
+
+
+def check_attention_kernel(cfg: Config, topo: Layout) -> None:
+    """model.attention as it can run on this rank's device (pretrain/model/attention.py's `resolve`), before
+    anything is built: 'te' without Transformer Engine, off CUDA or under ZeRO-R is a config error in one line."""
+    from pretrain.model.attention import resolve
+    z = cfg.zero  # ZeRO-R's recomputed layers: activation_checkpointing builds them for these keys
+    try:
+        resolve(cfg.model.attention, topo.device.type == "cuda",
+                zero_recompute=z.partition_activations or z.cpu_checkpointing or z.contiguous_checkpointing,
+                document_mask=cfg.data.reset_attention_mask)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def imported_model(directory: str, m) -> ImportedModel:
@@ -109,11 +141,13 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_memory(cfg, topo.world_size, topo.device, topo.is_main)
+    check_attention_kernel(cfg, topo)
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)
     run_dir = cfg.run_dir
     save_dir = cfg.save_dir
     d, m, t = cfg.data, cfg.model, cfg.train
+    from_rank0(lambda: check_free(run_dir))  # a run directory a live job writes: refused before any data work
     # Rank 0 checks the data files, or trains the tokenizer and writes .bin/.idx (cached); a data error
     # stops every rank. Then the checkpoint to resume is verified (files, hashes, identity) before the
     # model is built, and every rank opens megatron's datasets (rank 0 builds the indices first).
@@ -122,17 +156,24 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     may_resume = t.resume and (save_dir / LATEST).is_file()
     initial = None if may_resume or not t.init_from else imported_model(t.init_from, m)
     files = from_rank0(lambda: prepare_files(d, m.vocab_size))
+    say(topo, list(files.notes))
     # what the run's checkpoints record of it: its layout, its identity (model, tokenizer, data), its tokenizer's spec
     layout = layout_signature(cfg, topo)
     identity = run_identity(cfg.model, topo.tp, files.tokenizer_path, " ".join(files.prefixes()))
     tokenizer_record = files.tokenizer_record()
+    say(topo, from_rank0(lambda: acquire_lock(run_dir)))  # before the save directory's repair, its first write
     usable = None
     if t.resume:
         say(topo, recover(save_dir, t.keep_checkpoints))
-        usable = find_usable(save_dir, identity)
+        usable = find_usable(save_dir, identity, (cfg.optimizer.name, cfg.optimizer.state_dtype))
+    if usable is not None:
+        if line := finished_line(usable, cfg):
+            say(topo, [line])
+            return {"finished": True, "record": {}, "start_step": usable["manifest"]["step"],
+                    "end_step": usable["manifest"]["step"], "stopped_early": False}
+        say(topo, schedule_lines(usable, cfg) + [x for x in [init_from_line(usable, cfg)] if x])
     if t.init_from and usable is None and initial is None:  # no save of this run was usable after all
         initial = imported_model(t.init_from, m)
-    start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
     train_ds, valid_ds, _ = open_datasets(files, d, m.seq_length, t.seed, m.vocab_size,
                                           train_samples=t.steps * t.global_batch_size,
                                           valid_samples=t.eval_iters * t.global_batch_size
@@ -146,8 +187,9 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
         resumed = checkpoints.load(usable, layout, t.seed)
         start = resumed["step"]
         # The data position saved with the checkpoint: the next sample, whatever the batch size was.
-        consumed = resumed["consumed_samples"] if resumed["consumed_samples"] is not None \
-            else start * t.global_batch_size
+        consumed = (resumed["consumed_samples"] if resumed["consumed_samples"] is not None
+                    else start * t.global_batch_size)
+    start_run(cfg, topo, progress)  # every refusal is behind us: the run directory is this run's now
     say(topo, [resume_line(usable, save_dir, t.resume)] + ([f"train.init_from: the weights of {t.init_from} "
                                                             "(step 0, a fresh optimizer)"] if initial else []))
 
@@ -155,7 +197,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
                                  total_steps=cfg.train.steps, console_mode=cfg.logging.console,
                                  use_wandb=cfg.logging.wandb, wandb_project=cfg.logging.wandb_project,
                                  wandb_name=cfg.logging.name, wandb_group=cfg.logging.wandb_group,
-                                 start_step=start)
+                                 start_step=start, use_tensorboard=cfg.logging.tensorboard)
     flops_per_step = m.flops_per_step(topo.tp, cfg.train.global_batch_size)
     peak = metrics.device_peak_tflops(topo.device.type, cfg.precision.dtype)
     batches = Batches(train_ds, cfg.train, cfg.data, topo, consumed_samples=consumed, start_step=start)
@@ -163,7 +205,8 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
                     activations=activations, logger=logger, checkpoints=checkpoints, layout=layout,
                     identity=identity, tokenizer=tokenizer_record,
                     flops_per_step=flops_per_step, peak=peak,
-                    stragglers=Stragglers(cfg.logging.straggler_factor, topo.device))
+                    stragglers=Stragglers(cfg.logging.straggler_factor, topo.device),
+                    clock=PhaseClock(lambda: engine.comm_stats.exposed_seconds, topo.device.type == "cuda"))
     engine.train()
     try:
         step, record = run_loop(run, start, usable["path"].name if usable is not None else "none saved", progress)
@@ -198,6 +241,7 @@ class LoopParts:
     flops_per_step: StepFlops
     peak: Optional[float]
     stragglers: Stragglers
+    clock: PhaseClock  # the step's phase times (data, forward, backward, optimizer, exposed communication)
 
 
 def run_loop(run: LoopParts, step: int, last_good: str, progress: dict) -> tuple[int, dict]:
@@ -247,8 +291,10 @@ def one_step(run: LoopParts, step: int, watchdog: Watchdog, stop_requested: Call
     if run.activations:
         run.activations.reset_step()
     t0 = time.perf_counter()
+    run.clock.start()
     loss_value, result, stopping, written = train_step(engine, run.batches, step, cfg, topo, stop_requested,
-                                                       run.checkpoints.written)
+                                                       run.checkpoints.written, clock=run.clock)
+    run.clock.stop()
     step_time = time.perf_counter() - t0
     step += 1
     last = step == cfg.train.steps
@@ -261,9 +307,10 @@ def one_step(run: LoopParts, step: int, watchdog: Watchdog, stop_requested: Call
               "train/skipped": int(result.skipped), "train/grad_accum": topo.grad_accum,
               "train/tokens": step * tokens_per_step,
               **metrics.throughput_metrics(step_time, tokens_per_step, topo.world_size, run.flops_per_step,
-                                           run.peak),
+                                           run.peak), **run.clock.report(),
               **metrics.memory_report(topo.device.type, engine.state_bytes()),
-              **engine.comm_stats.report(), **(run.activations.report() if run.activations else {}),
+              **(comm := engine.comm_stats.report()), **metrics.bandwidth_report(comm),
+              **(run.activations.report() if run.activations else {}),
               **run.checkpoints.report(), **run.stragglers.record(step_time, engine.comm_stats.exposed_seconds)}
     if "perf/straggler_rank" in record and topo.is_main:
         print(f"step {step}: {straggler_text(record)}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """Validates a config and submits it to Slurm through slurm/launch.sbatch (or prints what it would submit)."""
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shlex
@@ -8,12 +9,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The repo's own code, not an installed copy (the container's image has one under /workspace).
 sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import Config, ConfigError, load_config, validate_layout  # noqa: E402
 from pretrain.errors import EXIT_INPUT  # noqa: E402
+from pretrain.runtime.lock import SINGLETON_VARIABLE  # noqa: E402
 
 LAUNCHER = "slurm/launch.sbatch"
 # SIGUSR1 warning before the time limit: the loop stops at the next step boundary and every rank then
@@ -126,6 +129,12 @@ def nodes_arg(cfg: Config) -> str:
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
+def job_name(cfg: Config, run_dir: Path) -> str:
+    """The Slurm job name of a run directory: the run's name and 8 hex digits of the directory's absolute path, so
+    jobs writing one directory share it (and wait for each other: --dependency=singleton), and others do not."""
+    return f"{cfg.logging.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+
+
 def build_job(config_path: str, overrides=(), cpu: bool = False, container=None, requeue: bool = False,
               extra_sbatch=()) -> Job:
     """Load + validate (world = nodes × gpus_per_node) and build the sbatch command; raises ConfigError."""
@@ -156,7 +165,10 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     # allocation's, so a requeue after a lost node could never start on fewer nodes. launch.sbatch starts
     # ZERO3D_TASKS_PER_NODE ranks on each node it got instead.
     tasks = [] if elastic else [f"--ntasks-per-node={c.gpus_per_node}"]
-    sbatch = ["sbatch", "--parsable", f"--job-name={cfg.logging.name}", f"--nodes={nodes_arg(cfg)}", *tasks,
+    # One job at a time per run directory: Slurm's singleton dependency holds a job until every earlier job of its
+    # name (and user) has ended, and the name is the run directory's (pretrain/runtime/lock.py relies on both).
+    sbatch = ["sbatch", "--parsable", f"--job-name={job_name(cfg, run_dir)}", "--dependency=singleton",
+              f"--nodes={nodes_arg(cfg)}", *tasks,
               f"--time={c.time_limit}", f"--signal=USR1@{warning}", f"--output={run_dir}/slurm-%j.out",
               f"--chdir={REPO_ROOT}"]
     if elastic and cpu:
@@ -171,6 +183,7 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     sbatch += list(extra_sbatch)
     sbatch += [LAUNCHER, str(config_path), *overrides]
     env = {"ZERO3D_TASKS_PER_NODE": str(c.gpus_per_node)} if elastic else {}
+    env[SINGLETON_VARIABLE] = "1"
     if container:
         env["ZERO3D_CONTAINER"] = container
     if requeue:  # without it launch.sbatch follows the job's own Slurm flag (--no-requeue here: no requeue)
@@ -212,12 +225,16 @@ class Unstartable(Exception):
     """The job cannot start (slurm/startable.py): one line per reason, exit EXIT_INPUT."""
 
 
-def refuse_unstartable(cfg: Config, world: int, memory: bool = True) -> None:
+def refuse_unstartable(cfg: Config, world: int, memory: bool = True, container: Optional[str] = None) -> None:
     """Raise Unstartable with every reason this job cannot start, checked from the repository root; `memory`:
     also the layout against cluster.gpu_memory_gb (not for CPU ranks, nor in the job, where the start-up guard
-    judges the real devices)."""
+    judges the real devices); `container`: the paths as the container will see them (slurm/mounts.py: each inside
+    a mount, checked at the mount's source here)."""
+    from slurm.mounts import MOUNTS_VARIABLE, host_view
     from slurm.startable import refusals
-    reasons = refusals(cfg, world, REPO_ROOT, memory)
+    view, reasons = (cfg, []) if not container else host_view(cfg, REPO_ROOT, os.environ.get(MOUNTS_VARIABLE, ""))
+    if view is not None:
+        reasons = refusals(view, world, REPO_ROOT, memory)
     if reasons:
         raise Unstartable("\n".join(f"cannot start {cfg.logging.name}: {r}" for r in reasons))
 
@@ -263,7 +280,7 @@ def main(argv=None) -> int:
             return 0
         job = build_job(args.config, args.overrides, cpu=args.cpu, container=args.container,
                         requeue=args.requeue, extra_sbatch=args.sbatch)
-        refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu)
+        refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu, container=args.container)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

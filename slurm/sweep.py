@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     unstartable = []  # every job checked before any is queued (slurm/startable.py)
     for job in jobs:
         try:
-            refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu)
+            refuse_unstartable(job.cfg, job.world_size, memory=not args.cpu, container=args.container)
         except Unstartable as err:
             unstartable.append(str(err))
     if unstartable:

@@ -3,13 +3,13 @@ import torch
 import torch.distributed as dist
 
 import zero3d
-from gpt_harness import BASE, SyntheticTokens
+from gpt_harness import BASE, SyntheticTokens, init_by_global_name
 from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity, layout_signature
 from pretrain.config import load_config
-from pretrain.model.gpt import build_model, parallel_groups
-from pretrain.runtime.layout import destroy_layout, init_layout
+from pretrain.model.gpt import build_model
+from pretrain.runtime.layout import destroy_layout, destroy_model_parallel_groups, init_layout
 from pretrain.step import forward_backward, mean_loss
-from pretrain.train import Batches, engine_settings
+from pretrain.train import Batches, engine_groups, engine_settings
 
 # 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.
 CKPT_BASE = BASE + ["train.global_batch_size=12", "model.make_vocab_size_divisible_by=64"]
@@ -26,18 +26,22 @@ def synthetic_identity(cfg, tokenizer_sha256="synthetic") -> dict:
 
 def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=(), resume=False,
                   keep=0, async_save=True, identity_overrides=None, kill_rank_after_save=None, max_failed_saves=3,
-                  around_save=None, seed_for_rng=None):
+                  around_save=None, seed_for_rng=None, layout_free_init=False, keep_world=False):
     """Steps [first, last) with losses; resume from save_dir first, save after the steps in save_at
     (around_save(rank, step, "before" | "after", checkpointer) runs on every rank around each save);
-    with `seed_for_rng`, also the generators start-up would make from that seed (out["seeded"])."""
+    with `seed_for_rng`, also the generators start-up would make from that seed (out["seeded"]); with
+    `layout_free_init`, the weights gpt_harness.init_by_global_name draws (the same at any layout); `keep_world`: the
+    process group kept at the end (megatron's groups ended), for another segment in the same ranks."""
     import os
     import signal
     cfg = load_config(None, CKPT_BASE + list(overrides))
     topo = init_layout(cfg)
     try:
         model = build_model(cfg, topo.device)
+        if layout_free_init:
+            init_by_global_name(model)
         psi = sum(p.numel() for p in model.parameters())  # before stage 3 frees them
-        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), engine_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
         layout = layout_signature(cfg, topo)
@@ -77,7 +81,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         dist.barrier()
         return out
     finally:
-        destroy_layout()
+        destroy_model_parallel_groups() if keep_world else destroy_layout()
 
 
 def rng_snapshot() -> dict:

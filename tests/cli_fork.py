@@ -100,6 +100,26 @@ def exit_status(status_path: str, exitcode: int) -> int:
         return exitcode
 
 
+def _ended(pid: int, status_path: str, deadline: float) -> bool:
+    """Whether the command has ended by `deadline`. The server reports a command's end, so when the server dies
+    first its report (255) comes at once while the command may still run: then wait for the status the command
+    writes as it ends, or for its process to be gone (a signal ended it: no status)."""
+    while not os.path.exists(status_path) and _running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _running(pid: int) -> bool:
+    """pid is a live process (not a zombie: once the server is gone, init reaps the command)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def run_python(args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
     """`python ARGS` (`-m MODULE ...` or `SCRIPT ...`): exit status, stdout and stderr; a run past `timeout`
     seconds is killed and raises subprocess.TimeoutExpired."""
@@ -109,9 +129,10 @@ def run_python(args: list[str], env: dict, cwd, timeout: float) -> subprocess.Co
         out, err, status = (os.path.join(tmp, name) for name in ("stdout", "stderr", "status"))
         proc = _CONTEXT.Process(target=_child, args=(list(args), dict(env), str(cwd), out, err, status))
         _start(proc)
+        deadline = time.monotonic() + timeout
         proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
+        if proc.is_alive() or not _ended(proc.pid, status, deadline):
+            os.kill(proc.pid, 9) if proc.exitcode is not None else proc.kill()
             proc.join()
             raise subprocess.TimeoutExpired(command, timeout)
         with open(out) as o, open(err) as e:

@@ -17,8 +17,9 @@ Glossary (the paper's names → the code):
 - ZeRO-Offload / ZeRO-Infinity: `ZeroConfig.offload_optimizer`, the engine's `placement`
   (zero3d/placement.py: "none" on the device; "cpu": offload.py; "nvme": nvme.py) and stage 3's
   `offload_params`; see docs/offload.md. Byte accounting: accounting.py.
-- K: optimizer-state bytes per parameter — the engine's `OptimizerSpec` (zero3d/optim.py; `ADAMW`, the
-  default, keeps two fp32 moments: K = 4 + 8 with the fp32 master), `EngineSettings.optimizer_spec`.
+- K: optimizer-state bytes per parameter — the fp32 master and the states of the engine's `OptimizerSpec`
+  (zero3d/optim/, by `optimizer.name`; `ADAMW`, the default, keeps two moments: K = 4 + 8 with fp32 states, 4 + 4
+  with `optimizer.state_dtype = "bf16"`), `EngineSettings.optimizer_spec`; the estimator's `OptimizerStates`.
 - N_d, Ψ: data-parallel size (`engine.dp.size`), parameters per TP rank.
 
 The package's names are imported on first use (PEP 562): `zero3d.config` and `zero3d.analysis`, which the config,

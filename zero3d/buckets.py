@@ -36,11 +36,21 @@ class GradientBuckets:
     `add_held` sums each over its group and adds it here.
 
     A launched bucket is replaced by a fresh one at once, so a bucket may complete once per
-    micro-batch inside a pipeline schedule that launches the rest only at the end of the step."""
+    micro-batch inside a pipeline schedule that launches the rest only at the end of the step.
+
+    Launch order: every DP rank must issue the same reduce-scatters in the same order, and the order gradients
+    arrive in is not always the same on every rank (a compiled layer hands autograd all its gradients at once,
+    in an order that follows its graph, and a graph can differ between ranks: megatron warns on rank 0 only from
+    inside its layers, a graph break there alone). So complete buckets launch in one fixed order, `launch_order`:
+    by their earliest parameter in the model's order (`position`), latest first — the order eager backward
+    completes them in, so an eager run never waits — each once every bucket before it has launched; a bucket that
+    completes early waits for those (at most until the end of backward). Buckets holding a `held_elsewhere`
+    parameter complete in `add_held`, in its fixed order, outside that sequence."""
 
     def __init__(self, groups: list[GroupState], plan: CommPlan, deliver: Callable[[GroupState, int, torch.Tensor], None],
                  *, dtype: torch.dtype, device: torch.device, pre_scale: float, held_elsewhere: frozenset,
-                 overlap: bool, stream=None):
+                 overlap: bool, position: dict, stream=None):
+        """`position`: {param: its index in the model's parameters}, the same on every DP rank."""
         self.groups, self.plan, self.deliver = groups, plan, deliver
         self.rank = plan.shard.rank  # this rank's piece of every bucket
         self.dtype, self.device, self.pre_scale, self.held_elsewhere = dtype, device, pre_scale, held_elsewhere
@@ -53,6 +63,10 @@ class GradientBuckets:
         self.buffer_bytes_peak = 0
         self.in_flight: list[BucketRun] = []
         self.held: dict = {}  # held_elsewhere param -> its gradient so far (this step's micro-batches summed)
+        self.launch_order = launch_order(groups, position, held_elsewhere)
+        self._in_order = set(self.launch_order)
+        self._next = 0  # launch_order's next bucket to launch
+        self._ready: dict = {}  # (group name, bucket index) -> its complete run, waiting for its turn
         self._new_runs()
 
     def _new_runs(self) -> None:
@@ -72,7 +86,19 @@ class GradientBuckets:
         run.missing.discard(slot_index)
         if not run.missing:
             self.runs[name][bucket_index] = BucketRun(run.group, run.bucket, set(run.bucket.slot_indices))
-            self._launch(run)
+            if (name, bucket_index) not in self._in_order:  # holds a held_elsewhere gradient: add_held's turn
+                self._launch(run)
+                return
+            self._ready[name, bucket_index] = run
+            self._launch_in_turn()
+
+    def _launch_in_turn(self) -> None:
+        """The complete buckets whose turn has come, in launch_order (from its start again once it is through)."""
+        while self._next < len(self.launch_order) and self.launch_order[self._next] in self._ready:
+            self._launch(self._ready.pop(self.launch_order[self._next]))
+            self._next += 1
+        if self._next == len(self.launch_order):
+            self._next = 0
 
     def hold(self, param: torch.Tensor) -> None:
         """A held_elsewhere parameter's `.grad` is in: kept whole (added to what it already holds), dropped."""
@@ -93,8 +119,12 @@ class GradientBuckets:
             self.add(param, grad)
 
     def launch_remaining(self) -> None:
-        """End of backward: buckets holding gradients of a partly used bucket reduce now, in a fixed
-        order (the DP ranks run the same graph, so they agree on which)."""
+        """End of backward: the complete buckets still waiting for their turn (in launch_order), then those holding
+        gradients of a partly used bucket, reduce now, in a fixed order (the DP ranks agree on which)."""
+        for key in self.launch_order:
+            if key in self._ready:
+                self._launch(self._ready.pop(key))
+        self._next = 0
         for runs in self.runs.values():
             for run in runs:
                 if run.grads is not None:
@@ -160,3 +190,15 @@ class GradientBuckets:
         lo, hi = bucket.piece(self.rank)
         self.deliver(run.group, bucket.shard_start, run.grads[lo - bucket.start:hi - bucket.start])
         run.grads = None
+
+
+def launch_order(groups: list[GroupState], position: dict, held_elsewhere: frozenset) -> list[tuple]:
+    """[(group name, bucket index)]: the buckets without a held_elsewhere parameter, latest earliest parameter
+    (in `position`) first: the order eager backward completes them in."""
+    keyed = []
+    for group in groups:
+        for bucket in group.buckets:
+            params = [group.params[i] for i in bucket.slot_indices]
+            if not any(p in held_elsewhere for p in params):
+                keyed.append((-min(position[p] for p in params), group.name, bucket.index))
+    return [(name, index) for _, name, index in sorted(keyed)]

@@ -1,8 +1,9 @@
 """The engine's settings — ZeRO, optimizer, loss scaling — as dataclasses that check themselves when built."""
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
 PLACEMENTS = ("none", "cpu", "nvme")
 
@@ -188,21 +189,109 @@ class ZeroConfig:
         return float(dp_size) if self.grad_predivide_factor == 0 else self.grad_predivide_factor
 
 
+# Each optimizer's own keys of [optimizer] (zero3d/optim/: the spec of each `optimizer.name` holds its class): a
+# dataclass that checks itself when OptimizerConfig builds it from the section's values (`OptimizerConfig.hyper`).
+# A key of another optimizer, set, is an error naming the optimizers it belongs to.
+
+
+@dataclass(frozen=True)
+class AdamWKeys:
+    """AdamW (Loshchilov & Hutter 2019; torch's AdamW): moments' decays and the denominator's epsilon."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        _raise_first(_betas(self) + ((self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0"),))
+
+
+@dataclass(frozen=True)
+class LionKeys:
+    """Lion (Chen et al. 2023): beta1 interpolates the update's sign, beta2 decays the momentum."""
+
+    beta1: float = 0.9
+    beta2: float = 0.99
+
+    def __post_init__(self):
+        _raise_first(_betas(self))
+
+
+@dataclass(frozen=True)
+class SGDKeys:
+    """SGD with momentum, torch's rule (momentum buffer μ·b + g, weight decay added to the gradient)."""
+
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self):
+        _raise_first(((0 <= self.momentum < 1, f"optimizer.momentum = {self.momentum} is invalid; must be in [0, 1)"),))
+
+
+@dataclass(frozen=True)
+class MuonKeys:
+    """Muon (K. Jordan 2024; Moonshot's scale) on the hidden matrices, AdamW (beta1, beta2, eps) on the rest."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        _raise_first(((0 <= self.momentum < 1, f"optimizer.momentum = {self.momentum} is invalid; must be in [0, 1)"),
+                      (type(self.ns_steps) is int and self.ns_steps >= 1,
+                       f"optimizer.ns_steps = {self.ns_steps!r} is invalid; must be an integer >= 1"),
+                      *_betas(self),
+                      (self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0")))
+
+
+def _betas(keys) -> tuple:
+    return tuple((0 <= getattr(keys, k) < 1, f"optimizer.{k} = {getattr(keys, k)} is invalid; must be in [0, 1)")
+                 for k in ("beta1", "beta2"))
+
+
+OPTIMIZER_KEYS = {"adamw": AdamWKeys, "lion": LionKeys, "sgd": SGDKeys, "muon": MuonKeys}
+OPTIMIZER_NAMES = tuple(OPTIMIZER_KEYS)
+
+
+def key_owners(key: str) -> list:
+    """The optimizers whose own keys include `key`."""
+    return [name for name, keys in OPTIMIZER_KEYS.items() if key in {f.name for f in dataclasses.fields(keys)}]
+
+
 @dataclass
 class OptimizerConfig:
-    """AdamW's settings; the TOML `[optimizer]` section's engine keys, key for key (pretrain's section
-    adds the learning-rate schedule). Validated in `__post_init__`."""
+    """The engine's optimizer and its settings; the TOML `[optimizer]` section's engine keys, key for key (pretrain's
+    section adds the learning-rate schedule). Validated in `__post_init__`: the common keys here, the named
+    optimizer's own keys by its class (OPTIMIZER_KEYS), and no key of another optimizer set."""
 
+    # Which optimizer: "adamw"; "lion" (sign of an interpolated momentum); "sgd" (with momentum); "muon"
+    # (Newton–Schulz-orthogonalized momentum on the hidden 2-D matrices, each taken whole across ZeRO and TP;
+    # AdamW on embeddings, output layer, norms and biases). Its own keys are below; another's, set, is an error.
+    name: Literal["adamw", "lion", "sgd", "muon"] = "adamw"
+    # Dtype of the optimizer's per-element states (Adam's moments, momentum buffers), on the device and offloaded:
+    # "bf16" halves them (K = 4 + 8 → 4 + 4 bytes a parameter for AdamW); the master stays fp32 and the update is
+    # computed in fp32 (states upcast, updated, rounded back to nearest). With beta2 near 1 (1 − beta2 < 2⁻⁸) most of
+    # the second moment's increments round away in bf16 (docs/optimizers.md).
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
     # Peak learning rate (the loop passes each step's value to `engine.step(lr)`).
     lr: float = 1e-3
     # Decoupled weight decay, applied to the "decay" groups only (matrices; not biases or norms).
     weight_decay: float = 0.0
-    # Adam's first-moment decay.
+    # adamw, muon's AdamW part: the first moment's decay; lion: the interpolation whose sign is the update.
     beta1: float = 0.9
-    # Adam's second-moment decay.
+    # adamw, muon's AdamW part: the second moment's decay; lion: its momentum's decay (Lion's paper: 0.99).
     beta2: float = 0.999
-    # Added to the denominator for numerical stability.
+    # adamw, muon's AdamW part: added to the denominator for numerical stability.
     eps: float = 1e-8
+    # sgd, muon: the momentum buffer's decay μ (b ← μ·b + g); unset: sgd 0.9, muon 0.95.
+    momentum: Optional[float] = None
+    # sgd, muon: Nesterov momentum (the update g + μ·b instead of b); unset: sgd false, muon true.
+    nesterov: Optional[bool] = None
+    # muon: Newton–Schulz iterations per step; unset: 5.
+    ns_steps: Optional[int] = None
     # Gradients are scaled so their global norm is at most this; 0 disables clipping.
     clip_grad: float = 0.0
     # Parameters that never decay beside biases and norms (which never do): comma-separated fnmatch patterns of
@@ -212,16 +301,38 @@ class OptimizerConfig:
     def __post_init__(self):
         _raise_first((
             *_finite("optimizer", self),
+            (self.name in OPTIMIZER_KEYS, f"optimizer.name = {self.name!r} is invalid; valid values: "
+             + ", ".join(map(repr, OPTIMIZER_NAMES))),
+            (self.state_dtype in ("fp32", "bf16"),
+             f"optimizer.state_dtype = {self.state_dtype!r} is invalid; valid values: 'fp32', 'bf16'"),
             (self.lr > 0, f"optimizer.lr = {self.lr} must be > 0"),
             (self.clip_grad >= 0, f"optimizer.clip_grad = {self.clip_grad} must be >= 0 (0 disables)"),
-            (0 <= self.beta1 < 1, f"optimizer.beta1 = {self.beta1} is invalid; must be in [0, 1)"),
-            (0 <= self.beta2 < 1, f"optimizer.beta2 = {self.beta2} is invalid; must be in [0, 1)"),
-            (self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0"),
             (self.weight_decay >= 0, f"optimizer.weight_decay = {self.weight_decay} is invalid; must be >= 0"),
             (all(p.strip() for p in self.no_weight_decay.split(",")) or not self.no_weight_decay,
              f"optimizer.no_weight_decay = {self.no_weight_decay!r} has an empty pattern; give comma-separated "
              "fnmatch patterns of parameter names, e.g. \"embedding.*,output_layer.weight\""),
+            *((False, self.foreign_key_error(key)) for key in self.foreign_keys(self.changed_keys())),
         ))
+        self.hyper  # noqa: B018 - the named optimizer's keys check themselves
+
+    def changed_keys(self) -> list:
+        """The optimizers' own keys whose value is not this class's default (set, for all the engine can tell)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [key for key in _OWNED_KEYS if getattr(self, key) != defaults[key]]
+
+    def foreign_keys(self, given) -> list:
+        """Those of `given` that belong only to other optimizers than `name`."""
+        return [key for key in given if key in _OWNED_KEYS and self.name not in key_owners(key)]
+
+    def foreign_key_error(self, key: str) -> str:
+        return (f"optimizer.{key} is set but optimizer.name = {self.name!r} does not use it (it belongs to "
+                f"{', '.join(key_owners(key))}); remove it or set optimizer.name to one of them")
+
+    @property
+    def hyper(self):
+        """The named optimizer's own keys, built (and so checked) from this section's values (unset: its defaults)."""
+        keys = OPTIMIZER_KEYS[self.name]
+        return keys(**{f.name: getattr(self, f.name) for f in dataclasses.fields(keys) if getattr(self, f.name) is not None})
 
     @property
     def no_decay_patterns(self) -> tuple:
@@ -230,6 +341,9 @@ class OptimizerConfig:
     @property
     def betas(self) -> tuple:
         return (self.beta1, self.beta2)
+
+
+_OWNED_KEYS = tuple(dict.fromkeys(f.name for keys in OPTIMIZER_KEYS.values() for f in dataclasses.fields(keys)))
 
 
 @dataclass

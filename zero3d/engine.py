@@ -10,13 +10,15 @@ from zero3d.accounting import model_state_bytes
 from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.comm.plan import CommPlan
 from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig
-from zero3d.flat import DECAY_NAMES, FlatLayout, flatten_grads, flatten_params, param_groups
+from zero3d.flat import FlatLayout, flatten_grads, flatten_params, group_kind, param_groups
 from zero3d.nvme import NvmeOffload
 from zero3d.offload import Copier, GroupSpec, HostOffload
-from zero3d.optim import ADAMW, OptimizerSpec
+from zero3d.optim import OptimizerSpec, spec_named
+from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
 from zero3d.comm.topology import NodeTopology
+from zero3d.whole_matrix import whole_matrix_step
 
 
 def read_host_floats(values: torch.Tensor) -> list[float]:
@@ -36,15 +38,19 @@ class EngineSettings:
     # Stage 3: model -> [(name, module)] gathered as units (pretrain passes megatron's layers);
     # None: the model's top-level children.
     units: Optional[Callable[[nn.Module], list]] = None
-    # The optimizer: its states, how it is built and stepped on the device, the host and NVMe, its step
-    # count (zero3d/optim.py); the checkpoint and the accounting ask it too.
-    optimizer_spec: OptimizerSpec = ADAMW
+    # The optimizer: its states, its update, the parameters it takes whole (zero3d/optim/); the checkpoint and the
+    # accounting ask it too. None: the spec of `optimizer.name`.
+    optimizer_spec: Optional[OptimizerSpec] = None
     # Seams for the rank-local probe (pretrain/probe/rank.py), which runs the engine on fake tensors
-    # standing in for a GPU: how the on-device optimizer is built ([(fp32 tensor, weight decay)], lr,
-    # betas, eps -> torch optimizer; None: the spec's `build`), and the one device-to-host read per step
-    # (fake tensors hold no values): float64 vector -> its values as floats.
-    optimizer_factory: Optional[Callable] = None
+    # standing in for a GPU: whether the device optimizer runs its fused kernels (None: on CUDA; True: also
+    # elsewhere, as a GPU would), and the one device-to-host read per step (fake tensors hold no values):
+    # float64 vector -> its values as floats.
+    fused_optimizer: Optional[bool] = None
     read_host_floats: Callable[[torch.Tensor], list] = read_host_floats
+
+    def __post_init__(self):
+        if self.optimizer_spec is None:
+            self.optimizer_spec = spec_named(self.optimizer.name)
 
 
 @dataclass
@@ -58,6 +64,8 @@ class ParallelGroups:
     # megatron's sequence-parallel layer norms across the TP group: param -> that group; the
     # gradient is summed over it (once per step) before the DP reduction.
     tied: dict = field(default_factory=dict)
+    # megatron's tensor-parallel group: an optimizer taking matrices whole (Muon) joins their TP shards over it.
+    tp_group: object = None
     norm_excluded: frozenset = frozenset()  # copies whose twin already counts in the norm
     # zero3d/comm/topology.py's NodeTopology of the DP group (with its intra-/inter-node sub-groups): needed
     # by the node-aware modes (ZeroConfig.node_aware()); its gpus_per_node also splits the bytes per link.
@@ -83,6 +91,7 @@ class GroupState:
     layout: FlatLayout
     params: list
     decays: bool  # weight decay applies (matrices; not biases or norms)
+    matrix: bool = False  # the optimizer takes its parameters whole (its spec's matrix rule: Muon's hidden matrices)
     # Its gradients arrive as reduced bucket pieces during backward (stage 2, stage 3's sharded groups).
     bucketed: bool = False
     param_flat: Optional[torch.Tensor] = None  # model dtype: full (stages 0-2) or shard (stage 3)
@@ -128,6 +137,7 @@ class DataParallelEngine:
         dp_size = self.plan.dp_size  # gradients are averaged over every DP rank, whatever shards them
         self.world = Comm(groups.world_group, self.comm_stats)
         self.tp_rank = groups.tp_rank
+        self.tp = Comm(groups.tp_group, self.comm_stats) if groups.tp_group is not None else None
         self.tied = {param: Comm(group, self.comm_stats) for param, group in groups.tied.items()}
         self._norm_excluded = {n for n, p in model.named_parameters() if p in groups.norm_excluded}
         self.device = next(model.parameters()).device
@@ -137,7 +147,8 @@ class DataParallelEngine:
         self.pre_scale, self.post_scale = 1.0 / predivide, predivide / dp_size
         self.pending_param_gathers: dict = {}  # stages 1/2: (group name, bucket index) -> collective
         self.copier = Copier(self.device)  # device <-> host copies of offloaded states (counts their bytes)
-        self.groups = self._build_groups(param_groups(model, settings.optimizer.no_decay_patterns))
+        takes_whole = settings.optimizer_spec.takes_whole if settings.optimizer_spec.matrix else None
+        self.groups = self._build_groups(param_groups(model, settings.optimizer.no_decay_patterns, takes_whole))
         self.placement = self._build_placement()  # where the masters and Adam states live
         self.optimizer = self.placement.optimizer
 
@@ -211,16 +222,20 @@ class DataParallelEngine:
         and optimizer states of every group moved off it: each group's master becomes the host tensor (NVMe:
         an empty placeholder outside `materialized_states()`)."""
         zero, opt, spec = self.settings.zero, self.settings.optimizer, self.settings.optimizer_spec
+        # the optimizer's whole-matrix step over the groups of whole matrices (Muon; None: there are none)
+        self.whole_matrices = whole = whole_matrix_step(self.groups, self.dp, self.tp, spec, opt, self.device)
         if zero.offload_optimizer == "none":
-            return DevicePlacement(self.groups, (self.settings.optimizer_factory or spec.build)(
-                [(piece, self._weight_decay(group)) for group in self.groups.values()
-                 for _, piece in group.master_pieces], lr=opt.lr, betas=opt.betas, eps=opt.eps))
+            fused = self.settings.fused_optimizer
+            return DevicePlacement(self.groups, FlatOptimizer(
+                [FlatTensor(piece, self._weight_decay(group), name, offset, group.matrix)
+                 for name, group in self.groups.items() for offset, piece in group.master_pieces], spec, opt,
+                fused=self.device.type == "cuda" if fused is None else fused, orthogonalize=whole))
         on_host = zero.offload_optimizer == "cpu"  # NVMe keeps host memory bounded: its gradients stay
         specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(group),
-                           holds_grad=on_host and group.bucketed) for name, group in self.groups.items()]
-        placement = HostOffload(specs, opt.lr, opt.betas, opt.eps, self.copier, spec) if on_host else \
-            NvmeOffload(specs, opt.lr, opt.betas, opt.eps, self.copier, zero.nvme_path, zero.nvme_buffer_bytes,
-                        self.world.rank, spec)
+                           holds_grad=on_host and group.bucketed, matrix=group.matrix)
+                 for name, group in self.groups.items()]
+        placement = HostOffload(specs, opt, self.copier, spec, whole) if on_host else \
+            NvmeOffload(specs, opt, self.copier, zero.nvme_path, zero.nvme_buffer_bytes, self.world.rank, spec)
         for spec in specs:
             group = self.groups[spec.name]
             group.master_pieces = ((0, placement.master(spec.name)),)
@@ -314,12 +329,12 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------ replicated groups (stage 0, stage 3's small ones)
 
-    def _replicated_group(self, name: str, named_params: list, decays: bool) -> GroupState:
+    def _replicated_group(self, name: str, named_params: list, decays: bool, matrix: bool = False) -> GroupState:
         """Full parameters, gradients, master and optimizer states on every rank."""
         layout = self._layout(named_params)
         params = [p for _, p in named_params]
         dtype = self.settings.dtype
-        group = GroupState(name, layout, params, decays)
+        group = GroupState(name, layout, params, decays, matrix=matrix)
         group.param_flat = flatten_params(layout, params, dtype, self.device)
         group.grads = flatten_grads(layout, params, dtype, self.device)
         # fp32 models train their own storage; fp16/bf16 ones get a full fp32 master copy.
@@ -345,14 +360,15 @@ class DataParallelEngine:
     # ------------------------------------------------------------ stage hooks
 
     def _build_groups(self, named_groups: dict) -> dict:
-        """{name: GroupState}; stages 0-2 keep one group per weight-decay class ("decay", "no_decay")."""
-        return {DECAY_NAMES[decays]: self._build_group(DECAY_NAMES[decays], named, decays)
-                for decays, named in named_groups.items()}
+        """{name: GroupState}; stages 0-2 keep one group per kind ("decay", "no_decay"; "matrix", "matrix_no_decay"
+        for the parameters the optimizer takes whole)."""
+        return {group_kind(*kind): self._build_group(group_kind(*kind), named, *kind)
+                for kind, named in named_groups.items()}
 
     def _layout(self, named_params: list) -> FlatLayout:
         return FlatLayout(named_params, self.dp.size, self.settings.zero.bucket_elements)
 
-    def _build_group(self, name: str, named_params: list, decays: bool) -> GroupState:
+    def _build_group(self, name: str, named_params: list, decays: bool, matrix: bool = False) -> GroupState:
         raise NotImplementedError
 
     def _reduce_grads(self) -> None:

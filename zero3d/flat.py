@@ -29,6 +29,7 @@ class ParamSlot:
     start: int  # offset in the flat buffer
     numel: int
     tp_partitioned: bool  # Megatron `tensor_model_parallel`: each TP rank holds a different slice
+    partition_dim: int = 0  # the dimension TP splits it along (megatron's `partition_dim`: 0 column-, 1 row-parallel)
 
     @property
     def end(self) -> int:
@@ -86,7 +87,8 @@ class FlatLayout:
             offset = begin + -(-(offset - begin) // dp_size) * dp_size
             spans[index] = (begin, offset)
         self.slots: list[ParamSlot] = [
-            ParamSlot(name, tuple(p.shape), starts[i], numels[i], bool(getattr(p, "tensor_model_parallel", False)))
+            ParamSlot(name, tuple(p.shape), starts[i], numels[i], bool(getattr(p, "tensor_model_parallel", False)),
+                      int(getattr(p, "partition_dim", 0)))
             for i, (name, p) in enumerate(named_params)]
         self.buckets: list[Bucket] = [Bucket(index, *spans[index], tuple(members[index]), dp_size)
                                       for index in range(len(members))]
@@ -145,20 +147,28 @@ def bucket_members(numels: list[int], bucket_elements: int) -> list[list[int]]:
     return buckets
 
 
-DECAY_NAMES = {True: "decay", False: "no_decay"}  # a group's name part for its weight-decay class
+def group_kind(decays: bool, matrix: bool = False) -> str:
+    """A group's name part for its kind: "decay" / "no_decay", "matrix" / "matrix_no_decay" for the parameters the
+    optimizer takes whole (Muon's hidden matrices: their own states, so their own groups)."""
+    if matrix:
+        return "matrix" if decays else "matrix_no_decay"
+    return "decay" if decays else "no_decay"
 
 
-def param_groups(model: nn.Module, no_decay: tuple = ()) -> dict[bool, list[tuple[str, nn.Parameter]]]:
-    """Trainable parameters by whether weight decay applies to them: matrices decay, biases and norms do not,
-    nor any parameter whose name matches a `no_decay` fnmatch pattern (optimizer.no_weight_decay)."""
-    groups: dict[bool, list] = {True: [], False: []}
+def param_groups(model: nn.Module, no_decay: tuple = (), takes_whole=None) -> dict[tuple, list[tuple[str, nn.Parameter]]]:
+    """Trainable parameters by kind, {(decays, matrix): [(name, param)]}: matrices decay, biases and norms do not,
+    nor any parameter whose name matches a `no_decay` fnmatch pattern (optimizer.no_weight_decay); `matrix`: the
+    optimizer takes it whole (`takes_whole(name, shape)`, its spec's matrix rule; None: none)."""
+    groups: dict = {}
     for name, p in model.named_parameters():  # deduplicated: tied weights appear once
         if p.requires_grad:
-            groups[p.dim() > 1 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)].append((name, p))
+            decays = p.dim() > 1 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in no_decay)
+            matrix = takes_whole is not None and takes_whole(name, tuple(p.shape))
+            groups.setdefault((decays, matrix), []).append((name, p))
     dtypes = {p.dtype for ps in groups.values() for _, p in ps}
     if len(dtypes) > 1:
         raise ValueError(f"zero3d needs one parameter dtype per model, found {sorted(map(str, dtypes))}")
-    return {k: v for k, v in groups.items() if v}
+    return dict(sorted(groups.items(), key=lambda item: (item[0][1], not item[0][0])))
 
 
 def view_params_into(buffer: torch.Tensor, layout: FlatLayout, params: list[nn.Parameter]) -> None:

@@ -1,10 +1,10 @@
 """ZeRO-Infinity for the optimizer: master shards and optimizer states in files, streamed through two host buffers.
 
 Every group's fp32 master and each of the optimizer's states (`OptimizerSpec.states`) live in one file
-each (raw float32, positional reads and writes with os.preadv/os.pwritev straight into page-locked
+each (raw float32, or bfloat16 for bf16 states (`optimizer.state_dtype`), positional reads and writes with os.preadv/os.pwritev straight into page-locked
 buffers, no pickling) in a private directory under `zero.nvme_path`. The step walks the groups in chunks
 that fit one of two host buffers (`zero.nvme_buffer_bytes` for both together): while the CPU runs the
-spec's `host_step` on chunk i in one buffer, an I/O thread writes chunk i-1 back and reads chunk i+1
+spec's update on chunk i in one buffer, an I/O thread writes chunk i-1 back and reads chunk i+1
 into the other, so host memory for optimizer states stays at the buffer budget whatever the model size.
 
 Checkpoints: `materialized()` reads the states into ordinary host tensors (the engine's master
@@ -22,30 +22,32 @@ from typing import Optional
 
 import torch
 
+from zero3d.config import OptimizerConfig
 from zero3d.offload import Copier, GroupSpec, copy_into_pieces, pinned_empty, scale_
 from zero3d.optim import ADAMW, OptimizerSpec
+from zero3d.optim.flat_optimizer import STATE_TORCH_DTYPES, FlatOptimizer, FlatTensor
 from zero3d.placement import OffDevicePlacement
 
 CHUNK_ALIGN = 4096  # elements: chunk boundaries stay aligned for the vectorised optimizer kernel
 FP32 = 4
 
 
-def file_states(optimizer_spec: OptimizerSpec) -> tuple:
-    """One file per group for each of these: the master, then the optimizer's states."""
-    return ("master", *optimizer_spec.states)
+def file_states(optimizer_spec: OptimizerSpec, state_dtype: str = "fp32") -> dict:
+    """One file per group for each of these, {name: dtype}: the master (fp32), then the optimizer's states."""
+    return {"master": torch.float32, **{s: STATE_TORCH_DTYPES[state_dtype] for s in optimizer_spec.states}}
 
 
-def buffer_bytes_per_element(dtype: torch.dtype, optimizer_spec: OptimizerSpec = ADAMW) -> int:
-    """One buffer holds a chunk of the master, every optimizer state and the gradient in fp32, plus
+def buffer_bytes_per_element(dtype: torch.dtype, optimizer_spec: OptimizerSpec = ADAMW, state_dtype: str = "fp32") -> int:
+    """One buffer holds a chunk of the fp32 master, every optimizer state (in its dtype) and the fp32 gradient, plus
     the compute-dtype copy of the updated parameters when that is not fp32."""
     extra = 0 if dtype == torch.float32 else torch.empty(0, dtype=dtype).element_size()
-    return FP32 + optimizer_spec.state_bytes + FP32 + extra
+    return FP32 + optimizer_spec.state_bytes(False, state_dtype) + FP32 + extra
 
 
 def chunk_elements(buffer_bytes: int, dtype: torch.dtype, largest_group: int,
-                   optimizer_spec: OptimizerSpec = ADAMW) -> int:
+                   optimizer_spec: OptimizerSpec = ADAMW, state_dtype: str = "fp32") -> int:
     """Elements per chunk so two buffers fit `buffer_bytes`; a multiple of CHUNK_ALIGN."""
-    per_element = buffer_bytes_per_element(dtype, optimizer_spec)
+    per_element = buffer_bytes_per_element(dtype, optimizer_spec, state_dtype)
     chunk = buffer_bytes // (2 * per_element) // CHUNK_ALIGN * CHUNK_ALIGN
     if chunk == 0:
         raise ValueError(f"zero.nvme_buffer_bytes = {buffer_bytes} is too small: two buffers of "
@@ -72,32 +74,33 @@ def file_backed_copy(t: torch.Tensor, root: str, rank: int) -> torch.Tensor:
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    """The tensor's bytes (numpy has no bfloat16: its elements are read as raw 16-bit words)."""
+    return memoryview((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()).cast("B")
 
 
 class StateFiles:
-    """One raw float32 file per (group, state); positional I/O of element ranges.
+    """One raw file per (group, state), in the state's dtype; positional I/O of element ranges.
 
     The files are unlinked as soon as they are open: the disk space is the process's alone and is
     returned when it exits, however it exits (a killed rank leaves nothing behind)."""
 
-    def __init__(self, root: str, rank: int, numels: dict, states: tuple):
+    def __init__(self, root: str, rank: int, numels: dict, states: dict):
         self.dir = Path(tempfile.mkdtemp(prefix=f"zero3d-offload-rank{rank}-", dir=root))
-        self.fds = {}
+        self.fds, self.sizes = {}, {state: torch.empty(0, dtype=dtype).element_size() for state, dtype in states.items()}
         try:
             for index, (name, numel) in enumerate(numels.items()):
                 for state in states:
-                    path = self.dir / f"group{index}.{state}.f32"
+                    path = self.dir / f"group{index}.{state}.bin"
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                     self.fds[name, state] = fd
                     os.unlink(path)
-                    os.ftruncate(fd, numel * FP32)  # zeros: the states before the first step (OptimizerSpec.host_step)
+                    os.ftruncate(fd, numel * self.sizes[state])  # zeros: the states before the first step
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
         self._finalizer = weakref.finalize(self, _close_all, dict(self.fds))
 
     def read(self, name: str, state: str, lo: int, out: torch.Tensor) -> None:
-        view, offset = _byte_view(out), lo * FP32
+        view, offset = _byte_view(out), lo * self.sizes[state]
         while len(view):
             n = os.preadv(self.fds[name, state], [view], offset)
             if n <= 0:
@@ -105,7 +108,7 @@ class StateFiles:
             view, offset = view[n:], offset + n
 
     def write(self, name: str, state: str, lo: int, src: torch.Tensor) -> None:
-        view, offset = _byte_view(src), lo * FP32
+        view, offset = _byte_view(src), lo * self.sizes[state]
         while len(view):
             n = os.pwritev(self.fds[name, state], [view], offset)
             view, offset = view[n:], offset + n
@@ -128,9 +131,9 @@ class ChunkBuffer:
     staging: Optional[torch.Tensor]
 
     @classmethod
-    def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device, states: tuple) -> "ChunkBuffer":
+    def allocate(cls, numel: int, dtype: torch.dtype, device: torch.device, states: dict) -> "ChunkBuffer":
         staging = None if dtype == torch.float32 else pinned_empty(numel, dtype, device)
-        return cls({s: pinned_empty(numel, torch.float32, device) for s in states},
+        return cls({s: pinned_empty(numel, state_dtype, device) for s, state_dtype in states.items()},
                    pinned_empty(numel, torch.float32, device), staging)
 
     def nbytes(self) -> int:
@@ -151,12 +154,18 @@ class NvmeOffload(OffDevicePlacement):
 
     name = "nvme"
 
-    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier,
-                 nvme_path: str, buffer_bytes: int, rank: int, optimizer_spec: OptimizerSpec = ADAMW):
+    def __init__(self, specs: list, config: OptimizerConfig, copier: Copier, nvme_path: str, buffer_bytes: int,
+                 rank: int, optimizer_spec: OptimizerSpec = ADAMW):
+        if any(s.matrix for s in specs):
+            raise ValueError(f"zero.offload_optimizer = 'nvme' with optimizer.name = {optimizer_spec.name!r} is not "
+                             "supported: its whole-matrix step needs each matrix's direction at once, which the NVMe "
+                             "stream's chunks do not hold; use zero.offload_optimizer = 'cpu'")
         self.copier, device = copier, copier.device
-        self.optimizer_spec, states = optimizer_spec, file_states(optimizer_spec)
+        self.optimizer_spec, self.state_dtype = optimizer_spec, config.state_dtype
+        states = file_states(optimizer_spec, config.state_dtype)
         dtype = specs[0].dtype
-        self.chunk = chunk_elements(buffer_bytes, dtype, max(s.numel for s in specs), optimizer_spec)
+        self.chunk = chunk_elements(buffer_bytes, dtype, max(s.numel for s in specs), optimizer_spec,
+                                    config.state_dtype)
         self.buffers = [ChunkBuffer.allocate(self.chunk, dtype, device, states) for _ in range(2)]
         self.files = StateFiles(nvme_path, rank, {s.name: s.numel for s in specs}, states)
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero3d-nvme")
@@ -164,8 +173,8 @@ class NvmeOffload(OffDevicePlacement):
         self.masters = {s.name: torch.empty(0, dtype=torch.float32) for s in specs}
         self.steps = {s.name: 0 for s in specs}
         self.written = set()  # groups whose state files hold a stepped or loaded state
-        self.optimizer = optimizer_spec.build_host([(self.masters[s.name], s.weight_decay) for s in specs],
-                                                   lr, betas, eps)
+        self.optimizer = FlatOptimizer([FlatTensor(self.masters[s.name], s.weight_decay, s.name) for s in specs],
+                                       optimizer_spec, config, fused=True)
         for s in specs:
             self._write_initial_master(s)
         self.specs = {s.name: s.released() for s in specs}  # the device master copy can be freed
@@ -227,8 +236,8 @@ class NvmeOffload(OffDevicePlacement):
         scale_(grad, coef)
         step = torch.tensor(float(self.steps[c.name]), dtype=torch.float32)  # the step adds one
         master = buf.states["master"][:n]
-        self.optimizer_spec.host_step(master, grad, {k: buf.states[k][:n] for k in self.optimizer_spec.states},
-                                      step, self.optimizer.param_groups[c.group_index])
+        self.optimizer.update_piece(master, grad, {k: buf.states[k][:n] for k in self.optimizer_spec.states},
+                                    step, self.optimizer.param_groups[c.group_index])
         source = master
         if buf.staging is not None:
             source = buf.staging[:n].copy_(master)
@@ -248,11 +257,12 @@ class NvmeOffload(OffDevicePlacement):
             master.data = torch.empty(numel, dtype=torch.float32)
             self.files.read(name, "master", 0, master.data)
             if name in self.written:
-                state = {key: torch.empty(numel, dtype=torch.float32) for key in opt.states}
+                dtypes = file_states(opt, self.state_dtype)
+                state = {key: torch.empty(numel, dtype=dtypes[key]) for key in opt.states}
                 for key, tensor in state.items():
                     self.files.read(name, key, 0, tensor)
                 self.optimizer.state[master] = state
-                opt.set_step_count(self.optimizer, [master], self.steps[name])
+                self.optimizer.set_step_count([master], self.steps[name])
         try:
             yield
         finally:
@@ -268,16 +278,17 @@ class NvmeOffload(OffDevicePlacement):
                 if missing:
                     raise KeyError(f"group {name!r}: the {opt.name} optimizer's state lacks {missing}; "
                                    f"it keeps {list(opt.states)}")
-                self.steps[name] = opt.step_count(self.optimizer, [master])
+                self.steps[name] = self.optimizer.step_count([master])
+                dtypes = file_states(opt, self.state_dtype)
                 for key in opt.states:
-                    self.files.write(name, key, 0, state[key].float().contiguous())
+                    self.files.write(name, key, 0, state[key].to(dtypes[key]).contiguous())
                 self.written.add(name)
             self.optimizer.state.pop(master, None)
             master.data = torch.empty(0, dtype=torch.float32)
 
     def after_load(self) -> None:
-        """Inside materialized(): keep the CPU mode flags and publish the loaded masters."""
-        self.optimizer_spec.keep_host_mode(self.optimizer)
+        """Inside materialized(): the step counts where the host kernels read them; the loaded masters published."""
+        self.optimizer.keep_mode()
         for name, master in self.masters.items():
             spec = self.specs[name]
             copy_into_pieces(self.copier, spec, 0, master.data.to(spec.dtype))
@@ -285,7 +296,8 @@ class NvmeOffload(OffDevicePlacement):
 
     def off_device_bytes(self) -> dict:
         numel = sum(s.numel for s in self.specs.values())
-        return {"nvme_master_params": numel * FP32, "nvme_optimizer_states": numel * self.optimizer_spec.state_bytes,
+        return {"nvme_master_params": numel * FP32,
+                "nvme_optimizer_states": numel * self.optimizer_spec.state_bytes(False, self.state_dtype),
                 "host_buffers": sum(b.nbytes() for b in self.buffers)}
 
     def close(self) -> None:

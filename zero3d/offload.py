@@ -10,10 +10,11 @@ From then on:
   runs (`accumulate_grad`, as each bucket's reduction completes) into a host-only shard, as
   ZeRO-Offload keeps it; at stage 1 (and for stage 3's persistent groups) whole at the step; on
   CUDA on a side stream ordered by stream waits;
-- the step applies the engine's unscale and clip factors on the host, runs the spec's host optimizer
-  (AdamW: torch's in its fused CPU mode; bench/bench_offload.py measures fused against foreach and
-  single-tensor), casts
-  the updated master to the compute dtype on the host and copies that into the device pieces.
+- the step applies the engine's unscale and clip factors on the host, runs the spec's update there
+  (zero3d/optim/flat_optimizer.py with its fused kernels: AdamW's is torch's fused CPU kernel;
+  bench/bench_offload.py measures fused against foreach and single-tensor; a whole-matrix rule's exchange
+  copies the directions to the device and back), casts the updated master to the compute dtype on the host
+  and copies that into the device pieces.
 
 NVMe placement (zero3d/nvme.py) keeps the same interface with the states in files. The step order
 and the overflow decision stay the engine's: `step` is called only when the engine updates.
@@ -25,7 +26,9 @@ from typing import Optional
 import torch
 
 from zero3d.accounting import nbytes, optimizer_state_bytes
+from zero3d.config import OptimizerConfig
 from zero3d.optim import ADAMW, OptimizerSpec
+from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.placement import OffDevicePlacement
 
 
@@ -38,6 +41,7 @@ class GroupSpec:
     param_pieces: tuple  # ((offset in master coordinates, compute-dtype device tensor), ...)
     weight_decay: float
     holds_grad: bool = False  # "cpu": the gradient shard lives on the host only (stages 2/3's bucketed groups)
+    matrix: bool = False  # a group of whole matrices (the spec's matrix rule updates it)
 
     @property
     def numel(self) -> int:
@@ -137,14 +141,15 @@ class HostOffload(OffDevicePlacement):
 
     name = "cpu"
 
-    def __init__(self, specs: list, lr: float, betas: tuple, eps: float, copier: Copier,
-                 optimizer_spec: OptimizerSpec = ADAMW):
+    def __init__(self, specs: list, config: OptimizerConfig, copier: Copier, optimizer_spec: OptimizerSpec = ADAMW,
+                 orthogonalize=None):
         self.device = copier.device
         self.copier = copier
         self.optimizer_spec = optimizer_spec
         self.groups = {spec.name: self._host_group(spec) for spec in specs}
-        self.optimizer = optimizer_spec.build_host([(g.master, g.spec.weight_decay) for g in self.groups.values()],
-                                                   lr, betas, eps)
+        self.optimizer = FlatOptimizer([FlatTensor(g.master, g.spec.weight_decay, name, 0, g.spec.matrix)
+                                        for name, g in self.groups.items()], optimizer_spec, config, fused=True,
+                                       orthogonalize=orthogonalize)
         self._landing = []  # (group, lo, hi, alpha): pieces copied down, not yet added into the shard
 
     def _host_group(self, spec: GroupSpec) -> HostGroup:
@@ -229,7 +234,7 @@ class HostOffload(OffDevicePlacement):
     # ------------------------------------------------------------ checkpoints and accounting
 
     def after_load(self) -> None:
-        self.optimizer_spec.keep_host_mode(self.optimizer)
+        self.optimizer.keep_mode()
         self.publish()
 
     def off_device_bytes(self) -> dict:

@@ -22,17 +22,19 @@ class DPRank(Protocol):
 
 
 class Settings(Protocol):
-    optimizer_spec: OptimizerSpec  # the optimizer's state names, initial state and step count
+    optimizer_spec: OptimizerSpec  # the optimizer's state names per kind of group
 
 
 class ShardedEngine(Protocol):
     """Exactly what this module reads from the engine (`zero3d.engine.DataParallelEngine` is one)."""
 
-    # {name: GroupState}: each group's `layout`, `params`, `param_flat` and `master_pieces`.
+    # {name: GroupState}: each group's `layout`, `params`, `param_flat`, `master_pieces` and `matrix`.
     groups: dict
     dp: DPRank
     settings: Settings
-    # Over the master pieces: `state[piece]` holds the spec's states (and whatever step count it keeps).
+    # Over the master pieces (zero3d/optim/flat_optimizer.py's FlatOptimizer): `state[piece]` holds the spec's
+    # states; it says which a piece keeps (`state_names`), makes a piece's first ones (`initial_state`) and
+    # keeps the step count (`step_count`, `set_step_count`).
     optimizer: torch.optim.Optimizer
 
     def masters_loaded(self) -> None:
@@ -54,7 +56,7 @@ class StatePiece:
     shape: tuple  # the TP-local parameter's shape
     lo: int
     hi: int
-    tensors: dict  # {"param": model dtype, "master": fp32, and each optimizer state (fp32)}, 1-D views
+    tensors: dict  # {"param": model dtype, "master": fp32, and each of its optimizer states (state dtype)}, 1-D views
 
 
 def _is_full(tensor: torch.Tensor, layout) -> bool:
@@ -79,9 +81,10 @@ def _master_piece(g, slot, lo: int, hi: int, shard_lo: int) -> tuple:
 
 
 def training_states(engine: ShardedEngine) -> tuple:
-    """What a resume loads, each a checkpoint tensor: the master and the optimizer's states (the
-    model-dtype parameters follow from the master)."""
-    return ("master", *engine.settings.optimizer_spec.states)
+    """What a resume loads, each a checkpoint tensor: the master and the optimizer's states of the engine's kinds
+    of group (the model-dtype parameters follow from the master)."""
+    spec = engine.settings.optimizer_spec
+    return ("master", *dict.fromkeys(s for g in engine.groups.values() for s in spec.states_of(g.matrix)))
 
 
 def _all_master_pieces(engine: ShardedEngine) -> list:
@@ -93,23 +96,24 @@ def optimizer_states(engine: ShardedEngine, piece: torch.Tensor) -> dict:
     optimizer has not stepped yet gets the spec's `initial_state` now (what its first step would
     create); any other state lacking one of the spec's names is an error."""
     spec, optimizer = engine.settings.optimizer_spec, engine.optimizer
+    names = optimizer.state_names(piece)
     state = optimizer.state[piece]
     if not state:
-        steps = spec.step_count(optimizer, _all_master_pieces(engine))
+        steps = optimizer.step_count(_all_master_pieces(engine))
         if steps:
             raise KeyError(f"the {spec.name} optimizer took {steps} steps but holds no state for a master "
                            f"piece of {piece.numel()} elements")
-        state.update(spec.initial_state(optimizer, piece))
-    missing = [key for key in spec.states if key not in state]
+        state.update(optimizer.initial_state(piece))
+    missing = [key for key in names if key not in state]
     if missing:
         raise KeyError(f"the {spec.name} optimizer's state of a master piece lacks {missing}: it has "
-                       f"{sorted(state)}, the spec needs {list(spec.states)}")
-    return {key: state[key] for key in spec.states}
+                       f"{sorted(state)}, the spec needs {list(names)}")
+    return {key: state[key] for key in names}
 
 
 def optimizer_step_count(engine: ShardedEngine) -> int:
     """Optimizer steps taken (skipped fp16 overflow steps excluded), wherever the spec keeps them."""
-    return engine.settings.optimizer_spec.step_count(engine.optimizer, _all_master_pieces(engine))
+    return engine.optimizer.step_count(_all_master_pieces(engine))
 
 
 def set_optimizer_step_count(engine: ShardedEngine, count: int) -> None:
@@ -117,7 +121,7 @@ def set_optimizer_step_count(engine: ShardedEngine, count: int) -> None:
     pieces = _all_master_pieces(engine)
     for piece in pieces:
         optimizer_states(engine, piece)
-    engine.settings.optimizer_spec.set_step_count(engine.optimizer, pieces, count)
+    engine.optimizer.set_step_count(pieces, count)
 
 
 def _pieces(engine: ShardedEngine, writing: bool) -> list[StatePiece]:

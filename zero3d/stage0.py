@@ -7,8 +7,8 @@ class ReplicatedEngine(DataParallelEngine):
 
     stage = 0
 
-    def _build_group(self, name, named_params, decays):
-        return self._replicated_group(name, named_params, decays)
+    def _build_group(self, name, named_params, decays, matrix=False):
+        return self._replicated_group(name, named_params, decays, matrix)
 
     def _reduce_grads(self):
         self._sum_tied_grads()

@@ -13,7 +13,8 @@ class GradientShardedEngine(WholeParamsEngine):
         super().__init__(model, settings, groups)
         self.buckets = GradientBuckets(list(self.groups.values()), self.plan, self._deliver_grad_piece,
                                        dtype=settings.dtype, device=self.device, pre_scale=self.pre_scale,
-                                       held_elsewhere=frozenset(self.tied), overlap=settings.zero.overlap_comm)
+                                       held_elsewhere=frozenset(self.tied), overlap=settings.zero.overlap_comm,
+                                       position={p: i for i, p in enumerate(model.parameters())})
         for param in self.buckets.location:
             self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
 

@@ -54,7 +54,7 @@ from zero3d.accounting import model_state_bytes, secondary_bytes
 from zero3d.buckets import GradientBuckets
 from zero3d.comm.core import wait_all
 from zero3d.engine import DataParallelEngine, GroupState
-from zero3d.flat import DECAY_NAMES, flatten_params
+from zero3d.flat import flatten_params, group_kind
 from zero3d.gather import build_units, hook_grads, tensors_in
 from zero3d.nvme import file_backed_copy
 from zero3d.offload import host_copy
@@ -79,12 +79,13 @@ class ParameterShardedEngine(DataParallelEngine):
         self._persistent = []  # the replicated groups of small parameters (set by _build_groups)
         super().__init__(model, settings, groups)
         # GPU with overlap: gathers and reductions on a side stream, so they overlap compute.
-        self.stream = torch.cuda.Stream(self.device) \
-            if self.device.type == "cuda" and settings.zero.overlap_comm else None
+        self.stream = (torch.cuda.Stream(self.device)
+                       if self.device.type == "cuda" and settings.zero.overlap_comm else None)
         self.buckets = GradientBuckets([group for unit in self.units for group in unit.groups], self.plan,
                                        self._deliver_grad_piece, dtype=settings.dtype, device=self.device,
                                        pre_scale=self.pre_scale, held_elsewhere=frozenset(self.tied),
-                                       overlap=settings.zero.overlap_comm, stream=self.stream)
+                                       overlap=settings.zero.overlap_comm, stream=self.stream,
+                                       position={p: i for i, p in enumerate(model.parameters())})
         # Tied weights (see the module docstring): sharded ones held whole, persistent ones summed in place.
         self._tied_sharded = {p: comm for p, comm in self.tied.items() if p in self.buckets.location}
         self._tied_persistent = {p: comm for p, comm in self.tied.items() if p not in self.buckets.location}
@@ -103,30 +104,30 @@ class ParameterShardedEngine(DataParallelEngine):
 
     def _build_groups(self, named_groups):
         threshold = self.settings.zero.param_persistence_threshold
-        decays_of = {p: decays for decays, named in named_groups.items() for _, p in named}
+        kind_of = {p: kind for kind, named in named_groups.items() for _, p in named}
         name_of = {p: name for name, p in self.model.named_parameters()}
         # Decided before any shard empties its parameters (their numel is 0 after).
-        persistent = {decays: [(name, p) for name, p in named if p.numel() <= threshold]
-                      for decays, named in named_groups.items()}
+        persistent = {kind: [(name, p) for name, p in named if p.numel() <= threshold]
+                      for kind, named in named_groups.items()}
         out = {}
         for unit in self.units:
-            for decays in named_groups:
-                named = [(name_of[p], p) for p in unit.params if decays_of.get(p) == decays and p.numel() > threshold]
+            for kind in named_groups:
+                named = [(name_of[p], p) for p in unit.params if kind_of.get(p) == kind and p.numel() > threshold]
                 if named:
-                    name = f"{unit.name}/{DECAY_NAMES[decays]}"
-                    out[name] = group = self._sharded_group(name, named, decays)
+                    name = f"{unit.name}/{group_kind(*kind)}"
+                    out[name] = group = self._sharded_group(name, named, *kind)
                     unit.groups.append(group)
-        for decays, kept in persistent.items():
+        for kind, kept in persistent.items():
             if kept:
-                name = f"{PERSISTENT}/{DECAY_NAMES[decays]}"
-                out[name] = group = self._replicated_group(name, kept, decays)
+                name = f"{PERSISTENT}/{group_kind(*kind)}"
+                out[name] = group = self._replicated_group(name, kept, *kind)
                 self._persistent.append(group)
         return out
 
-    def _sharded_group(self, name, named, decays):
+    def _sharded_group(self, name, named, decays, matrix=False):
         layout = self._layout(named)
         params = [p for _, p in named]
-        group = GroupState(name, layout, params, decays, bucketed=True)
+        group = GroupState(name, layout, params, decays, bucketed=True, matrix=matrix)
         full = flatten_params(layout, params, self.settings.dtype, self.device)
         group.param_flat = layout.shard_of(full, self.dp.rank)
         group.grads = torch.zeros(layout.shard_numel, dtype=self.settings.dtype, device=self.device)

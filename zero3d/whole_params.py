@@ -20,12 +20,12 @@ class WholeParamsEngine(DataParallelEngine):
         super().__init__(model, settings, groups)
         self._register_param_sync_hooks()
 
-    def _build_group(self, name: str, named_params: list, decays: bool) -> GroupState:
+    def _build_group(self, name: str, named_params: list, decays: bool, matrix: bool = False) -> GroupState:
         """Whole parameters; the master for this rank's pieces; gradients whole or this rank's shard."""
         layout = self._layout(named_params)
         params = [p for _, p in named_params]
         dtype = self.settings.dtype
-        group = GroupState(name, layout, params, decays, bucketed=not self.full_grads)
+        group = GroupState(name, layout, params, decays, bucketed=not self.full_grads, matrix=matrix)
         group.param_flat = flat = flatten_params(layout, params, dtype, self.device)
         group.grads = flatten_grads(layout, params, dtype, self.device) if self.full_grads else \
             torch.zeros(layout.shard_numel, dtype=dtype, device=self.device)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, file_record, load_dcp, optimizer_fields,
-                                      read_dcp_metadata, read_json, saved_optimizer)
+from pretrain.checkpoint.read import (DCP_METADATA, FORMAT, MANIFEST, check_optimizer, file_record, load_dcp,
+                                      optimizer_fields, read_dcp_metadata, read_json, saved_optimizer)
 from pretrain.checkpoint.recovery import (LATEST, PENDING, find_usable, publish_step_dir, write_json_durably,
                                           written_record)
 from pretrain.checkpoint.tensors import (global_shapes, model_templates, parameter_names, saved_states,
@@ -37,7 +37,7 @@ from zero3d import sharded_state as engine_state
 
 log = logging.getLogger("pretrain.checkpoint")
 
-__all__ = ["Checkpointer", "CheckpointError", "layout_signature", "run_identity", "LATEST"]
+__all__ = ["Checkpointer", "CheckpointError", "layout_signature", "optimizer_record", "run_identity", "LATEST"]
 
 
 def layout_signature(cfg: Config, topo: Layout) -> dict:
@@ -75,6 +75,11 @@ def _b64(t: torch.Tensor) -> str:
 
 def _tensor_b64(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def optimizer_record(settings) -> tuple:
+    """(optimizer name, state dtype) of an engine's settings: what a checkpoint's optimizer states must suit."""
+    return settings.optimizer_spec.name, settings.optimizer.state_dtype
 
 
 def rng_state() -> dict:
@@ -175,7 +180,8 @@ class Checkpointer:
                       for p in engine_state.pieces_to_write(engine)]  # the device-to-host copy
             steps = engine_state.optimizer_step_count(engine)
         state = sharded_state(staged, templates, ("param", *engine_state.training_states(engine)), writing=True)
-        meta = {**meta, "format": FORMAT, "step": step, **optimizer_fields(engine.settings.optimizer_spec, steps),
+        meta = {**meta, "format": FORMAT, "step": step,
+                **optimizer_fields(engine.settings.optimizer_spec, steps, engine.settings.optimizer.state_dtype),
                 "scaler": engine.scaler.state_dict(), "parameter_names": self._names}
         rng = rng_state()
         group = self._writer_group()
@@ -290,18 +296,14 @@ class Checkpointer:
     def load_latest(self, identity: dict, layout: dict, seed: int) -> Optional[dict]:
         """Collective: restore the newest usable checkpoint into this (any) layout; None when there is none.
         Returns {"step", "consumed_samples", "path", "notes"} (see find_usable and load)."""
-        usable = find_usable(self.save_dir, identity)
+        usable = find_usable(self.save_dir, identity, optimizer_record(self.engine.settings))
         return None if usable is None else self.load(usable, layout, seed)
 
     def load(self, usable: dict, layout: dict, seed: int) -> dict:
         """Collective: restore the checkpoint `find_usable` chose. Returns {"step", "consumed_samples", "path", "notes"}."""
         step_dir, manifest, engine = usable["path"], usable["manifest"], self.engine
-        name, steps = saved_optimizer(manifest)
-        spec = engine.settings.optimizer_spec
-        if name != spec.name:
-            raise CheckpointError(f"{step_dir}: its optimizer states are {name!r}'s; this run's optimizer is "
-                                  f"{spec.name!r}",
-                                  fix="resume with the optimizer that wrote it, or set train.resume = false")
+        _, steps = saved_optimizer(manifest)
+        check_optimizer(step_dir, manifest, *optimizer_record(engine.settings))  # find_usable's check, if it was skipped
         with engine.materialized_states():  # NVMe offload: written back to their files on exit
             self._load_states(step_dir)
             engine_state.set_optimizer_step_count(engine, steps)

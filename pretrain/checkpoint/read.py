@@ -9,6 +9,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -150,6 +151,11 @@ def read_dcp_metadata(step_dir: Path):
     return md
 
 
+# A tensor may load into a wider dtype only where every value converts exactly: bf16 optimizer states resumed as
+# fp32 ones (optimizer.state_dtype; check_optimizer refuses the other direction).
+EXACT_WIDENINGS = {(torch.bfloat16, torch.float32)}
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader, its metadata and its data reads replaced: byte items refused, each tensor read
     from its validated range with torch.load(weights_only=True) and checked against its chunk."""
@@ -178,7 +184,8 @@ class SafeFileSystemReader(FileSystemReader):
                                       f"be read: {type(err).__name__}: {str(err).splitlines()[0][:200]}") from None
             target = planner.resolve_tensor(req).detach()
             where = f"{step_dir / info.relative_path}: tensor {req.storage_index.fqn!r}"
-            if type(tensor) is not torch.Tensor or tensor.dtype != target.dtype:
+            if type(tensor) is not torch.Tensor or (tensor.dtype != target.dtype
+                                                    and (tensor.dtype, target.dtype) not in EXACT_WIDENINGS):
                 raise CheckpointError(f"{where} holds {getattr(tensor, 'dtype', type(tensor).__name__)}, "
                                       f"expected {target.dtype}")
             try:
@@ -243,11 +250,11 @@ def _number(v) -> bool:
     return type(v) in (int, float) and v == v and abs(v) != float("inf")
 
 
-def optimizer_fields(spec: OptimizerSpec, steps: int) -> dict:
-    """The manifest's record of the optimizer: its name and step count (and the count under the spec's
-    legacy key, for code of before `optimizer_step`)."""
+def optimizer_fields(spec: OptimizerSpec, steps: int, state_dtype: str = "fp32") -> dict:
+    """The manifest's record of the optimizer: its name, the dtype of its states and its step count (and the count
+    under the spec's legacy key, for code of before `optimizer_step`)."""
     legacy = {spec.legacy_step_key: steps} if spec.legacy_step_key else {}
-    return {"optimizer": spec.name, "optimizer_step": steps, **legacy}
+    return {"optimizer": spec.name, "optimizer_state_dtype": state_dtype, "optimizer_step": steps, **legacy}
 
 
 def saved_optimizer(manifest: dict) -> tuple:
@@ -258,6 +265,29 @@ def saved_optimizer(manifest: dict) -> tuple:
     if ADAMW.legacy_step_key in manifest:
         return ADAMW.name, manifest[ADAMW.legacy_step_key]
     return None, None
+
+
+def saved_state_dtype(manifest: dict) -> str:
+    """The dtype of a checkpoint's optimizer states: `optimizer_state_dtype`; fp32 in one written before it."""
+    return manifest.get("optimizer_state_dtype", "fp32")
+
+
+def check_optimizer(step_dir: Path, manifest: dict, name: str, state_dtype: str) -> Optional[str]:
+    """Refuse (one line, exit 3) a checkpoint whose optimizer states this run's optimizer cannot continue: another
+    optimizer's, or fp32 states into bf16 ones (each state would be rounded). bf16 states into fp32 ones are exact:
+    allowed, and the note returned says so (None: nothing to note)."""
+    saved, saved_dtype = saved_optimizer(manifest)[0], saved_state_dtype(manifest)
+    if saved != name:
+        raise CheckpointError(f"{step_dir}: its optimizer states are {saved}'s (optimizer.name = {saved!r}); this "
+                              f"run's optimizer.name is {name!r}",
+                              fix=f"resume with optimizer.name = {saved!r}, or set train.resume = false")
+    if saved_dtype == "fp32" and state_dtype == "bf16":
+        raise CheckpointError(f"{step_dir}: its {name} states are fp32; optimizer.state_dtype = 'bf16' would round "
+                              "them", fix="resume with optimizer.state_dtype = 'fp32' (a bf16 checkpoint resumes into "
+                              "fp32 states exactly), or set train.resume = false")
+    if saved_dtype != state_dtype:
+        return f"{step_dir}: its bf16 optimizer states continue as fp32 ones (exactly)"
+    return None
 
 
 def check_fields(step_dir: Path, manifest: dict) -> None:
@@ -271,6 +301,7 @@ def check_fields(step_dir: Path, manifest: dict) -> None:
     problems = [
         (type(optimizer[0]) is str and type(optimizer[1]) is int and optimizer[1] >= 0,
          "optimizer/optimizer_step"),
+        (saved_state_dtype(manifest) in ("fp32", "bf16"), "optimizer_state_dtype"),
         (type(scaler) is dict and (not scaler or (set(scaler) == {"scale", "clean_steps", "overflows_left"}
                                                   and all(_number(v) for v in scaler.values()))), "scaler"),
         (type(identity) is dict and type(identity.get("model")) is dict, "identity"),

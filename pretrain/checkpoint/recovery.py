@@ -20,8 +20,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from pretrain.atomic import fsync_path, write_atomically
-from pretrain.checkpoint.read import (MANIFEST, check_fields, check_identity, check_listed, read_dcp_metadata,
-                                      read_json, read_manifest, verify_file)
+from pretrain.checkpoint.read import (MANIFEST, check_fields, check_identity, check_listed, check_optimizer,
+                                      read_dcp_metadata, read_json, read_manifest, verify_file)
 from pretrain.errors import CheckpointError
 from pretrain.runtime.agreement import from_rank0
 
@@ -209,12 +209,13 @@ def verify(step_dir: Path) -> tuple[Optional[dict], str]:
     return (None, "; ".join(problems)) if problems else (manifest, "")
 
 
-def find_usable(save_dir: Path, identity: dict) -> Optional[dict]:
+def find_usable(save_dir: Path, identity: dict, optimizer: Optional[tuple] = None) -> Optional[dict]:
     """Collective, before the model exists: the newest checkpoint whose files are all present, whole
     and unchanged, and written for this model, tokenizer and data; None when there is none.
 
     A checkpoint with a missing, truncated or altered file is skipped with a warning for the one
-    before it; one written for another model, tokenizer or data is refused.
+    before it; one written for another model, tokenizer or data is refused, and so is one whose optimizer states
+    `optimizer` = (optimizer.name, optimizer.state_dtype) cannot continue (read.check_optimizer).
     """
     save_dir = Path(save_dir)
     newest_first = from_rank0(lambda: candidates(save_dir))
@@ -228,6 +229,9 @@ def find_usable(save_dir: Path, identity: dict) -> Optional[dict]:
                 log.warning(notes[-1])
             continue
         check_identity(step_dir, manifest["identity"], identity)
+        if optimizer is not None:
+            note = check_optimizer(step_dir, manifest, *optimizer)
+            notes += [note] if note else []
         return {"path": step_dir, "manifest": manifest, "notes": notes}
     if reasons:
         raise CheckpointError(f"no usable checkpoint in {save_dir}: " + " | ".join(reasons),

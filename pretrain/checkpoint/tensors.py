@@ -1,7 +1,7 @@
 """A rank's pieces of each parameter as global tensors: megatron ShardedTensors that DCP writes and reads.
 
 Every parameter is one global tensor per state — "model/<key>" (model dtype), "optim/master/<key>" and
-"optim/<state>/<key>" for each of the optimizer's states (fp32, zero3d/optim.py's OptimizerSpec.states) —
+"optim/<state>/<key>" for each of the optimizer's states (in its state dtype, zero3d/optim/'s OptimizerSpec.states) —
 with the key, global shape and offsets of megatron's `model.sharded_state_dict()` (TP/PP-aware; decoder
 layers stacked on a leading axis).
 A rank's DP piece is a contiguous range of the flattened TP-local parameter; it is cut into the few
@@ -155,7 +155,7 @@ def sharded_state(pieces: list, templates: dict, states: tuple, writing: bool) -
                                   f"differs from the engine's {tuple(piece.shape)}")
         if writing and not is_main_replica(parts[0].sh.replica_id):
             continue
-        for state in states:
+        for state in (s for s in states if s in piece.tensors):  # a kind of group keeps its own states
             for part in parts:
                 shards[prefix(state) + part.sh.key] += _piece_shards(prefix(state) + part.sh.key, part, piece,
                                                                      piece.tensors[state])

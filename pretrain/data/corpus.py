@@ -112,7 +112,7 @@ def document_text(path: str, number: int, line: bytes, key: str) -> Optional[str
         found = "keys: " + ", ".join(map(repr, list(record)[:8])) if key not in record else \
             f"{key!r} is a {type(record[key]).__name__}"
         raise DataError(f"{path}:{number}: no string {key!r} field ({found}); choose the field with "
-                        "--json-key")
+                        "--text-column (data.text_column)")
     return record[key]
 
 
@@ -227,7 +227,7 @@ def _batches(path: Path, column: str) -> Iterator[tuple["object", int, int]]:
 def _check_column(path: Path, schema, column: str) -> None:
     if column not in schema.names:
         raise DataError(f"corpus {str(path)!r} has no column {column!r}; its columns: {', '.join(schema.names)} "
-                        "(choose one with --text-column)")
+                        "(choose one with --text-column, or data.text_column)")
     kind = str(schema.field(column).type)
     if kind not in _TEXT_TYPES:
         raise DataError(f"column {column!r} of corpus {str(path)!r} holds {kind}, not text (string or binary)")

@@ -8,6 +8,7 @@ data.cache_dir (keyed by prefix, seed, seq_length, split and sample count); rank
 and the other ranks load them after a barrier. So a .bin/.idx written by Megatron-LM's preprocess_data
 gives here the samples Megatron-LM would train on, for the same seed, sequence length and split.
 """
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from pretrain.blend import Blend
 from pretrain.sections import DataConfig
 from pretrain.data.corpus import expand_inputs, read_documents
-from pretrain.data.indexed import check_indexed_dataset, check_token_ids
+from pretrain.data.indexed import check_indexed_dataset, check_token_ids, check_tokenizer_record
 from pretrain.data.preprocess import sample_sentences, tokenize_files, train_hf_tokenizer, train_tokenizer
 from pretrain.data.tokenizers import (TextTokenizer, TokenizerSpec, check_eod, check_vocab, identity_path,
                                       load_tokenizer, spec_of)
@@ -43,6 +44,7 @@ class DataFiles:
     blend: Optional[Blend]  # split by data.split ...
     blend_per_split: Optional[list[Optional[Blend]]]  # ... or one blend per split (train, valid, test)
     tokenizer: Optional[TokenizerSpec] = None  # None: the sentencepiece model at tokenizer_path
+    notes: tuple[str, ...] = ()  # lines for rank 0 to say (a blend prefix whose tokenizer is not recorded)
 
     def spec(self) -> TokenizerSpec:
         return self.tokenizer or TokenizerSpec("sentencepiece", self.tokenizer_path)
@@ -96,27 +98,29 @@ def _blends(data: DataConfig) -> tuple[Optional[Blend], Optional[list[Optional[B
 
 
 def build_corpus_files(corpus: str, spec: TokenizerSpec | str | None, cache_dir: str | os.PathLike,
-                       vocab_size: int) -> tuple[TokenizerSpec, str]:
-    """Train the tokenizer (unless given: sentencepiece or hf) and tokenize the corpus into cache_dir;
-    idempotent and atomic. `spec` may be a sentencepiece path, or None for a trained sentencepiece model.
+                       vocab_size: int, column: str = "text") -> tuple[TokenizerSpec, str]:
+    """Train the tokenizer (unless given: sentencepiece or hf) and tokenize the corpus's `column` (data.text_column)
+    into cache_dir; idempotent and atomic. `spec` may be a sentencepiece path, or None for a trained sentencepiece model.
 
     Cache names hash the input files' paths, mtimes and sizes (with the vocab size and kind for the
-    tokenizer, the tokenizer's files_sha256 for the tokens), so an edited corpus or another tokenizer
-    builds anew.
+    tokenizer, the tokenizer's files_sha256 for the tokens, and a text column other than "text"), so an edited
+    corpus, another column or another tokenizer builds anew.
     """
     if not isinstance(spec, TokenizerSpec):
         spec = TokenizerSpec("sentencepiece", None if spec is None else str(spec))
     files = expand_inputs([corpus])
     corpus_key = [(f.resolve(), f.stat().st_mtime_ns, f.stat().st_size) for f in files]
+    if column != "text":  # the default column keeps the cache names it always had
+        corpus_key.append(("column", column))
     if spec.model is None and spec.kind == "sentencepiece":
         tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(corpus_key, vocab_size)}.model"
         if not tokenizer_path.is_file():
-            train_tokenizer(corpus, tokenizer_path.with_suffix(""), vocab_size)
+            train_tokenizer(corpus, tokenizer_path.with_suffix(""), vocab_size, key=column)
         spec = TokenizerSpec("sentencepiece", str(tokenizer_path))
     elif spec.model is None and spec.kind == "hf":
         tokenizer_path = Path(cache_dir) / f"tokenizer-{_digest(corpus_key, vocab_size, 'hf', spec.eod)}.json"
         if not tokenizer_path.is_file():
-            documents = sample_sentences(read_documents(corpus), HF_TRAIN_DOCUMENTS)
+            documents = sample_sentences(read_documents(corpus, column), HF_TRAIN_DOCUMENTS)
             train_hf_tokenizer(documents, tokenizer_path, vocab_size, spec.eod or "<|endoftext|>")
         spec = TokenizerSpec("hf", str(tokenizer_path), eod=spec.eod)
     tokenizer = load_tokenizer(spec)
@@ -124,7 +128,7 @@ def build_corpus_files(corpus: str, spec: TokenizerSpec | str | None, cache_dir:
     try:
         check_indexed_dataset(prefix)
     except DataError:  # absent, or left inconsistent by an interrupted build: build it (again)
-        tokenize_files(files, spec, tokenizer, prefix)
+        tokenize_files(files, spec, tokenizer, prefix, key=column)
     return spec, prefix
 
 
@@ -140,15 +144,20 @@ def prepare_files(data: DataConfig, vocab_size: int) -> DataFiles:
         check_eod(tokenizer, data)
     blend, blend_per_split = _blends(data)
     if blend is None and blend_per_split is None:
-        spec, prefix = build_corpus_files(data.corpus, spec, data.cache_dir, vocab_size)
+        if data.corpus is None:
+            raise DataError("no data: data.corpus, data.blend and data.train_blend are all unset")
+        spec, prefix = build_corpus_files(data.corpus, spec, data.cache_dir, vocab_size, data.text_column)
         tokenizer = load_tokenizer(spec)
         check_vocab(tokenizer, vocab_size)
         check_eod(tokenizer, data)
         return DataFiles(identity_path(tokenizer, spec, data.cache_dir), ([prefix], None), None, spec)
     files = DataFiles(identity_path(tokenizer, spec, data.cache_dir), blend, blend_per_split, spec)
-    for prefix in files.prefixes():
-        check_token_ids(prefix, tokenizer.vocab_size)
-    return files
+    notes = []
+    for key, (prefixes, _) in data.blends().items():
+        for prefix in prefixes:
+            notes.append(check_tokenizer_record(prefix, tokenizer, key))
+            check_token_ids(prefix, tokenizer.vocab_size)
+    return dataclasses.replace(files, notes=tuple(dict.fromkeys(n for n in notes if n)))
 
 
 class TokenBlocks(torch.utils.data.Dataset):

@@ -3,6 +3,7 @@
 Storage is megatron-core's own IndexedDatasetBuilder/IndexedDataset (MMIDIDX format), so files made
 here are readable by Megatron and files made by Megatron-LM's preprocess_data are readable here.
 """
+import json
 import os
 import struct
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 import megatron_patches.lean  # noqa: F401  (megatron-core without its unused torch.compile/wandb set-up)
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from pretrain.atomic import publish, temporary_name
+from pretrain.atomic import publish, temporary_name, write_atomically
 from pretrain.errors import DataError
 
 # The .idx layout of megatron-core's _IndexWriter: magic, <Q version (1), <B dtype code, <Q sequence
@@ -168,3 +169,56 @@ def check_token_ids(prefix: str | os.PathLike, vocab_size: int, limit: Optional[
                         "the .bin/.idx was made with another, larger tokenizer; use that tokenizer "
                         "(data.tokenizer_model, or model.vocab_size with data.tokenizer_kind = 'none') or re-run "
                         "python -m pretrain.preprocess")
+
+
+# ---- <prefix>.tokenizer.json: which tokenizer made a .bin/.idx pair (written by pretrain.preprocess)
+TOKENIZER_RECORD = ".tokenizer.json"
+
+
+def tokenizer_record_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{prefix}{TOKENIZER_RECORD}")
+
+
+def _file_sizes(prefix: str | os.PathLike) -> dict:
+    return {"bin_bytes": os.path.getsize(f"{prefix}.bin"), "idx_bytes": os.path.getsize(f"{prefix}.idx")}
+
+
+def write_tokenizer_record(prefix: str | os.PathLike, tokenizer) -> Path:
+    """Beside a just-written <prefix>.bin/.idx, atomically: the tokenizer that made it (kind, vocabulary,
+    end-of-document id, `files_sha256`: its kind, settings and every file's bytes) and the two files' sizes, which
+    tie the record to these files (a rewrite without a new record is found out)."""
+    record = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id,
+              "files_sha256": tokenizer.files_sha256(), "files": [Path(f).name for f in tokenizer.files],
+              **_file_sizes(prefix)}
+    return write_atomically(tokenizer_record_path(prefix), json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def check_tokenizer_record(prefix: str | os.PathLike, tokenizer, key: str) -> Optional[str]:
+    """A blend prefix's .bin/.idx against the run's tokenizer: DataError (one line) when its record names another
+    tokenizer, or describes other files; a note (str) when it has no record (made elsewhere: not checked)."""
+    path = tokenizer_record_path(prefix)
+    if not path.is_file():
+        return (f"note: data.{key} prefix {prefix} has no {path.name} (the record python -m pretrain.preprocess writes of "
+                "the tokenizer that made it): its tokenizer is not checked")
+    try:
+        record = json.loads(path.read_text())
+        saved, sizes = record["files_sha256"], {k: record[k] for k in ("bin_bytes", "idx_bytes")}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{path} is not a tokenizer record ({type(err).__name__}: {err})", f"data.{key}",
+                        "re-run python -m pretrain.preprocess for this prefix, or remove the record") from None
+    if sizes != _file_sizes(prefix):
+        raise DataError(f"{path} does not describe {prefix}.bin/.idx: it records {sizes['bin_bytes']} / "
+                        f"{sizes['idx_bytes']} bytes, the files have {_file_sizes(prefix)['bin_bytes']} / "
+                        f"{_file_sizes(prefix)['idx_bytes']} (rewritten without their record)", f"data.{key}",
+                        "re-run python -m pretrain.preprocess for this prefix, or remove the stale record")
+    if tokenizer.kind == "none":  # ids made elsewhere: no tokenizer of this run to compare with
+        return None
+    now = tokenizer.files_sha256()
+    if saved != now:
+        made = f"{record.get('kind')} {', '.join(record.get('files') or [])} of {record.get('vocab_size')} ids"
+        ours = f"{tokenizer.kind} {', '.join(str(f) for f in tokenizer.files)} of {tokenizer.vocab_size} ids"
+        raise DataError(f"{prefix}.bin was tokenized by another tokenizer than this run's: {path.name} records {made} "
+                        f"(sha256 {saved[:12]}), the run's is {ours} (sha256 {now[:12]})", f"data.{key}",
+                        "name the tokenizer that made it (data.tokenizer_model), or tokenize the corpus again with "
+                        "this one (python -m pretrain.preprocess)")
+    return None

@@ -33,7 +33,8 @@ from tqdm import tqdm
 from pretrain.atomic import write_atomically
 from pretrain.data.corpus import (CHUNK_BYTES, Chunk, chunk_documents, expand_inputs, read_chunks,
                                   read_documents)
-from pretrain.data.indexed import IndexedWriter, check_indexed_dataset, token_dtype
+from pretrain.data.indexed import (IndexedWriter, check_indexed_dataset, token_dtype, tokenizer_record_path,
+                                   write_tokenizer_record)
 from pretrain.data.tokenizers import DEFAULT_EOD, KINDS, TextTokenizer, TokenizerSpec, byte_level, load_tokenizer
 from pretrain.errors import EXIT_INPUT, DataError, TokenizerError
 
@@ -296,7 +297,10 @@ def tokenize_files(files: list[Path], spec: TokenizerSpec, tokenizer: TextTokeni
             if stats.documents == 0:
                 raise DataError(f"corpus {', '.join(map(str, files))} has no non-empty document "
                                 f"({stats.empty} empty)")
+            # an older pair's record goes first: interrupted before the new one is written, the files are unrecorded
+            tokenizer_record_path(output_prefix).unlink(missing_ok=True)
             writer.finish()
+        write_tokenizer_record(output_prefix, tokenizer)
     finally:
         meter.close()
     stats.seconds = time.perf_counter() - start

@@ -139,18 +139,22 @@ def shared_attention_bias(block, args, kwargs):
     return args, kwargs
 
 
-def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: bool = False) -> str:
+def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: bool = False,
+            selective: bool = False) -> str:
     """The attention `model.attention` = `choice` runs: "te", "sdpa" or "local". `auto` is Transformer Engine
-    on GPU where importable (and no ZeRO-R layer class is needed) unless a `document_mask` must be applied
-    (data.reset_attention_mask: config validation refuses 'te' with it), else SDPA; `te` is refused where it
-    can't run."""
+    on GPU where importable (and no ZeRO-R or `selective` recomputation layer class is needed) unless a
+    `document_mask` must be applied (data.reset_attention_mask: config validation refuses 'te' with it), else SDPA;
+    `te` is refused where it can't run."""
     if choice not in CHOICES:
         raise ValueError(f"model.attention = {choice!r} is invalid; valid values: {', '.join(map(repr, CHOICES))}")
-    te = on_cuda and not zero_recompute and _te_importable()
+    te = on_cuda and not zero_recompute and not selective and _te_importable()
     if choice == "te" and not te:
         why = ("Transformer Engine is not importable" if not _te_importable() else
                "it needs a CUDA device" if not on_cuda else
-               "ZeRO-R's recomputed layers (zero.partition_activations / cpu / contiguous) use megatron's local layers")
+               "ZeRO-R's recomputed layers (zero.partition_activations / cpu / contiguous) use megatron's local layers"
+               if zero_recompute else
+               "selective recomputation (model.recompute = 'selective') keeps aten GEMM outputs, which Transformer "
+               "Engine's layers do not run")
         raise ValueError(f"model.attention = 'te' cannot run here: {why}; use 'auto', 'sdpa' or 'local'")
     if choice == "auto":
         return "te" if te and not document_mask else "sdpa"

@@ -45,6 +45,22 @@ class TorchNorm:
         return norm
 
 
+def _row_parallel_linear_class():
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class RowParallelLinearWithGroup(RowParallelLinear):
+        """megatron's RowParallelLinear handing its own TP group to the matmul, where megatron-core 0.16 passes None
+        and its fallback warns on global rank 0 only: inside a compiled layer, a graph break on that rank alone,
+        so rank 0 ran other graphs (and handed autograd its gradients in another order) than the others."""
+
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            if kwargs.get("tp_group") is None:
+                kwargs["tp_group"] = self.tp_group
+            return super()._forward_impl(input, weight, *args, **kwargs)
+
+    return RowParallelLinearWithGroup
+
+
 def _zero_recompute_layer_class():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -113,7 +129,8 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
 
     from pretrain.model.attention import SDPAttention, resolve
     documents = cfg.data.reset_attention_mask
-    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents)
+    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents,
+                        selective=cfg.model.recompute == "selective")
     qk_norm = cfg.model.qk_layernorm
     if attention == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -129,11 +146,19 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     if documents:  # the batch's mask is applied as given: SDPA gets it instead of is_causal, local's softmax too
         self_attention = dataclasses.replace(
             self_attention, params={**(self_attention.params or {}), "attn_mask_type": AttnMaskType.arbitrary})
+    row_parallel = _row_parallel_linear_class()
+    self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
+        self_attention.submodules, linear_proj=row_parallel))
+    mlp = dataclasses.replace(layer.submodules.mlp, submodules=dataclasses.replace(
+        layer.submodules.mlp.submodules, linear_fc2=row_parallel))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
-        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention))
+        layer.submodules, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention, mlp=mlp))
     if activations is not None:
         layer = dataclasses.replace(layer, module=_zero_recompute_layer_class(),
                                     params={**(layer.params or {}), "activations": activations})
+    elif cfg.model.recompute == "selective":
+        from pretrain.model.recompute import selective_recompute_layer_class
+        layer = dataclasses.replace(layer, module=selective_recompute_layer_class())
     config = transformer_config(cfg, on_cuda, zero_recompute=activations is not None)
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
 
@@ -204,15 +229,22 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
         from pretrain.model.attention import shared_attention_bias
         model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)
-    if cfg.model.compile:  # each layer's forward through torch.compile
+    if compiles(cfg.model.compile, on_cuda):  # each layer's forward through torch.compile; hooks (ZeRO's) stay eager
+        from megatron_patches import no_warnings_inside_layers
+        no_warnings_inside_layers()
         for layer in model.decoder.layers:
-            layer.compile(backend=COMPILE_BACKEND)
+            layer.forward = torch.compile(layer.forward, backend=COMPILE_BACKEND)
     if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
         model.decoder.register_forward_pre_hook(
             lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),
             with_kwargs=True)
     # As Megatron's Float16Module does: every parameter in the training dtype (layer norms too).
     return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
+
+
+def compiles(choice, on_cuda: bool) -> bool:
+    """Whether model.compile = `choice` compiles the layers: true, false, or "auto" = on CUDA only."""
+    return on_cuda if choice == "auto" else bool(choice)
 
 
 def _has_sdpa(model) -> bool:

@@ -16,7 +16,6 @@ from pretrain.step import train_step
 from pretrain.train import build_and_wrap
 from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
 from zero3d.accounting import step_counter_bytes
-from zero3d.optim import fused_adamw
 
 # Fake tensors hold no values; the engine's one host read (the squared gradient norm) gets this
 # finite value, so every step takes the non-overflow path (clip, optimizer step, publish).
@@ -184,9 +183,9 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun
     if fake:
         seams["read_host_floats"] = read_fake_step_floats
     if topo.device.type == "cpu":
-        # Fake and CPU ranks stand in for a CUDA rank: the GPU's fused AdamW, not the CPU's unfused
-        # one, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds.
-        seams["optimizer_factory"] = fused_adamw
+        # Fake and CPU ranks stand in for a CUDA rank: the optimizer's fused kernels (AdamW's), not the CPU's
+        # foreach ones, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds.
+        seams["fused_optimizer"] = True
     with fake_mode:
         with casts_by_set_data() if fake else contextlib.nullcontext():
             model, engine, acts = build_and_wrap(cfg, topo, **seams)

@@ -12,6 +12,7 @@ from pretrain.config import Config, save_resolved
 from pretrain.errors import EXIT_PEER, PeerTimeoutError, RunInterrupted
 from pretrain.runtime.status import clear_status, record_failure, record_job
 from pretrain.runtime.layout import Layout, layout_text
+from pretrain.runtime.lock import release as release_lock
 from pretrain.runtime.watchdog import Watchdog
 
 
@@ -34,8 +35,9 @@ def resume_line(usable: Optional[dict], save_dir: Path, resume: bool) -> str:
 
 
 def start_run(cfg: Config, topo: Layout, progress: dict) -> None:
-    """Collective, once every check that can refuse the run has passed: rank 0 writes config.json (and
-    job.json under Slurm) and clears a previous run's status.json; failures are recorded from here on."""
+    """Collective, once every check that can refuse the run has passed (the model built, its checkpoint loaded):
+    the one place a start first writes the run's records. Rank 0 writes config.json (and job.json under Slurm)
+    and clears a previous run's status.json; failures are recorded from here on, and the loop's logs follow."""
     if topo.is_main:
         save_resolved(cfg)  # slurm/collect.py reads any run directory from it
         record_job(cfg.run_dir, progress["job"], topo.world_size)
@@ -58,6 +60,7 @@ def start_watchdog(cfg: Config, topo: Layout, progress: dict) -> Watchdog:
                                "a data loader or this rank is stuck outside collectives; see py-spy dump")
         record_failure(err, cfg.run_dir, topo.rank, topo.world_size, progress["step"], limit / 2)
         print(err.line(), file=sys.stderr, flush=True)
+        release_lock()  # os._exit runs no finally
         os._exit(EXIT_PEER)
 
     return Watchdog(limit, expire)
@@ -73,3 +76,4 @@ def abort_now(cfg: Config, topo: Layout, step: int) -> None:
                              "", "run the same command to resume from the latest complete checkpoint")
         record_failure(err, cfg.run_dir, topo.rank, topo.world_size, step, 0.0)
         print(err.line(), file=sys.stderr, flush=True)
+        release_lock()  # the process ends with os._exit next, which runs no finally

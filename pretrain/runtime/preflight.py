@@ -1,5 +1,6 @@
 """Paths a run writes and reads, checked before any process group starts (no torch here)."""
 import glob
+import importlib.util
 import os
 from pathlib import Path
 from typing import Optional
@@ -55,15 +56,31 @@ def _gpt2_bpe_files(vocab: str, merges: str) -> None:
     _input_file(key, path, fix)
 
 
+NO_DATA_FIX = ('name it: data.blend = "<prefix>" (.bin/.idx written by python -m pretrain.preprocess), or data.corpus = '
+               '"<JSONL, Parquet or Arrow file or glob>" (data/corpus.jsonl is the shipped demo corpus)')
+
+
+def check_names_data(d) -> None:
+    """A run trains on the data its config names: no corpus and no blend is refused, not the demo corpus."""
+    if d.corpus is None and not d.blends():
+        raise ConfigError("no data to train on: data.corpus, data.blend and data.train_blend are all unset",
+                          fix=NO_DATA_FIX)
+
+
 def check_paths(cfg: Config) -> None:
     """Directories the run writes and input files it reads, checked before any process group starts."""
     _directory_setting("logging.run_dir", cfg.run_dir)
     if cfg.logging.wandb:  # WANDB_MODE as wandb would read it, refused in one line before any rank starts
         from pretrain.metrics import wandb_mode
         wandb_mode(os.environ)
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise InputError("logging.tensorboard = true but the tensorboard package is not installed", "environment",
+                         "install it (pip install tensorboard==2.21.0, pyproject.toml's pin) or set "
+                         "logging.tensorboard = false")
     _directory_setting("train.save_dir", cfg.train.save_dir)
     _directory_setting("data.cache_dir", cfg.data.cache_dir)
     d = cfg.data
+    check_names_data(d)
     if d.tokenizer_kind == "gpt2_bpe":
         _gpt2_bpe_files(d.tokenizer_model, d.tokenizer_merges)
     elif d.tokenizer_model is not None:

@@ -3,8 +3,8 @@
 over every ZeRO stage, fp16 loss scaling, Pa+cpu, a 2-stage pipeline and ZeRO++'s qgZ / qwZ: none in
 forward/backward, one in engine.step (one vector all-reduced over every rank: the squared gradient norm — overflow,
 clip and norm decided from it — the step's loss sum and the ranks' stop requests), read through the loop's own
-`pretrain.step.finish_step`, whose mean loss equals the separately all-reduced `mean_loss` bit for bit; on CPU torch's single-tensor AdamW also reads its host step counter once per
-optimizer tensor (a host tensor: no device wait)."""
+`pretrain.step.finish_step`, whose mean loss equals the separately all-reduced `mean_loss` bit for bit; on CPU torch's foreach AdamW also reads its host step counter twice per
+optimizer tensor (its two bias corrections; a host tensor: no device wait)."""
 import contextlib
 import traceback
 from collections import Counter
@@ -41,7 +41,7 @@ def counting_syncs(counts: Counter, phase: list):
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
-            # torch's CPU AdamW (single-tensor) reads its host step counter, once per parameter tensor
+            # torch's CPU AdamW (foreach) reads its host step counter, twice per parameter tensor
             in_adamw = any("/torch/optim/" in f.filename for f in traceback.extract_stack()[:-1])
             counts[(phase[0], "adamw step counter" if in_adamw else name)] += 1
             return fn(*args, **kwargs)
@@ -104,7 +104,7 @@ def syncs_rank(rank, world_size, steps=2):
         out[name] = dict(counts={k: v for k, v in counts.items() if k[0] not in ("warm-up", "data", "reference")},
                          losses=losses_by_path, stops=stops, written=written,
                          optimizer_tensors=sum(len(g["params"]) for g in engine.optimizer.param_groups),
-                         fused=engine.optimizer.defaults.get("fused") or False)
+                         fused=engine.optimizer.fused)
         destroy_model_parallel_groups()
     return out
 
@@ -119,8 +119,9 @@ def test_host_syncs_per_step_hold_the_documented_numbers():
             for (phase, _), n in counts.items():
                 per_phase[phase] += n
             assert dict(per_phase) == {p: n * steps for p, n in EXPECTED.items() if n}, (case, counts)
-            # CPU: one host read of the step counter per optimizer tensor; CUDA's fused AdamW keeps it on the device
-            assert adamw == (0 if out["fused"] else steps * out["optimizer_tensors"]), (case, adamw)
+            # CPU: two host reads of the step counter per optimizer tensor (the bias corrections); CUDA's fused
+            # AdamW keeps it on the device
+            assert adamw == (0 if out["fused"] else 2 * steps * out["optimizer_tensors"]), (case, adamw)
             # the loss from engine.step's read is the separately all-reduced mean, bit for bit (fp64), every rank
             assert all(new == old for new, old in out["losses"]) and len(out["losses"]) == 1 + steps, \
                 (case, out["losses"])

@@ -74,6 +74,7 @@ def test_ctrl_c_once_stops_with_a_checkpoint_twice_at_once_and_a_killed_rank_is_
     assert lines(err) == [f"stopped by a signal (SIGINT/SIGUSR1/SIGTERM) after step {step} of 100000: checkpoint "
                           f"step_{step:08d} saved, status.json \"interrupted\"; run the same command to resume"]
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}\n"
+    assert not (run_dir / "run.lock").exists()  # released by rank 0 as it ended
 
     # the same command resumes; a rank killed -9 is named, the others stopped, the code is 128 + 9
     before = logged(run_dir)
@@ -115,4 +116,5 @@ def test_ctrl_c_once_stops_with_a_checkpoint_twice_at_once_and_a_killed_rank_is_
     assert "Traceback" not in err
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["exit_code"]) == ("failed", 130)
+    assert not (run_dir / "run.lock").exists()  # released before the second SIGINT's immediate exit
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{step:08d}\n"

@@ -1,4 +1,5 @@
-"""OptimizerSpec: a checkpoint of the code before it resumes; an SGD spec, defined here alone, trains and resumes."""
+"""OptimizerSpec: a checkpoint of the code before it resumes; an SGD spec, defined here alone, trains and resumes
+(the named optimizers against their published rules: test_optimizers.py)."""
 import json
 import shutil
 from pathlib import Path
@@ -21,24 +22,15 @@ MOMENTUM = 0.9
 SGD_STATES = ("momentum_buffer",)  # torch.optim.SGD's own name for it
 
 
-def sgd(tensors_and_decay, lr, betas, eps):
-    """torch's single-tensor SGD with momentum (the device and the host optimizer alike); betas, eps unused."""
-    return torch.optim.SGD([{"params": [t], "weight_decay": wd} for t, wd in tensors_and_decay], lr=lr,
-                           momentum=MOMENTUM, foreach=False)
+def sgd_update(params, grads, states, steps, lr, weight_decay, hyper, fused):
+    """torch's functional single-tensor SGD with momentum over the lists; a zero buffer updates as torch's first step
+    (buffer = grad). The step count, hyper and fused are not read."""
+    from torch.optim.sgd import sgd
+    sgd(params, grads, states["momentum_buffer"], weight_decay=weight_decay, momentum=MOMENTUM, lr=lr,
+        dampening=0.0, nesterov=False, maximize=False, foreach=False)
 
 
-def sgd_host_step(master, grad, states, step, group):
-    """torch's functional SGD on one NVMe chunk; a zero buffer updates as torch's first step (buffer = grad)."""
-    torch.optim.sgd.sgd([master], [grad], [states["momentum_buffer"]], weight_decay=group["weight_decay"],
-                        momentum=MOMENTUM, lr=group["lr"], dampening=0.0, nesterov=False, maximize=False,
-                        foreach=False)
-
-
-SGD = OptimizerSpec(name="sgd_momentum", states=SGD_STATES, build=sgd, build_host=sgd, host_step=sgd_host_step,
-                    keep_host_mode=lambda optimizer: None,
-                    initial_state=lambda optimizer, piece: {"momentum_buffer": torch.zeros_like(piece)},
-                    step_count=lambda optimizer, pieces: 0,  # SGD's update does not depend on a count
-                    set_step_count=lambda optimizer, pieces, count: None, state_bytes=4)
+SGD = OptimizerSpec(name="sgd_momentum", hyper=None, states=SGD_STATES, update=sgd_update)
 
 # lr 1: steps large enough that a wrong momentum moves the loss by 1e-3 or more; weight decay 0.1, clip 1.0
 SGD_RUN = ["model.num_layers=1", "optimizer.lr=1.0", "optimizer.min_lr=1.0"]
@@ -111,7 +103,7 @@ def test_sgd_spec_trains_offloads_and_resumes_at_another_layout(tmp_path):
     for run, first in ((saved, 0), (resumed, 3), (stage1, 0)):
         torch.testing.assert_close(torch.tensor(run[0]["loss"]), expected[first:], rtol=1e-6, atol=0)
     manifest = read_json(tmp_path / "step_00000003" / "checkpoint.json")
-    assert (manifest["optimizer"], manifest["optimizer_step"]) == ("sgd_momentum", 0) and "adam_step" not in manifest
+    assert (manifest["optimizer"], manifest["optimizer_step"]) == ("sgd_momentum", 3) and "adam_step" not in manifest
     keys = json.dumps(list(_dcp_keys(tmp_path / "step_00000003")))
     assert "optim/momentum_buffer/" in keys and "optim/master/" in keys and "exp_avg" not in keys
     # Its manifest edited to claim AdamW: AdamW refuses it for the states its shards lack, before loading any.

@@ -76,6 +76,26 @@ def test_metrics_file_has_every_field(tmp_path, data_cache):
     for row in rows:
         assert required <= row.keys(), required - row.keys()
     assert {"val/loss", "val/ppl"} <= rows[-1].keys()
+    for row in rows:
+        # the step's phases tile it: data, forward, backward and optimizer (each less the communication it was
+        # blocked on) plus that exposed communication add up to the loop's own clock of the step, within 5%
+        phases = {k.removeprefix("perf/phase/"): v for k, v in row.items() if k.startswith("perf/phase/")}
+        assert set(phases) == {"data_s", "forward_s", "backward_s", "optimizer_s", "comm_exposed_s"}, phases
+        assert sum(phases.values()) == pytest.approx(row["perf/step_time_s"], rel=0.05), (row["step"], phases)
+        assert min(phases.values()) > 0
+        assert phases["comm_exposed_s"] == pytest.approx(row["comm/time/exposed_seconds"], rel=1e-9)
+        assert row["perf/tokens_per_s_per_gpu"] == pytest.approx(row["perf/tokens_per_s"] / 4, rel=1e-12)
+        assert row["comm/time/gbps"] == pytest.approx(row["comm/total/bytes"] / row["comm/time/seconds"] / 1e9)
+    # TensorBoard's own reader finds the JSONL's numeric keys, each value at its step (TensorBoard keeps float32)
+    import numpy
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    numeric = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+    assert set(events.Tags()["scalars"]) == numeric
+    for key in numeric:
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [
+            (r["step"], float(numpy.float32(r[key]))) for r in rows if key in r], key
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000005"
     assert json.loads((run_dir / "status.json").read_text()) == {"status": "ok", "reason": "", "world_size": 4,
                                                                   "steps": 5, "exit_code": 0, "error": ""}
@@ -245,7 +265,7 @@ def _train_with_a_slow_rank(rank, world_size, overrides):
     import pretrain.train as loop
     if rank == 1:
         step = loop.train_step
-        loop.train_step = lambda *args: (time.sleep(0.4), step(*args))[1]
+        loop.train_step = lambda *args, **kwargs: (time.sleep(0.4), step(*args, **kwargs))[1]
     _train(rank, world_size, overrides)
 
 

@@ -165,7 +165,8 @@ def test_launcher_dry_run_with_container(monkeypatch):
     preview = submit.launch_preview(job)
     assert f"--container-mounts={REPO}:{REPO},/data:/data" in preview
     assert "--container-image=/img/zero3d.sqsh" in preview and f"--container-workdir={REPO}" in preview
-    assert job.env == {"ZERO3D_CONTAINER": "/img/zero3d.sqsh", "ZERO3D_REQUEUE": "1"} and "--requeue" in job.sbatch
+    assert job.env == {"ZERO3D_CONTAINER": "/img/zero3d.sqsh", "ZERO3D_REQUEUE": "1", "ZERO3D_SINGLETON": "1"}
+    assert "--requeue" in job.sbatch and "--dependency=singleton" in job.sbatch
 
 
 # ---------------------------------------------------------------- a real Slurm

@@ -22,7 +22,7 @@ def test_every_key_of_every_section_is_listed_once_with_its_default():
     keys = [(s.name, f.name) for s in dataclasses.fields(Config) for f in dataclasses.fields(getattr(Config(), s.name))]
     assert [(a, b) for a, b, _ in listed] == keys
     defaults = {f"{a}.{b}": d.strip() for a, b, d in listed}
-    assert defaults["zero.stage"] == "`0`" and defaults["data.corpus"] == '`"data/corpus.jsonl"`'
+    assert defaults["zero.stage"] == "`0`" and defaults["data.corpus"] == "unset"
     assert defaults["optimizer.decay_steps"] == "unset" and defaults["model.tie_embeddings"] == "`false`"
 
 
@@ -38,7 +38,7 @@ def test_an_override_unsets_a_key_of_the_toml_file(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[data]\ncorpus = "elsewhere.jsonl"\n[zero]\nstage = 3\n')
     cfg = load_config(toml, ["~data.corpus", "~zero.stage", "data.blend=a", "data.tokenizer_model=t.model"])
-    assert (cfg.data.corpus, cfg.zero.stage, cfg.data.blend) == ("data/corpus.jsonl", 0, "a")
+    assert (cfg.data.corpus, cfg.zero.stage, cfg.data.blend) == (None, 0, "a")
     assert not cfg.is_set("data.corpus") and cfg.is_set("data.blend")
     with pytest.raises(ConfigError, match=r"unknown config key 'data.corpse' \(did you mean 'corpus'\?\)"):
         load_config(toml, ["~data.corpse"])

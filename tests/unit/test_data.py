@@ -188,7 +188,7 @@ def test_corpus_errors(tmp_path):
         list(read_documents(tmp_path / "bad.jsonl"))
     (tmp_path / "notext.jsonl").write_text('{"text": "fine"}\n\n{"body": "x", "id": 3}\n')
     with pytest.raises(DataError, match=r"notext\.jsonl:3: no string 'text' field \(keys: 'body', 'id'\); "
-                                        r"choose the field with --json-key"):
+                                        r"choose the field with --text-column \(data.text_column\)"):
         list(read_documents(tmp_path / "notext.jsonl"))
     (tmp_path / "body.jsonl").write_text('{"body": "x", "id": 3}\n')
     assert list(read_documents(tmp_path / "body.jsonl", key="body")) == ["x"]

@@ -58,28 +58,27 @@ def test_pretrain_embeds_zero3d_sections_and_passes_them_through():
     settings = engine_settings(cfg)
     assert settings.optimizer is cfg.optimizer and settings.loss_scale is cfg.precision
     assert settings.optimizer.betas == (0.9, 0.95) and settings.loss_scale.hysteresis == 3
+    assert settings.optimizer_spec.name == "adamw"
+    assert engine_settings(load_config("configs/tiny.toml", ["optimizer.name=muon"])).optimizer_spec.name == "muon"
     assert engine_settings(load_config("configs/tiny.toml")).loss_scale is None  # fp32: no scaler
 
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_engine_builds_its_optimizer_and_reads_the_norm_through_its_seams(world, stage):
-    """The factory gets each group's master with the weight decay its kind says (the Linear's 4×3 matrix
-    decays; its bias and the LayerNorm's two vectors, 3 + 3 + 3 elements, do not); a host read answering
-    inf makes the step an overflow: skipped, parameters unchanged."""
+    """The optimizer gets each group's master with the weight decay its kind says (the Linear's 4×3 matrix
+    decays; its bias and the LayerNorm's two vectors, 3 + 3 + 3 elements, do not), the named spec and its keys, and
+    its fused kernels where the seam asks; a host read answering inf makes the step an overflow: skipped,
+    parameters unchanged."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
-    built = []
-
-    def factory(tensors_and_decay, lr, betas, eps):
-        built.append(([(t.numel(), wd) for t, wd in tensors_and_decay], lr, betas, eps))
-        return torch.optim.SGD([t for t, _ in tensors_and_decay], lr=lr)
-
-    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(stage=stage), optimizer=OptimizerConfig(lr=0.5, weight_decay=0.25, beta2=0.9),
-                                     optimizer_factory=factory,
+    settings = zero3d.EngineSettings(zero=zero3d.ZeroConfig(stage=stage),
+                                     optimizer=OptimizerConfig(name="lion", lr=0.5, weight_decay=0.25, beta2=0.9),
+                                     fused_optimizer=True,
                                      read_host_floats=lambda values: [float("inf")] * values.numel())
     engine = zero3d.wrap_model(model, settings, zero3d.ParallelGroups(dp_group=None))
-    assert built == [([(12, 0.25), (9, 0.0)], 0.5, (0.9, 0.9), 1e-8)]
-    assert isinstance(engine.optimizer, torch.optim.SGD)
+    built = [(group["params"][0].numel(), group["weight_decay"]) for group in engine.optimizer.param_groups]
+    assert built == [(12, 0.25), (9, 0.0)]
+    assert engine.optimizer.spec.name == "lion" and engine.optimizer.hyper.beta2 == 0.9 and engine.optimizer.fused
     before = [p.detach().clone() for p in model.parameters()]
     engine.backward(engine(torch.randn(2, 4)).pow(2).sum())
     result = engine.step(0.5)

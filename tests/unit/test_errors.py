@@ -64,6 +64,10 @@ CASES = [
      "logging.run_dir to a path under a directory"),
     ("save-dir-is-a-file", ["train.save_dir={tmp}/a_file"], {}, EXIT_CONFIG,
      "error: train.save_dir = '{tmp}/a_file' is an existing file, not a directory (config): "),
+    ("no-data", ["~data.corpus"], {}, EXIT_CONFIG,
+     "error: no data to train on: data.corpus, data.blend and data.train_blend are all unset (config): name it: "
+     "data.blend = \"<prefix>\" (.bin/.idx written by python -m pretrain.preprocess), or data.corpus = \"<JSONL, "
+     "Parquet or Arrow file or glob>\" (data/corpus.jsonl is the shipped demo corpus)"),
     ("corpus-missing", ["data.corpus={tmp}/none.jsonl"], {}, EXIT_INPUT,
      "error: data.corpus = '{tmp}/none.jsonl' does not exist (input files): point data.corpus at JSONL files"),
     ("corpus-is-a-directory", ["data.corpus={tmp}"], {}, EXIT_INPUT,
@@ -72,13 +76,13 @@ CASES = [
      "error: data.corpus = '{tmp}/shards/*.jsonl.zst' matches no file (input files): point data.corpus at JSONL"),
     ("tokenizer-missing", ["data.tokenizer_model={tmp}/none.model"], {}, EXIT_INPUT,
      "error: data.tokenizer_model = '{tmp}/none.model' does not exist (input files): point it at a sentencepiece"),
-    ("blend-files-missing", ["data.blend={tmp}/tokens", "data.tokenizer_model={tmp}/a_file"], {}, EXIT_INPUT,
+    ("blend-files-missing", ["~data.corpus", "data.blend={tmp}/tokens", "data.tokenizer_model={tmp}/a_file"], {}, EXIT_INPUT,
      "error: data.blend = '{tmp}/tokens.bin' does not exist (input files): {tmp}/tokens.bin is missing; run "
      "python -m pretrain.preprocess"),
-    ("blend-without-tokenizer", ["data.blend={tmp}/tokens"], {}, EXIT_CONFIG,
+    ("blend-without-tokenizer", ["~data.corpus", "data.blend={tmp}/tokens"], {}, EXIT_CONFIG,
      "error: data.blend / data.train_blend need data.tokenizer_model (config): name the tokenizer that made their "
      "token ids"),
-    ("blend-weights-do-not-parse", ["data.blend=0.3 {tmp}/a 0.7", "data.tokenizer_model={tmp}/a_file"], {},
+    ("blend-weights-do-not-parse", ["~data.corpus", "data.blend=0.3 {tmp}/a 0.7", "data.tokenizer_model={tmp}/a_file"], {},
      EXIT_CONFIG, "error: data.blend = "),
     ("master-port-not-a-number", [], {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "http"}, EXIT_INPUT,
      "error: MASTER_PORT='http' is not a port number (environment): set MASTER_PORT to an integer in 1..65535"),
@@ -113,19 +117,26 @@ def test_malformed_input_gives_one_line_and_its_exit_code(tmp_path, overrides, e
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(fill(line)), out.stderr  # one line, no traceback
 
 
-@pytest.mark.parametrize("bad", [["optimizer.lr=inf"], ["data.corpus={none}"]], ids=["config", "input"])
-def test_a_refused_start_leaves_the_run_directory_byte_identical(tmp_path, bad):
-    """A requeued or repeated command that is refused (a bad setting, a missing corpus) touches nothing:
-    the previous run's status.json and config.json keep their bytes, and no file is added."""
+@pytest.mark.parametrize("config,bad,code", [("configs/tiny.toml", ["optimizer.lr=inf"], EXIT_CONFIG),
+                                             ("configs/tiny.toml", ["data.corpus={none}"], EXIT_INPUT),
+                                             ("configs/tiny.toml", ["~data.corpus"], EXIT_CONFIG),
+                                             ("configs/llama3_8b.toml", [], EXIT_CONFIG)],
+                         ids=["config", "input", "no-data", "llama3-recipe-without-data"])
+def test_a_refused_start_leaves_the_run_directory_byte_identical(tmp_path, config, bad, code):
+    """A requeued or repeated command that is refused (a bad setting, a missing corpus, no data named: the Llama-3
+    recipe as shipped) touches nothing: the previous run's status.json and config.json keep their bytes, and no file
+    is added."""
     run_dir = tmp_path / "run"
     write_status(run_dir, "ok", "", 4, 10, 0)
     (run_dir / "config.json").write_text('{"model": {"num_layers": 48}}\n')
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     bad = [b.replace("{none}", q(tmp_path / "none.jsonl")) for b in bad]
     exit_file = tmp_path / "exit"  # outside the run directory: where slurm/launch.sbatch reads rank 0's code
-    out = run_pretrain(["--config", "configs/tiny.toml", f"logging.run_dir={q(run_dir)}", *bad],
+    out = run_pretrain(["--config", config, f"logging.run_dir={q(run_dir)}", *bad],
                        {"ZERO3D_EXIT_FILE": str(exit_file)}, tmp_path)
-    assert out.returncode == (EXIT_CONFIG if "lr" in bad[0] else EXIT_INPUT), out.stderr
+    assert out.returncode == code, out.stderr
+    if "~data.corpus" in bad or "llama3" in config:
+        assert out.stderr.startswith("error: no data to train on: "), out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
     assert exit_file.read_text() == f"{out.returncode}\n"

@@ -350,3 +350,48 @@ def test_cli_bad_input(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(f"{argv} {SHAPE_ARGS}".split())
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_k_from_the_optimizer_generalises_sixteen_bytes_a_parameter():
+    """(2 + 2 + K)Ψ with K = the fp32 master + the optimizer's states: AdamW 4 + 8 (the paper's 16Ψ), bf16 moments
+    4 + 4 (12Ψ), Lion's and SGD's one state 4 + 4 / 4 + 2; fp32 training has no separate master (K = the states).
+    Muon on a GPT shape: its hidden matrices (2 layers × QKV 64 × 192, projection 64 × 64, fc1 256 × 64, fc2 64 × 256,
+    counted here by hand) keep one state, the rest AdamW's two."""
+    psi = 1_000_000
+    for name, dtype, precision, total in (("adamw", "fp32", "fp16", 16), ("adamw", "bf16", "bf16", 12),
+                                          ("lion", "fp32", "bf16", 12), ("sgd", "bf16", "fp16", 10),
+                                          ("adamw", "bf16", "fp32", 12), ("sgd", "fp32", "fp32", 12)):
+        states = est.OptimizerStates(name, dtype)
+        assert sum(est.model_state_bytes(psi, 0, 1, precision, states)) == total * psi, (name, dtype, precision)
+        assert sum(est.model_state_bytes(psi, 3, 4, precision, states)) == total * psi / 4
+    shape = est.paper_shape(64, layers=2, heads=4, vocab=128, seq=16)
+    matrices = 2 * (64 * 192 + 64 * 64 + 256 * 64 + 64 * 256)
+    psi = shape.params()
+    for dtype, size in (("fp32", 4), ("bf16", 2)):
+        muon = est.OptimizerStates.of_shape(shape, 1, "muon", dtype)
+        assert psi * muon.k("bf16") == 4 * psi + size * matrices + 2 * size * (psi - matrices)
+        m = est.estimate(shape, gpus=2, stage=1, precision="bf16", optimizer="muon", state_dtype=dtype)
+        assert m.optimizer_bytes == (4 * psi + size * matrices + 2 * size * (psi - matrices)) / 2
+    with pytest.raises(ValueError, match="matrix_share = 1/2 is invalid for adamw"):
+        est.OptimizerStates("adamw", "fp32", Fraction(1, 2))
+
+
+def test_muon_exchange_in_the_comm_model_and_the_planner():
+    """A rank holds M/N of the hidden-matrix elements, (N − 1)/N of them in other owners' matrices, and sends the
+    same back as an owner: 2·M(N − 1)/N²; it joins the TP shards of the M/N it owns: (TP − 1)·M/N. Stage 0 exchanges
+    nothing over DP and joins every matrix. The planner adds that step to a Muon layout's time, none to AdamW's."""
+    from zero3d.analysis.comm_model import muon_elements_per_step
+    from zero3d.analysis.planner import plan
+    assert muon_elements_per_step(1800, 3, 2, 1) == (Fraction(2 * 1800 * 2, 9), Fraction(600))
+    assert muon_elements_per_step(1800, 3, 2, 0) == (0, 1800)
+    shape = est.paper_shape(1024, layers=4, heads=16, vocab=50257, seq=1024)
+    cluster = planner.PAPER_CLUSTER
+    layout = dict(model=shape, gpus=16, tp=2, zero=planner.ZeroChoice(2), micro_batch=1, global_batch=64,
+                  params_per_rank=shape.params(2))
+    adamw, muon = (planner.step_time(cluster, **layout, optimizer=name) for name in ("adamw", "muon"))
+    assert adamw["optimizer_s"] == 0 and muon["optimizer_s"] == planner.muon_seconds(cluster, shape, 16, 2, 1, 2) > 0
+    assert muon["compute_s"] + muon["dp_s"] + muon["mp_s"] + muon["optimizer_s"] == pytest.approx(
+        adamw["compute_s"] + adamw["dp_s"] + adamw["mp_s"] + muon["optimizer_s"], rel=1e-12)
+    best = {name: plan(model=shape, gpus=16, global_batch=64, stages=(2,), tp_choices=[2], optimizer=name,
+                       state_dtype="bf16")[0] for name in ("adamw", "muon")}
+    assert best["muon"].optimizer_s > 0 and best["muon"].memory.optimizer_bytes < best["adamw"].memory.optimizer_bytes

@@ -150,7 +150,8 @@ def test_bad_columnar_inputs_are_one_line_and_write_nothing(tmp_path, corpus, ca
     code, err = run(tmp_path / "absent.parquet")
     assert code == 3 and err.endswith("absent.parquet' does not exist") and len(err.splitlines()) == 1
     code, err = run(corpus.root / "part.parquet", "--text-column", "body")
-    assert code == 3 and err.endswith("has no column 'body'; its columns: id, text (choose one with --text-column)")
+    assert code == 3 and err.endswith("has no column 'body'; its columns: id, text (choose one with --text-column, "
+                                      "or data.text_column)")
     code, err = run(corpus.root / "stream.arrow", "--text-column", "body")
     assert code == 3 and "has no column 'body'; its columns: id, text" in err
     code, err = run(corpus.root / "part.parquet", "--text-column", "id")

@@ -1,5 +1,7 @@
 """The Llama-3 recipes and the architecture keys: Meta's parameter counts, Slurm dry runs, the planner's verdict,
 and one-line errors for bad values."""
+from pathlib import Path
+
 import pytest
 
 from pretrain.config import ConfigError, load_config
@@ -38,7 +40,11 @@ def test_recipe_dry_runs_on_slurm_and_the_planner_calls_its_layout_feasible(path
     for name in ("ZERO3D_PYTHON", "ZERO3D_CONTAINER", "ZERO3D_CONTAINER_MOUNTS", "ZERO3D_REQUEUE"):
         monkeypatch.delenv(name, raising=False)
     tokenizer = f'data.tokenizer_model="{hf_tokenizer}"'
-    assert submit.main(["--config", path, "--dry-run", tokenizer]) == 0, capsys.readouterr().err
+    # the recipes name no data (refused so: test_submit_refusal.py); a blend's files, as the start-up check sees them
+    blend = Path(hf_tokenizer).parent / "tokens"
+    for suffix in (".bin", ".idx"):
+        Path(f"{blend}{suffix}").touch()
+    assert submit.main(["--config", path, "--dry-run", tokenizer, f"data.blend={blend}"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     cfg = load_config(path)
     assert f"# job {cfg.logging.name}: {cfg.cluster.nodes} node(s) × 8 GPU(s)" in out

@@ -78,8 +78,10 @@ def test_throughput_tflops_mfu_and_hfu():
     # model FLOPs 3/4 of that (a recomputed forward on top of three passes): 370.875 TFLOP/s, 37.5%
     record = throughput_metrics(2.0, 4096, 8, StepFlops(model=5_934_000_000_000_000, hardware=7_912_000_000_000_000),
                                 peak)
-    assert record == {"perf/step_time_s": 2.0, "perf/tokens_per_s": 2048.0, "perf/tflops_per_gpu": 494.5,
-                      "perf/model_tflops_per_gpu": 370.875, "perf/mfu": 0.375, "perf/hfu": 0.5}
+    # 4096 tokens in 2 s: 2048 tokens/s for the job, 2048 / 8 = 256 for each of its 8 GPUs
+    assert record == {"perf/step_time_s": 2.0, "perf/tokens_per_s": 2048.0, "perf/tokens_per_s_per_gpu": 256.0,
+                      "perf/tflops_per_gpu": 494.5, "perf/model_tflops_per_gpu": 370.875, "perf/mfu": 0.375,
+                      "perf/hfu": 0.5}
     assert not {"perf/mfu", "perf/hfu"} & set(throughput_metrics(2.0, 4096, 8, StepFlops(6, 8), None))
 
 
@@ -127,16 +129,23 @@ RECORD = {"train/loss": 5.12341, "train/lr": 1e-3, "train/grad_norm": 1.234,
           "mem/rss_bytes": 3 * 2**29}
 
 
-def test_console_plain_format(capsys):
+def test_console_plain_format(capsys, monkeypatch):
+    clock = iter([100.0, 112.0, 137.0])  # time.monotonic() at each logged step
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
     sink = ConsoleSink(total_steps=40, mode="plain")
-    sink.log(10, RECORD)
+    sink.log(10, {**RECORD, "perf/step_time_s": 0.5, "perf/tokens_per_s_per_gpu": 617.2})
     sink.log(20, {"val/loss": 4.5, "train/loss_scale": 65536.0})
+    sink.log(40, {"perf/step_time_s": 0.75})
     sink.close()
+    # ETA: at the first logged step its own step time × the 30 steps left (15 s); then the wall time per step since
+    # it: 12 s / 10 steps × 20 left = 24 s; none left at the last
     assert capsys.readouterr().out.splitlines() == [
-        "step 10/40 | loss 5.1234 | lr 1.0e-03 | grad_norm 1.23 | tok/s 1234 | TFLOP/s/GPU 0.0123"
-        " | MFU 41.2% | HFU 55.0% | mem 1.50 GiB",
-        "step 20/40 | val_loss 4.5000 | scale 65536",
+        "step 10/40 | loss 5.1234 | lr 1.0e-03 | grad_norm 1.23 | tok/s 1234 | tok/s/GPU 617 | TFLOP/s/GPU 0.0123"
+        " | MFU 41.2% | HFU 55.0% | mem 1.50 GiB | step 0.5 s | ETA 0:00:15",
+        "step 20/40 | val_loss 4.5000 | scale 65536 | ETA 0:00:24",
+        "step 40/40 | step 0.75 s | ETA 0:00:00",
     ]
+    assert metrics.clock_text(3 * 3600 + 2 * 60 + 5.4) == "3:02:05"
 
 
 class FakeTerminal(io.StringIO):
@@ -163,7 +172,7 @@ def test_console_bar_advances_and_keeps_eval_lines():
     assert sink.bar.n == 10
     sink.log(20, {"val/loss": 4.5})
     sink.close()
-    assert "step 20/40 | val_loss 4.5000\n" in stream.getvalue()
+    assert "step 20/40 | val_loss 4.5000 | ETA " in stream.getvalue()
 
 
 def test_jsonl_appends_and_resumes(tmp_path):
@@ -231,3 +240,44 @@ def test_make_logger_other_ranks_write_nothing(tmp_path, capsys):
     logger.close()
     assert not (tmp_path / "run").exists()
     assert capsys.readouterr().out == ""
+
+
+def test_achieved_bandwidth_is_bytes_over_the_collectives_seconds():
+    """3.2 GB sent in 2 s of collectives: 1.6 GB/s; of them 1 GB inter-node: 0.5 GB/s over the same seconds."""
+    report = {"comm/total/bytes": 3.2e9, "comm/time/seconds": 2.0, "comm/intra_node_bytes": 2.2e9,
+              "comm/inter_node_bytes": 1.0e9}
+    assert metrics.bandwidth_report(report) == {"comm/time/gbps": 1.6, "comm/time/intra_node_gbps": 1.1,
+                                                "comm/time/inter_node_gbps": 0.5}
+    assert metrics.bandwidth_report({"comm/total/bytes": 0.0}) == {}  # nothing timed: no rate
+
+
+def test_cuda_memory_report_has_the_allocators_retry_and_oom_counters(monkeypatch):
+    """On CUDA, torch.cuda.memory_stats()'s num_alloc_retries and num_ooms (since the process started); on CPU none."""
+    import torch
+    stats = {"num_alloc_retries": 3, "num_ooms": 1, "allocated_bytes.all.peak": 10}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 7)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 9)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: stats)
+    assert memory_report("cuda", {"params": 4}) == {"mem/params_bytes": 4, "mem/max_allocated_bytes": 7,
+                                                    "mem/max_reserved_bytes": 9, "mem/alloc_retries": 3, "mem/ooms": 1}
+    assert not {"mem/alloc_retries", "mem/ooms"} & set(memory_report("cpu", {}))
+
+
+def test_tensorboard_sink_writes_each_numeric_key_readable_by_tensorboard(tmp_path):
+    """Read back with tensorboard's own EventAccumulator: every numeric key (booleans as 0/1) at its step, as float32;
+    text values are not scalars."""
+    import numpy
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    sink = metrics.TensorBoardSink(tmp_path)
+    records = {1: {"train/loss": 5.123456789, "comm/total/calls": 12, "train/skipped": False,
+                   "perf/straggler_host": "node7"},
+               2: {"train/loss": 4.5, "comm/total/calls": 13, "train/skipped": True}}
+    for step, record in records.items():
+        sink.log(step, record)
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["comm/total/calls", "train/loss", "train/skipped"]
+    for key in events.Tags()["scalars"]:
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [
+            (step, float(numpy.float32(float(r[key])))) for step, r in records.items()]

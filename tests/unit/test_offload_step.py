@@ -8,10 +8,13 @@ import torch
 
 from pretrain.config import ConfigError, load_config
 from zero3d.nvme import NvmeOffload, buffer_bytes_per_element, chunk_elements
-from zero3d.config import ZeroConfig, ZeroConfigError
+from zero3d.config import OptimizerConfig, ZeroConfig, ZeroConfigError
 from zero3d.offload import Copier, GroupSpec, HostOffload
+from zero3d.optim import ADAMW
+from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 
-HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)  # torch's AdamW: the reference
+CONFIG = OptimizerConfig(lr=HYPER["lr"], beta2=0.95, eps=1e-8)  # the same, as the engine's [optimizer]
 SIZES = {"decay": 10_000, "no_decay": 333}
 
 
@@ -52,9 +55,9 @@ def reference(specs, steps, coef):
 def test_offloaded_step_is_torch_adamw_bit_for_bit(placement, tmp_path):
     specs = make_specs(pieces=3)
     ref, ref_opt = reference(specs, steps=3, coef=0.5)
-    off = (HostOffload(specs, copier=Copier(torch.device("cpu")), **HYPER) if placement == "cpu" else
-           NvmeOffload(specs, copier=Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=2 * 16 * 4096,
-                       rank=0, **HYPER))
+    off = (HostOffload(specs, CONFIG, Copier(torch.device("cpu"))) if placement == "cpu" else
+           NvmeOffload(specs, CONFIG, Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=2 * 16 * 4096,
+                       rank=0))
     if placement == "nvme":
         assert off.chunk == 4096  # 10_000 elements: three chunks through two buffers
     for step in range(3):
@@ -79,7 +82,7 @@ def test_held_fp16_gradients_accumulate_on_the_host():
     added (× post-scale) into the host fp32 shard, over micro-batches; the engine then unscales that
     shard in place and the step uses it. Same arithmetic as the device path's shard, in fp32."""
     specs = [dataclasses.replace(spec, holds_grad=True) for spec in make_specs(torch.float16)]
-    off = HostOffload(specs, copier=Copier(torch.device("cpu")), **HYPER)
+    off = HostOffload(specs, CONFIG, Copier(torch.device("cpu")))
     scale, post_scale, micro_batches = 1024.0, 0.5, 2
     raw = [{name: (g * 1e-3 * scale).half() for name, g in grads_at(m).items()} for m in range(micro_batches)]
     before = dict(off.copier.bytes)
@@ -112,8 +115,8 @@ def test_held_fp16_gradients_accumulate_on_the_host():
 
 def test_nvme_materialized_writes_back_what_a_load_put_there(tmp_path):
     specs = make_specs()
-    off = NvmeOffload(specs, copier=Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=1 << 20,
-                      rank=0, **HYPER)
+    off = NvmeOffload(specs, CONFIG, Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=1 << 20,
+                      rank=0)
     with off.materialized():
         assert len(off.optimizer.state) == 0  # before the first step, as torch's AdamW
         master = off.master("decay")
@@ -129,6 +132,38 @@ def test_nvme_materialized_writes_back_what_a_load_put_there(tmp_path):
     off.close()
 
 
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+def test_offloaded_bf16_states_step_as_the_device_optimizer(placement, tmp_path):
+    """optimizer.state_dtype = "bf16" off the device: the host and NVMe steps give the device optimizer's masters and
+    bf16 states bit for bit (the same fp32 update, the same rounding), the NVMe files hold 2 bytes a state element,
+    and its buffers fit twice the chunk: 4 + 2 × 2 + 4 bytes an element (master, moments, gradient)."""
+    config = dataclasses.replace(CONFIG, state_dtype="bf16")
+    specs = make_specs(pieces=3)
+    masters = [s.master.clone() for s in specs]
+    device = FlatOptimizer([FlatTensor(m, s.weight_decay) for m, s in zip(masters, specs)], ADAMW, config, fused=True)
+    off = (HostOffload(specs, config, Copier(torch.device("cpu"))) if placement == "cpu" else
+           NvmeOffload(specs, config, Copier(torch.device("cpu")), nvme_path=str(tmp_path), buffer_bytes=2 * 12 * 4096,
+                       rank=0))
+    if placement == "nvme":
+        assert buffer_bytes_per_element(torch.float32, ADAMW, "bf16") == 12 and off.chunk == 4096
+        assert off.off_device_bytes()["nvme_optimizer_states"] == 4 * sum(SIZES.values())
+    for step in range(3):
+        for m, g in zip(masters, grads_at(step).values()):
+            m.grad = g.clone()
+        device.step()
+        off.step(grads_at(step), coef=1.0, lr=HYPER["lr"])
+        off.zero_grad()
+    with off.materialized():
+        for m, s in zip(masters, specs):
+            master = off.master(s.name)
+            assert torch.equal(master, m) and torch.equal(device_params(s), m)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state = off.optimizer.state[master][key]
+                assert state.dtype == torch.bfloat16 and torch.equal(state, device.state[m][key])
+    if placement == "nvme":
+        off.close()
+
+
 def test_nvme_buffers_stay_within_the_budget():
     for dtype in (torch.float32, torch.bfloat16):
         per = buffer_bytes_per_element(dtype)
@@ -142,7 +177,7 @@ def test_nvme_buffers_stay_within_the_budget():
 
 
 def test_state_bytes_move_to_host_keys():
-    off = HostOffload(make_specs(torch.bfloat16), copier=Copier(torch.device("cpu")), **HYPER)
+    off = HostOffload(make_specs(torch.bfloat16), CONFIG, Copier(torch.device("cpu")))
     stage = {"params": 10, "grads": 5, "master_params": 40, "optimizer_states": 80,
              "persistent_master_params": 4, "persistent_optimizer_states": 8}
     n = sum(SIZES.values())

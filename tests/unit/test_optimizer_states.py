@@ -1,23 +1,28 @@
-"""zero3d/optim.py's OptimizerSpec: a missing state is an error, never a zero tensor; the manifest's step count."""
+"""zero3d/optim/'s OptimizerSpec and FlatOptimizer: a missing state is an error, never a zero tensor; the manifest's
+step count and state dtype."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pretrain.checkpoint.read import optimizer_fields, saved_optimizer
+from zero3d.config import OptimizerConfig
 from zero3d.optim import ADAMW
+from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.sharded_state import optimizer_states, optimizer_step_count, set_optimizer_step_count
 
 
 def engine_over(pieces: list, optimizer) -> SimpleNamespace:
     """What zero3d/sharded_state.py reads of an engine (its ShardedEngine protocol), over bare master pieces."""
-    group = SimpleNamespace(master_pieces=[(0, p) for p in pieces])
+    group = SimpleNamespace(master_pieces=[(0, p) for p in pieces], matrix=False)
     return SimpleNamespace(groups={"g": group}, optimizer=optimizer, settings=SimpleNamespace(optimizer_spec=ADAMW))
 
 
 def adamw_engine():
     pieces = [torch.zeros(4), torch.zeros(5)]
-    return engine_over(pieces, ADAMW.build([(p, 0.0) for p in pieces], lr=0.1, betas=(0.9, 0.99), eps=1e-8)), pieces
+    optimizer = FlatOptimizer([FlatTensor(p, 0.0) for p in pieces], ADAMW, OptimizerConfig(lr=0.1, beta2=0.99),
+                              fused=False)
+    return engine_over(pieces, optimizer), pieces
 
 
 def test_a_piece_not_stepped_yet_gets_the_specs_initial_state_and_the_count_is_zero():
@@ -48,11 +53,14 @@ def test_a_stepped_optimizer_without_a_pieces_state_is_an_error():
 
 
 def test_the_manifest_names_the_optimizer_and_old_manifests_read_adam_step():
-    assert optimizer_fields(ADAMW, 5) == {"optimizer": "adamw", "optimizer_step": 5, "adam_step": 5}
+    assert optimizer_fields(ADAMW, 5) == {"optimizer": "adamw", "optimizer_state_dtype": "fp32", "optimizer_step": 5,
+                                          "adam_step": 5}
+    assert optimizer_fields(ADAMW, 5, "bf16")["optimizer_state_dtype"] == "bf16"
     assert saved_optimizer({"adam_step": 3}) == ("adamw", 3)  # written before optimizer_step
     assert saved_optimizer({"optimizer": "sgd", "optimizer_step": 2}) == ("sgd", 2)
     assert saved_optimizer({}) == (None, None)
 
 
 def test_adamw_keeps_two_fp32_moments():
-    assert (ADAMW.name, ADAMW.states, ADAMW.state_bytes) == ("adamw", ("exp_avg", "exp_avg_sq"), 8)
+    assert (ADAMW.name, ADAMW.states, ADAMW.state_bytes(), ADAMW.state_bytes(False, "bf16")) == \
+        ("adamw", ("exp_avg", "exp_avg_sq"), 8, 4)

@@ -290,3 +290,23 @@ def test_context_parallel_rank_at_32k_holds_1_over_c_of_the_activations(capsys):
                                                               f"estimate {estimated[c] / estimated[1]:.4f}" for c in (2, 4)))
     for c in (2, 4):
         assert measured[c] / measured[1] == pytest.approx(1 / c, rel=0.05), (c, measured)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_bf16_optimizer_states_in_engine_probe_and_estimator_agree(capsys, optimizer):
+    """bf16 compute with bf16 optimizer states, one rank (no padding): the probe's optimizer category less its 0-dim
+    step counters = the engine's master + states = the estimator's K·Ψ, to the byte, and = the hand count: the fp32
+    master (4 bytes) and 2 bf16 moments (AdamW), or Muon's 1 on the hidden matrices (2 layers × (QKV 128 × 384 +
+    projection 128 × 128 + fc1 and fc2 128 × 512)) and AdamW's 2 elsewhere."""
+    code = probe.main(["--config", "configs/tiny.toml", "--world", "1", "--steps", "2", "--json", "model.num_layers=2",
+                       "train.global_batch_size=4", "parallel.tensor=1", "zero.stage=1", "precision.dtype=bf16",
+                       "optimizer.state_dtype=bf16", f"optimizer.name={optimizer}"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    row = next(r for r in out["comparison"] if r["category"].startswith("optimizer"))
+    engine = out["run"]["engine_state_bytes"]
+    held = engine["master_params"] + engine["optimizer_states"]
+    assert row["executed_bytes"] - out["run"]["optimizer_step_counter_bytes"] == held == row["estimate_bytes"]
+    psi = engine["params"] // 2
+    matrices = 2 * (128 * 384 + 128 * 128 + 2 * 128 * 512) if optimizer == "muon" else 0
+    assert held == 4 * psi + 2 * matrices + 4 * (psi - matrices)

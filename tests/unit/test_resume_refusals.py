@@ -85,3 +85,21 @@ def test_a_changed_model_that_keeps_every_tensor_shape_is_refused(tmp_path, save
     check_identity(tmp_path, identity(tmp_path, saved), identity(tmp_path, saved))
     with pytest.raises(CheckpointError, match="written for another model, tokenizer or data: " + diff + r"\."):
         check_identity(tmp_path, identity(tmp_path, saved), identity(tmp_path, now))
+
+
+def test_another_optimizer_or_fp32_states_into_bf16_ones_is_refused_and_bf16_into_fp32_allowed(tmp_path):
+    """pretrain/checkpoint/read.py's check_optimizer, which find_usable runs before the model exists: the optimizer's
+    name must match; fp32 states would be rounded into bf16 ones (refused), bf16 ones widen exactly into fp32 (a note);
+    a manifest of before the state dtype was recorded holds fp32 states."""
+    from pretrain.checkpoint.read import check_optimizer
+    old = {"optimizer": "adamw", "optimizer_step": 3}
+    assert check_optimizer(tmp_path, old, "adamw", "fp32") is None
+    with pytest.raises(CheckpointError, match=r"its optimizer states are adamw's \(optimizer.name = 'adamw'\); this "
+                                              r"run's optimizer.name is 'muon'"):
+        check_optimizer(tmp_path, old, "muon", "fp32")
+    with pytest.raises(CheckpointError, match=r"its adamw states are fp32; optimizer.state_dtype = 'bf16' would round "
+                                              r"them"):
+        check_optimizer(tmp_path, old, "adamw", "bf16")
+    bf16 = {**old, "optimizer_state_dtype": "bf16"}
+    assert check_optimizer(tmp_path, bf16, "adamw", "bf16") is None
+    assert "its bf16 optimizer states continue as fp32 ones (exactly)" in check_optimizer(tmp_path, bf16, "adamw", "fp32")

@@ -419,7 +419,7 @@ def test_one_layout_builder_for_real_and_fake_process_groups():
 
 def test_adam_is_named_in_its_spec_only():
     """Issue #35: AdamW's state names, its legacy manifest key and its 12 bytes per parameter (fp32 master + two
-    moments) live in zero3d/optim.py's ADAMW alone; everything else asks the engine's OptimizerSpec. A "12" (not
+    moments) live in zero3d/optim/adamw.py's ADAMW alone; everything else asks the engine's OptimizerSpec. A "12" (not
     a format width) on a line that speaks of bytes, Ψ, K, masters, moments or the optimizer counts as the
     assumption. Excluded: zero3d/analysis/paper_tables.py, which reproduces the paper's Tables I/II, whose
     captions say the paper's K = 12 (its numbers come from the estimator's PRECISIONS, derived from ADAMW)."""
@@ -428,7 +428,7 @@ def test_adam_is_named_in_its_spec_only():
     twelve = re.compile(rf"(?<![<>^:])\b12\b.*{words}|{words}.*(?<![<>^:])\b12\b")  # not a format width (:>12)
     found = [f"{path}:{n}: {line.strip()}" for prefix in ("zero3d", "pretrain")
              for path, n, line in _source_lines(prefix)
-             if path not in ("zero3d/optim.py", "zero3d/analysis/paper_tables.py")
+             if path not in ("zero3d/optim/adamw.py", "zero3d/analysis/paper_tables.py")
              and ("exp_avg" in line or "adam_step" in line or twelve.search(line))]
     assert found == []
 

@@ -34,7 +34,7 @@ def test_missing_inputs_each_one_line(mode, capsys, tmp_path):
 
 def test_blend_prefix_without_its_index(capsys, tmp_path):
     (tmp_path / "half.bin").write_bytes(b"")
-    argv = TINY + ["--dry-run", f"data.blend={tmp_path / 'half'}", "data.tokenizer_model=data/corpus.jsonl"]
+    argv = TINY + ["--dry-run", "~data.corpus", f"data.blend={tmp_path / 'half'}", "data.tokenizer_model=data/corpus.jsonl"]
     assert submit.main(argv) == 3
     assert lines(capsys) == [f"cannot start tiny: data.blend = '{tmp_path}/half.idx' does not exist; {tmp_path}/half.idx"
                              " is missing; run python -m pretrain.preprocess to write it, or fix the prefix in data.blend"]
@@ -104,3 +104,58 @@ def test_paper_config_with_gpt2_format_files_passes(mode, capsys, gpt2_overrides
     the 100B job can start: the dry run previews it, the preflight prints its run directory."""
     assert submit.main(PAPER_100B + mode + gpt2_overrides + [f"logging.run_dir={tmp_path / 'run'}"]) == 0
     assert lines(capsys) == []
+
+
+def test_container_paths_are_checked_where_the_container_sees_them(capsys, tmp_path, monkeypatch):
+    """--container: each path the run uses must lie inside a mount (the repository at its own path, and
+    ZERO3D_CONTAINER_MOUNTS), and is checked at the mount's source on this host: a corpus that exists here but is
+    not mounted is refused, a blend whose container path does not exist here but whose mount source holds it passes."""
+    host = tmp_path / "lustre" / "owt"
+    host.mkdir(parents=True)
+    for suffix in (".bin", ".idx"):
+        (host / f"tokens{suffix}").write_bytes(b"")
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "here, not in the container"}\n')
+    container = ["--dry-run", "--container", "/img/zero3d.sqsh"]
+    monkeypatch.delenv("ZERO3D_CONTAINER_MOUNTS", raising=False)
+    assert submit.main(TINY + ["--dry-run", f"data.corpus={corpus}"]) == 0  # the host alone sees it
+    capsys.readouterr()
+    assert submit.main(TINY + container + [f"data.corpus={corpus}"]) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.corpus = '{corpus}' is outside every container mount ({REPO}): "
+                             "add HOST_DIR:DIR to ZERO3D_CONTAINER_MOUNTS (comma-separated), or use a path under one "
+                             "of them"]
+    blend = ["~data.corpus", "data.blend=/data/owt/tokens", 'data.tokenizer_kind="none"', "data.eod_id=0"]
+    assert submit.main(TINY + ["--dry-run"] + blend) == 3  # on the host /data/owt is nothing
+    assert "data.blend = '/data/owt/tokens.bin' does not exist" in lines(capsys)[0]
+    monkeypatch.setenv("ZERO3D_CONTAINER_MOUNTS", f"{host}:/data/owt:ro")
+    assert submit.main(TINY + container + blend) == 0, capsys.readouterr().err
+    assert f"--container-mounts={REPO}:{REPO},{host}:/data/owt:ro" in capsys.readouterr().out
+    (host / "tokens.idx").unlink()  # the mount's source decides
+    assert submit.main(TINY + container + blend) == 3
+    assert lines(capsys) == [f"cannot start tiny: data.blend = '{host}/tokens.idx' does not exist; {host}/tokens.idx "
+                             "is missing; run python -m pretrain.preprocess to write it, or fix the prefix in data.blend"]
+
+
+def test_jobs_of_one_run_directory_share_a_name_and_wait_for_each_other(capsys, tmp_path):
+    """--dependency=singleton with a job name per run directory: a resubmitted job waits for the one still writing
+    its directory (pretrain/runtime/lock.py takes that job's lock over once Slurm has ended it: ZERO3D_SINGLETON)."""
+    import hashlib
+    run = [f"logging.run_dir={tmp_path / 'run'}"]
+    job = submit.build_job("configs/tiny.toml", run)
+    name = f"tiny-{hashlib.sha256(str((tmp_path / 'run').resolve()).encode()).hexdigest()[:8]}"
+    assert f"--job-name={name}" in job.sbatch and "--dependency=singleton" in job.sbatch
+    assert job.env["ZERO3D_SINGLETON"] == "1"
+    assert f"--job-name={name}" in submit.build_job("configs/tiny.toml", run + ["train.steps=4"]).sbatch
+    other = submit.build_job("configs/tiny.toml", [f"logging.run_dir={tmp_path / 'other'}"])
+    assert f"--job-name={name}" not in other.sbatch
+    assert submit.main(TINY + ["--dry-run"] + run) == 0
+    assert f"ZERO3D_SINGLETON=1 sbatch --parsable --job-name={name} --dependency=singleton " in capsys.readouterr().out
+
+
+def test_a_recipe_that_names_no_data_is_refused_before_it_queues(capsys):
+    """configs/llama3_8b.toml sets no data.blend: refused, not a 2-day job on the demo corpus."""
+    assert submit.main(["--config", "configs/llama3_8b.toml", "--dry-run"]) == 3
+    assert lines(capsys) == ["cannot start llama3_8b: no data to train on: data.corpus, data.blend and data.train_blend "
+                             "are all unset; name it: data.blend = \"<prefix>\" (.bin/.idx written by python -m "
+                             "pretrain.preprocess), or data.corpus = \"<JSONL, Parquet or Arrow file or glob>\" "
+                             "(data/corpus.jsonl is the shipped demo corpus)"]

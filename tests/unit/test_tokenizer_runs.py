@@ -101,8 +101,10 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     capsys.readouterr()
     assert load_tokenizer(spec).vocab_size == VOCAB
 
-    data = [f"data.blend={q(prefix)}", f"data.tokenizer_kind={q(kind)}", f"data.cache_dir={q(cache)}",
-            f"logging.run_dir={q(run_dir)}"] + ([f"data.tokenizer_merges={q(spec.merges)}"] if spec.merges else [])
+    # optimizer.decay_steps fixed: the resume below trains on to train.steps = 4 on the first run's schedule
+    data = ["~data.corpus", f"data.blend={q(prefix)}", f"data.tokenizer_kind={q(kind)}", f"data.cache_dir={q(cache)}",
+            f"logging.run_dir={q(run_dir)}", "optimizer.decay_steps=4"] + (
+        [f"data.tokenizer_merges={q(spec.merges)}"] if spec.merges else [])
     first = run_pretrain(data + [f"data.tokenizer_model={q(spec.model)}", "train.steps=2"])
     assert first.returncode == 0, first.stderr[-3000:]
     assert "no checkpoint in" in first.stdout
@@ -120,8 +122,22 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     saved, now = identity_sha256(spec, cache), identity_sha256(other, cache)
     assert saved != now
     before = snapshot(run_dir)
+    # first the .bin/.idx's own record of the tokenizer that made it (written by the preprocess command) refuses it
+    record = json.loads(Path(f"{prefix}.tokenizer.json").read_text())
+    assert (record["kind"], record["vocab_size"], record["files_sha256"]) == (kind, VOCAB, load_tokenizer(spec).files_sha256())
     refused = run_pretrain(data + [f"data.tokenizer_model={q(different)}", "train.steps=4"])
     assert refused.returncode == EXIT_INPUT, (refused.stdout[-2000:], refused.stderr[-3000:])
+    (line,) = [x for x in refused.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"error: {prefix}.bin was tokenized by another tokenizer than this run's: ") and (
+        f"(sha256 {record['files_sha256'][:12]}), the run's is {kind} "
+        f"{', '.join(str(f) for f in load_tokenizer(other).files)} of {VOCAB} ids (sha256 "
+        f"{load_tokenizer(other).files_sha256()[:12]}) (data.blend): name the tokenizer that made it") in line, line
+    assert snapshot(run_dir) == before
+    # files made elsewhere carry no record: said on stdout, and then the checkpoint's own tokenizer hash refuses it
+    Path(f"{prefix}.tokenizer.json").unlink()
+    refused = run_pretrain(data + [f"data.tokenizer_model={q(different)}", "train.steps=4"])
+    assert refused.returncode == EXIT_INPUT, (refused.stdout[-2000:], refused.stderr[-3000:])
+    assert f"note: data.blend prefix {prefix} has no tokens.tokenizer.json" in refused.stdout, refused.stdout
     (line,) = [x for x in refused.stderr.splitlines() if x.strip()]
     # the tokenizer hash is the only difference named (the data prefix and the model are the run's own)
     assert line.startswith("error: checkpoint ") and (
@@ -158,3 +174,33 @@ def test_preprocessed_tokens_train_resume_and_refuse_another_tokenizer(tmp_path,
     assert export_main([str(run_dir / "checkpoints"), str(tmp_path / "hf_old"), "--format", "hf"]) == 0
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf_old" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+
+
+@pytest.mark.timeout(300)
+def test_a_corpus_whose_text_column_is_not_text_trains_with_data_text_column(tmp_path, files):  # noqa: F811
+    """A Parquet corpus whose documents are in column "content": without data.text_column the start is refused in one
+    line naming the columns there; with it the run trains, on the tokens the preprocess command writes for the same
+    documents from a JSONL's "text" field (byte for byte)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pretrain.data.preprocess import tokenize_corpus
+    root, _ = files
+    documents = list(read_documents(CORPUS))[:200]
+    corpus = tmp_path / "corpus.parquet"
+    pq.write_table(pa.table({"id": list(range(len(documents))), "content": documents}), corpus, row_group_size=64)
+    tokenizer = TokenizerSpec("hf", str(root / "tokenizer.json"))
+    args = [f"data.corpus={q(corpus)}", 'data.tokenizer_kind="hf"', f"data.tokenizer_model={q(tokenizer.model)}",
+            f"data.cache_dir={q(tmp_path / 'cache')}", f"logging.run_dir={q(tmp_path / 'run')}", "train.steps=2"]
+    refused = run_pretrain(args)
+    assert refused.returncode == EXIT_INPUT and refused.stderr.strip() == (
+        f"error: corpus '{corpus}' has no column 'text' (data): its columns: id, content (choose one with "
+        "--text-column, or data.text_column)"), refused.stderr
+    assert not (tmp_path / "run").exists()
+    ran = run_pretrain(args + ['data.text_column="content"'])
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "step 2/2 | loss" in ran.stdout
+    (tmp_path / "same.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    tokenize_corpus([tmp_path / "same.jsonl"], tokenizer, tmp_path / "reference", workers=1)
+    (built,) = (tmp_path / "cache").glob("tokens-*.bin")
+    assert built.read_bytes() == (tmp_path / "reference.bin").read_bytes()

@@ -6,12 +6,13 @@ import sys
 from typing import Optional
 
 from zero3d.analysis.cluster import add_cluster_flags, described, spec_from_args
-from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS,
+from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, OptimizerStates,
                                      estimate, format_breakdown, model_state_bytes, padded_vocab)
 from zero3d.analysis.gpt_shape import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
 from zero3d.analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                               offload_breakdown)
 from zero3d.config import ZeroConfig
+from zero3d.optim import SPECS, STATE_DTYPES
 
 # The engine's [zero] defaults are the CLI's; precision, micro-batch, GPU memory and the loss chunk live
 # only in pretrain's config (which zero3d never imports), so the flags below keep the paper's V100 set-up.
@@ -21,11 +22,13 @@ PAPER_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                          "reproduction-configs.csv")
 
 
-def _format_states(params: float, dp: int, precision: str) -> str:
-    rows = [f"model states per GPU for Ψ = {params:g} parameters, N_d = {dp}, {precision}",
+def _format_states(params: float, dp: int, precision: str, optimizer: OptimizerStates) -> str:
+    k = optimizer.k(precision)
+    rows = [f"model states per GPU for Ψ = {params:g} parameters, N_d = {dp}, {precision}; {optimizer.name} with "
+            f"{optimizer.state_dtype} states: K = {float(k):g} bytes a parameter",
             f"{'stage':<8}{'params GB':>12}{'grads GB':>12}{'optimizer GB':>14}{'total GB':>12}"]
     for stage in range(4):
-        p, g, o = (float(x) / GB for x in model_state_bytes(int(params), stage, dp, precision))
+        p, g, o = (float(x) / GB for x in model_state_bytes(int(params), stage, dp, precision, optimizer))
         rows.append(f"{stage:<8}{p:12.4f}{g:12.4f}{o:14.4f}{p + g + o:12.4f}")
     return "\n".join(rows)
 
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"CB: constant buffer size in elements (default: zero.bucket_elements = {ZERO.bucket_elements:_})")
     ap.add_argument("--no-cb", action="store_true", help="no CB: one 4Ψ fused fp32 gradient buffer instead")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp16")
+    ap.add_argument("--optimizer", choices=list(SPECS), default="adamw",
+                    help="optimizer.name: its states give K (Muon's with a shape: its hidden matrices' share)")
+    ap.add_argument("--state-dtype", choices=list(STATE_DTYPES), default="fp32",
+                    help="optimizer.state_dtype: bytes of each optimizer state element")
     ap.add_argument("--tied", action="store_true", help="output layer shares the word embedding")
     arch = ap.add_argument_group("architecture (default GPT-2's; a Llama-3: --ffn 14336 --query-groups 8 --mlp swiglu "
                                  "--norm rmsnorm --position-embedding rope --no-bias)")
@@ -258,9 +265,13 @@ def main(argv: Optional[list] = None) -> int:
         if args.params <= 0 or args.dp is None or args.dp <= 0:
             ap.error(f"--params {args.params:g} needs a value > 0 and --dp a positive integer "
                      f"(got --dp {args.dp})")
-        states = {s: [float(x) for x in model_state_bytes(int(args.params), s, args.dp, args.precision)]
+        if SPECS[args.optimizer].matrix is not None:
+            ap.error(f"--optimizer {args.optimizer} with --params: its K depends on the share of hidden matrices; "
+                     "give a shape (--layers --hidden --heads --vocab --seq) instead")
+        optimizer = OptimizerStates(args.optimizer, args.state_dtype)
+        states = {s: [float(x) for x in model_state_bytes(int(args.params), s, args.dp, args.precision, optimizer)]
                   for s in range(4)}
-        print(json.dumps(states) if args.json else _format_states(args.params, args.dp, args.precision))
+        print(json.dumps(states) if args.json else _format_states(args.params, args.dp, args.precision, optimizer))
         return 0
     if args.dp is not None:  # shape mode: N_d = gpus / tp, so --dp gives the GPUs or must agree with them
         if args.dp < 1:
@@ -276,14 +287,18 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"missing {', '.join(missing)} (or use --params, --table1, --table2, --plan)")
     pa = args.pa or args.pa_cpu
     try:
+        shape = model_shape(args, args.vocab, args.seq)
         m = estimate(
-            model_shape(args, args.vocab, args.seq), gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
+            shape, gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
             recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
             precision=args.precision, prefetch_units=args.prefetch_units,
-            gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction)
+            gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction,
+            optimizer=args.optimizer, state_dtype=args.state_dtype)
         offload = None
         if args.offload_optimizer != "none" or args.offload_params != "none":
             offload = offload_breakdown(m, stage=args.stage, gpus=args.gpus, tp=args.tp, precision=args.precision,
+                                        optimizer=OptimizerStates.of_shape(shape, args.tp, args.optimizer,
+                                                                           args.state_dtype),
                                         **_offload_args(args))
             m = offload.device
     except ValueError as err:
@@ -303,7 +318,8 @@ def main(argv: Optional[list] = None) -> int:
     header = (f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab {args.vocab} "
               f"(padded {padded_vocab(args.vocab, args.tp)}), seq {args.seq}\n"
               f"{args.gpus} GPUs = tp {args.tp} × dp {args.gpus // args.tp}; ZeRO stage {args.stage}"
-              f"{zr}, {cb}, recompute {args.recompute}, micro-batch {args.micro_batch}, {args.precision}")
+              f"{zr}, {cb}, recompute {args.recompute}, micro-batch {args.micro_batch}, {args.precision}, "
+              f"{args.optimizer} with {args.state_dtype} states")
     print(format_breakdown(m, header))
     if offload is not None:
         print(format_offload(offload))

@@ -79,6 +79,7 @@ class Cluster:
     nvme_bytes: float  # per NODE (ZeRO-Infinity's files)
     intra_latency: float = 5e-6  # α, seconds per ring step inside a node (assumed; the paper states none)
     inter_latency: float = 10e-6  # α, seconds per ring step across nodes (assumed)
+    fp32_flops: Optional[float] = None  # plain fp32 per GPU (Muon's Newton–Schulz runs in it); None: peak_flops
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes", "gpu_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth",
@@ -207,7 +208,8 @@ class ClusterSpec:
         return Cluster(name=name, gpus_per_node=per_node, nodes=nodes, gpu_memory_bytes=memory,
                        intra_node_bandwidth=self.intra_bw * 1e9 if self.intra_bw else node.intra_node_bandwidth,
                        inter_node_bandwidth=inter, peak_flops=peak, pcie_bandwidth=node.pcie_bandwidth,
-                       efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes)
+                       efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes,
+                       fp32_flops=node.gpu.peak_flops("fp32"))
 
 
 # A run config's [cluster] (pretrain's ClusterConfig) reads as a ClusterSpec too: `gpu` names the preset

@@ -106,6 +106,31 @@ def dp_elements_per_step(stage: int, psi: int, dp: int, accumulation: int = 1) -
     return dp_passes(stage, accumulation) * psi * (dp - 1) / dp
 
 
+MUON_VALUE_BYTES = 4  # the directions and updates are exchanged in fp32
+
+
+def muon_elements_per_step(matrix_params: int, dp: int, tp: int, stage: int) -> tuple:
+    """(DP all-to-all, TP all-gather) elements one rank sends per optimizer step for Muon's whole-matrix step
+    (zero3d/whole_matrix.py), as the balanced average: M = `matrix_params`, the rank's TP-local hidden-matrix
+    parameters (GPTShape.hidden_matrix_params). Stages 1-3: a rank holds M/N of them, (N − 1)/N of that in matrices
+    other ranks own, which it sends; as the owner of M/N worth it sends the other ranks' pieces back: 2·M(N − 1)/N²;
+    it joins the TP shards of what it owns: (TP − 1)·M/N. Stage 0: no exchange, every rank joins everything:
+    (TP − 1)·M."""
+    if stage not in (0, 1, 2, 3) or dp < 1 or tp < 1:
+        raise ValueError(f"stage {stage}, dp {dp}, tp {tp} is invalid; stage 0-3, dp and tp >= 1")
+    m = Fraction(matrix_params)
+    if stage == 0:
+        return Fraction(0), (tp - 1) * m
+    return 2 * m * (dp - 1) / dp ** 2, (tp - 1) * m / dp
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> int:
+    """One matrix's NS iterations: with r = min(rows, cols) and c the other side, each iteration's X·Xᵀ (2r²c), A·A
+    (2r³) and (bA + cA²)·X (2r²c)."""
+    r, c = min(rows, cols), max(rows, cols)
+    return steps * (4 * r * r * c + 2 * r ** 3)
+
+
 def context_bytes_per_step(*, seq: int, kv_width: int, layers: int, micro_batch: int, accumulation: int, tp: int,
                            cp: int, act_bytes: int, recompute: str) -> Fraction:
     """Bytes each rank sends per step over its context-parallel group of C = cp ranks (ring collectives): every

@@ -1,14 +1,14 @@
 """Per-GPU memory estimator for a GPT shape under tensor parallelism × ZeRO."""
 import dataclasses
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Optional
 
 from zero3d.analysis.context import context_backward_bytes, context_layer_bytes, local_shape, validate_context
 from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig
-from zero3d.optim import ADAMW
+from zero3d.analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
+                                          Precision, extra_state_bytes, model_state_bytes)
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
 GIB = 2**30
@@ -23,25 +23,6 @@ V100_MEMORY_BYTES = 32 * GIB
 # §4.10, §4.11).
 DEFAULT_MARGIN_FRACTION = 0.10
 DEFAULT_BUCKET_ELEMENTS = ZeroConfig.bucket_elements  # CB: the engine's zero.bucket_elements default
-
-
-@dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of each model state, and per activation element."""
-
-    name: str
-    param_bytes: int  # working copy used in forward/backward
-    grad_bytes: int
-    optimizer_bytes: int  # K: the optimizer's states, plus the fp32 master copy under mixed precision
-    activation_bytes: int
-
-
-MASTER_BYTES = 4  # the fp32 master copy, per parameter
-PRECISIONS = {  # K from the engine's default optimizer (zero3d/optim.py's ADAMW)
-    "fp16": Precision("fp16", 2, 2, MASTER_BYTES + ADAMW.state_bytes, 2),  # the fp32 master + the states
-    "bf16": Precision("bf16", 2, 2, MASTER_BYTES + ADAMW.state_bytes, 2),
-    "fp32": Precision("fp32", 4, 4, ADAMW.state_bytes, 4),  # the parameters are the master copy: K = the states
-}
 
 
 def paper_shape(hidden: int, layers: int = 1, heads: int = 1, vocab: int = 1, seq: int = 1, tied: bool = False,
@@ -66,32 +47,6 @@ def gpt_param_count(layers: int, hidden: int, vocab: int, seq: int, tp: int = 1,
                     ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
     """Parameters on one TP rank of megatron-core's GPTModel (local spec, learned positions, biases)."""
     return paper_shape(hidden, layers, 1, vocab, seq, tied, ffn_hidden, vocab_divisible_by).params(tp)
-
-
-def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16") -> tuple:
-    """(param, grad, optimizer) bytes per GPU for ZeRO `stage` over `dp` ranks, as exact Fractions."""
-    p = PRECISIONS[precision]
-    psi = Fraction(params)
-    param = psi * p.param_bytes / (dp if stage >= 3 else 1)
-    grad = psi * p.grad_bytes / (dp if stage >= 2 else 1)
-    optimizer = psi * p.optimizer_bytes / (dp if stage >= 1 else 1)
-    return param, grad, optimizer
-
-
-def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16", stage: int = 3) -> float:
-    """Per-GPU bytes a node-aware mode (comm_model.STAGE_MODES) adds over plain ZeRO `stage`, this formula's
-    one home (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the
-    parameters; hybrid's sharded states over m instead of N ranks, (b_p + b_g + K)Ψ(1/m − 1/N) at stage 3,
-    (b_g + K)Ψ(1/m − 1/N) at stage 2, KΨ(1/m − 1/N) at stage 1 (model_state_bytes' shards)."""
-    p, modes = PRECISIONS[precision], CommModes.named(mode)
-    if modes.secondary_partition:
-        return psi * p.param_bytes / per_node
-    if modes.hybrid:
-        if stage not in (1, 2, 3):
-            raise ValueError(f"stage {stage} is invalid for +hybrid; valid: 1, 2, 3 (stage 0 shards nothing)")
-        return sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision)) - \
-            sum(float(x) for x in model_state_bytes(psi, stage, dp, precision))
-    return 0.0
 
 
 # What core attention keeps for backward besides Q, K, V and its output (docs/estimator.md, Activations):
@@ -303,7 +258,8 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
              prefetch_units: int = ZeroConfig.prefetch_units, gpu_memory_bytes: float = V100_MEMORY_BYTES,
              margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0, loss_recompute: bool = False,
              secondary_partition: bool = False, hybrid: bool = False, dp_per_node: int = 1,
-             attention: str = "local", mask_bytes: float = 0.0, cp: int = 1) -> MemoryBreakdown:
+             attention: str = "local", mask_bytes: float = 0.0, cp: int = 1, optimizer: str = "adamw",
+             state_dtype: str = "fp32") -> MemoryBreakdown:
     """Per-GPU memory of the GPT `shape` on gpus = tp × cp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
     `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py), fused (its
@@ -314,7 +270,8 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
     attention masks (document_mask_bytes), counted with the activations. `cp` context-parallel ranks
     (zero3d/analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
-    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes)."""
+    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `optimizer` and
+    `state_dtype` (optimizer.name, optimizer.state_dtype) give K (OptimizerStates.of_shape)."""
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
     validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
@@ -327,8 +284,9 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     psi = shape.params(tp)
     if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
         raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
-    param, grad, optimizer = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
-                                                                  precision))
+    states = OptimizerStates.of_shape(shape, tp, optimizer, state_dtype)
+    param, grad, optimizer_bytes = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
+                                                                        precision, states))
     if secondary_partition:
         param += extra_state_bytes(CommModes(secondary_partition=True).name, psi, dp, dp_per_node, precision)
 
@@ -358,7 +316,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
                         beside=buffers + (layer_bytes if recompute != "none" else 0))
     return MemoryBreakdown(
-        params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer,
+        params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),

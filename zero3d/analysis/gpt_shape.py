@@ -108,6 +108,12 @@ class GPTShape:
             + (2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0)
         return split // tp + whole
 
+    def hidden_matrix_params(self, tp: int = 1) -> int:
+        """The layers' 2-D weights on one TP rank (QKV, projection, fc1, fc2): what Muon takes whole."""
+        h, f = self.hidden, self.ffn_size
+        fc1 = h * f * (2 if self.gated else 1)  # SwiGLU's gate and up: one matrix
+        return self.layers * (h * (h + 2 * self.kv_width) + h * h + fc1 + f * h) // tp
+
     def embedding_params(self, tp: int = 1) -> int:
         """The word embedding (this rank's slice of the padded vocabulary) and learned positions (none: RoPE)."""
         positions = self.seq * self.hidden if self.position_embedding == "learned" else 0

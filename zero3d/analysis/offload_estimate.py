@@ -4,7 +4,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES, PRECISIONS,
+from zero3d.analysis.estimate import (ADAMW_FP32, DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES,
+                                      PRECISIONS, OptimizerStates,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)
 from zero3d.config import PLACEMENTS as OFFLOAD_PLACEMENTS
@@ -85,10 +86,11 @@ def validate_offload(stage: int, offload_optimizer: str, offload_params: str = "
 
 def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1, precision: str = "fp16",
                       offload_optimizer: str = "none", offload_params: str = "none",
-                      nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1) -> OffloadBreakdown:
+                      nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1,
+                      optimizer: OptimizerStates = ADAMW_FP32) -> OffloadBreakdown:
     """Move what zero3d's `zero.offload_optimizer` / `zero.offload_params` move (docs/estimator.md, Offload).
 
-    Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + optimizer states; in fp32 training the
+    Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + the `optimizer`'s states; in fp32 training the
     parameters are the master, and the host keeps its own fp32 master copy besides the states) leave
     the device. "cpu" holds them in host memory with an fp32 gradient shard (plus a compute-dtype
     staging copy the pieces land in); at stages 2-3 that host shard is the only one, as in ZeRO-Offload
@@ -109,8 +111,8 @@ def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1,
     pcie = nvme_io = 0.0
     if offload_optimizer != "none":
         device["optimizer_bytes"] = 0.0
-        mixed = p.param_bytes != MASTER_BYTES  # K includes the master; in fp32 K is the optimizer states alone
-        moments = (p.optimizer_bytes - (MASTER_BYTES if mixed else 0)) * shard
+        mixed = p.master_bytes > 0  # K includes the master; in fp32 K is the optimizer states alone
+        moments = float(optimizer.k(precision) - p.master_bytes) * shard
         states = {"master_params": MASTER_BYTES * shard, "optimizer_states": moments}
         staging = p.grad_bytes * shard if mixed or grads_on_host else 0.0
         grads = {"grads": 4 * shard + staging}  # fp32 shard the optimizer reads (+ the copy that lands)

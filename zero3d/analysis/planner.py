@@ -4,15 +4,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
-from zero3d.analysis.comm_model import (STAGE_MODES, Links, collectives_per_pass, context_bytes_per_step,
-                                        dp_collectives, link_seconds)
+from zero3d.analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectives_per_pass,
+                                        context_bytes_per_step, dp_collectives, link_seconds, muon_elements_per_step,
+                                        newton_schulz_flops)
 from zero3d.analysis.context import valid_context_sizes
 from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
-                                      V100_MEMORY_BYTES, MemoryBreakdown, estimate, estimate_from_shape,
+                                      V100_MEMORY_BYTES, MemoryBreakdown, OptimizerStates, estimate, estimate_from_shape,
                                       gpt_param_count, largest_fitting_layers, paper_shape)
 from zero3d.analysis.gpt_shape import GPTShape
 from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from zero3d.comm.modes import CommModes
+from zero3d.optim import spec_named
 
 GPT2_VOCAB = 50257
 PAPER_SEQ = 1024  # the only sequence length the paper uses
@@ -93,18 +95,21 @@ class Candidate:
     offload: Optional[OffloadBreakdown] = None  # host / NVMe bytes and traffic when zero.offloaded
     cp: int = 1  # context-parallel ranks splitting each sequence (dp × cp = the ZeRO group)
     cp_s: float = 0.0  # the K/V all-gathers and reduce-scatters over the CP group, on the critical path
+    optimizer_s: float = 0.0  # Muon's whole-matrix step: its exchange and its owners' Newton–Schulz, not overlapped
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s + self.pcie_s + self.cp_s
+        return (self.compute_s + self.mp_s + self.pa_s + self.offload_s + self.dp_s + self.pcie_s + self.cp_s
+                + self.optimizer_s)
 
 
 def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
               global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
-              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1) -> dict:
+              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw") -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
     hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included).
-    `cp` context-parallel ranks: each runs S/cp tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp."""
+    `cp` context-parallel ranks: each runs S/cp tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp.
+    `optimizer` (optimizer.name): Muon adds its whole-matrix step (muon_seconds)."""
     layers, hidden, seq = model.layers, model.hidden, model.seq // cp
     dp = gpus // (tp * cp)
     if global_batch % (micro_batch * dp):
@@ -150,10 +155,32 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
                       + seconds["replicas"])
     pcie = pcie_bytes / cluster.pcie_bandwidth  # ZeRO-Offload; the CPU optimizer's own time is not modelled
     cp_s = context_seconds(cluster, model, tp, cp, micro_batch, accumulation, act_bytes, recompute)
-    step = compute + mp + pa + offload + dp_exposed + pcie + cp_s
+    optimizer_s = muon_seconds(cluster, model, gpus, tp, cp, zero.stage) if spec_named(optimizer).matrix else 0.0
+    step = compute + mp + pa + offload + dp_exposed + pcie + cp_s + optimizer_s
     return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,
                 pa_s=pa, offload_s=offload, dp_s=dp_exposed, pcie_s=pcie, tflops_per_gpu=flops / step / gpus / 1e12,
-                samples_per_s=global_batch / step, cp_s=cp_s)
+                samples_per_s=global_batch / step, cp_s=cp_s, optimizer_s=optimizer_s)
+
+
+def muon_seconds(cluster: Cluster, model: GPTShape, gpus: int, tp: int, cp: int, stage: int) -> float:
+    """Muon's whole-matrix step (comm_model.muon_elements_per_step, fp32): the all-to-all over the ZeRO group (its
+    bytes at the DP link's bandwidth, one α per peer) and the TP all-gather (a ring inside the node while TP fits one),
+    then the owners' Newton–Schulz on the whole matrices (comm_model.newton_schulz_flops, the rank's share: 1/N of the
+    layers' at stages 1-3, all of them at stage 0) at the sustained share of the GPU's plain fp32 rate (the engine
+    runs it in fp32); none of it overlaps compute."""
+    zero_group = gpus // tp
+    a2a, tp_gather = muon_elements_per_step(model.hidden_matrix_params(tp), zero_group, tp, stage)
+    links = cluster_links(cluster)
+    spans = zero_group * tp > cluster.gpus_per_node
+    dp_bw = cluster.inter_node_bandwidth_per_gpu if spans else cluster.intra_node_bandwidth
+    alpha = links.ib_latency if spans else links.nvswitch_latency
+    exchange = (float(a2a) * MUON_VALUE_BYTES / dp_bw + (zero_group - 1) * alpha if a2a else 0.0)
+    tp_bw = cluster.intra_node_bandwidth if tp <= cluster.gpus_per_node else cluster.inter_node_bandwidth_per_gpu
+    join = float(tp_gather) * MUON_VALUE_BYTES / tp_bw + (tp - 1) * links.nvswitch_latency if tp > 1 else 0.0
+    h, f, kv = model.hidden, model.ffn_size, model.kv_width
+    shapes = [(h + 2 * kv, h), (h, h), (f * (2 if model.gated else 1), h), (h, f)]
+    flops = model.layers * sum(newton_schulz_flops(r, c) for r, c in shapes) / (zero_group if stage else 1)
+    return exchange + join + flops / ((cluster.fp32_flops or cluster.peak_flops) * cluster.efficiency)
 
 
 def context_seconds(cluster: Cluster, model: GPTShape, tp: int, cp: int, micro_batch: int, accumulation: int,
@@ -182,7 +209,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
          bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
          margin_fraction: float = DEFAULT_MARGIN_FRACTION,
          tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True,
-         attention: str = "local") -> list:
+         attention: str = "local", optimizer: str = "adamw", state_dtype: str = "fp32") -> list:
     """Every layout that fits, best modelled throughput first.
 
     The model: `model` (any GPTShape), or the paper's GPT-2 shape by `layers`, `hidden`, `heads`, `vocab`, `seq`.
@@ -192,6 +219,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     the cluster's host memory and NVMe gives the layouts instead, each with its `offload` breakdown.
     `attention` (estimate.ATTENTION_KINDS): with "fused", a TP degree at which nothing fits also tries context
     parallelism, the smallest cp (a divisor of gpus/tp splitting the sequence into 2·cp chunks) that fits.
+    `optimizer`, `state_dtype` (optimizer.name, optimizer.state_dtype): K in the memory (OptimizerStates), and
+    Muon's whole-matrix step in the time (muon_seconds).
     """
     if (global_batch is None) == (batch_per_gpu is None):
         raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
@@ -205,7 +234,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     gpus = gpus or cluster.gpus
     tps = tp_choices or [t for t in _divisors(gpus) if model.heads % t == 0 and model.groups % t == 0
                          and model.hidden % t == 0 and model.ffn_size % t == 0]
-    shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision, attention=attention)
+    shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision, attention=attention,
+                 optimizer=optimizer, state_dtype=state_dtype)
 
     def search_layout(tp: int, cp: int, offload_optimizer: str, offload_params: str) -> list:
         found = []
@@ -273,12 +303,14 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                       secondary_partition=CommModes.named(zero.zeropp).secondary_partition,
                       hybrid=CommModes.named(zero.zeropp).hybrid,
                       dp_per_node=dp_per_node(cluster, shape["gpus"], tp), attention=shape.get("attention", "local"),
-                      cp=cp)
+                      cp=cp, optimizer=shape.get("optimizer", "adamw"), state_dtype=shape.get("state_dtype", "fp32"))
     offload = None
     if zero.offloaded:
         offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
                                     offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
-                                    accumulation=step_batch // (micro_batch * (shape["gpus"] // (tp * cp))))
+                                    accumulation=step_batch // (micro_batch * (shape["gpus"] // (tp * cp))),
+                                    optimizer=OptimizerStates.of_shape(shape["model"], tp, shape.get("optimizer", "adamw"),
+                                                                       shape.get("state_dtype", "fp32")))
         memory = offload.device
         if not cluster.holds_offload(offload, shape["gpus"], margin_fraction):
             return None
@@ -288,7 +320,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                        global_batch=step_batch, params_per_rank=memory.params_per_rank,
                        recompute=shape["recompute"], precision=shape["precision"],
                        pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
-                       cp=cp)
+                       cp=cp, optimizer=shape.get("optimizer", "adamw"))
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 

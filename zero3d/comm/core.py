@@ -286,6 +286,30 @@ class Comm:
         self.stats.exposed_seconds += spent
 
 
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list, tag: str) -> None:
+        """Uneven all-to-all (synchronous): `in_splits[p]` elements of `inp`, in group-rank order, go to group rank
+        p, `out_splits[p]` of `out` come from it. Counted exactly: the elements sent to the other ranks, intra- or
+        inter-node by each peer's node."""
+        if self.size > 1:
+            sent = Fraction(sum(n for p, n in enumerate(in_splits) if p != self.rank))
+            nbytes = sent * inp.element_size()
+            link = None
+            if self._nodes is not None:
+                mine = self._nodes[self.rank]
+                inter = Fraction(sum(n for p, n in enumerate(in_splits) if p != self.rank and self._nodes[p] != mine)
+                                 * inp.element_size())
+                link = (nbytes - inter, inter)
+            self.stats.record("all_to_all", tag, sent, nbytes, link)
+        if self.size == 1:
+            out.copy_(inp)
+            return
+        started = time.perf_counter()
+        dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group)
+        spent = time.perf_counter() - started
+        self.stats.seconds += spent
+        self.stats.exposed_seconds += spent
+
+
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """`a` and `b` are views of the same elements (by storage identity and offset, not data_ptr(), which
     fake tensors — the rank-local probe — all report as 0)."""

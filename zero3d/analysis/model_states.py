@@ -1,0 +1,91 @@
+"""Model states per parameter: the bytes of each precision, the optimizer's K (`OptimizerStates`, from its spec),
+and the paper's per-stage formulas over them (`model_state_bytes`), generalised from 16Ψ to (2 + 2 + K)Ψ."""
+from dataclasses import dataclass
+from fractions import Fraction
+
+from zero3d.analysis.gpt_shape import GPTShape
+from zero3d.comm.modes import CommModes
+from zero3d.optim import MASTER_BYTES, STATE_DTYPES, spec_named
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and per activation element."""
+
+    name: str
+    param_bytes: int  # working copy used in forward/backward
+    grad_bytes: int
+    master_bytes: int  # the fp32 master copy: 4 under mixed precision, 0 in fp32 (the parameters are the master)
+    activation_bytes: int
+
+
+PRECISIONS = {
+    "fp16": Precision("fp16", 2, 2, MASTER_BYTES, 2),
+    "bf16": Precision("bf16", 2, 2, MASTER_BYTES, 2),
+    "fp32": Precision("fp32", 4, 4, 0, 4),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    """The optimizer a rank's K comes from: `optimizer.name`, `optimizer.state_dtype`, and the share of the parameters
+    its spec takes whole (Muon's hidden matrices keep other states than the rest; `matrix_share_of` a shape)."""
+
+    name: str = "adamw"
+    state_dtype: str = "fp32"
+    matrix_share: Fraction = Fraction(0)
+
+    def __post_init__(self):
+        spec_named(self.name)  # a bad name raises, naming the valid ones
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype = {self.state_dtype!r} is invalid; valid: {', '.join(map(repr, STATE_DTYPES))}")
+        if not 0 <= self.matrix_share <= 1 or (self.matrix_share and spec_named(self.name).matrix is None):
+            raise ValueError(f"matrix_share = {self.matrix_share} is invalid for {self.name}: in [0, 1], and 0 for an "
+                             "optimizer that takes no matrix whole")
+
+    def k(self, precision: str = "fp16") -> Fraction:
+        """K, the paper's optimizer bytes per parameter generalised: the fp32 master (mixed precision) plus the
+        spec's states, each kind of group weighted by its share of Ψ (AdamW: 4 + 8 with fp32 moments, 4 + 4 with bf16)."""
+        spec = spec_named(self.name)
+        states = (spec.state_bytes(False, self.state_dtype) * (1 - self.matrix_share)
+                  + spec.state_bytes(True, self.state_dtype) * self.matrix_share if spec.matrix
+                  else Fraction(spec.state_bytes(False, self.state_dtype)))
+        return PRECISIONS[precision].master_bytes + states
+
+    @classmethod
+    def of_shape(cls, shape: GPTShape, tp: int = 1, name: str = "adamw", state_dtype: str = "fp32") -> "OptimizerStates":
+        """The optimizer's K for a GPT shape on one TP rank: Muon's matrix share is its hidden matrices' Ψ."""
+        share = Fraction(shape.hidden_matrix_params(tp), shape.params(tp)) if spec_named(name).matrix else Fraction(0)
+        return cls(name, state_dtype, share)
+
+
+ADAMW_FP32 = OptimizerStates()  # the paper's K (AdamW, fp32 moments)
+
+
+def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16",
+                      optimizer: OptimizerStates = ADAMW_FP32) -> tuple:
+    """(param, grad, optimizer) bytes per GPU for ZeRO `stage` over `dp` ranks, as exact Fractions: the paper's
+    (2 + 2 + K)Ψ = 16Ψ, its K generalised to `optimizer.k(precision)` (the master and the spec's states)."""
+    p = PRECISIONS[precision]
+    psi = Fraction(params)
+    param = psi * p.param_bytes / (dp if stage >= 3 else 1)
+    grad = psi * p.grad_bytes / (dp if stage >= 2 else 1)
+    optimizer_bytes = psi * optimizer.k(precision) / (dp if stage >= 1 else 1)
+    return param, grad, optimizer_bytes
+
+
+def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16", stage: int = 3,
+                      optimizer: OptimizerStates = ADAMW_FP32) -> float:
+    """Per-GPU bytes a node-aware mode (comm_model.STAGE_MODES) adds over plain ZeRO `stage`, this formula's
+    one home (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the
+    parameters; hybrid's sharded states over m instead of N ranks, (b_p + b_g + K)Ψ(1/m − 1/N) at stage 3,
+    (b_g + K)Ψ(1/m − 1/N) at stage 2, KΨ(1/m − 1/N) at stage 1 (model_state_bytes' shards)."""
+    p, modes = PRECISIONS[precision], CommModes.named(mode)
+    if modes.secondary_partition:
+        return psi * p.param_bytes / per_node
+    if modes.hybrid:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage {stage} is invalid for +hybrid; valid: 1, 2, 3 (stage 0 shards nothing)")
+        return sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision, optimizer)) - \
+            sum(float(x) for x in model_state_bytes(psi, stage, dp, precision, optimizer))
+    return 0.0

@@ -1,0 +1,72 @@
+"""Muon (K. Jordan 2024, "Muon: An optimizer for hidden layers in neural networks"; scale by Moonshot, Liu et al.
+2025, "Muon is Scalable for LLM Training"), AdamW for the parameters it does not take.
+
+Each hidden matrix W (every 2-D parameter but embeddings and output layers, `takes_matrix`), whole:
+    b ← μ·b + g                                   (the momentum buffer, elementwise, kept sharded like any state)
+    U = g + μ·b  (Nesterov; else U = b)
+    O = NS5(U)                                    (Newton–Schulz, 5 steps, fp32, on the WHOLE matrix)
+    W ← W·(1 − lr·λ) − lr · 0.2·√max(rows, cols) · O
+NS5: X = U / (‖U‖_F + 1e-7), transposed when rows > cols; ns_steps times A = X·Xᵀ, X ← a·X + (b·A + c·A·A)·X with
+(a, b, c) = (3.4445, −4.7750, 2.0315). The 0.2·√max(rows, cols) factor gives the update AdamW's RMS (Moonshot), so
+one lr and one weight decay serve both parts. A fused matrix (megatron's QKV, SwiGLU's gate/up fc1) is one matrix,
+orthogonalized as a whole: the TP shards joined along their partition dimension are that matrix up to a row
+permutation (SwiGLU's [gate; up] per rank), which NS commutes with.
+"""
+import fnmatch
+
+from zero3d.config import MuonKeys
+from zero3d.optim.adamw import ADAMW
+from zero3d.optim.spec import MatrixRule, OptimizerSpec
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+RMS_SCALE = 0.2  # Moonshot: the update's RMS matched to AdamW's
+NOT_HIDDEN = ("*embedding*", "*output_layer*", "*lm_head*")  # 2-D, yet AdamW's: the input and output layers
+
+
+def takes_matrix(name: str, shape: tuple) -> bool:
+    """A hidden matrix: 2-D, not an embedding nor an output layer (names matching NOT_HIDDEN)."""
+    return len(shape) == 2 and not any(fnmatch.fnmatchcase(name, pattern) for pattern in NOT_HIDDEN)
+
+
+def momentum_direction(grads, states, hyper) -> list:
+    """b ← μ·b + g in place; the direction U = g + μ·b (Nesterov) or b, in fp32."""
+    import torch
+    buffers = states["momentum_buffer"]
+    torch._foreach_mul_(buffers, hyper.momentum)
+    torch._foreach_add_(buffers, grads)
+    if not hyper.nesterov:
+        return list(buffers)
+    return torch._foreach_add(grads, buffers, alpha=hyper.momentum)
+
+
+def newton_schulz(matrix, steps: int):
+    """The orthogonalization of Muon (its quintic Newton–Schulz iteration), in fp32."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm() + NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def orthogonalized_update(matrix, hyper):
+    """NS5 of the whole matrix's direction, scaled to AdamW's RMS: 0.2·√max(rows, cols)."""
+    return newton_schulz(matrix, hyper.ns_steps).mul_(RMS_SCALE * max(matrix.shape) ** 0.5)
+
+
+def decoupled_apply(params, updates, lr, weight_decay) -> None:
+    """W ← W·(1 − lr·λ) − lr·O."""
+    import torch
+    if weight_decay:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_add_(params, updates, alpha=-lr)
+
+
+MUON = OptimizerSpec(name="muon", hyper=MuonKeys, states=ADAMW.states, update=ADAMW.update,
+                     matrix=MatrixRule(takes=takes_matrix, states=("momentum_buffer",), direction=momentum_direction,
+                                       transform=orthogonalized_update, apply=decoupled_apply))

@@ -1,0 +1,70 @@
+"""What an optimizer is to the engine (`OptimizerSpec`): its own [optimizer] keys, its states per kind of group and
+its update, elementwise over flat fp32 master pieces; optionally a rule for the parameters it takes whole (Muon).
+
+Nothing here imports torch: the config, the planner and the estimator read a spec's keys and bytes without it.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+MASTER_BYTES = 4  # the fp32 master copy of a parameter, whatever the optimizer
+STATE_DTYPES = {"fp32": 4, "bf16": 2}  # optimizer.state_dtype -> bytes per element of each state
+
+
+@dataclass(frozen=True)
+class MatrixRule:
+    """How a spec updates the 2-D parameters it takes whole (Muon's hidden matrices): a direction per element
+    (its own states, updated in place), a transform of the whole matrix's direction, and the update applied."""
+
+    takes: Callable
+    """(parameter name, shape) -> whether the rule updates it (Muon: 2-D, not an embedding or output layer)."""
+
+    states: tuple
+    """Its per-element states (Muon: momentum_buffer), kept like every other state (sharded, offloaded, saved)."""
+
+    direction: Callable
+    """(grads, {state: [tensors]}, hyper) -> [fp32 direction per tensor]; updates the states in place."""
+
+    transform: Callable
+    """(whole matrix's direction, 2-D fp32, hyper) -> the matrix's update (Muon: Newton–Schulz, scaled)."""
+
+    apply: Callable
+    """(params, updates, lr, weight_decay) -> None: the update applied to the fp32 masters in place."""
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer over flat fp32 master tensors: elementwise, so a sharded update equals the whole one, except
+    for the parameters its `matrix` rule takes whole (the engine hands it each such matrix whole)."""
+
+    name: str
+    """Its `optimizer.name`, and the name a checkpoint's manifest records (`optimizer`)."""
+
+    hyper: Optional[type]
+    """Its own keys of [optimizer], a dataclass that validates itself (built by OptimizerConfig.hyper); None: no keys."""
+
+    states: tuple
+    """Its per-element states over the groups it updates elementwise: keys of `optimizer.state[piece]`, checkpoint
+    tensors "optim/<state>/<key>" and, under NVMe offload, files."""
+
+    update: Callable
+    """(params, grads, {state: [tensors]}, steps, lr, weight_decay, hyper, fused) -> None: one step over lists of
+    fp32 tensors (the states fp32 too), in place; `steps`: 0-dim fp32 tensors, the steps taken before this one (read
+    only: the optimizer counts). `fused`: the device's fused kernels where the update has them (a GPU)."""
+
+    matrix: Optional[MatrixRule] = None
+    """The parameters it takes whole, and how (None: every parameter elementwise)."""
+
+    legacy_step_key: Optional[str] = None
+    """The manifest key its step count had before the spec-neutral `optimizer_step` (AdamW's, zero3d/optim/adamw.py):
+    read from checkpoints that lack `optimizer_step`, and still written beside it."""
+
+    def states_of(self, matrix: bool) -> tuple:
+        """The states of a group: the matrix rule's for a group of whole matrices, else the elementwise ones."""
+        return self.matrix.states if matrix and self.matrix else self.states
+
+    def state_bytes(self, matrix: bool = False, state_dtype: str = "fp32") -> int:
+        """Bytes of state per element of a group's master (the master's own 4 bytes not included)."""
+        return len(self.states_of(matrix)) * STATE_DTYPES[state_dtype]
+
+    def takes_whole(self, name: str, shape: tuple) -> bool:
+        return self.matrix is not None and self.matrix.takes(name, tuple(shape))

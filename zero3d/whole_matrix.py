@@ -1,0 +1,223 @@
+"""The whole-matrix step (Muon under ZeRO and TP): each matrix's update computed from the WHOLE matrix's direction.
+
+ZeRO's flat buckets cut a matrix into DP ranks' pieces (stages 1-3) and megatron cuts it into TP shards (column-
+parallel layers by rows, row-parallel ones by columns: `ParamSlot.partition_dim`). Per optimizer step:
+
+1. owners: every matrix of a sharded group has one owner among the DP ranks, fixed at start-up, balanced over the
+   group by cost (elements × the smaller side: Newton–Schulz's matmuls), largest first, each to the least loaded
+   rank (ties: the lowest); the same on every TP rank (their layouts are the same), so a matrix's TP shards are
+   owned by one TP group;
+2. one all-to-all over the DP group (tag "muon"): each rank sends every owner its pieces of the owner's matrices;
+   the owner assembles each TP-local matrix;
+3. one all-gather over the TP group (tag "muon_tp") of the TP-partitioned matrices the rank computes: each joined
+   along its partition dimension into the full matrix, which every rank of the TP group transforms alike (the
+   same inputs and kernels: the same result) and keeps its own shard of;
+4. one all-to-all back (tag "muon"): every rank receives the update of its pieces.
+
+A matrix of a replicated group (stage 0, stage 3's persistent parameters) is whole on every DP rank: each computes
+it itself (steps 3 only). Padding and elements of no matrix get a zero update.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from zero3d.comm.core import Comm
+from zero3d.flat import ParamSlot
+from zero3d.optim.flat_optimizer import hyper_of
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix of a whole-matrix group: where each DP rank holds which elements of it (master coordinates)."""
+
+    group: str
+    slot: ParamSlot
+    parts: tuple  # per DP rank: (lo, hi, at): elements [lo, hi) of the flattened TP-local matrix at master index `at`
+    owner: int  # the DP rank computing it; -1: every rank (a replicated group holds it whole everywhere)
+
+    def part(self, rank: int) -> Optional[tuple]:
+        return self.parts[rank] if self.owner >= 0 else (0, self.slot.numel, self.slot.start)
+
+
+def matrix_cost(slot: ParamSlot, tp_size: int) -> int:
+    """Newton–Schulz's work on the whole matrix: its elements × its smaller side."""
+    shape = list(slot.shape)
+    if slot.tp_partitioned:
+        shape[slot.partition_dim] *= tp_size
+    return shape[0] * shape[1] * min(shape)
+
+
+def assign_owners(costs: list, ranks: int) -> list:
+    """Each cost to a rank, largest first, to the least loaded (ties: the lowest rank)."""
+    load, owners = [0] * ranks, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[i]] += costs[i]
+    return owners
+
+
+def layout_matrices(groups: list, dp_size: int, tp_size: int) -> list:
+    """[Matrix] of `groups` = [(name, FlatLayout, replicated)], in group and slot order, owners assigned."""
+    out, sharded = [], []
+    for name, layout, replicated in groups:
+        for slot in layout.slots:
+            if replicated:
+                out.append(Matrix(name, slot, (), -1))
+                continue
+            parts = []
+            for rank in range(dp_size):
+                ranges = [(lo - slot.start, hi - slot.start, at) for s, lo, hi, at in layout.owned_slot_ranges(rank)
+                          if s.name == slot.name]
+                parts.append(ranges[0] if ranges else None)
+            sharded.append(len(out))
+            out.append(Matrix(name, slot, tuple(parts), 0))
+    owners = assign_owners([matrix_cost(out[i].slot, tp_size) for i in sharded], dp_size)
+    for i, owner in zip(sharded, owners):
+        out[i] = Matrix(out[i].group, out[i].slot, out[i].parts, owner)
+    return out
+
+
+class WholeMatrixStep:
+    """The optimizer's `orthogonalize`: [(group, offset, direction piece)] -> [update piece], each matrix's update
+    `transform(whole matrix)` computed as the module docstring says, over `dp` (the shard group) and `tp`."""
+
+    def __init__(self, groups: list, dp: Comm, tp: Optional[Comm], transform: Callable, device: torch.device):
+        self.dp, self.tp, self.transform, self.device = dp, tp, transform, device
+        partitioned = [slot.name for _, layout, _ in groups for slot in layout.slots if slot.tp_partitioned]
+        if tp is None and partitioned:
+            raise ValueError(f"{partitioned[0]} is tensor-parallel, and the optimizer takes it whole: the engine needs "
+                             "the TP group to join its shards (ParallelGroups.tp_group)")
+        self.tp_size = tp.size if tp is not None else 1
+        self.matrices = layout_matrices(groups, dp.size, self.tp_size)
+        me = dp.rank
+        self.computed = [m for m in self.matrices if m.owner in (me, -1)]
+        self.exchanged = [m for m in self.matrices if m.owner >= 0]
+
+    def _part_sizes(self, rank: int, owner: int) -> int:
+        """Elements rank `rank` holds of the matrices `owner` owns."""
+        return sum(m.parts[rank][1] - m.parts[rank][0] for m in self.exchanged
+                   if m.owner == owner and m.parts[rank] is not None)
+
+    def __call__(self, pieces: list) -> list:
+        by_group = {}
+        for group, offset, tensor in pieces:
+            by_group.setdefault(group, []).append((offset, tensor))
+
+        def view(group: str, at: int, n: int) -> torch.Tensor:
+            for offset, tensor in by_group[group]:
+                if offset <= at and at + n <= offset + tensor.numel():
+                    return tensor[at - offset:at - offset + n]
+            raise AssertionError(f"elements [{at}, {at + n}) of group {group!r} lie in no piece handed over")
+
+        me, size = self.dp.rank, self.dp.size
+        local = self._gather_owned(view, me, size)
+        updates = self._transform(local)
+        out = [torch.zeros_like(tensor) for _, _, tensor in pieces]
+        out_by_group = {}
+        for (group, offset, _), tensor in zip(pieces, out):
+            out_by_group.setdefault(group, []).append((offset, tensor))
+
+        def out_view(group: str, at: int, n: int) -> torch.Tensor:
+            for offset, tensor in out_by_group[group]:
+                if offset <= at and at + n <= offset + tensor.numel():
+                    return tensor[at - offset:at - offset + n]
+            raise AssertionError(f"elements [{at}, {at + n}) of group {group!r} lie in no piece handed over")
+
+        for m in self.matrices:
+            if m.owner == -1:
+                out_view(m.group, m.slot.start, m.slot.numel).copy_(updates[id(m)])
+        self._scatter_back(updates, out_view, me, size)
+        return out
+
+    def _gather_owned(self, view: Callable, me: int, size: int) -> dict:
+        """{id(matrix): its TP-local direction, flat fp32 on the device} of every matrix this rank computes."""
+        local = {}
+        for m in self.matrices:
+            if m.owner == -1:
+                local[id(m)] = view(m.group, m.slot.start, m.slot.numel).to(self.device, torch.float32)
+        if not self.exchanged:
+            return local
+        sends = [[view(m.group, m.parts[me][2], m.parts[me][1] - m.parts[me][0]) for m in self.exchanged
+                  if m.owner == owner and m.parts[me] is not None] for owner in range(size)]
+        send = torch.cat([t.reshape(-1) for chunk in sends for t in chunk] or [torch.zeros(0)]).to(
+            self.device, torch.float32)
+        in_splits = [sum(t.numel() for t in chunk) for chunk in sends]
+        out_splits = [self._part_sizes(rank, me) for rank in range(size)]
+        received = torch.empty(sum(out_splits), dtype=torch.float32, device=self.device)
+        self.dp.all_to_all_v(received, send, out_splits, in_splits, tag="muon")
+        starts = [sum(out_splits[:r]) for r in range(size)]
+        for m in self.exchanged:
+            if m.owner != me:
+                continue
+            flat = torch.zeros(m.slot.numel, dtype=torch.float32, device=self.device)
+            for rank in range(size):
+                part = m.parts[rank]
+                if part is not None:
+                    n = part[1] - part[0]
+                    flat[part[0]:part[1]] = received[starts[rank]:starts[rank] + n]
+                    starts[rank] += n
+            local[id(m)] = flat
+        return local
+
+    def _transform(self, local: dict) -> dict:
+        """{id(matrix): this TP rank's shard of transform(whole matrix), flat} for every matrix this rank computes;
+        the TP shards joined by one all-gather over the TP group."""
+        joined = [m for m in self.computed if m.slot.tp_partitioned and self.tp_size > 1]
+        gathered, at = None, {}
+        if joined:
+            mine = torch.cat([local[id(m)] for m in joined])
+            gathered = torch.empty(self.tp_size * mine.numel(), dtype=torch.float32, device=self.device)
+            self.tp.all_gather(gathered, mine, tag="muon_tp")
+            gathered = gathered.view(self.tp_size, -1)
+            offset = 0
+            for m in joined:
+                at[id(m)] = offset
+                offset += m.slot.numel
+        out = {}
+        for m in self.computed:
+            shape, dim = m.slot.shape, m.slot.partition_dim
+            if id(m) in at:
+                lo = at[id(m)]
+                shards = [gathered[r, lo:lo + m.slot.numel].view(shape) for r in range(self.tp_size)]
+                whole = self.transform(torch.cat(shards, dim=dim))
+                out[id(m)] = whole.chunk(self.tp_size, dim=dim)[self.tp.rank].reshape(-1)
+            else:
+                out[id(m)] = self.transform(local[id(m)].view(shape)).reshape(-1)
+        return out
+
+    def _scatter_back(self, updates: dict, out_view: Callable, me: int, size: int) -> None:
+        """Every owner sends each rank the update of that rank's pieces of its matrices (the reverse all-to-all)."""
+        if not self.exchanged:
+            return
+        sends = [[updates[id(m)][m.parts[rank][0]:m.parts[rank][1]] for m in self.exchanged
+                  if m.owner == me and m.parts[rank] is not None] for rank in range(size)]
+        send = torch.cat([t for chunk in sends for t in chunk] or [torch.zeros(0, device=self.device)])
+        in_splits = [sum(t.numel() for t in chunk) for chunk in sends]
+        out_splits = [self._part_sizes(me, owner) for owner in range(size)]
+        received = torch.empty(sum(out_splits), dtype=torch.float32, device=self.device)
+        self.dp.all_to_all_v(received, send, out_splits, in_splits, tag="muon")
+        starts = [sum(out_splits[:r]) for r in range(size)]
+        for m in self.exchanged:
+            part = m.parts[me]
+            if part is None:
+                continue
+            n = part[1] - part[0]
+            out_view(m.group, part[2], n).copy_(received[starts[m.owner]:starts[m.owner] + n])
+            starts[m.owner] += n
+
+
+def whole_matrix_step(groups: dict, dp: Comm, tp: Optional[Comm], spec, config, device) -> Optional[WholeMatrixStep]:
+    """The step over the engine's groups of whole matrices ({name: GroupState} with `matrix`, `layout` and
+    `master_pieces`), transforming each matrix by the spec's matrix rule; None when no group holds whole matrices."""
+    matrices = [(name, group.layout, replicated(group)) for name, group in groups.items() if group.matrix]
+    if not matrices:
+        return None
+    hyper = hyper_of(spec, config)
+    return WholeMatrixStep(matrices, dp, tp, lambda whole: spec.matrix.transform(whole, hyper), device)
+
+
+def replicated(group) -> bool:
+    """Its master covers the whole buffer on every DP rank (stage 0, stage 3's persistent groups), not a shard."""
+    master_numel = sum(piece.numel() for _, piece in group.master_pieces)
+    return master_numel == group.layout.padded_numel and group.layout.shard_numel != group.layout.padded_numel
