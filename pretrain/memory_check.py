@@ -20,7 +20,7 @@ def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> Me
         micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, pa=z.partition_activations,
         pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
         prefetch_units=z.prefetch_units, gpu_memory_bytes=gpu_memory_bytes,
-        loss_chunk_tokens=m.loss_chunk_tokens, secondary_partition=z.comm_modes().secondary_partition,
+        loss_chunk_tokens=m.loss_chunk_tokens, loss_recompute=m.loss_recompute, secondary_partition=z.comm_modes().secondary_partition,
         hybrid=z.comm_modes().hybrid, dp_per_node=dp_per_node(cfg, world_size),
         attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size), cp=cfg.parallel.context,
         optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype, float8=cfg.precision.fp8,

@@ -30,7 +30,7 @@ def pipeline_micro_batches(engine, micro_batches: list, seq_length: int, forward
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         inputs, positions, mask, labels, loss_mask = local_inputs(batch, context)  # middle stages: the mask
-        output = engine(inputs, positions, mask, labels=labels)
+        output = engine(inputs, positions, mask, labels=labels, loss_mask=loss_mask)  # the fused loss's weights
 
         def loss_func(per_token):
             loss = token_mean(per_token, loss_mask, loss_tokens, context[0])

@@ -75,7 +75,11 @@ class ModelConfig(Section):
     """Core attention (pretrain/model/attention.py): auto = Transformer Engine on GPU where importable, else torch's
     scaled_dot_product_attention; local = megatron's DotProductAttention; te refused where missing."""
     loss_chunk_tokens: int = 1024
-    """Output layer + cross-entropy this many tokens at a time (pretrain/model/loss.py); 0: megatron's, in one piece."""
+    """Output layer + cross-entropy this many tokens at a time, every gradient computed in the forward pass (fused:
+    no [tokens × vocab] logits, no second output GEMM; pretrain/model/loss.py); 0: megatron's, in one piece."""
+    loss_recompute: bool = False
+    """With loss_chunk_tokens > 0: each chunk recomputed in backward instead (one more output GEMM per step, nothing
+    of the loss kept between forward and backward, any function of the per-token losses differentiable)."""
     compile: Literal["auto", True, False] = "auto"
     """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it: true, false, or
     auto = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains)."""
@@ -134,6 +138,8 @@ class ModelConfig(Section):
                 f"model.ffn_hidden_size = {self.ffn_hidden_size} is invalid; must be > 0 (or unset: 4 × hidden_size)")
         require(self.loss_chunk_tokens >= 0, f"model.loss_chunk_tokens = {self.loss_chunk_tokens} is invalid; "
                 "must be >= 0 (0: the loss over all tokens at once)")
+        require(not self.loss_recompute or self.loss_chunk_tokens > 0, "model.loss_recompute = true needs "
+                "model.loss_chunk_tokens > 0 (0: megatron's loss, in one piece, has no chunks to recompute)")
         require(self.init_method_std > 0, f"model.init_method_std = {self.init_method_std} is invalid; must be > 0")
         for key in ("hidden_dropout", "attention_dropout"):
             require(0.0 <= getattr(self, key) < 1.0, f"model.{key} = {getattr(self, key)} must be in [0, 1)")
@@ -171,7 +177,8 @@ class ModelConfig(Section):
 
     def flops_per_step(self, tensor_parallel: int, global_batch: int) -> StepFlops:
         """Model and hardware FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
-        return self.shape.step_flops(global_batch, self.recompute == "full", tensor_parallel)
+        return self.shape.step_flops(global_batch, self.recompute == "full", tensor_parallel,
+                                     loss_recompute=self.loss_chunk_tokens > 0 and self.loss_recompute)
 
     @property
     def ffn_size(self) -> int:

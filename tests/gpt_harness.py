@@ -55,8 +55,9 @@ def init_by_global_name(model) -> None:
     assert not missing, f"parameters outside megatron's sharded_state_dict: {sorted(missing)}"
 
 
-def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout_free_init=False):
-    """Train `steps` steps; returns losses, grad norms, skips, final TP-local params, bytes, comm."""
+def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout_free_init=False, dataset=None):
+    """Train `steps` steps (on `dataset`'s samples, else SyntheticTokens); returns losses, grad norms, skips, final
+    TP-local params, bytes, comm."""
     cfg = load_config(None, BASE + list(overrides))
     topo = init_layout(cfg)
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
@@ -78,7 +79,8 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     if activations is not None:
         activations.record_into(engine.comm_stats)
     record_context_into(model, engine.comm_stats)
-    batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
+    dataset = dataset or SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length)
+    batches = Batches(dataset, cfg.train, cfg.data, topo)
     out = {"loss": [], "grad_norm": [], "skipped": [], "loss_scale": [], "comm": [], "comm_bytes": [], "comm_elements": [],
            "param_checksum": [], "params_init": {n: p.detach().float().clone() for n, p in full_params(engine).items()}}
     for step in range(steps):

@@ -220,27 +220,26 @@ def position_embedding(m) -> dict:
 
 def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
-    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; with
-    model.loss_chunk_tokens, its loss is computed in token chunks (pretrain/model/loss.py); at parallel.context > 1
+    `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; its loss and logits over
+    the real vocabulary (pretrain/model/loss.py: padding at −inf; model.loss_chunk_tokens: in chunks); at parallel.context > 1
     its attention layers share one `context_comm` (`record_context_into` counts it in the engine's CommStats)."""
     import contextlib
 
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron_patches import tied_embeddings_stay_on_cpu
 
-    from pretrain.model.loss import ChunkedLossGPTModel
+    from pretrain.model.loss import LossGPTModel
     on_cuda = device.type == "cuda"
     with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
-        chunked = {"chunk_tokens": cfg.model.loss_chunk_tokens} if cfg.model.loss_chunk_tokens else {}
-        model = (ChunkedLossGPTModel if chunked else GPTModel)(
+        model = LossGPTModel(real_vocab=cfg.model.vocab_size, chunk_tokens=cfg.model.loss_chunk_tokens,
+                         loss_recompute=cfg.model.loss_recompute,
                          config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
                          transformer_layer_spec=layer_spec(cfg, on_cuda, activations, context_comm(cfg)),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                          max_sequence_length=cfg.model.seq_length, **position_embedding(cfg.model),
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,
                          pre_process=parallel_state.is_pipeline_first_stage(),
-                         post_process=parallel_state.is_pipeline_last_stage(), **chunked)
+                         post_process=parallel_state.is_pipeline_last_stage())
     scale_rope_frequencies(model, cfg.model)
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
         from pretrain.model.attention import shared_attention_bias
@@ -342,5 +341,5 @@ def gpt_loss(model, batch, loss_tokens: Optional[torch.Tensor] = None, context: 
     with a loss mask (data.eod_mask_loss) the masked sum ÷ `loss_tokens` (pretrain.data.batch.token_mean).
     `context` = (cp, cp_rank): with cp > 1 this rank runs its chunks (local_inputs) and returns its share."""
     inputs, positions, mask, labels, loss_mask = local_inputs(batch, context)
-    per_token = model(inputs, positions, mask, labels=labels)
+    per_token = model(inputs, positions, mask, labels=labels, loss_mask=loss_mask)
     return token_mean(per_token, loss_mask, loss_tokens, context[0])

@@ -18,10 +18,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sdpa_trains_like_local_attention(layout, gpt_run):
     world, overrides = LAYOUTS[layout]
-    overrides = overrides + ["optimizer.lr=1e-2", "optimizer.min_lr=1e-2"]  # visible progress in 10 steps
+    overrides = overrides + ["optimizer.lr=3e-3", "optimizer.min_lr=3e-3"]  # visible progress in 10 steps
     local = gpt_run(world, overrides + ["model.attention=local"], STEPS)
     sdpa = gpt_run(world, overrides + ["model.attention=sdpa"], STEPS)
-    assert local[0]["loss"][-1] < local[0]["loss"][0]  # it trains
+    # it trains: each step's 4 samples differ, so the last 3 steps against the first 3 (at TP 2 the padded
+    # vocabulary, half the output layer here, takes no probability: no easy first steps of pushing it down)
+    assert sum(local[0]["loss"][-3:]) < sum(local[0]["loss"][:3]), local[0]["loss"]
     # Losses and gradient norms (the acceptance); parameters are not compared: the key bias's gradient is
     # zero up to rounding (softmax is shift-invariant), and Adam turns that rounding noise into ±lr steps.
     for r_local, r_sdpa in zip(local, sdpa):

@@ -77,9 +77,10 @@ def init_weights(model) -> None:
                 p.mul_(20.0)
 
 
-def forward(model, inputs):
+def forward(model, inputs, loss_mask):
+    """Per-token losses; `loss_mask`: the weights of their gradient (the fused loss's, pretrain/model/loss.py)."""
     inputs, positions, mask, labels = inputs
-    return model(inputs, positions, mask, labels=labels)
+    return model(inputs, positions, mask, labels=labels, loss_mask=loss_mask)
 
 
 def normalised_rank(rank, world_size):
@@ -101,8 +102,8 @@ def normalised_rank(rank, world_size):
     topo = init_layout(cfg)
     model = build_model(cfg, topo.device)
     init_weights(model)
-    per_token = [forward(model, gpt_inputs(b)) for b in batches]
     masks = [(b["tokens"][:, :-1] != EOD).float() for b in batches]  # by hand: every input but the EODs
+    per_token = [forward(model, gpt_inputs(b), m) for b, m in zip(batches, masks)]
     expected = sum((t * m).sum() for t, m in zip(per_token, masks)) / sum(m.sum() for m in masks)
     expected.backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -4,9 +4,8 @@ Qwen3's head size ≠ hidden / heads, Mistral's sliding window), imported with `
 ZeRO stage 3, and at TP 1 × DP 2, stage 1: step 1's loss equals transformers' on the same tokens within 1e-5 (fp32;
 the tokens are the test's, fed to each DP rank as its micro-batches, not chosen by zero3d's data path); the stage 3
 run's checkpoint exported with `export --format hf` gives back the original tensors bit for bit and the original
-class. Vocabulary 256: megatron pads nothing at TP 1 or 2. The padded-vocabulary variants (300: 512 rows at TP 2, in the
-stage 3 launch) start off transformers' loss until the loss excludes the padding (issue #53 item 1, the `loss` branch):
-they are strict xfails, which that merge turns into passes (and the markers are then removed)."""
+class. Vocabulary 256: megatron pads nothing at TP 1 or 2; the padded-vocabulary variants (300: 512 rows at TP 2, in the
+stage 3 launch) start at transformers' loss too, the padded ids getting no probability (pretrain/model/loss.py)."""
 from pathlib import Path
 
 import pytest
@@ -96,7 +95,6 @@ def test_step_one_loss_equals_transformers(families, kind, layout):
     _assert_loss(families, kind, VOCAB, layout)
 
 
-@pytest.mark.xfail(reason="needs the loss branch: padded vocabulary in the loss", strict=True)
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_step_one_loss_equals_transformers_with_a_padded_vocabulary(families, kind):
     _assert_loss(families, kind, PADDED_VOCAB, "tp2_dp2_stage3")

@@ -111,6 +111,39 @@ def test_continued_pretraining_at_tp2_dp2_stage3_starts_at_transformers_loss(tmp
     assert ranks[0]["loss"][0] == pytest.approx(expected, rel=1e-5, abs=0)
 
 
+class UniformTokens:
+    """The test's own samples (not the data path's): ids uniform over the whole vocabulary, the last real ones too."""
+
+    def __init__(self, vocab: int, seq_length: int):
+        self.vocab, self.seq_length = vocab, seq_length
+
+    def sample(self, i: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.seq_length + 1,), generator=torch.Generator().manual_seed(5000 + i))
+
+
+@pytest.mark.parametrize("kind, ranks, layout, seq", [("llama", 4, ["parallel.tensor=2", "zero.stage=3"], 16),
+                                                      ("gpt2", 2, ["parallel.tensor=1", "zero.stage=1"], 32)],
+                         ids=["llama-tp2-dp2-stage3", "gpt2-tied-tp1-dp2-stage1"])  # GPT-2: its 32 learned positions
+def test_an_import_at_a_padded_vocabulary_starts_at_transformers_loss(kind, ranks, layout, seq, tmp_path):
+    """Vocabulary 300: megatron pads the output layer to 512 rows at TP 2 (rank 1 holds ids 256..511, 44 real) and
+    to 384 at TP 1; the imported padded rows are zero, so a softmax over them would start log(512/300) = 0.53 (TP 2)
+    or log(384/300) = 0.25 (TP 1) above transformers. The first step's loss is transformers' on the same 8 samples."""
+    from gpt_harness import run_gpt_steps
+    from hf_models import build
+    from pretrain.checkpoint.hf import ImportedModel, model_overrides
+    hf = build(kind, vocab=300)
+    hf.save_pretrained(tmp_path)
+    overrides = model_overrides(ImportedModel(tmp_path).model) + [
+        f"model.seq_length={seq}", "train.global_batch_size=8", f'train.init_from="{tmp_path}"', *layout]
+    tokens = UniformTokens(300, seq)
+    out = run_ranks(run_gpt_steps, ranks, overrides, 1, None, False, tokens, timeout=300)
+    samples = torch.stack([tokens.sample(i) for i in range(8)])
+    with torch.no_grad():
+        logits = hf(samples[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), samples[:, 1:].flatten()).item()
+    assert out[0]["loss"][0] == pytest.approx(expected, rel=1e-5, abs=0)
+
+
 LLAMA_KEYS = ['model.position_embedding="rope"', 'model.mlp="swiglu"', 'model.norm="rmsnorm"', "model.num_query_groups=2",
               "model.bias=false", "model.ffn_hidden_size=48"]
 

@@ -174,10 +174,25 @@ def test_breakdown_terms():
     assert none.buffer_bytes == 4 * psi + 2 * unit * 2 + output_bucket + 25_165_824
     fp32 = estimate_from_shape(stage=0, precision="fp32", **shape)
     assert fp32.model_state_bytes == 16 * psi and fp32.working_set_bytes > none.working_set_bytes
-    # chunked loss (pretrain/model/loss.py): one chunk's fp32 logits; a chunk beyond the 2048 tokens holds them all
+    # chunked loss (pretrain/model/loss.py): one chunk's fp32 logits (a chunk beyond the 2048 tokens holds them all);
+    # fused (the default) also the fp32 output-weight gradient V_pad/t × h and the fp16 hidden gradient 2048 × h, kept
+    # from the loss's forward to its backward: what they exceed the buffers by (none in use then; CB 1000: 4000 B)...
+    stored = padded_vocab(50257, 4) // 4 * 1024 * 4 + 2048 * 1024 * 2
     for chunk, tokens in ((500, 500), (4096, 2 * 1024)):
-        chunked = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, **shape)
-        assert chunked.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 4
+        recomputed = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, loss_recompute=True, bucket_elements=1000,
+                                         **shape)
+        assert recomputed.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 4
+        fused = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, bucket_elements=1000, **shape)
+        assert fused.logits_bytes == recomputed.logits_bytes + stored - 4000
+    # ... and the layer recomputed in backward, none yet (micro-batch 1: 37.7 MB, the stored ones 54.0 MB); a
+    # 5e7-element bucket (200 MB fp32) holds them all
+    one = {**shape, "micro_batch": 1}
+    stored = padded_vocab(50257, 4) // 4 * 1024 * 4 + 1024 * 1024 * 2
+    full = estimate_from_shape(stage=2, recompute="full", loss_chunk_tokens=500, bucket_elements=1000, **one)
+    assert 0 < stored - 4000 - full.working_set_bytes
+    assert full.logits_bytes == 500 * padded_vocab(50257, 4) // 4 * 4 + stored - 4000 - full.working_set_bytes
+    large = estimate_from_shape(stage=2, loss_chunk_tokens=500, bucket_elements=50_000_000, **shape)
+    assert large.logits_bytes == 500 * padded_vocab(50257, 4) // 4 * 4
 
 
 def test_stage3_buffers_of_the_13b_h100_layout_by_hand():

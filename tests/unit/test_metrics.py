@@ -61,6 +61,11 @@ def test_layer_flops_for_another_ffn_grouped_query_attention_and_a_gated_mlp_by_
                           num_query_groups=2, gated_mlp=True)
     layers, logits = 2 * 69_632 * 4 * 32, 2 * 64 * 128 * 4 * 32
     assert (step.model, step.hardware) == (3 * (layers + logits), 4 * layers + 3 * logits)
+    # the chunked loss recomputed in backward (model.loss_recompute) runs the logits GEMM once more; the fused one
+    # (its two backward GEMMs in the forward pass) and megatron's do not
+    recomputed = gpt_step_flops(2, 64, 32, 128, 4, recompute=True, ffn_hidden=96, num_attention_heads=4,
+                                num_query_groups=2, gated_mlp=True, loss_recompute=True)
+    assert (recomputed.model, recomputed.hardware) == (3 * (layers + logits), 4 * layers + 4 * logits)
 
 
 # ---------------------------------------------------------------- throughput, peaks

@@ -16,6 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
     (ModelConfig, dict(hidden_size=100, num_attention_heads=3),
      "model.hidden_size = 100 is not divisible by model.num_attention_heads = 3"),
     (ModelConfig, dict(init_method_std=float("nan")), "model.init_method_std = nan is invalid; must be a finite number"),
+    (ModelConfig, dict(loss_chunk_tokens=0, loss_recompute=True),
+     "model.loss_recompute = true needs model.loss_chunk_tokens > 0"),
     (ParallelConfig, dict(sequence_parallel=True), "parallel.sequence_parallel = true needs parallel.tensor > 1"),
     (ParallelConfig, dict(pipeline=0), "parallel.pipeline = 0 is invalid; must be >= 1"),
     (DataConfig, dict(blend="0.3 a 0.7"), "data.blend = '0.3 a 0.7' does not parse: 3 words mix weights and prefixes"),

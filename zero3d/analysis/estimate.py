@@ -265,14 +265,15 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
              recompute: str = "none", pa: bool = False, pa_cpu: bool = False,
              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
              prefetch_units: int = ZeroConfig.prefetch_units, gpu_memory_bytes: float = V100_MEMORY_BYTES,
-             margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0,
+             margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0, loss_recompute: bool = False,
              secondary_partition: bool = False, hybrid: bool = False, dp_per_node: int = 1,
              attention: str = "local", mask_bytes: float = 0.0, cp: int = 1, optimizer: str = "adamw",
              state_dtype: str = "fp32", float8: str = "none",
              fp8_gather: bool = False) -> MemoryBreakdown:
     """Per-GPU memory of the GPT `shape` on gpus = tp × cp × dp under ZeRO `stage` (formulas: docs/estimator.md);
     ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
-    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py).
+    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py), fused (its
+    weight and hidden-state gradients kept from forward to backward) or, `loss_recompute`, recomputed in backward.
     ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
     `hybrid` shards the model states over the node's m ranks instead of all dp. `attention` (ATTENTION_KINDS):
     "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
@@ -306,8 +307,6 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
-    tokens = micro_batch * seq
-    logits = (min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens) * shape.padded_vocab(tp) // tp * 4
     host = 0.0
     if recompute == "none":
         checkpoints, working = 0.0, float(shape.layers * layer_bytes)
@@ -326,12 +325,30 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
                          attention=attention, cp=cp, float8=float8, fp8_gather=fp8_gather,
                          dp=dp_per_node if hybrid else dp)
     buffers = float(sum(terms.values()))
+    # the fused loss's stored gradients live from its forward to its backward's first step: beside the layer
+    # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak
+    logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
+                        beside=buffers + (layer_bytes if recompute != "none" else 0))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),
         mask_bytes=float(mask_bytes))
+
+
+def loss_bytes(shape: GPTShape, tokens: int, tp: int, activation_bytes: int, chunk_tokens: int = 0,
+               recompute: bool = False, beside: float = 0.0) -> float:
+    """What the loss of `tokens` tokens adds to the rank's peak on one TP rank (pretrain/model/loss.py): fp32 logits
+    of the rank's padded vocabulary slice for all tokens (`chunk_tokens` 0, megatron's) or one chunk; the fused
+    chunked loss (not `recompute`) also keeps its fp32 output-weight gradient [V/t, h] and the hidden-state gradient
+    [tokens, h] (activation dtype) from its forward to its backward, a moment at which the `beside` bytes counted
+    elsewhere (the buffers, a recomputed layer) are not in use: only what it holds beyond them is added."""
+    width = shape.padded_vocab(tp) // tp
+    if not chunk_tokens:
+        return float(tokens * width * 4)
+    stored = 0 if recompute else width * shape.hidden * 4 + tokens * shape.hidden * activation_bytes
+    return min(tokens, chunk_tokens) * width * 4 + max(0.0, stored - beside)
 
 
 def largest_fitting_layers(fits) -> int:
@@ -355,7 +372,7 @@ def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> st
     rows = [("parameters", m.param_bytes), ("gradients", m.grad_bytes),
             ("optimizer states (incl. master)", m.optimizer_bytes), ("  = model states", m.model_state_bytes),
             ("activation checkpoints", m.checkpoint_bytes), ("layer working set", m.working_set_bytes),
-            ("logits (fp32, loss)", m.logits_bytes)]
+            ("loss (logits, fused kept grads)", m.logits_bytes)]
     if m.mask_bytes:
         rows.append(("attention masks (documents)", m.mask_bytes))
     rows += [("  = activations", m.activation_bytes), ("temporary buffers", m.buffer_bytes),

@@ -10,8 +10,9 @@ class StepFlops:
     model: int
     """Forward and backward once (backward = 2 × forward): what MFU divides, as PaLM and torchtitan define it."""
     hardware: int
-    """model plus the recomputed forward of the transformer layers (`model.recompute = "full"`): the
-    arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU divides it)."""
+    """model plus the recomputed forward of the transformer layers (`model.recompute = "full"`) and of the output
+    layer (`model.loss_recompute`): the arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU
+    divides it)."""
     linears: int = 0
     """The part of `model` in the layers' QKV, projection and MLP GEMMs: what precision.fp8 runs in float8 (the
     attention scores and the logits stay bf16)."""
@@ -51,9 +52,11 @@ def layer_linear_flops_per_token(hidden: int, ffn_hidden: Optional[int] = None, 
 def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: int, global_batch: int,
                    recompute: bool, ffn_hidden: Optional[int] = None, num_attention_heads: int = 1,
                    num_query_groups: Optional[int] = None, gated_mlp: bool = False,
-                   head_dim: Optional[int] = None) -> StepFlops:
-    """Model and hardware FLOPs of one step. `vocab_size`: the padded vocabulary (the logit GEMM's width);
-    the logit layer (2·h·V a token) is never recomputed. Integers throughout, so the counts are exact."""
+                   head_dim: Optional[int] = None, loss_recompute: bool = False) -> StepFlops:
+    """Model and hardware FLOPs of one step. `vocab_size`: the padded vocabulary (the logit GEMM's width).
+    The logit layer (2·h·V a token) runs once forward and twice backward (megatron's loss, and the fused chunked
+    loss, which runs its two backward GEMMs in the forward pass); `loss_recompute` (the chunked loss recomputed in
+    backward) runs its forward once more. Integers throughout, so the counts are exact."""
     tokens = global_batch * seq_length
     layers = num_layers * layer_forward_flops_per_token(hidden, seq_length, ffn_hidden, num_attention_heads,
                                                         num_query_groups, gated_mlp, head_dim) * tokens
@@ -61,7 +64,8 @@ def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: in
     model = 3 * (layers + logits)
     linears = 3 * num_layers * layer_linear_flops_per_token(hidden, ffn_hidden, num_attention_heads, num_query_groups,
                                                             gated_mlp, head_dim) * tokens
-    return StepFlops(model=model, hardware=model + (layers if recompute else 0), linears=linears)
+    return StepFlops(model=model, hardware=model + (layers if recompute else 0) + (logits if loss_recompute else 0),
+                     linears=linears)
 
 
 def gpt_flops_per_step(num_layers: int, hidden: int, seq_length: int, vocab_size: int,

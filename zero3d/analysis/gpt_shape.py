@@ -184,11 +184,12 @@ class GPTShape:
 
     # ------------------------------------------------------------------ FLOPs
 
-    def step_flops(self, global_batch: int, recompute: bool, tp: int = 1) -> StepFlops:
+    def step_flops(self, global_batch: int, recompute: bool, tp: int = 1, loss_recompute: bool = False) -> StepFlops:
         """Model and hardware FLOPs of one step over the vocabulary padded for `tp` (zero3d.analysis.flops)."""
         return gpt_step_flops(self.layers, self.hidden, self.seq, self.padded_vocab(tp), global_batch, recompute,
                               ffn_hidden=self.ffn_size, num_attention_heads=self.heads,
-                              num_query_groups=self.groups, gated_mlp=self.gated, head_dim=self.head_dim)
+                              num_query_groups=self.groups, gated_mlp=self.gated, head_dim=self.head_dim,
+                              loss_recompute=loss_recompute)
 
     # ------------------------------------------------------------------ activations (bytes, one TP rank)
 

@@ -1,0 +1,90 @@
+"""The fused chunked loss (pretrain/model/loss.py, one TP rank) against torch's cross-entropy over the real vocabulary,
+written out here: per-token loss and the gradients of the hidden states, the weight and the bias; padded rows get
+none; a gradient that is not the loss mask times one number is refused. (TP 2, SP, the recomputed and megatron's
+losses, and the model path: tests/dist/test_loss.py.)"""
+import pytest
+import torch
+
+from pretrain.model.loss import chunked_loss
+
+S, B, H, WIDTH, VOCAB, CHUNK = 7, 3, 16, 40, 29, 4  # 21 tokens in chunks of 4 (the last 1); rows 29..39 padding
+
+
+def inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(S, B, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(WIDTH, H, generator=g) * 0.5).to(dtype).requires_grad_()
+    bias = (torch.randn(WIDTH, generator=g) * 0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (S, B), generator=g)
+    labels[0, 0] = VOCAB - 1  # the last real id
+    mask = torch.rand(S, B, generator=g).round() * torch.linspace(0.5, 1.5, S * B).view(S, B)  # zeros, unequal weights
+    return hidden, weight, bias, labels, mask
+
+
+def reference(hidden, weight, bias, labels, mask):
+    """torch's cross-entropy over the first VOCAB columns of hidden · weightᵀ + bias, in fp32; the masked mean."""
+    hidden, weight, bias = (t.detach().float().requires_grad_() for t in (hidden, weight, bias))
+    logits = hidden @ weight.t() + bias
+    per_token = torch.nn.functional.cross_entropy(logits[..., :VOCAB].flatten(0, 1), labels.flatten(), reduction="none")
+    ((per_token * mask.flatten()).sum() / mask.sum()).backward()
+    return per_token.view(S, B), hidden.grad, weight.grad, bias.grad
+
+
+def fused(hidden, weight, bias, labels, mask, grad_weights=None):
+    per_token = chunked_loss(hidden, weight, bias, labels, CHUNK, False, None, VOCAB, loss_mask=mask)
+    weights = mask if grad_weights is None else grad_weights
+    ((per_token * weights).sum() / mask.sum()).backward()
+    return per_token.detach(), hidden.grad, weight.grad, bias.grad
+
+
+def test_fused_loss_and_every_gradient_equal_cross_entropy_over_the_real_vocabulary():
+    args = inputs()
+    expected = reference(*args)
+    got = fused(*args)
+    for name, a, b in zip(("loss", "hidden", "weight", "bias"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+    assert got[2][VOCAB:].abs().max() == 0 and got[3][VOCAB:].abs().max() == 0  # padded rows: no gradient
+    assert expected[2][:VOCAB].abs().max() > 1e-2  # the real rows do move
+    # the padded columns matter: a softmax over all 40 columns gives another loss
+    full = torch.nn.functional.cross_entropy((args[0] @ args[1].t() + args[2]).flatten(0, 1), args[3].flatten())
+    assert abs(full.item() - got[0].flatten().mean().item()) > 1e-2
+
+
+def test_without_a_loss_mask_every_token_counts_once():
+    hidden, weight, bias, labels, _ = inputs()
+    ones = torch.ones(S, B)
+    expected = reference(hidden, weight, bias, labels, ones)
+    per_token = chunked_loss(hidden, weight, bias, labels, CHUNK, False, None, VOCAB)
+    per_token.mean().backward()
+    for name, a, b in zip(("loss", "hidden", "weight", "bias"), (per_token, hidden.grad, weight.grad, bias.grad),
+                          expected):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_fused_loss_within_its_rounding_of_fp32(dtype):
+    """bf16 / fp16 weights and hidden states: the logits GEMM in the model dtype, softmax and sums in fp32, the weight
+    gradient summed over the chunks in fp32; within 4 units of the dtype's rounding (u = 2⁻⁸ bf16, 2⁻¹¹ fp16)
+    relative to the largest element, of fp32 on the same rounded inputs."""
+    args = inputs(dtype)
+    expected = reference(*args)
+    got = fused(*args)
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for name, a, b in zip(("loss", "hidden", "weight", "bias"), got, expected):
+        assert a.dtype == (torch.float32 if name == "loss" else dtype), name
+        assert (a.float() - b).abs().max() <= 4 * u * b.abs().max(), name
+
+
+def test_a_gradient_not_the_loss_mask_times_one_number_is_refused():
+    """The weight gradient is summed over tokens in forward: backward can only scale it by one number."""
+    args = inputs()
+    with pytest.raises(RuntimeError, match="model.loss_recompute = true"):
+        fused(*args, grad_weights=torch.linspace(0.5, 1.5, S * B).view(S, B))
+
+
+def test_without_gradients_the_loss_alone():
+    hidden, weight, bias, labels, mask = inputs()
+    with torch.no_grad():
+        per_token = chunked_loss(hidden, weight, bias, labels, CHUNK, False, None, VOCAB, loss_mask=mask)
+    assert not per_token.requires_grad
+    torch.testing.assert_close(per_token, reference(hidden, weight, bias, labels, mask)[0], rtol=1e-6, atol=1e-6)
