@@ -10,8 +10,9 @@ class StepFlops:
     model: int
     """Forward and backward once (backward = 2 × forward): what MFU divides, as PaLM and torchtitan define it."""
     hardware: int
-    """model plus the recomputed forward of the transformer layers (`model.recompute = "full"`): the
-    arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU divides it)."""
+    """model plus what recomputation adds: the transformer layers' whole forward (`model.recompute = "full"`), or
+    under selective recomputation with materialised attention its two score GEMMs (selective keeps every other
+    GEMM's output): the arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU divides it)."""
 
 
 def layer_forward_flops_per_token(hidden: int, seq_length: int, ffn_hidden: Optional[int] = None,
@@ -37,15 +38,19 @@ def layer_forward_flops_per_token(hidden: int, seq_length: int, ffn_hidden: Opti
 
 def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: int, global_batch: int,
                    recompute: bool, ffn_hidden: Optional[int] = None, num_attention_heads: int = 1,
-                   num_query_groups: Optional[int] = None, gated_mlp: bool = False) -> StepFlops:
+                   num_query_groups: Optional[int] = None, gated_mlp: bool = False,
+                   recomputed_attention: bool = False) -> StepFlops:
     """Model and hardware FLOPs of one step. `vocab_size`: the padded vocabulary (the logit GEMM's width);
-    the logit layer (2·h·V a token) is never recomputed. Integers throughout, so the counts are exact."""
+    the logit layer (2·h·V a token) is never recomputed. `recompute`: every layer's forward again (full);
+    `recomputed_attention`: only the score GEMMs QKᵀ and AV again, 4·s·h a token a layer (selective recomputation
+    of materialised attention). Integers throughout, so the counts are exact."""
     tokens = global_batch * seq_length
     layers = num_layers * layer_forward_flops_per_token(hidden, seq_length, ffn_hidden, num_attention_heads,
                                                         num_query_groups, gated_mlp) * tokens
     logits = 2 * hidden * vocab_size * tokens
     model = 3 * (layers + logits)
-    return StepFlops(model=model, hardware=model + (layers if recompute else 0))
+    again = layers if recompute else num_layers * 4 * seq_length * hidden * tokens if recomputed_attention else 0
+    return StepFlops(model=model, hardware=model + again)
 
 
 def gpt_flops_per_step(num_layers: int, hidden: int, seq_length: int, vocab_size: int,

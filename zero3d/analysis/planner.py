@@ -105,7 +105,8 @@ class Candidate:
 
 def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
               global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
-              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw") -> dict:
+              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw",
+              attention: str = "local") -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
     hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included).
     `cp` context-parallel ranks: each runs S/cp tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp.
@@ -117,7 +118,8 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
                          f"{micro_batch} × {dp}")
     accumulation = global_batch // (micro_batch * dp)
     act_bytes = PRECISIONS[precision].activation_bytes
-    flops = model.step_flops(global_batch, recompute == "full", tp).hardware
+    flops = model.step_flops(global_batch, recompute == "full", tp,
+                             recomputed_attention=recompute == "selective" and attention == "local").hardware
     compute = flops / (gpus * cluster.peak_flops * cluster.efficiency)
     micro_compute = compute / accumulation
     # MP link: NVSwitch while the TP group stays inside a node, else the node's share of IB
@@ -320,7 +322,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                        global_batch=step_batch, params_per_rank=memory.params_per_rank,
                        recompute=shape["recompute"], precision=shape["precision"],
                        pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
-                       cp=cp, optimizer=shape.get("optimizer", "adamw"))
+                       cp=cp, optimizer=shape.get("optimizer", "adamw"), attention=shape["attention"])
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 
