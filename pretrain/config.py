@@ -269,6 +269,10 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _check_fp16_only(cfg.precision)  # before the rebuild: its message names the dtype
     _rebuild_sections(cfg)
     m, p, z, o, t = cfg.model, cfg.parallel, cfg.zero, cfg.optimizer, cfg.train
+    _require(m.recompute != "selective" or p.context == 1,
+             f"model.recompute = \"selective\" with parallel.context = {p.context} is not supported: context-parallel "
+             "attention's causal bias is a tensor subclass torch's selective checkpoint cannot replay; use "
+             "model.recompute = \"full\" or \"none\"")
     _require(m.num_layers % p.pipeline == 0,
              f"model.num_layers = {m.num_layers} is not divisible by parallel.pipeline = {p.pipeline}; "
              "every pipeline stage holds the same number of layers")

@@ -178,7 +178,8 @@ class ModelConfig(Section):
     def flops_per_step(self, tensor_parallel: int, global_batch: int) -> StepFlops:
         """Model and hardware FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
         return self.shape.step_flops(global_batch, self.recompute == "full", tensor_parallel,
-                                     loss_recompute=self.loss_chunk_tokens > 0 and self.loss_recompute)
+                                     loss_recompute=self.loss_chunk_tokens > 0 and self.loss_recompute,
+                                     recomputed_attention=self.recompute == "selective" and self.attention == "local")
 
     @property
     def ffn_size(self) -> int:

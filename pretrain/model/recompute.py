@@ -2,8 +2,8 @@
 outputs kept for backward, every other op recomputed from them in backward.
 
 torch's selective activation checkpointing (`torch.utils.checkpoint` with a policy, torchtitan's op-level "selective"
-mode) over the layer's forward: the outputs of the ops in `SAVED_OPS` are cached in forward and handed back when the
-layer is recomputed in backward; the norms, RoPE, the MLP's activation function, the residual adds and megatron's
+mode) over the layer's forward: the outputs of its GEMMs (QKV, projection, fc1, fc2) and of fused attention are cached
+in forward and handed back when the layer is recomputed in backward; the norms, RoPE, the MLP's activation function, the residual adds and megatron's
 materialised attention scores and softmax (its `core_attn` recompute) run again instead of being kept. Collectives
 that reduce in place (the tensor-parallel all-reduces) are kept too; those that fill a new buffer (sequence
 parallelism's gathers and reduce-scatters, context parallelism's K/V gathers) run again, as under full recomputation;
@@ -19,18 +19,21 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
-# The GEMMs of the layer's linear layers (2-D after megatron's reshapes; _scaled_mm: FP8) and the fused attention
-# kernels (flash / memory-efficient / cuDNN on CUDA, flash on CPU): what is kept. Batched GEMMs (bmm, baddbmm: the
-# materialised attention's scores and its weighted values) are not: they are the core attention megatron recomputes.
+# The linear layers' GEMMs (2-D after megatron's reshapes; _scaled_mm: FP8) and the fused attention kernels (flash /
+# memory-efficient / cuDNN on CUDA, flash on CPU): kept. fc2's output too, though backward never reads it: torch's
+# recomputation stops only once every tensor backward needs is made again, and a megatron linear hands autograd its
+# input (fc2's: the activation's output) after its GEMM has run, so not keeping it costs fc2's GEMM again. Batched
+# GEMMs (bmm, baddbmm: the materialised attention's scores and its weighted values) are not kept: they are the core
+# attention megatron recomputes.
 SAVED_OPS = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default,
     _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
 })
-# Collectives that reduce a tensor in place (the row-parallel all-reduce of a GEMM's output, which is kept): kept, so
-# the recomputation reads the reduced GEMM output back without reducing it again. The others write a new buffer
-# (sequence parallelism's gathers and reduce-scatters, context parallelism's K/V gathers): recomputed, as megatron's
-# full recomputation does, since their callers read the buffer they allocated, not the op's result.
+# Collectives that reduce a tensor in place (the row-parallel all-reduces of the kept projection and fc2 outputs):
+# kept, so the recomputation reads the reduced GEMM output back without reducing it again. The others write a new
+# buffer (sequence parallelism's gathers and reduce-scatters, context parallelism's K/V gathers): recomputed, as
+# megatron's full recomputation does, since their callers read the buffer they allocated, not the op's result.
 KEPT_COLLECTIVES = frozenset({"c10d::allreduce_", "c10d::allreduce_coalesced_", "_c10d_functional::all_reduce_"})
 
 

@@ -49,10 +49,11 @@ QWEN = [k for k in LLAMA if k != "model.qk_layernorm=true"] + ["model.head_dim=2
                                        LLAMA, LLAMA + ['model.recompute="full"'], ['model.mlp="gelu_tanh"'],
                                        LLAMA + ["model.head_dim=24"], QWEN,
                                        ["model.loss_chunk_tokens=32"], ["model.loss_chunk_tokens=0"],
-                                       ["model.loss_chunk_tokens=32", "model.loss_recompute=true"]],
+                                       ["model.loss_chunk_tokens=32", "model.loss_recompute=true"],
+                                       LLAMA + ['model.recompute="selective"']],
                          ids=["gpt2", "gpt2-recompute", "ffn-3h/2", "ffn-3h/2-recompute", "swiglu", "mqa",
                               "llama", "llama-recompute", "gelu-tanh", "qwen3-head-size", "qwen2-qkv-bias",
-                              "fused-loss-chunks", "megatron-loss", "loss-recompute"])
+                              "fused-loss-chunks", "megatron-loss", "loss-recompute", "llama-selective"])
 def test_formula_equals_torch_flop_counter_within_1_percent(overrides):
     """Forward and backward once, the recomputed forward too where recompute is on (the layers', or the chunked
     loss's output layer: 4 chunks of the 128 tokens): torch's count of what ran is the hardware FLOPs; the model
@@ -61,7 +62,9 @@ def test_formula_equals_torch_flop_counter_within_1_percent(overrides):
     assert out["hardware"] == pytest.approx(out["counted"], rel=0.01)
     # the same GPTShape counts the built model's parameters exactly and names each one
     assert (out["params"], out["names"]) == (out["expected_params"], out["expected_names"])
-    if any("model.recompute" in o for o in overrides):
+    if any("selective" in o for o in overrides):  # local attention's two score GEMMs again: 4·s·h a token a layer
+        assert out["hardware"] - out["model"] == 2 * 4 * 64 * 64 * 2 * 64
+    elif any("model.recompute" in o for o in overrides):
         assert out["model"] < 0.9 * out["hardware"]
     elif "model.loss_recompute=true" in overrides:  # the logits GEMM once more: 2·h·V_pad a token, 2 × 64 tokens
         assert out["hardware"] - out["model"] == 2 * 64 * 512 * 2 * 64

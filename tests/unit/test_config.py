@@ -39,6 +39,8 @@ def test_tiny_preset_loads_and_overrides_apply():
     (["stage=1"], "override key 'stage' must be section.key"),
     (["model.attention=\"flash\""], "model.attention = 'flash' is invalid; valid values: 'auto', 'sdpa', 'local', 'te'"),
     (["model.loss_chunk_tokens=-1"], "model.loss_chunk_tokens = -1 is invalid; must be >= 0"),
+    (["model.recompute=\"selective\"", "parallel.context=2", "model.seq_length=64", "model.attention=\"sdpa\""],
+     "model.recompute = \"selective\" with parallel.context = 2 is not supported"),
 ])
 def test_bad_values_name_key_value_and_what_is_valid(overrides, message):
     with pytest.raises(ConfigError) as err:

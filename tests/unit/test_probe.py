@@ -321,3 +321,16 @@ def test_bf16_optimizer_states_in_engine_probe_and_estimator_agree(capsys, optim
     psi = engine["params"] // 2
     matrices = 2 * (128 * 384 + 128 * 128 + 2 * 128 * 512) if optimizer == "muon" else 0
     assert held == 4 * psi + 2 * matrices + 4 * (psi - matrices)
+
+
+def test_selective_recomputation_estimate_is_what_a_probed_layer_keeps(capsys):
+    """model.recompute = "selective" (pretrain/model/recompute.py), rank 1 of TP 2, bf16, 2 layers − 1 layer.
+    By hand, sbh = 256·2·64 = 32,768, e = 2, t = 2: the layer's input and its projection and fc2 GEMMs' outputs,
+    whole, 3·e·sbh = 196,608; its QKV GEMM's output e·3·sbh / t = 98,304, fc1's e·4·sbh / t = 131,072, SDPA's
+    output e·sbh / t = 32,768 and fp32 logsumexp 4·a·s·b / t = 4,096: 462,848 B a layer (none: 663,552, test above).
+    Local attention recomputes its core: the output and logsumexp are not kept, 425,984 B."""
+    for attention, per_layer in (("auto", 462_848), ("local", 425_984)):
+        (one, est_one), (two, est_two) = (_attention_probe(capsys, n, attention, "model.recompute=\"selective\"")
+                                          for n in (1, 2))
+        assert two - one == per_layer
+        assert est_two["checkpoint_bytes"] - est_one["checkpoint_bytes"] == per_layer

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--stage", type=int, default=ZERO.stage, choices=[0, 1, 2, 3])
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--recompute", choices=["none", "full"], default="none")
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")
     ap.add_argument("--pa-cpu", action="store_true", help="Pa + offload the slices to host (implies --pa)")
     ap.add_argument("--bucket-elements", type=int, default=ZERO.bucket_elements,

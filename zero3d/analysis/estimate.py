@@ -57,6 +57,9 @@ def gpt_param_count(layers: int, hidden: int, vocab: int, seq: int, tp: int = 1,
 #   Transformer Engine's fused attention keeps only the softmax statistics, one fp32 logsumexp per query
 #   row and head, and regenerates dropout from the RNG state (no mask).
 ATTENTION_KINDS = ("local", "fused")
+# What a layer keeps for backward: every activation, its GEMMs' and fused attention's outputs (selective:
+# pretrain/model/recompute.py), or only its input (full: recomputed whole in backward).
+RECOMPUTE = ("none", "selective", "full")
 SOFTMAX_STAT_BYTES = 4  # fp32 logsumexp
 
 
@@ -237,8 +240,8 @@ def validate_layout(shape: GPTShape, gpus, tp, stage, micro_batch, recompute, pa
         raise ValueError(f"ffn_hidden = {shape.ffn_size} is invalid; must be > 0 and divisible by tp = {tp}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage = {stage!r} is invalid; valid stages: 0, 1, 2, 3")
-    if recompute not in ("none", "full"):
-        raise ValueError(f"recompute = {recompute!r} is invalid; valid values: 'none', 'full'")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute = {recompute!r} is invalid; valid values: {', '.join(map(repr, RECOMPUTE))}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision = {precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
     if pa_cpu and not pa:
@@ -286,6 +289,8 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
     validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
+    if cp > 1 and recompute == "selective":
+        raise ValueError(f"recompute = 'selective' with cp = {cp} is not supported; use 'none' or 'full'")
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
         raise ValueError(f"gpu_memory_bytes = {gpu_memory_bytes} must be > 0 and margin_fraction = "
                          f"{margin_fraction} in [0, 1)")
@@ -310,6 +315,11 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     host = 0.0
     if recompute == "none":
         checkpoints, working = 0.0, float(shape.layers * layer_bytes)
+    elif recompute == "selective":
+        # every layer's kept GEMM and fused-attention outputs; the one layer being back-propagated makes the rest
+        # again (its norms, activations, local attention's scores)
+        kept = local_shape(shape, cp).selective_layer_bytes(micro_batch, tp, e, attention == "fused")
+        checkpoints, working = float(shape.layers * kept), float(max(layer_bytes - kept, 0))
     else:
         # one checkpoint per layer (its input), sliced over the TP group under Pa
         checkpoints = shape.layers * micro_batch * seq * hidden * e / (tp if pa else 1)

@@ -10,9 +10,10 @@ class StepFlops:
     model: int
     """Forward and backward once (backward = 2 × forward): what MFU divides, as PaLM and torchtitan define it."""
     hardware: int
-    """model plus the recomputed forward of the transformer layers (`model.recompute = "full"`) and of the output
-    layer (`model.loss_recompute`): the arithmetic the GPUs performed, Megatron's and the ZeRO paper's TFLOP/s (HFU
-    divides it)."""
+    """model plus what recomputation adds: the transformer layers' whole forward (`model.recompute = "full"`), under
+    selective recomputation with materialised attention its two score GEMMs (selective keeps every other GEMM's
+    output), and the output layer's forward (`model.loss_recompute`): the arithmetic the GPUs performed, Megatron's
+    and the ZeRO paper's TFLOP/s (HFU divides it)."""
     linears: int = 0
     """The part of `model` in the layers' QKV, projection and MLP GEMMs: what precision.fp8 runs in float8 (the
     attention scores and the logits stay bf16)."""
@@ -52,11 +53,14 @@ def layer_linear_flops_per_token(hidden: int, ffn_hidden: Optional[int] = None, 
 def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: int, global_batch: int,
                    recompute: bool, ffn_hidden: Optional[int] = None, num_attention_heads: int = 1,
                    num_query_groups: Optional[int] = None, gated_mlp: bool = False,
-                   head_dim: Optional[int] = None, loss_recompute: bool = False) -> StepFlops:
+                   head_dim: Optional[int] = None, loss_recompute: bool = False,
+                   recomputed_attention: bool = False) -> StepFlops:
     """Model and hardware FLOPs of one step. `vocab_size`: the padded vocabulary (the logit GEMM's width).
     The logit layer (2·h·V a token) runs once forward and twice backward (megatron's loss, and the fused chunked
     loss, which runs its two backward GEMMs in the forward pass); `loss_recompute` (the chunked loss recomputed in
-    backward) runs its forward once more. Integers throughout, so the counts are exact."""
+    backward) runs its forward once more. `recompute`: every layer's forward again (full); `recomputed_attention`:
+    only the score GEMMs QKᵀ and AV again, 4·s·(a·d) a token a layer (selective recomputation of materialised
+    attention). Integers throughout, so the counts are exact."""
     tokens = global_batch * seq_length
     layers = num_layers * layer_forward_flops_per_token(hidden, seq_length, ffn_hidden, num_attention_heads,
                                                         num_query_groups, gated_mlp, head_dim) * tokens
@@ -64,8 +68,11 @@ def gpt_step_flops(num_layers: int, hidden: int, seq_length: int, vocab_size: in
     model = 3 * (layers + logits)
     linears = 3 * num_layers * layer_linear_flops_per_token(hidden, ffn_hidden, num_attention_heads, num_query_groups,
                                                             gated_mlp, head_dim) * tokens
-    return StepFlops(model=model, hardware=model + (layers if recompute else 0) + (logits if loss_recompute else 0),
-                     linears=linears)
+    d = hidden // num_attention_heads if head_dim is None else head_dim
+    again = layers if recompute else 0  # model.recompute = "full": every layer's forward
+    again += num_layers * 4 * seq_length * num_attention_heads * d * tokens if recomputed_attention else 0
+    again += logits if loss_recompute else 0  # model.loss_recompute: the output layer's forward
+    return StepFlops(model=model, hardware=model + again, linears=linears)
 
 
 def gpt_flops_per_step(num_layers: int, hidden: int, seq_length: int, vocab_size: int,

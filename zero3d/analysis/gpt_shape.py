@@ -184,12 +184,13 @@ class GPTShape:
 
     # ------------------------------------------------------------------ FLOPs
 
-    def step_flops(self, global_batch: int, recompute: bool, tp: int = 1, loss_recompute: bool = False) -> StepFlops:
+    def step_flops(self, global_batch: int, recompute: bool, tp: int = 1, loss_recompute: bool = False,
+                   recomputed_attention: bool = False) -> StepFlops:
         """Model and hardware FLOPs of one step over the vocabulary padded for `tp` (zero3d.analysis.flops)."""
         return gpt_step_flops(self.layers, self.hidden, self.seq, self.padded_vocab(tp), global_batch, recompute,
                               ffn_hidden=self.ffn_size, num_attention_heads=self.heads,
                               num_query_groups=self.groups, gated_mlp=self.gated, head_dim=self.head_dim,
-                              loss_recompute=loss_recompute)
+                              loss_recompute=loss_recompute, recomputed_attention=recomputed_attention)
 
     # ------------------------------------------------------------------ activations (bytes, one TP rank)
 
@@ -209,6 +210,19 @@ class GPTShape:
         split = s * b * e * (2 * q + 2 * self.kv_width + f * m + f
                              + (q + self.kv_width if self.qk_layernorm else 0))
         return whole + (split + attention_state) // tp
+
+    def selective_layer_bytes(self, micro_batch: int, tp: int, act_bytes: int, fused_attention: bool) -> int:
+        """What one layer keeps under selective recomputation (pretrain/model/recompute.py), one TP rank, no
+        sequence parallelism: its input and its projection and fc2 GEMMs' outputs (e·h a token each, whole), its QKV
+        and fc1 GEMMs' outputs (e·(a·d + 2·g·d) and e·f, 2·e·f gated, split by TP) and, with fused attention, its
+        output and fp32 logsumexp (e·a·d and 4·a bytes a token, split); local attention's core is recomputed instead."""
+        s, b, h, e, q = self.seq, micro_batch, self.hidden, act_bytes, self.query_width
+        f, m = self.ffn_size, 2 if self.gated else 1
+        whole = 3 * s * b * h * e
+        split = s * b * e * (q + 2 * self.kv_width + f * m)
+        if fused_attention:
+            split += s * b * q * e + 4 * self.heads * s * b
+        return whole + split // tp
 
     def mlp_activation_bytes(self, micro_batch: int, act_bytes: int) -> int:
         """fc1's output and the activation's output, all TP ranks: what the MLP's backward frees."""

@@ -121,7 +121,7 @@ def compute_seconds(cluster: Cluster, flops: StepFlops, recompute: str, float8: 
 def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
               global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
               bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw",
-              float8: str = "none", fp8_gather: bool = False) -> dict:
+              float8: str = "none", fp8_gather: bool = False, attention: str = "local") -> dict:
     """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
     hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included), the
     float8 GEMMs at the float8 peak with `float8` (compute_seconds). `cp` context-parallel ranks: each runs S/cp
@@ -135,7 +135,8 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
                          f"{micro_batch} × {dp}")
     accumulation = global_batch // (micro_batch * dp)
     act_bytes = PRECISIONS[precision].activation_bytes
-    step_flops = model.step_flops(global_batch, recompute == "full", tp)
+    step_flops = model.step_flops(global_batch, recompute == "full", tp,
+                                  recomputed_attention=recompute == "selective" and attention == "local")
     flops = step_flops.hardware
     compute = compute_seconds(cluster, step_flops, recompute, float8, gpus)
     micro_compute = compute / accumulation
@@ -357,7 +358,8 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                        recompute=shape["recompute"], precision=shape["precision"],
                        pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
                        cp=cp, optimizer=shape.get("optimizer", "adamw"),
-                       float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero))
+                       float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero),
+                       attention=shape["attention"])
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 
