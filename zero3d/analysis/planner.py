@@ -359,7 +359,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
                        pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
                        cp=cp, optimizer=shape.get("optimizer", "adamw"),
                        float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero),
-                       attention=shape["attention"])
+                       attention=shape.get("attention", "local"))
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 
