@@ -51,7 +51,7 @@ def test_the_shrink_rule_on_the_100B_row():
 def test_dry_run_lists_every_row_and_bad_values_get_one_line(capsys):
     assert sweep.main(["--figure", "2", "--cpu", "--shrink", "24", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    names = re.findall(r"^(fig2_\w+): sbatch ", out, re.M)
+    names = re.findall(r"^(fig2_\w+): (?:\w+=\S+ )*sbatch ", out, re.M)  # the job's variables, then sbatch
     assert sorted(names) == sorted(f"fig2_{s}_{k}" for s in FIG2 for k in ("zero", "baseline"))
     assert "--nodes=2 --ntasks-per-node=2" in out and "20 jobs (dry run" in out
     # ÷32 ties 80B and 100B baseline: 4 layers × 256 each (⌈100/32⌉ = ⌈125/32⌉), vocab 1571 padded to 1792

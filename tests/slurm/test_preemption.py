@@ -63,7 +63,9 @@ def test_container_job_and_a_preempted_job_requeue_resume_and_match(cluster, tmp
     prepare_files(DataConfig(corpus=str(REPO / "data/corpus.jsonl"), cache_dir=str(REPO / "runs/data")), 1024)
     # (1) the reference: container mode, never interrupted; (2) the same run, requeueable, signalled mid-run
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "preempted"
-    ref_id = submit(cluster, ref_dir, "--container", "/images/zero3d.sqsh", env=env)
+    # the run directory lies outside the repository: mounted into the container at its own path
+    ref_id = submit(cluster, ref_dir, "--container", "/images/zero3d.sqsh",
+                    env=dict(env, ZERO3D_CONTAINER_MOUNTS=f"{tmp_path}:{tmp_path}"))
     job_id = submit(cluster, run_dir, "--requeue")
     wait_until(lambda: max(losses(run_dir), default=0) >= 3, 300, "step 3 of the preempted job",
                run_dir / "slurm-*.out")
