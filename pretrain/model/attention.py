@@ -81,6 +81,10 @@ class SDPAttention(DotProductAttention):
         gqa = groups > 1 and causal
         if groups > 1 and not causal:
             key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+        # megatron splits K and V out of the fused QKV GEMM's output as views (Q it reshapes into a copy, RoPE rotates
+        # Q and K into new tensors): saved for backward as views, they would keep the whole fused output alive, Q's
+        # part of it (and under RoPE K's too) held for nothing. Their own copies let it go once attention has run.
+        key, value = key.contiguous(), value.contiguous()
         if causal and query.shape[0] != key.shape[0]:
             raise ValueError(f"model.attention = 'sdpa': causal attention needs equal query and key lengths, got "
                              f"{query.shape[0]} and {key.shape[0]}")

@@ -77,3 +77,43 @@ def test_sdpa_module_matches_megatron_dot_product_attention():
         torch.testing.assert_close(sdpa, local, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert [r.split(";")[0].split("(")[0].strip() for r in refusals] == [
         "model.attention = 'sdpa' does not take packed sequences", "model.attention = 'sdpa' does not take an attention_bias"]
+
+
+def _attention_saves(rank, world_size, position_embedding):
+    """(shape, bytes of its storage, bytes of its own elements) of each 4-D tensor one Llama-shaped layer saves for
+    backward: Q, K, V and the attention output as SDPA keeps them ([b, heads, s, d])."""
+    import torch
+
+    from gpt_harness import BASE
+    from pretrain.config import load_config
+    from pretrain.model.gpt import build_model
+    from pretrain.runtime.layout import init_layout
+    cfg = load_config(None, BASE + [f'model.position_embedding="{position_embedding}"', 'model.mlp="swiglu"',
+                                    'model.norm="rmsnorm"', "model.bias=false", "model.num_query_groups=2",
+                                    "model.num_layers=1", 'model.attention="sdpa"'])
+    topo = init_layout(cfg)
+    layer = build_model(cfg, topo.device).decoder.layers[0]
+    s, b, h = cfg.model.seq_length, 2, cfg.model.hidden_size
+    rotary = None
+    if position_embedding == "rope":
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        rotary = RotaryEmbedding(h // cfg.model.num_attention_heads, 1.0, rotary_base=cfg.model.rope_base)(s)
+    saved = []
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[0] == b:
+            saved.append((tuple(t.shape), t.untyped_storage().nbytes(), t.numel() * t.element_size()))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(torch.randn(s, b, h, requires_grad=True), attention_mask=None, rotary_pos_emb=rotary)
+    return saved
+
+
+@pytest.mark.parametrize("position_embedding", ["rope", "learned"])
+def test_attention_keeps_its_own_k_and_v_not_the_fused_qkv_output(position_embedding):
+    """megatron cuts K and V out of the fused QKV GEMM's output as views; saved as views they kept the whole output
+    alive (Q's part of it, and under RoPE, which rotates Q and K into new tensors, K's too: (a + g)·d·s·b·e a layer,
+    80 MiB in a Llama-3 8B layer at 8K tokens). Each tensor SDPA saves for backward holds only its own elements."""
+    saved = run_ranks(_attention_saves, 1, position_embedding, timeout=120)[0]
+    assert len(saved) >= 3  # Q, K, V (and the output)
+    assert all(storage == own for _, storage, own in saved), saved
