@@ -270,12 +270,12 @@ def run_system(rank, world, system, args):
 
 def available_systems() -> list[str]:
     import zero3d
-    systems = [f"zero3d-{s}" for s in sorted(zero3d.STAGES)] + ZEROPP_SYSTEMS + \
-        ["torch-ZeroRedundancyOptimizer", "torch-FSDP2"]
+    systems = ([f"zero3d-{s}" for s in sorted(zero3d.STAGES)] + ZEROPP_SYSTEMS
+               + ["torch-ZeroRedundancyOptimizer", "torch-FSDP2"])
     try:
         import deepspeed  # noqa: F401
-        systems += ["deepspeed-1", "deepspeed-2", "deepspeed-3"] + \
-            [f"deepspeed-3+{mode}" for mode in DEEPSPEED_ZEROPP(1)]
+        systems += (["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+                    + [f"deepspeed-3+{mode}" for mode in DEEPSPEED_ZEROPP(1)])
     except ImportError:
         print("(deepspeed not installed: pip install -e .[bench] adds the DeepSpeed rows)")
     return systems

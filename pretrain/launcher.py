@@ -21,8 +21,8 @@ import time
 from typing import Optional
 
 from pretrain.runtime.launch import free_port
-from pretrain.errors import EXIT_CONFIG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NUMERICAL, EXIT_OK, EXIT_PEER, \
-    EXIT_REQUEUE, EXIT_UNEXPECTED
+from pretrain.errors import (EXIT_CONFIG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NUMERICAL, EXIT_OK, EXIT_PEER,
+                             EXIT_REQUEUE, EXIT_UNEXPECTED)
 
 MEANING = {EXIT_UNEXPECTED: "unexpected error", EXIT_CONFIG: "config error", EXIT_INPUT: "input error",
            EXIT_NUMERICAL: "numerical error", EXIT_PEER: "peer timeout", EXIT_REQUEUE: "interrupted",

@@ -87,8 +87,8 @@ def run_status(run_dir: Path, records: list, total_steps: int) -> tuple:
     lines = log.splitlines()
     # the cause before the symptom: zero3d's one-line error (a refused start writes no status.json), an
     # exception, then srun's and slurmstepd's own error lines
-    errors = [ln for ln in lines if ln.startswith("error: ")] or [ln for ln in lines if EXCEPTION.search(ln)] \
-        or [ln for ln in lines if ERROR.search(ln)]
+    errors = ([ln for ln in lines if ln.startswith("error: ")] or [ln for ln in lines if EXCEPTION.search(ln)]
+              or [ln for ln in lines if ERROR.search(ln)])
     last = "; " + RANK_PREFIX.sub("", errors[-1].strip())[:200] if errors else ""
     return "failed", f"no status.json; {len(records)}/{total_steps} steps logged{last}"
 

@@ -234,8 +234,9 @@ class DataParallelEngine:
         specs = [GroupSpec(name, group.master(), self._param_pieces(group), self._weight_decay(group),
                            holds_grad=on_host and group.bucketed, matrix=group.matrix)
                  for name, group in self.groups.items()]
-        placement = HostOffload(specs, opt, self.copier, spec, whole) if on_host else \
-            NvmeOffload(specs, opt, self.copier, zero.nvme_path, zero.nvme_buffer_bytes, self.world.rank, spec)
+        placement = (HostOffload(specs, opt, self.copier, spec, whole) if on_host
+                     else NvmeOffload(specs, opt, self.copier, zero.nvme_path, zero.nvme_buffer_bytes, self.world.rank,
+                                      spec))
         for spec in specs:
             group = self.groups[spec.name]
             group.master_pieces = ((0, placement.master(spec.name)),)
@@ -306,8 +307,8 @@ class DataParallelEngine:
                 squares += grad[lo:hi].double().pow(2).sum().to(squares.device)
         if self.plan.replica_count > 1:  # hybrid: every node holds the same shards; count them once
             squares /= self.plan.replica_count
-        local = squares if sums is None else \
-            torch.cat((squares, sums.detach().reshape(-1).to(device=self.device, dtype=torch.float64)))
+        local = (squares if sums is None
+                 else torch.cat((squares, sums.detach().reshape(-1).to(device=self.device, dtype=torch.float64))))
         self.world.all_reduce(local, tag="grad_norm")
         total, *totals = self.settings.read_host_floats(local)
         return (math.sqrt(total) if math.isfinite(total) else float("inf")), tuple(totals)

@@ -151,8 +151,8 @@ class ParameterShardedEngine(DataParallelEngine):
         placement = self.settings.zero.offload_params
         if placement != "none":  # the shard lives on the host or in a file; each gather fetches it
             group.master_pieces = ((0, master.clone() if master is group.param_flat else master),)
-            group.param_flat = host_copy(group.param_flat) if placement == "cpu" else \
-                file_backed_copy(group.param_flat, self.settings.zero.nvme_path, self.dp.rank)
+            group.param_flat = (host_copy(group.param_flat) if placement == "cpu"
+                                else file_backed_copy(group.param_flat, self.settings.zero.nvme_path, self.dp.rank))
         for p in params:
             p.data = self._empty()
         return group

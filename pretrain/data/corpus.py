@@ -109,8 +109,8 @@ def document_text(path: str, number: int, line: bytes, key: str) -> Optional[str
         raise DataError(f"{path}:{number}: expected a JSON object with a string {key!r} field, "
                         f"got a JSON {type(record).__name__}")
     if not isinstance(record.get(key), str):
-        found = "keys: " + ", ".join(map(repr, list(record)[:8])) if key not in record else \
-            f"{key!r} is a {type(record[key]).__name__}"
+        found = ("keys: " + ", ".join(map(repr, list(record)[:8])) if key not in record
+                 else f"{key!r} is a {type(record[key]).__name__}")
         raise DataError(f"{path}:{number}: no string {key!r} field ({found}); choose the field with "
                         "--text-column (data.text_column)")
     return record[key]

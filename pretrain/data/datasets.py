@@ -237,8 +237,8 @@ def dataset_config(files: DataFiles, data: DataConfig, tokenizer: TextTokenizer,
                 "vocab_size": tokenizer.vocab_size,
                 "data_files": {p: [os.path.getsize(f"{p}.idx"), os.path.getsize(f"{p}.bin")]
                                for p in files.prefixes()}}
-    blend_per_split = None if files.blend_per_split is None else \
-        [blend if size else None for blend, size in zip(files.blend_per_split, sizes)]
+    blend_per_split = (None if files.blend_per_split is None
+                       else [blend if size else None for blend, size in zip(files.blend_per_split, sizes)])
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=files.blend, blend_per_split=blend_per_split,
         split=data.split if files.blend is not None else None, path_to_cache=str(data.cache_dir),

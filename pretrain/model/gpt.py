@@ -179,8 +179,8 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
     """megatron's TransformerConfig; with `zero_recompute` its own recomputation is off (ZeroRecomputeLayer)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     m, dtype = cfg.model, cfg.precision.dtype
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if m.recompute == "full" and not zero_recompute else {}
+    recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                 if m.recompute == "full" and not zero_recompute else {})
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups, ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim,

@@ -251,8 +251,8 @@ def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool =
     """One rank of the job, set up, probed and torn down (the process can probe again afterwards).
     With `real` on a GPU and `cap_bytes`, the device is capped to the simulated GPU's memory; a rank
     that does not fit raises torch.OutOfMemoryError (the caller reports it as the verdict)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if real and torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if real and torch.cuda.is_available()
+              else torch.device("cpu"))
     if device.type == "cuda" and cap_bytes:
         cap_device_memory(device, cap_bytes)
     _state["undo_cpu_patches"] = device.type == "cpu" and not megatron_patches.cpu_patches_applied()

@@ -146,8 +146,8 @@ def expected_link_bytes(name: str, rank_out: dict) -> tuple:
     kept = sum(n for g, n in rank_out["padded_numels"].items() if g.startswith("persistent/"))
     nodes = WORLD // per_node
     if kept and mode == "+hybrid":
-        intra, inter = intra + Fraction(2 * kept * b * (per_node - 1), per_node), \
-            inter + Fraction(2 * kept * b * (nodes - 1), nodes)
+        intra, inter = (intra + Fraction(2 * kept * b * (per_node - 1), per_node),
+                        inter + Fraction(2 * kept * b * (nodes - 1), nodes))
     elif kept:
         reduce = Fraction(2 * kept * b * (WORLD - 1), WORLD)
         intra, inter = intra + reduce - reduce / per_node, inter + reduce / per_node
@@ -166,8 +166,8 @@ def test_bytes_per_link_equal_the_formula_for_n6(runs, name):
         assert inter > 0
         for report in rank_out["comm"]:
             # the counts are exact fractions, reported as floats: m = 3 splits are not binary fractions
-            assert (report["comm/intra_node_bytes"], report["comm/inter_node_bytes"]) \
-                == (float(intra), float(inter)), (name, rank_out["dp_rank"])
+            assert ((report["comm/intra_node_bytes"], report["comm/inter_node_bytes"])
+                    == (float(intra), float(inter))), (name, rank_out["dp_rank"])
 
 
 @pytest.mark.parametrize("name", ["tp2_dp3_stage3", "tp2_dp3_sp_stage2", "pp3_dp2_stage2"])

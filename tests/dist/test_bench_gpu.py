@@ -43,8 +43,8 @@ def test_bench_gpu_cpu_dry_run_rows():
     # gated MLP (3 × 64 × 160) and its K, V of 2 heads × 16 wide (beside 4 query heads)
     assert math.isclose(model_flops(out["shapes"]["gpt"], v),
                         72 * 2 * 32 * 2 * 64 * 64 * (1 + 32 / (6 * 64)) + 6 * 2 * 32 * 64 * v, rel_tol=1e-12)
-    assert model_flops(out["shapes"]["llama"], v) == 6 * 64 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160) + 64 * v) \
-        + 12 * 64 * 2 * 32 * 64
+    assert model_flops(out["shapes"]["llama"], v) == (6 * 64 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160) + 64 * v)
+                                                      + 12 * 64 * 2 * 32 * 64)
     for name in list(rows)[:8]:
         r, kind = rows[name], ("llama" if "Llama" in name else "gpt")
         s = out["shapes"][kind]

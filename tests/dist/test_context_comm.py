@@ -39,6 +39,6 @@ def test_cp_bytes_per_step_counted_by_comm_equal_the_formula(case):
             assert sum(counted.values(), Fraction(0)) == expected, (case, step, counted)
             assert counted == {"all_gather": expected * (passes - 1) / passes, "reduce_scatter": expected / passes}
             report = rank["comm"][step]
-            assert report["comm/all_gather/context_kv/bytes"] + report["comm/reduce_scatter/context_kv/bytes"] == \
-                float(expected)
+            assert (report["comm/all_gather/context_kv/bytes"] + report["comm/reduce_scatter/context_kv/bytes"]
+                    == float(expected))
     assert expected > 0

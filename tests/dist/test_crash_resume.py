@@ -248,8 +248,8 @@ def test_a_crash_during_or_after_the_write(tmp_path, data_cache, monkeypatch, ph
         assert line == (f"removed step_00000004.tmp: an interrupted save that cannot be resumed: rank {first}'s part was "
                         f"not finished (written/rank_{first:05d}.json is missing)")
     else:
-        assert "published step_00000004 from step_00000004.tmp: a save every rank had finished writing before the " \
-               "run was interrupted" in out
+        assert ("published step_00000004 from step_00000004.tmp: a save every rank had finished writing before the "
+                "run was interrupted") in out
     assert [x for x in out if x.startswith("resumed from")][0].startswith(f"resumed from step_{resumes:08d} ")
     assert not list(save_dir.glob("*.tmp"))
     resumed = [r for r in records(run_dir)][-(steps - resumes):]
@@ -290,13 +290,13 @@ def test_a_truncated_tmp_is_removed_and_a_complete_one_published(tmp_path, data_
         assert run.wait(300) == [0, 0], run.text("err")
         out = run.text("out").splitlines()
         if truncate:
-            assert "removed step_00000004.tmp: an interrupted save that cannot be resumed: __1_0.distcp is missing " \
-                   "or not at its recorded size" in out, out
-            assert "resumed from step_00000002 (saved at layout tensor 1 × pipeline 1 × data 2, stage 2): continuing " \
-                   "at step 3" in out, out
+            assert ("removed step_00000004.tmp: an interrupted save that cannot be resumed: __1_0.distcp is missing "
+                    "or not at its recorded size") in out, out
+            assert ("resumed from step_00000002 (saved at layout tensor 1 × pipeline 1 × data 2, stage 2): continuing "
+                    "at step 3") in out, out
         else:
-            assert "published step_00000004 from step_00000004.tmp: a save every rank had finished writing before " \
-                   "the run was interrupted" in out, out
+            assert ("published step_00000004 from step_00000004.tmp: a save every rank had finished writing before "
+                    "the run was interrupted") in out, out
             # the published save is the run's last step: the start resumes it and finds the run finished
             assert (f"{run_dir} is finished: step_00000004 is step 4 of train.steps = 4; nothing to train, its "
                     "records left as they are (raise train.steps to train on, or give the run another "

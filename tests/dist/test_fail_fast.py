@@ -114,28 +114,27 @@ def make_input(case: str, tmp: Path, data: dict) -> tuple[list[str], str]:
     save = tmp / "run" / "checkpoints"
     if case == "tokenizer-not-sentencepiece":
         (tmp / "junk.model").write_bytes(b"not a model")
-        return [f"data.tokenizer_model={q(tmp / 'junk.model')}"], \
-            f"error: tokenizer model '{tmp}/junk.model' is not a sentencepiece model"
+        return ([f"data.tokenizer_model={q(tmp / 'junk.model')}"],
+                f"error: tokenizer model '{tmp}/junk.model' is not a sentencepiece model")
     if case == "tokenizer-larger-than-model-vocab":
-        return [f"data.tokenizer_model={q(data['tokenizer'])}", "model.vocab_size=384"], \
-            "error: tokenizer vocabulary 512 is larger than model.vocab_size 384 (data): raise model.vocab_size"
+        return ([f"data.tokenizer_model={q(data['tokenizer'])}", "model.vocab_size=384"],
+                "error: tokenizer vocabulary 512 is larger than model.vocab_size 384 (data): raise model.vocab_size")
     if case in ("idx-truncated", "bin-truncated"):
         truncated = ".idx" if case == "idx-truncated" else ".bin"
         for suffix in (".bin", ".idx"):
             body = Path(data["prefix"] + suffix).read_bytes()
             (tmp / f"tokens{suffix}").write_bytes(body[:len(body) // 2] if suffix == truncated else body)
         # ~data.corpus: the corpus the other cases share is unused beside a blend (an error if left set)
-        return ["~data.corpus", f"data.blend={q(tmp / 'tokens')}", f"data.tokenizer_model={q(data['tokenizer'])}"], \
-            f"error: {tmp}/tokens.idx is truncated" if truncated == ".idx" else \
-            f"error: {tmp}/tokens.bin is shorter than its index says: {tmp}/tokens.idx describes"
+        return (["~data.corpus", f"data.blend={q(tmp / 'tokens')}", f"data.tokenizer_model={q(data['tokenizer'])}"],
+                f"error: {tmp}/tokens.idx is truncated" if truncated == ".idx"
+                else f"error: {tmp}/tokens.bin is shorter than its index says: {tmp}/tokens.idx describes")
     if case == "corpus-invalid-json":
         (tmp / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
-        return [f"data.corpus={q(tmp / 'bad.jsonl')}", f"data.cache_dir={q(tmp / 'cache')}"], \
-            f"error: {tmp}/bad.jsonl:2: invalid JSON"
+        return ([f"data.corpus={q(tmp / 'bad.jsonl')}", f"data.cache_dir={q(tmp / 'cache')}"],
+                f"error: {tmp}/bad.jsonl:2: invalid JSON")
     if case == "corpus-empty":
         (tmp / "empty.jsonl").write_text('{"text": ""}\n\n')
-        return [f"data.corpus={q(tmp / 'empty.jsonl')}", f"data.cache_dir={q(tmp / 'cache')}"], \
-            "error: "
+        return [f"data.corpus={q(tmp / 'empty.jsonl')}", f"data.cache_dir={q(tmp / 'cache')}"], "error: "
     usable = f"error: no usable checkpoint in {save}: "
     if case == "checkpoint-latest-dangling":
         save.mkdir(parents=True)
@@ -195,8 +194,8 @@ def test_nonfinite_steps_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp_
                     f"{len(losses)}: loss nan")
     assert f"no checkpoint was saved over the last good one ({last_good})" in error_lines(stderr)[0]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == last_good
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == \
-        ["latest"] + [f"step_{s:08d}" for s in finite]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == (
+        ["latest"] + [f"step_{s:08d}" for s in finite])
     status = json.loads((run_dir / "status.json").read_text())
     assert (status["status"], status["exit_code"], status["steps"]) == ("failed", EXIT_NUMERICAL, len(losses))
 
@@ -288,8 +287,8 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
     stdout = rank_logs(tmp_path / "logs", "stdout")
     missing = [m for m in ("apex", "transformer_engine") if importlib.util.find_spec(m) is None]
     assert [text.count("kernels: ") for _, text in sorted(stdout.items())] == [int(bool(missing)), 0, 0, 0]
-    assert ("Apex not installed" in stdout[0], "Transformer Engine not installed" in stdout[0]) == \
-        ("apex" in missing, "transformer_engine" in missing)
+    assert ("Apex not installed" in stdout[0], "Transformer Engine not installed" in stdout[0]) == (
+        "apex" in missing, "transformer_engine" in missing)
 
 
 @pytest.mark.timeout(400)

@@ -123,8 +123,8 @@ def test_host_syncs_per_step_hold_the_documented_numbers():
             # AdamW keeps it on the device
             assert adamw == (0 if out["fused"] else 2 * steps * out["optimizer_tensors"]), (case, adamw)
             # the loss from engine.step's read is the separately all-reduced mean, bit for bit (fp64), every rank
-            assert all(new == old for new, old in out["losses"]) and len(out["losses"]) == 1 + steps, \
-                (case, out["losses"])
+            assert all(new == old for new, old in out["losses"]) and len(out["losses"]) == 1 + steps, (
+                case, out["losses"])
             # a stop requested on rank 1 alone in the last step is every rank's stop, in the same read
             assert out["stops"] == [False] * steps + [True], (case, out["stops"])
             assert out["written"] == [False] * steps + [True], (case, out["written"])

@@ -86,8 +86,8 @@ def test_ctrl_c_once_stops_with_a_checkpoint_twice_at_once_and_a_killed_rank_is_
     out, err = proc.communicate(timeout=120)
     assert f"resumed from step_{step:08d}" in out
     assert proc.returncode == 137, err
-    assert lines(err)[-1] == "launcher: rank 1 was killed by SIGKILL; the other ranks were stopped (its own line " \
-                             "above says why)"
+    assert lines(err)[-1] == ("launcher: rank 1 was killed by SIGKILL; the other ranks were stopped (its own line "
+                              "above says why)")
     assert "Traceback" not in err
 
     # Ctrl-C twice: ended within seconds, one line, exit 130, no new checkpoint. Steps of 4 micro-batches

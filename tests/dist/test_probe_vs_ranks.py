@@ -114,8 +114,8 @@ def test_fake_probe_equals_real_cpu_ranks(overrides):
         for phase, measured_bytes in measured.phase_peaks.items():
             assert probed.phase_peaks[phase] == pytest.approx(measured_bytes, rel=0.10), phase
         # ZeRO-R's own checkpoint accounting agrees exactly (same shapes, same slices).
-        assert probed.activation_report.get("act/ckpt_device_bytes") == \
-            measured.activation_report.get("act/ckpt_device_bytes")
+        assert probed.activation_report.get("act/ckpt_device_bytes") == (
+            measured.activation_report.get("act/ckpt_device_bytes"))
 
 
 @pytest.mark.one_core  # one process for ~45 s: run in the side lane (tools/run_suite.py)

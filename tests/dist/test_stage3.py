@@ -240,8 +240,8 @@ def _generic(rank, world, stage):
         losses.append(engine.step(1e-2).grad_norm)
     engine.finish_param_sync()  # stage 0 has nothing in flight; kept for the same reading rule
     params = engine.gathered_parameters() if stage == 3 else dict(model.named_parameters())
-    order = [(engine.units[i].name, [b.name for b in engine.units[i].borrows]) for i in engine._order] \
-        if stage == 3 else None
+    order = ([(engine.units[i].name, [b.name for b in engine.units[i].borrows]) for i in engine._order]
+             if stage == 3 else None)
     return losses, {n: p.detach().clone() for n, p in params.items()}, order
 
 

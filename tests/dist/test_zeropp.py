@@ -75,12 +75,12 @@ def test_hpz_equals_stage3(gpt_run, precision):
     psi = padded_psi(out[0])
     expected = link_bytes(zeropp_collectives("+hpZ", psi, 4, 2, value_bytes=out[0]["value_bytes"]))[1]
     assert inter_bytes(out[0]) == expected  # the backward gather never leaves the node
-    assert "comm/all_gather/params_bwd/inter_node_bytes" not in out[0]["comm"][-1] or \
-        out[0]["comm"][-1]["comm/all_gather/params_bwd/inter_node_bytes"] == 0
+    assert ("comm/all_gather/params_bwd/inter_node_bytes" not in out[0]["comm"][-1]
+            or out[0]["comm"][-1]["comm/all_gather/params_bwd/inter_node_bytes"] == 0)
     # the secondary shard: Ψb/m bytes more than stage 3, by the estimator's formula and by hand
     precision = "fp16" if precision == FP16 else "fp32"
-    assert out[0]["state_bytes"]["secondary_params"] == extra_state_bytes("+hpZ", psi, 4, 2, precision) \
-        == psi * {"fp32": 4, "fp16": 2}[precision] / 2
+    assert (out[0]["state_bytes"]["secondary_params"] == extra_state_bytes("+hpZ", psi, 4, 2, precision)
+            == psi * {"fp32": 4, "fp16": 2}[precision] / 2)
     assert "secondary_params" not in ref[0]["state_bytes"]
 
 
@@ -103,8 +103,8 @@ def test_hybrid_equals_unsharded(gpt_run, stage, precision):
     b = out[0]["value_bytes"]
     # bytes per link by dp_collectives (accumulation 1): stage 0's all-reduce over 2 nodes × 2, and hybrid's
     # node-local collectives plus the Ψ/m gradient shard all-reduced across the nodes, to the byte
-    assert link_bytes(dp_collectives(0, "", padded_psi(ref[0]), 4, 2, value_bytes=b)) == \
-        (Fraction(ref[0]["comm"][-1]["comm/intra_node_bytes"]), inter_bytes(ref[0]))
+    assert link_bytes(dp_collectives(0, "", padded_psi(ref[0]), 4, 2, value_bytes=b)) == (
+        Fraction(ref[0]["comm"][-1]["comm/intra_node_bytes"]), inter_bytes(ref[0]))
     expected = link_bytes(dp_collectives(stage, "+hybrid", psi, 4, 2, value_bytes=b))
     assert inter_bytes(out[0]) == expected[1]  # only the gradient shard's all-reduce crosses nodes
     assert Fraction(out[0]["comm"][-1]["comm/intra_node_bytes"]) == expected[0]
@@ -245,7 +245,7 @@ def test_hybrid_accumulates_micro_batches_and_crosses_nodes_once_per_step(gpt_ru
     psi, b, m, k = padded_psi(out[0]), out[0]["value_bytes"], 2, 2
     for rank_out in out:
         for report in rank_out["comm"]:
-            assert Fraction(report["comm/inter_node_bytes"]) == 2 * Fraction(psi * b, m) * Fraction(k - 1, k) \
-                == Fraction(psi * b, 2)
+            assert (Fraction(report["comm/inter_node_bytes"]) == 2 * Fraction(psi * b, m) * Fraction(k - 1, k)
+                    == Fraction(psi * b, 2))
             assert Fraction(report["comm/all_reduce/grads/inter_node_bytes"]) == Fraction(psi * b, 2)
             assert report["comm/all_reduce/grads/calls"] == sum(rank_out["buckets"].values())  # one per bucket

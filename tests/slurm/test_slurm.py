@@ -70,8 +70,8 @@ def test_collector_rows_for_ok_oom_failed_and_missing_runs(tmp_path):
     rows = {r.name: collect.collect_run(r, warmup=10) for r in (ok, oom, crash, limit, never)}
     assert rows["ok"]["status"] == "ok" and rows["ok"]["tflops_per_gpu"] == 10.0
     assert rows["ok"]["pflops"] == pytest.approx(4.0) and rows["ok"]["gpus"] == 400
-    assert (rows["ok"]["model"], rows["ok"]["system"], rows["ok"]["config"], rows["ok"]["mp"]) == \
-        ("100B", "zero", "C4", 16)
+    assert (rows["ok"]["model"], rows["ok"]["system"], rows["ok"]["config"], rows["ok"]["mp"]) == (
+        "100B", "zero", "C4", 16)
     h, padded = 8192, 51200  # 50257 padded to a multiple of 128 × TP 16; every weight and bias, untied output
     assert rows["ok"]["params"] == 125 * (12 * h * h + 13 * h) + 2 * h + 2 * padded * h + 1024 * h
     assert rows["oom"]["status"] == "oom" and "CUDA out of memory" in rows["oom"]["reason"]

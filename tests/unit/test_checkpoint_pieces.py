@@ -97,8 +97,8 @@ def test_verify_file_tells_missing_truncated_and_tampered(tmp_path):
     (tmp_path / "part").write_bytes(data)
     assert verify_file(tmp_path, "part", record) == ""
     (tmp_path / "part").write_bytes(data[:4])
-    assert verify_file(tmp_path, "part", record) == \
-        f"{tmp_path}/part has 4 bytes, the manifest records 10 (truncated or replaced)"
+    assert verify_file(tmp_path, "part", record) == (
+        f"{tmp_path}/part has 4 bytes, the manifest records 10 (truncated or replaced)")
     (tmp_path / "part").write_bytes(b"0123456780")
-    assert verify_file(tmp_path, "part", record) == \
-        f"{tmp_path}/part does not match its SHA-256 in checkpoint.json (corrupted or tampered)"
+    assert verify_file(tmp_path, "part", record) == (
+        f"{tmp_path}/part does not match its SHA-256 in checkpoint.json (corrupted or tampered)")

@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_docs_config_md_is_the_generated_reference():
-    assert (REPO / "docs/config.md").read_text() == reference(), \
-        "docs/config.md is stale: python -m pretrain.config_reference > docs/config.md"
+    assert (REPO / "docs/config.md").read_text() == reference(), (
+        "docs/config.md is stale: python -m pretrain.config_reference > docs/config.md")
 
 
 def test_every_key_of_every_section_is_listed_once_with_its_default():

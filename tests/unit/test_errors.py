@@ -157,8 +157,8 @@ def test_error_line_format_and_pickling():
     assert ConfigError("a = 1 is invalid; must be > 1").line() == "error: a = 1 is invalid (config): must be > 1"
     back = pickle.loads(pickle.dumps(PeerTimeoutError("w", "rank 2", "f")))
     assert (type(back), back.line(), back.agreed) == (PeerTimeoutError, "error: w (rank 2): f", False)
-    assert [e.exit_code for e in (ConfigError("x"), InputError("x"), NumericalError("x"), PeerTimeoutError("x"))] \
-        == [2, 3, 4, 5]
+    assert [e.exit_code for e in (ConfigError("x"), InputError("x"), NumericalError("x"), PeerTimeoutError("x"))] == [
+        2, 3, 4, 5]
 
 
 def test_collective_failures_are_peer_errors():

@@ -81,8 +81,8 @@ def test_remote_code_and_unsupported_architectures_are_refused(tmp_path, llama_d
 
 def test_a_config_that_disagrees_with_its_tensors_is_refused_before_any_is_read(tmp_path, llama_dir):
     wider = copy(llama_dir, tmp_path / "wider", lambda c: c.update(intermediate_size=96))
-    assert "tensor 'model.layers.0.mlp.down_proj.weight' is F32 [48, 80]; config.json describes [48, 96]" in \
-        refusal(wider)
+    assert "tensor 'model.layers.0.mlp.down_proj.weight' is F32 [48, 80]; config.json describes [48, 96]" in (
+        refusal(wider))
 
 
 def test_a_missing_shard_is_named(tmp_path, llama_dir):

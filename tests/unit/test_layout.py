@@ -108,6 +108,6 @@ def test_the_builder_on_the_fake_backend_builds_the_node_groups(fake_layout):
 def test_layout_text_of_a_damaged_manifest_names_it_without_a_traceback():
     """A checkpoint's layout is words in messages: a context value of the wrong type is shown, not compared."""
     from pretrain.runtime.layout import layout_text
-    assert layout_text({"tensor": 1, "pipeline": 1, "data": 2, "context": "x", "stage": 2}) == \
-        "tensor 1 × pipeline 1 × data 2 × context x, stage 2"
+    assert layout_text({"tensor": 1, "pipeline": 1, "data": 2, "context": "x", "stage": 2}) == (
+        "tensor 1 × pipeline 1 × data 2 × context x, stage 2")
     assert layout_text({"tensor": 2, "pipeline": 1, "data": 2, "stage": 3}) == "tensor 2 × pipeline 1 × data 2, stage 3"

@@ -16,8 +16,8 @@ META_PARAMS = {"configs/llama3_8b.toml": 8_030_261_248, "configs/llama3_70b.toml
 def test_recipe_has_metas_parameter_count(path):
     m = load_config(path).model
     assert m.shape.params() == META_PARAMS[path]
-    assert (m.vocab_size, m.num_query_groups, m.rope_base, m.mlp, m.norm, m.bias, m.tie_embeddings) == \
-        (128256, 8, 500000, "swiglu", "rmsnorm", False, False)
+    assert (m.vocab_size, m.num_query_groups, m.rope_base, m.mlp, m.norm, m.bias, m.tie_embeddings) == (
+        128256, 8, 500000, "swiglu", "rmsnorm", False, False)
 
 
 @pytest.fixture(scope="module")

@@ -54,8 +54,8 @@ def test_layer_flops_for_another_ffn_grouped_query_attention_and_a_gated_mlp_by_
     # multi-head, ffn = 4h, no gate: Narayanan's 24·h² + 4·s·h
     assert layer_forward_flops_per_token(64, 32, num_attention_heads=4) == 24 * 64**2 + 4 * 32 * 64
     # ffn 96 without a gate: the MLP's 2 · 2·64·96 = 24,576 in place of 16·64² = 65,536
-    assert layer_forward_flops_per_token(64, 32, ffn_hidden=96, num_attention_heads=4) == 24 * 64**2 + 4 * 32 * 64 \
-        - 65_536 + 24_576
+    assert layer_forward_flops_per_token(64, 32, ffn_hidden=96, num_attention_heads=4) == (24 * 64**2 + 4 * 32 * 64
+                                                                                          - 65_536 + 24_576)
     # a step: model = 3 passes of layers and logits; hardware adds one pass of the layers with recompute
     step = gpt_step_flops(2, 64, 32, 128, 4, recompute=True, ffn_hidden=96, num_attention_heads=4,
                           num_query_groups=2, gated_mlp=True)
@@ -116,8 +116,8 @@ def test_peak_table_values():
 def test_float8_runs_divide_by_the_float8_dense_peak():
     """precision.fp8's MFU and HFU use the GPU's dense FP8 peak: NVIDIA's data sheets state 3,958 TFLOP/s "with
     sparsity" for the H100 SXM and H200 SXM, 3,026 for the H100 PCIe, dense being half; A100 and V100 have none."""
-    assert (peak_tflops("H100", "fp8"), peak_tflops("H200", "fp8"), peak_tflops("H100-PCIe", "fp8")) == \
-        (3958 / 2, 3958 / 2, 3026 / 2)
+    assert (peak_tflops("H100", "fp8"), peak_tflops("H200", "fp8"), peak_tflops("H100-PCIe", "fp8")) == (
+        3958 / 2, 3958 / 2, 3026 / 2)
     assert peak_tflops("A100", "fp8") is None and peak_tflops("V100", "fp8") is None
     assert metrics.peak_dtype("bf16", "tensorwise") == metrics.peak_dtype("bf16", "rowwise") == "fp8"
     assert metrics.peak_dtype("bf16", "none") == "bf16"

@@ -93,8 +93,8 @@ def test_the_lost_peers_lead_the_failure_reason(tmp_path):
     err = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:48834")
     record_failure(err, tmp_path, 0, 4, 7, 15.0, "ranks 2, 3 on z3node2")
     status = json.loads((tmp_path / "status.json").read_text())
-    assert status["reason"] == "lost ranks 2, 3 on z3node2: RuntimeError: [pair.cc:553] Connection closed by peer " \
-                               "[127.0.0.1]:48834"
+    assert status["reason"] == ("lost ranks 2, 3 on z3node2: RuntimeError: [pair.cc:553] Connection closed by peer "
+                                "[127.0.0.1]:48834")
     assert (status["status"], status["exit_code"], status["steps"]) == ("failed", 5, 7)
 
 

@@ -217,8 +217,8 @@ def test_train_passes_the_offload_keys_to_the_engine(tmp_path):
     cfg = load_config(None, ["zero.stage=3", "zero.offload_optimizer=\"nvme\"", "zero.offload_params=\"cpu\"",
                              f"zero.nvme_path=\"{tmp_path}\"", "zero.nvme_buffer_bytes=1048576"])
     zero = engine_settings(cfg).zero
-    assert (zero.offload_optimizer, zero.offload_params, zero.nvme_path, zero.nvme_buffer_bytes) == \
-        ("nvme", "cpu", str(tmp_path), 1048576)
+    assert (zero.offload_optimizer, zero.offload_params, zero.nvme_path, zero.nvme_buffer_bytes) == (
+        "nvme", "cpu", str(tmp_path), 1048576)
 
 
 def test_file_backed_parameter_shard(tmp_path):

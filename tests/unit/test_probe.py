@@ -104,8 +104,8 @@ def test_offloaded_optimizer_leaves_the_device_and_its_traffic_is_counted(capsys
     counters = offloaded["optimizer_step_counter_bytes"]  # Adam's 0-dim step tensors
     assert device["model_states"]["optimizer"] >= device["engine_state_bytes"]["optimizer_states"] > 0
     assert offloaded["model_states"]["optimizer"] == counters
-    assert offloaded["host_peak_by_category"]["optimizer"] == \
-        state["host_master_params"] + state["host_optimizer_states"] > 0
+    assert (offloaded["host_peak_by_category"]["optimizer"]
+            == state["host_master_params"] + state["host_optimizer_states"] > 0)
     assert device["model_states"]["grads"] == device["engine_state_bytes"]["grads"] > 0
     assert offloaded["model_states"]["grads"] == state["grads"] == 0
     assert offloaded["host_peak_by_category"]["grads"] == device["engine_state_bytes"]["grads"]

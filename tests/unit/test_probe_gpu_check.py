@@ -40,8 +40,8 @@ def test_report_names_the_gpu_versions_rows_and_skips(tmp_path):
 
 def test_a_failed_row_reports_the_error_line_not_torchruns_closing_banner():
     import subprocess
-    stderr = "[rank0]:   import zstandard\n[rank0]: ModuleNotFoundError: No module named 'zstandard'\n" \
-             "E1126 api.py:1002] failed (exitcode: 1)\n  time : 2026-11-26\n" + "=" * 60 + "\n"
+    stderr = ("[rank0]:   import zstandard\n[rank0]: ModuleNotFoundError: No module named 'zstandard'\n"
+              "E1126 api.py:1002] failed (exitcode: 1)\n  time : 2026-11-26\n" + "=" * 60 + "\n")
     proc = subprocess.CompletedProcess([], 1, stdout="", stderr=stderr)
     assert gpu_check.error_line(proc) == ["[rank0]: ModuleNotFoundError: No module named 'zstandard'"]
     assert gpu_check.error_line(subprocess.CompletedProcess([], 1, stdout="", stderr="")) == ["(no output)"]
@@ -56,8 +56,8 @@ def test_a_gpu_probe_compares_model_states_and_the_peak_only():
                           working_set_bytes=0, logits_bytes=0, buffer_bytes=5, margin_bytes=6, gpu_memory_bytes=100,
                           host_bytes=7)
     states = {"params": 10, "grads": 20, "optimizer": 30}
-    assert [r[0] for r in estimate_rows(est, states, None, 99, 0)] == \
-        ["params", "grads", "optimizer (fp32 master + moments)", "peak (without margin)"]
+    assert [r[0] for r in estimate_rows(est, states, None, 99, 0)] == [
+        "params", "grads", "optimizer (fp32 master + moments)", "peak (without margin)"]
     cpu = estimate_rows(est, states, {"activations": 40, "temporaries": 50}, 99, 70)
     assert [r[2] for r in cpu] == [10, 20, 30, 40, 50, 99, 70]
     assert [r[1] for r in cpu] == [1, 2, 3, 4, 5, est.total_bytes - 6, 7]

@@ -90,8 +90,7 @@ def test_a_changed_model_that_keeps_every_tensor_shape_is_refused(tmp_path, save
     heads of a smaller width over the same hidden size, the same K/V width from other (heads, groups), another RoPE
     base or norm epsilon. Every parameter keeps its name and shape, yet the identity names the change."""
     def shapes(overrides):
-        return load_config(None, BASE + ["model.make_vocab_size_divisible_by=64", *overrides]).model.shape \
-            .parameter_shapes()
+        return load_config(None, BASE + ["model.make_vocab_size_divisible_by=64", *overrides]).model.shape.parameter_shapes()
     assert shapes(saved) == shapes(now)
     check_identity(tmp_path, identity(tmp_path, saved), identity(tmp_path, saved))
     with pytest.raises(CheckpointError, match="written for another model, tokenizer or data: " + diff + r"\."):

@@ -83,8 +83,8 @@ def test_decay_steps_before_the_end_decays_to_min_lr_there_and_holds_it(schedule
     from there to the run's end. WSD's decay is the last 0.3 of the 50 steps from the warmup to decay_steps (15):
     steps 10..44 at LR, 45..59 decaying; cosine and linear decay over steps 10..59."""
     name, _, shape = schedule.partition("-")
-    keys = ['optimizer.schedule="wsd"', "optimizer.decay_fraction=0.3", f'optimizer.decay_shape="{shape}"'] \
-        if name == "wsd" else [f'optimizer.schedule="{name}"']
+    keys = (['optimizer.schedule="wsd"', "optimizer.decay_fraction=0.3", f'optimizer.decay_shape="{shape}"']
+            if name == "wsd" else [f'optimizer.schedule="{name}"'])
     cfg = cfg_of("optimizer.decay_steps=60", *keys)
     start = {"wsd": 45, "cosine": WARMUP, "linear": WARMUP}[name]
     left = {"linear": lambda p: 1 - p, "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),

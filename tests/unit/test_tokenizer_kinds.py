@@ -125,8 +125,8 @@ def test_the_identity_hash_covers_every_file(tmp_path, files):
             assert load_tokenizer(copied).files_sha256() != before, (kind, path.name)
             path.write_bytes(original)
     hf = specs(root)["hf"]
-    assert load_tokenizer(TokenizerSpec("hf", hf.model, eod="Ġthe")).files_sha256() != \
-        load_tokenizer(hf).files_sha256()
+    assert load_tokenizer(TokenizerSpec("hf", hf.model, eod="Ġthe")).files_sha256() != (
+        load_tokenizer(hf).files_sha256())
 
 
 def test_the_run_identity_file_changes_with_the_merges(tmp_path, files):

@@ -35,8 +35,8 @@ def brute_force(group: list[int], gpus_per_node: int):
 
 # every TP × DP × PP layout of up to 16 ranks (groups of 3, 5, 6, 7 ... where symmetry hides nothing), and paper-sized
 # ones, under every node size up to 16
-LAYOUTS = [(tp, dp, pp) for tp, dp, pp in itertools.product(range(1, 17), repeat=3) if tp * dp * pp <= 16] + \
-    [(tp, dp, pp) for tp, dp, pp in itertools.product((1, 2, 4, 8), (1, 2, 3, 4, 6, 8), (1, 2))]
+LAYOUTS = ([(tp, dp, pp) for tp, dp, pp in itertools.product(range(1, 17), repeat=3) if tp * dp * pp <= 16]
+           + [(tp, dp, pp) for tp, dp, pp in itertools.product((1, 2, 4, 8), (1, 2, 3, 4, 6, 8), (1, 2))])
 
 
 @pytest.mark.parametrize("gpn", range(1, 17))

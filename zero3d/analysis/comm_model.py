@@ -76,8 +76,8 @@ def comm_breakdown(collectives: list, links: Links = PAPER_LINKS) -> dict:
     out = defaultdict(float)
     for c in collectives:
         link = "IB" if spans_nodes(c["ranks"], links) else "NVSwitch"
-        out[f"{ring_kind(c['op'])} over {link} (group of {len(c['ranks'])})"] += \
-            collective_seconds(c["op"], c["nbytes"], c["ranks"], links)
+        out[f"{ring_kind(c['op'])} over {link} (group of {len(c['ranks'])})"] += (
+            collective_seconds(c["op"], c["nbytes"], c["ranks"], links))
     return dict(out)
 
 

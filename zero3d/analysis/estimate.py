@@ -155,8 +155,8 @@ def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp:
     (gathered_unit_bytes, `dp` the ranks they are sharded over).
     """
     p = PRECISIONS[precision]
-    float8_copies = {"float8 copies": float8_copy_bytes(shape, micro_batch, tp, float8, fp8_gather, cp)} \
-        if float8 != "none" else {}
+    float8_copies = ({"float8 copies": float8_copy_bytes(shape, micro_batch, tp, float8, fp8_gather, cp)}
+                     if float8 != "none" else {})
     if stage != 3:
         return {"gradient buffer": 4 * (psi if bucket_elements is None else min(bucket_elements, psi)),
                 **float8_copies}

@@ -123,8 +123,8 @@ class GPTShape:
         split = (h * qkv + q * h + h * f * m + f * h + (qkv if self.bias or self.qkv_bias else 0)
                  + (f * m if self.bias else 0))
         # whole on every rank: the projection and fc2 biases (row-parallel), the two norms, the q/k norms
-        whole = (2 * h if self.bias else 0) + 2 * self.norm_params(h) \
-            + (2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0)
+        whole = ((2 * h if self.bias else 0) + 2 * self.norm_params(h)
+                 + (2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0))
         return split // tp + whole
 
     def layer_linear_weights(self, tp: int = 1) -> int:

@@ -86,6 +86,6 @@ def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: st
     if modes.hybrid:
         if stage not in (1, 2, 3):
             raise ValueError(f"stage {stage} is invalid for +hybrid; valid: 1, 2, 3 (stage 0 shards nothing)")
-        return sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision, optimizer)) - \
-            sum(float(x) for x in model_state_bytes(psi, stage, dp, precision, optimizer))
+        return (sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision, optimizer))
+                - sum(float(x) for x in model_state_bytes(psi, stage, dp, precision, optimizer)))
     return 0.0

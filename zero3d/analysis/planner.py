@@ -114,8 +114,8 @@ def compute_seconds(cluster: Cluster, flops: StepFlops, recompute: str, float8: 
         raise ValueError(f"float8 = {float8!r} needs float8 tensor cores; {cluster.name} has none (e.g. "
                          "--cluster dgx-h100 or dgx-h200)")
     linears = flops.linears * (4 if recompute == "full" else 3) // 3
-    return ((flops.hardware - linears) / cluster.peak_flops + linears / cluster.fp8_peak_flops) / \
-        (gpus * cluster.efficiency)
+    return ((flops.hardware - linears) / cluster.peak_flops + linears / cluster.fp8_peak_flops) / (
+        gpus * cluster.efficiency)
 
 
 def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,

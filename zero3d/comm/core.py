@@ -181,8 +181,8 @@ class Comm:
         self.stats = stats
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self.size)] \
-            if group is not None else list(range(self.size))
+        self._global_ranks = ([dist.get_global_rank(group, r) for r in range(self.size)]
+                              if group is not None else list(range(self.size)))
         self._nodes = [g // gpus_per_node for g in self._global_ranks] if gpus_per_node else None
         self._gloo = is_gloo(group)
 
@@ -324,8 +324,8 @@ class Comm:
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """`a` and `b` are views of the same elements (by storage identity and offset, not data_ptr(), which
     fake tensors — the rank-local probe — all report as 0)."""
-    return a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset() \
-        and a.numel() == b.numel()
+    return (a.untyped_storage() is b.untyped_storage() and a.storage_offset() == b.storage_offset()
+            and a.numel() == b.numel())
 
 
 def wait_all(handles: list) -> None:

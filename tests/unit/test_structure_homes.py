@@ -1,0 +1,54 @@
+"""Issue #54's rules, read from the source: code that tools reading it line by line can follow (no backslash line
+continuations); the analysis beside the engine, imported by neither the engine nor the config's ground floor; one
+home for the cluster's shape (one rank → node rule); a communication mode named in its card and the few files that
+run it."""
+import io
+import os
+import tokenize
+from pathlib import Path
+
+from test_structure import REPO
+
+# Files whose continuation lines are still to be joined, each with its reason; the test holds this list exact, so
+# an entry goes when its file is mended.
+CONTINUATIONS_LEFT = {"tools/gpu_check.py": "being rewritten beside issue #54; joined with that change"}
+
+
+def project_python() -> list[Path]:
+    """Every .py file of the project: its packages, tests, tools, benchmarks and examples (not hidden folders, the
+    virtual environment, run directories or caches)."""
+    found = []
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ("runs", "build", "__pycache__"))
+        found += [Path(root) / f for f in sorted(files) if f.endswith(".py")]
+    return found
+
+
+def continuation_lines(text: str) -> list[int]:
+    """Line numbers that end in a backslash joining them to the next line: outside every string (a string's own
+    escaped newline is text, not a continuation) and outside comments."""
+    in_string = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.STRING:
+            in_string.update(range(tok.start[0], tok.end[0]))  # lines that end inside the string
+    return [n for n, line in enumerate(text.splitlines(), 1)
+            if line.endswith("\\") and n not in in_string and not line.lstrip().startswith("#")]
+
+
+def test_continuation_lines_are_found_and_strings_are_not():
+    code = ('x = 1 + \\\n    2\n'  # a continuation
+            's = """a \\\nb"""\n'  # an escaped newline inside a string
+            '# a comment \\\n'
+            'y = (1 +\n     2)\n')
+    assert continuation_lines(code) == [1]
+
+
+def test_no_backslash_line_continuations():
+    """Issue #54: a backslash continuation hides every definition after it in its file from tools that read the code
+    line by line; parentheses join lines instead."""
+    found = {}
+    for path in project_python():
+        lines = continuation_lines(path.read_text())
+        if lines:
+            found[str(path.relative_to(REPO))] = lines
+    assert sorted(found) == sorted(CONTINUATIONS_LEFT), found
