@@ -9,6 +9,8 @@ FROM nvcr.io/nvidia/pytorch:25.04-py3
 WORKDIR /workspace/zero3d
 COPY pyproject.toml README.md ./
 COPY zero3d ./zero3d
+COPY analysis ./analysis
+COPY model_shape ./model_shape
 COPY megatron_patches ./megatron_patches
 COPY pretrain ./pretrain
 COPY configs ./configs

@@ -13,7 +13,7 @@ then `python -m pretrain.probe --real` of the 8B (TP 4), 60B and 100B (TP 16) ra
 under a 32 GB cap. With `--fp8` (and always in the dry run): the Llama shape through zero3d in FP8 beside its bf16
 row (precision.fp8 "tensorwise" and "rowwise", stage 2, the same process; MFU against the GPU's FP8 peak), and
 `probe --real` of the Llama-3 8B rank slice (configs/llama3_8b.toml: TP 1 × DP 16, stage 2) in bf16 and FP8
-under an 80 GB cap (the dry run: FP8 only, fake, 2 layers). Each row: tokens/s, TFLOP/s (the model FLOPs of zero3d/analysis/flops.py: Megatron's
+under an 80 GB cap (the dry run: FP8 only, fake, 2 layers). Each row: tokens/s, TFLOP/s (the model FLOPs of model_shape/flops.py: Megatron's
 formula, with grouped-query K/V and the gated MLP's third matrix for Llama), MFU (against the GPU's dense
 peak), peak CUDA memory. The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
 `aot_eager` backend (inductor's C++ codegen costs ~40 s on a CPU: the GPU run uses inductor), and runs the
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
-from zero3d.analysis.flops import gpt_step_flops  # noqa: E402
+from model_shape.flops import gpt_step_flops  # noqa: E402
 
 SHAPE = dict(kind="gpt", layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
@@ -143,8 +143,8 @@ class PlainLlama(torch.nn.Module):
 
 
 def padded_vocab(vocab: int) -> int:
-    """The embedding width pretrain builds at TP 1 (megatron's padding rule, zero3d/analysis/estimate.py)."""
-    from zero3d.analysis.estimate import padded_vocab as megatron_padded_vocab
+    """The embedding width pretrain builds at TP 1 (megatron's padding rule, analysis/estimate.py)."""
+    from analysis.estimate import padded_vocab as megatron_padded_vocab
     return megatron_padded_vocab(vocab, 1)
 
 

@@ -11,8 +11,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 sys.path.insert(0, str(REPO_ROOT))
 from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
-from zero3d.analysis.paper_configs import FIGURE4, paper_expectation, zero_choices as paper_zero_choices  # noqa: E402
-from zero3d.analysis.planner import PAPER_CONFIGS  # noqa: E402
+from analysis.paper_configs import FIGURE4, paper_expectation, zero_choices as paper_zero_choices  # noqa: E402
+from analysis.planner import PAPER_CONFIGS  # noqa: E402
 
 # The vendored copy when the repo has one, else the shared one beside the checkout; both are identical.
 DEFAULT_CSV = REPO_ROOT / "configs/paper/reproduction-configs.csv"  # the paper appendix's configurations
@@ -29,7 +29,7 @@ STEPS = 100  # a throughput run: enough steps for a median after warm-up
 # CB: the paper gives no size. 50M elements is 100 MB per bucket in 16-bit (200 MB in fp32): messages
 # that large already run NCCL at full bus bandwidth, while DeepSpeed's later 5e8 default would pin
 # 1-2 GB per buffer on a 32 GB V100, the residual memory CB exists to bound. It is also the value
-# zero3d.analysis.estimate (DEFAULT_BUCKET_ELEMENTS) assumes, so the estimator's verdicts hold for these files.
+# analysis.estimate (DEFAULT_BUCKET_ELEMENTS) assumes, so the estimator's verdicts hold for these files.
 BUCKET_ELEMENTS = 50_000_000
 # Table III (docs/zero-paper-facts.md §4.4): (stage, Pa, Pa+cpu); CB + MD are on in all five.
 ZERO_CONFIGS = {name: (z.stage, z.pa, z.pa_cpu) for name, z in PAPER_CONFIGS.items()}
@@ -107,7 +107,7 @@ def jobs_of(row: Row) -> list:
 
 def zero_choices(row: Row) -> list:
     """[(C-label or None, note)] per job: the ZeRO settings the paper used for this row
-    (zero3d.analysis.paper_configs, which `--plan csv` judges with too)."""
+    (analysis.paper_configs, which `--plan csv` judges with too)."""
     return paper_zero_choices(row.figure, row.model, row.system, row.mp, len(jobs_of(row)))
 
 

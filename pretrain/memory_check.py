@@ -3,10 +3,17 @@ import dataclasses
 from typing import Optional
 
 from pretrain.config import Config, ConfigError
-from zero3d.analysis.estimate import (GB, PRECISIONS, MemoryBreakdown, OptimizerStates, document_mask_bytes,
+from pretrain.sections import ClusterConfig
+from analysis.estimate import (GB, GIB, PRECISIONS, MemoryBreakdown, OptimizerStates, document_mask_bytes,
                                       estimate, format_breakdown)
-from zero3d.analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
+from analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
 from zero3d.config import ZeroConfig
+
+
+def gpu_budget_bytes(cluster: ClusterConfig) -> float:
+    """The device memory a config's [cluster] describes: gpu_memory_gb in GiB, the unit vendors label cards in
+    (a "32 GB" V100 carries 32 GiB); the planner budgets the same (docs/estimator.md)."""
+    return cluster.gpu_memory_gb * GIB
 
 
 def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
@@ -104,7 +111,7 @@ def describe(cfg: Config, world_size: int) -> str:
 
 def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None) -> tuple:
     """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
-    estimate, offload = device_estimate(cfg, world_size, cfg.cluster.gpu_memory_bytes)
+    estimate, offload = device_estimate(cfg, world_size, gpu_budget_bytes(cfg.cluster))
     device = f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
     return estimate, _table(estimate, offload, describe(cfg, world_size), device, cpu_note)
 

@@ -6,9 +6,8 @@ from typing import ClassVar, Literal, Optional
 
 from pretrain.blend import Blend, parse_blend, parse_split
 from pretrain.errors import ConfigError
-from zero3d.analysis.estimate import GIB
-from zero3d.analysis.flops import StepFlops
-from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape
+from model_shape.flops import StepFlops
+from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape
 
 # Over 400 lines: the schema of every config section in one place, a docstring per field (docs/config.md is
 # generated from them: pretrain/config_reference.py); each section checks its own values.
@@ -163,7 +162,7 @@ class ModelConfig(Section):
 
     @property
     def shape(self) -> GPTShape:
-        """The model's arithmetic (zero3d.analysis.gpt_shape): parameters, FLOPs, activations."""
+        """The model's arithmetic (model_shape.gpt): parameters, FLOPs, activations."""
         return GPTShape(layers=self.num_layers, hidden=self.hidden_size, heads=self.num_attention_heads,
                         seq=self.seq_length, vocab=self.vocab_size, ffn=self.ffn_hidden_size,
                         query_groups=self.num_query_groups, mlp=self.mlp, norm=self.norm,
@@ -172,11 +171,11 @@ class ModelConfig(Section):
                         qkv_bias=self.qkv_bias, kv_channels=self.head_dim)
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:
-        """Megatron's rule (zero3d.analysis.gpt_shape.padded_vocab): a multiple of divisible_by × TP."""
+        """Megatron's rule (model_shape.gpt.padded_vocab): a multiple of divisible_by × TP."""
         return self.shape.padded_vocab(tensor_parallel)
 
     def flops_per_step(self, tensor_parallel: int, global_batch: int) -> StepFlops:
-        """Model and hardware FLOPs of one training step (zero3d.analysis.flops), over the padded vocabulary."""
+        """Model and hardware FLOPs of one training step (model_shape.flops), over the padded vocabulary."""
         return self.shape.step_flops(global_batch, self.recompute == "full", tensor_parallel,
                                      loss_recompute=self.loss_chunk_tokens > 0 and self.loss_recompute,
                                      recomputed_attention=self.recompute == "selective" and self.attention == "local")
@@ -454,12 +453,6 @@ class ClusterConfig(Section):
     checkpoint_write_gbps: float = 5.0
     """Aggregate write bandwidth (GB/s) of the file system holding the checkpoints: slurm/submit.py
     sizes the SIGUSR1 warning before the time limit from it and the checkpoint's bytes."""
-
-    @property
-    def gpu_memory_bytes(self) -> float:
-        """The device memory this section describes: gpu_memory_gb in GiB, the unit vendors label cards in
-        (a "32 GB" V100 carries 32 GiB); the planner budgets the same (docs/estimator.md)."""
-        return self.gpu_memory_gb * GIB
 
     def check(self) -> None:
         require(self.nodes >= 1 and self.gpus_per_node >= 1, "cluster.nodes and cluster.gpus_per_node must be >= 1")

@@ -18,7 +18,7 @@ from pretrain.checkpoint.recovery import find_usable, recover
 from pretrain.config import Config
 from pretrain.schedule import lr_at
 from pretrain.sections import TrainConfig
-from zero3d.analysis.flops import StepFlops
+from model_shape.flops import StepFlops
 from pretrain.data.loader import Batches  # noqa: F401 - also imported from here by the tests
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line

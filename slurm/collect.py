@@ -13,7 +13,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from pretrain.atomic import replacing, write_atomically  # noqa: E402
 from pretrain.config import RESOLVED_CONFIG  # noqa: E402
 from pretrain.summary import read_records, summary_from_records  # noqa: E402
-from zero3d.analysis.cluster import add_cluster_flags  # noqa: E402
+from analysis.cluster import add_cluster_flags  # noqa: E402
 
 DEFAULT_WARMUP = 10  # steps left out of the medians: allocator growth, NCCL set-up, first-step compiles
 # Only figures the facts sheet states (§4.6, §4.11); all approximate ("over", "about", "under").
@@ -282,8 +282,8 @@ def plot(rows: list, path: Path, kind: str = "measured", paper: bool = True) -> 
 
 def predict(parser, args) -> int:
     """--predict: the predicted Figure 2 table on the described cluster, as table.csv / table.md / scaling.png."""
-    from zero3d.analysis.cluster import PAPER_CLUSTER, spec_from_args
-    from zero3d.analysis.predict_table import default_csv, format_rows, predict_rows
+    from analysis.cluster import PAPER_CLUSTER, spec_from_args
+    from analysis.predict_table import default_csv, format_rows, predict_rows
     try:
         cluster = spec_from_args(args).cluster(args.precision)
         rows = predict_rows(cluster, default_csv(), args.sizes.split(",") if args.sizes else None, args.precision)
@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs-dir", default=str(REPO_ROOT / "runs"),
                         help="with --figure/--all: where the runs are, DIR/<name> (a --shrink N sweep: runs/shrinkN)")
     parser.add_argument("--predict", action="store_true",
-                        help="no runs: Figure 2's ZeRO rows predicted on the described cluster (zero3d.analysis."
+                        help="no runs: Figure 2's ZeRO rows predicted on the described cluster (analysis."
                              "predict_table), written as the measured table and plot are")
     parser.add_argument("--sizes", help="with --figure/--all or --predict: the rows to keep, e.g. 8B,20B (default: all)")
     parser.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="--predict's dtype")

@@ -4,12 +4,12 @@ problem is one line; submit.py exits EXIT_INPUT (3) on any."""
 import contextlib
 from pathlib import Path
 
+from analysis.estimate import GB
 from pretrain.config import Config
 from pretrain.data.tokenizers import check_vocab, load_tokenizer, spec_of
 from pretrain.errors import EXIT_INPUT, ConfigError, DataError, InputError, TokenizerError
-from pretrain.memory_check import device_estimate
+from pretrain.memory_check import device_estimate, gpu_budget_bytes
 from pretrain.runtime.preflight import check_paths
-from zero3d.analysis.estimate import GB
 
 __all__ = ["EXIT_INPUT", "refusals"]
 
@@ -37,11 +37,11 @@ def memory_refusal(cfg: Config, world: int) -> list:
     the GPUs), unless train.ignore_memory_estimate."""
     if cfg.train.ignore_memory_estimate:
         return []
-    estimate, _ = device_estimate(cfg, world, cfg.cluster.gpu_memory_bytes)
+    estimate, _ = device_estimate(cfg, world, gpu_budget_bytes(cfg.cluster))
     if estimate.fits:
         return []
     return [f"the memory estimate {estimate.total_bytes / GB:.2f} GB exceeds cluster.gpu_memory_gb = "
-            f"{cfg.cluster.gpu_memory_gb:g} GiB ({cfg.cluster.gpu_memory_bytes / GB:.2f} GB) on {world} GPUs "
+            f"{cfg.cluster.gpu_memory_gb:g} GiB ({gpu_budget_bytes(cfg.cluster) / GB:.2f} GB) on {world} GPUs "
             f"({cfg.cluster.gpu}); python -m pretrain --estimate shows where it goes, train.ignore_memory_estimate"
             " = true runs anyway"]
 

@@ -54,7 +54,7 @@ def checkpoint_bytes(cfg: Config) -> float:
     (pretrain/checkpoint/checkpointer.py), the model in its training dtype plus the fp32 master and Adam's two
     moments: 2Ψ + 12Ψ (fp16/bf16), 4Ψ + 12Ψ (fp32), Ψ the whole model's parameters (the estimator's
     count, vocabulary padded as at this TP size); the headers (manifest, DCP metadata) are negligible."""
-    from zero3d.analysis.estimate import PRECISIONS
+    from analysis.estimate import PRECISIONS
     m = cfg.model
     psi = dataclasses.replace(m.shape, vocab_divisible_by=m.make_vocab_size_divisible_by * cfg.parallel.tensor).params()
     return (PRECISIONS[cfg.precision.dtype].param_bytes + 12) * psi

@@ -22,8 +22,8 @@ Glossary (the paper's names → the code):
   with `optimizer.state_dtype = "bf16"`), `EngineSettings.optimizer_spec`; the estimator's `OptimizerStates`.
 - N_d, Ψ: data-parallel size (`engine.dp.size`), parameters per TP rank.
 
-The package's names are imported on first use (PEP 562): `zero3d.config` and `zero3d.analysis`, which the config,
-the planner and the Slurm tools read, load without torch.
+The package's names are imported on first use (PEP 562): `zero3d.config`, which the config, the planner (the
+analysis beside the engine, analysis/) and the Slurm tools read, loads without torch.
 """
 import importlib
 

@@ -10,7 +10,7 @@ parallelism's gathers and reduce-scatters, context parallelism's K/V gathers) ru
 dropout is recomputed from the random state the forward began with — torch's
 generators (the checkpoint's own) and megatron's tensor-parallel RNG tracker (set back for the recomputation) —
 so the recomputed layer equals the one computed in forward bit for bit. The cost is the recomputed non-GEMM ops (and, with megatron's local attention,
-its two batched score GEMMs: zero3d/analysis/flops.py counts them), against `full`'s whole second forward.
+its two batched score GEMMs: model_shape/flops.py counts them), against `full`'s whole second forward.
 """
 import contextlib
 import functools

@@ -7,13 +7,13 @@ from pretrain import metrics
 from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, device_estimate
 from pretrain.probe.rank import probe_rank, rss_bytes
-from zero3d.analysis.cluster import links_for_gpu
-from zero3d.analysis.comm_model import comm_breakdown
-from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
-from zero3d.analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
+from analysis.cluster import links_for_gpu
+from analysis.comm_model import comm_breakdown
+from analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
+from analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
 from pretrain.probe.report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
                                           format_comparison, judge)
-from zero3d.analysis.paper_configs import PAPER_TARGETS_B
+from analysis.paper_configs import PAPER_TARGETS_B
 
 
 def timing_report(cfg: Config, world: int, run) -> dict:

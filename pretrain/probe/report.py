@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, MemoryBreakdown
+from analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, MemoryBreakdown
 
 AGREE_WITHIN = 0.05  # estimate vs executed: differences above 5% are flagged (docs/estimator.md)
 GIB = 2**30

@@ -8,7 +8,7 @@ import torch
 
 from gpt_harness import BASE, run_gpt_steps
 from ranks import run_ranks
-from zero3d.analysis.comm_model import dp_collectives, link_bytes
+from analysis.comm_model import dp_collectives, link_bytes
 
 WORLD, STEPS = 6, 3
 # 3 layers (PP 3 splits them one a stage); a padded vocabulary of 128 at TP 1 and TP 2, so every layout builds

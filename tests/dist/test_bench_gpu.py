@@ -18,7 +18,7 @@ FP8_PROBE = ('probe Llama-3 8B precision.fp8="tensorwise" model.attention="auto"
 
 def model_flops(s: dict, vocab: int) -> float:
     """6 × tokens × matmul parameters + the attention scores (QKᵀ and AV over the whole s × s matrix, 3 × 4·s·h a token
-    and layer), written out apart from zero3d/analysis/flops.py."""
+    and layer), written out apart from model_shape/flops.py."""
     b, seq, L, h = s["micro"], s["seq"], s["layers"], s["hidden"]
     if s["kind"] == "llama":  # Q and O h × h, K and V h × (groups · head dim), gate, up and down h × ffn
         layer = 2 * h * h + 2 * h * (h // s["heads"] * s["query_groups"]) + 3 * h * s["ffn"]

@@ -3,7 +3,7 @@ from fractions import Fraction
 
 import pytest
 
-from zero3d.analysis.comm_model import dp_elements_per_step, dp_passes
+from analysis.comm_model import dp_elements_per_step, dp_passes
 
 # The cached reference runs of test_zero.py (20 steps) and test_stage3.py (8 steps): TP 2 × DP 2,
 # micro-batch 2, global batch 8 = 2 micro-batches per step.

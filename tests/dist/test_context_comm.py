@@ -5,7 +5,7 @@ import pytest
 
 from gpt_harness import run_gpt_steps
 from ranks import run_ranks
-from zero3d.analysis.comm_model import context_bytes_per_step
+from analysis.comm_model import context_bytes_per_step
 
 STEPS = 2  # the counts restart every step: the second must equal the first
 FP32 = ["precision.dtype=\"fp32\"", "model.attention=\"sdpa\""]

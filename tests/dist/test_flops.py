@@ -1,4 +1,4 @@
-"""The FLOPs formula (zero3d.analysis.flops) against torch's own count of one step of the built model."""
+"""The FLOPs formula (model_shape.flops) against torch's own count of one step of the built model."""
 import pytest
 
 from gpt_harness import BASE

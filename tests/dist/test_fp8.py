@@ -9,7 +9,7 @@ import torch
 from fp8_reference import E4M3, LARGEST, reference, scale_rule
 from gpt_harness import BASE
 from ranks import run_ranks
-from zero3d.analysis.comm_model import dp_collectives, link_bytes
+from analysis.comm_model import dp_collectives, link_bytes
 
 # A Llama shape whose every FP8 GEMM dimension is a multiple of 16 at TP 2 (hidden 32, QKV 64, ffn 64: per TP rank
 # 16, 32, 32; 2 × 16 tokens a micro-batch); lr 1e-2 so 12 steps move the loss well past the 2% bound.

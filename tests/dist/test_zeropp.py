@@ -8,8 +8,8 @@ from checkpoint_harness import train_segment
 from gpt_harness import assert_bucket_layout
 from pretrain.checkpoint.read import read_json
 from ranks import run_ranks
-from zero3d.analysis.comm_model import dp_collectives, link_bytes, zeropp_collectives
-from zero3d.analysis.estimate import extra_state_bytes, model_state_bytes
+from analysis.comm_model import dp_collectives, link_bytes, zeropp_collectives
+from analysis.estimate import extra_state_bytes, model_state_bytes
 
 NODES = ("cluster.gpus_per_node=2",)  # 4 ranks: global ranks 0, 1 on node 0; 2, 3 on node 1
 FP32 = ("train.global_batch_size=8",)

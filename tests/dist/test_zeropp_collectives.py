@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from zero3d.analysis.comm_model import ZEROPP_MODES, link_bytes, zeropp_collectives
+from analysis.comm_model import ZEROPP_MODES, link_bytes, zeropp_collectives
 
 WORLD, GPN, C, BLOCK = 4, 2, 256, 64  # C: elements per DP rank's chunk; Ψ = 4·C
 PSI = WORLD * C

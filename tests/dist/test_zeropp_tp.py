@@ -6,7 +6,7 @@ import torch
 
 from gpt_harness import BASE, assert_bucket_layout, run_gpt_steps
 from ranks import run_ranks
-from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
+from analysis.comm_model import link_bytes, zeropp_collectives
 
 WORLD, TP, GPUS_PER_NODE = 8, 2, 4
 DP, PER_NODE = WORLD // TP, GPUS_PER_NODE // TP  # 4 DP ranks a group, 2 of them on each node

@@ -9,7 +9,7 @@ from doc_commands import REPO, documented_commands, run
 from gpt2_files import write_gpt2_files
 
 WORKERS = 3  # subprocesses at once: most of each command is interpreter start-up and imports
-LINKED = ("pretrain", "zero3d", "megatron_patches", "tools", "bench", "examples", "pyproject.toml")
+LINKED = ("pretrain", "zero3d", "analysis", "model_shape", "megatron_patches", "tools", "bench", "examples", "pyproject.toml")
 # Copied, not linked: the generator and slurm/submit.py find the repository root from their own file (a link would
 # resolve to the checkout), so the generator writes here and submit.py checks this root's data/ and runs/.
 COPIED = ("configs", "slurm")

@@ -12,7 +12,7 @@ def _output(results, text: str) -> str:
 
 def test_estimator_md_c2_gap_names_the_planners_figure(results):
     """docs/estimator.md's C2 heading and findings table carry the estimator's C2 maximum, as computed now."""
-    c2 = re.search(r"C2 P_os \+ P_a\s+([\d.]+B) \((\d+) layers\)", _output(results, "python -m zero3d.analysis --plan paper"))
+    c2 = re.search(r"C2 P_os \+ P_a\s+([\d.]+B) \((\d+) layers\)", _output(results, "python -m analysis --plan paper"))
     doc = (REPO / "docs/estimator.md").read_text()
     assert f"### The C2 gap (estimator {c2[1]}," in doc
     assert f"| C2 P_os + P_a | 60B | {c2[1]} ({c2[2]} layers)" in doc

@@ -110,7 +110,7 @@ def test_plot_bars_never_overlap_and_the_legend_lists_what_is_drawn(tmp_path):
 def test_stop_warning_covers_a_step_and_the_checkpoint_write():
     from pretrain.config import load_config
     cfg = load_config(REPO / "configs/paper/fig2_100B_zero.toml")
-    from zero3d.analysis.estimate import gpt_param_count
+    from analysis.estimate import gpt_param_count
     psi = 16 * gpt_param_count(125, 8192, 50257, 1024, tp=16)  # the whole model (16 TP slices)
     psi -= 15 * (125 * 6 * 8192 + 2 * 8192 + 1024 * 8192)  # per-layer biases and norms, final norm, positions: whole on every TP rank
     # each element once: fp16 parameters (2Ψ) + the fp32 master and Adam moments (12Ψ), any layout

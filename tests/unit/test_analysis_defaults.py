@@ -1,10 +1,10 @@
-"""`python -m zero3d.analysis` takes ZeRO defaults from ZeroConfig (CB on), and --largest grows hidden until nothing fits."""
+"""`python -m analysis` takes ZeRO defaults from ZeroConfig (CB on), and --largest grows hidden until nothing fits."""
 import json
 
 import pytest
 
-from zero3d.analysis.__main__ import build_parser, main
-from zero3d.analysis.estimate import GIB, gpt_param_count, layer_activation_bytes
+from analysis.__main__ import build_parser, main
+from analysis.estimate import GIB, gpt_param_count, layer_activation_bytes
 from zero3d.config import ZeroConfig
 
 

@@ -1,9 +1,9 @@
-"""`python -m zero3d.analysis`: every flag is honoured or refused (--json with --largest / --plan, --dp with a shape)."""
+"""`python -m analysis`: every flag is honoured or refused (--json with --largest / --plan, --dp with a shape)."""
 import json
 
 import pytest
 
-from zero3d.analysis.__main__ import main
+from analysis.__main__ import main
 
 SHAPE = ["--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "512", "--seq", "64", "--stage", "2"]
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from zero3d.analysis.comm_model import STAGE_MODES
+from analysis.comm_model import STAGE_MODES
 from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig, ZeroConfigError
 

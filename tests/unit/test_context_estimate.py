@@ -3,9 +3,9 @@ import dataclasses
 
 import pytest
 
-from zero3d.analysis import estimate as est
-from zero3d.analysis.comm_model import context_bytes_per_step
-from zero3d.analysis.gpt_shape import GPTShape
+from analysis import estimate as est
+from analysis.comm_model import context_bytes_per_step
+from model_shape.gpt import GPTShape
 
 # A small Llama-shaped model: S = 64, h = 64, a = 8 heads in 2 KV groups (d = 8), SwiGLU f = 128, RoPE, no biases.
 S, H, A, GROUPS, D, F, L = 64, 64, 8, 2, 8, 128, 2
@@ -171,8 +171,8 @@ def test_planner_proposes_the_smallest_context_that_fits():
     nothing fits at cp 1 (139.65 GB), so the planner proposes cp 2 (dp 32, 2 micro-batches a step), its memory the
     estimator's, and its step time adds the CP collectives: bytes / NVSwitch bandwidth + α per ring step
     (tp·cp = 2 ranks fit one node)."""
-    from zero3d.analysis.cluster import ClusterSpec
-    from zero3d.analysis.planner import plan
+    from analysis.cluster import ClusterSpec
+    from analysis.planner import plan
     cluster = ClusterSpec(preset="dgx-h100", nodes=8).cluster("bf16")
     found = plan(cluster, model=LLAMA_128K, global_batch=64, recompute="full", precision="bf16", attention="fused",
                  tp_choices=[1], stages=(3,), offload=False)
@@ -190,6 +190,6 @@ def test_planner_proposes_the_smallest_context_that_fits():
 
 def test_planner_without_fused_attention_keeps_cp_one():
     """Local attention (the planner's default, the paper's Megatron) has no context parallelism."""
-    from zero3d.analysis.planner import plan
+    from analysis.planner import plan
     found = plan(model=dataclasses.replace(SHAPE, layers=4), global_batch=16, gpus=8, precision="fp16")
     assert found and {c.cp for c in found} == {1}

@@ -4,13 +4,13 @@ from fractions import Fraction
 
 import pytest
 
-from zero3d.analysis import estimate as est
-from zero3d.analysis import __main__ as cli
-from zero3d.analysis import paper_tables as tables
-from zero3d.analysis import planner
-from zero3d.analysis.estimate import (GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab,
+from analysis import estimate as est
+from analysis import __main__ as cli
+from analysis import paper_tables as tables
+from analysis import planner
+from analysis.estimate import (GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab,
                                       paper_shape)
-from zero3d.analysis.flops import gpt_flops_per_step
+from model_shape.flops import gpt_flops_per_step
 
 # Table I as printed (facts §1.4); * marks bold. Columns: 7.5B, 128B, 1T × P_os, P_os+g, P_os+g+p.
 TABLE_ONE_PRINTED = """
@@ -281,7 +281,7 @@ def test_c1_to_c5_maxima():
 
 
 def test_paper_config_verdicts():
-    from zero3d.analysis import paper_configs
+    from analysis import paper_configs
     verdicts = paper_configs.judge_all(cli.PAPER_CSV)  # the command line's default: the repository's copy
     assert len(verdicts) == 56  # one per generated job: 41 rows, Figures 3/6 several GPU counts or batches, 5 × C1-C5
     failing = {(v.run.figure, v.run.model, v.run.label) for v in verdicts if not v.fits}
@@ -380,8 +380,8 @@ def test_muon_exchange_in_the_comm_model_and_the_planner():
     """A rank holds M/N of the hidden-matrix elements, (N − 1)/N of them in other owners' matrices, and sends the
     same back as an owner: 2·M(N − 1)/N²; it joins the TP shards of the M/N it owns: (TP − 1)·M/N. Stage 0 exchanges
     nothing over DP and joins every matrix. The planner adds that step to a Muon layout's time, none to AdamW's."""
-    from zero3d.analysis.comm_model import muon_elements_per_step
-    from zero3d.analysis.planner import plan
+    from analysis.comm_model import muon_elements_per_step
+    from analysis.planner import plan
     assert muon_elements_per_step(1800, 3, 2, 1) == (Fraction(2 * 1800 * 2, 9), Fraction(600))
     assert muon_elements_per_step(1800, 3, 2, 0) == (0, 1800)
     shape = est.paper_shape(1024, layers=4, heads=16, vocab=50257, seq=1024)

@@ -1,4 +1,4 @@
-"""What precision.fp8 and zero.fp8_gather add to a rank's memory, in the estimator (zero3d/analysis/float8.py) and as
+"""What precision.fp8 and zero.fp8_gather add to a rank's memory, in the estimator (analysis/float8.py) and as
 the probe executes pretrain's own step on fake tensors: the planner's 13B stage 3 rank (tests/unit/test_probe.py's
 H100_13B: 40 × 5120, micro-batch 16 × 1024 tokens, TP 1 × DP 32, bf16), 2 layers."""
 import pytest
@@ -6,7 +6,7 @@ import pytest
 from pretrain.config import load_config
 from pretrain.memory_check import estimate_config
 from test_probe import H100_13B
-from zero3d.analysis.estimate import GIB
+from analysis.estimate import GIB
 
 M, H, F = 16 * 1024, 5120, 4 * 5120  # tokens of a micro-batch, hidden, ffn
 

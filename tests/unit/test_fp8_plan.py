@@ -1,13 +1,13 @@
 """The planner with precision.fp8 and zero.fp8_gather: the float8 GEMMs at the GPU's float8 peak, stage 3's float8
-gathers in the α-β model, refusals where the GPU has no float8 (zero3d/analysis/planner.py, comm_model.py)."""
+gathers in the α-β model, refusals where the GPU has no float8 (analysis/planner.py, comm_model.py)."""
 from fractions import Fraction
 
 import pytest
 
-from zero3d.analysis.cluster import ClusterSpec
-from zero3d.analysis.comm_model import dp_collectives, link_bytes
-from zero3d.analysis.gpt_shape import GPTShape
-from zero3d.analysis.planner import ZeroChoice, plan, step_time
+from analysis.cluster import ClusterSpec
+from analysis.comm_model import dp_collectives, link_bytes
+from model_shape.gpt import GPTShape
+from analysis.planner import ZeroChoice, plan, step_time
 from zero3d.comm.modes import CommModes
 
 LLAMA3_8B = GPTShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, query_groups=8,

@@ -100,7 +100,7 @@ def test_the_config_planner_and_slurm_tools_load_without_torch():
     """zero3d's names load on first use: what `submit.py`, `collect.py`, `sweep.py` and the planner import pulls in
     no torch (2.7 s of CPU each, at every submission, preflight and doc command), and the names still resolve."""
     code = ("import sys, json\n"
-            "import slurm.submit, slurm.collect, slurm.sweep, zero3d.analysis.__main__, pretrain.config\n"
+            "import slurm.submit, slurm.collect, slurm.sweep, analysis.__main__, pretrain.config\n"
             "loaded = 'torch' in sys.modules\n"
             "import zero3d, zero3d.wrap\n"
             "print(json.dumps({'torch': loaded, 'wrap': zero3d.wrap_model is zero3d.wrap.wrap_model,\n"

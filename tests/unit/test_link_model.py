@@ -4,8 +4,8 @@ from fractions import Fraction
 
 import pytest
 
-from zero3d.analysis import planner
-from zero3d.analysis.comm_model import (Links, collectives_per_pass, dp_collectives, dp_elements_per_step,
+from analysis import planner
+from analysis.comm_model import (Links, collectives_per_pass, dp_collectives, dp_elements_per_step,
                                         link_bytes, link_seconds)
 
 # Ψ = 1000 parameters, b = 4 bytes, N = 4 DP ranks as 2 nodes × 2 (m = 2, k = 2), B = 3 buckets per pass

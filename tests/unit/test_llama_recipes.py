@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from pretrain.config import ConfigError, load_config
-from zero3d.analysis.cluster import ClusterSpec
-from zero3d.analysis.planner import plan
+from analysis.cluster import ClusterSpec
+from analysis.planner import plan
 
 # Meta's published parameter counts (the Hugging Face model cards' safetensors totals): an independent reference
 META_PARAMS = {"configs/llama3_8b.toml": 8_030_261_248, "configs/llama3_70b.toml": 70_553_706_496}

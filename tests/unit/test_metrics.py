@@ -8,7 +8,7 @@ from pretrain import metrics
 from pretrain.metrics import (ConsoleSink, JsonlSink, MetricsLogger, WandbSink,
                               detect_gpu, make_logger, memory_report,
                               peak_tflops, throughput_metrics, wandb_mode)
-from zero3d.analysis.flops import StepFlops, gpt_flops_per_step, gpt_step_flops, layer_forward_flops_per_token
+from model_shape.flops import StepFlops, gpt_flops_per_step, gpt_step_flops, layer_forward_flops_per_token
 
 
 @pytest.fixture

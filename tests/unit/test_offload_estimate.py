@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from zero3d.analysis.__main__ import main
-from zero3d.analysis.estimate import (GIB, estimate_from_shape, gpt_param_count, layer_activation_bytes,
+from analysis.__main__ import main
+from analysis.estimate import (GIB, estimate_from_shape, gpt_param_count, layer_activation_bytes,
                                       padded_vocab)
-from zero3d.analysis.offload_estimate import OFFLOAD_SHAPES, largest_offload_gpt, offload_breakdown
+from analysis.offload_estimate import OFFLOAD_SHAPES, largest_offload_gpt, offload_breakdown
 
 SHAPE = dict(layers=24, hidden=2048, heads=16, vocab=50257, seq=1024, recompute="full", micro_batch=1,
              bucket_elements=50_000_000)

@@ -152,7 +152,7 @@ def test_only_what_the_paper_reports_out_of_memory_is_marked_and_every_other_job
 
 def test_plan_csv_judges_each_job_as_its_config_and_agrees_with_estimate():
     from pretrain.memory_check import config_report
-    from zero3d.analysis import paper_configs
+    from analysis import paper_configs
     verdicts = paper_configs.judge_all(REPO / "configs/paper/reproduction-configs.csv")
     by_job = {}
     for v in verdicts:
@@ -189,7 +189,7 @@ def test_shrunk_jobs_train_their_own_tokenizer():
 
 
 def test_bucket_matches_the_estimator_default():
-    from zero3d.analysis.estimate import DEFAULT_BUCKET_ELEMENTS
+    from analysis.estimate import DEFAULT_BUCKET_ELEMENTS
     assert generate_paper.BUCKET_ELEMENTS == DEFAULT_BUCKET_ELEMENTS
 
 

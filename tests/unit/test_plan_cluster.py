@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from zero3d.analysis import planner
-from zero3d.analysis.__main__ import main
-from zero3d.analysis.cluster import PAPER_CLUSTER, ClusterSpec, spec_from_toml
+from analysis import planner
+from analysis.__main__ import main
+from analysis.cluster import PAPER_CLUSTER, ClusterSpec, spec_from_toml
 
 GIB = 2**30
 # 13B-class shape (Llama-2 13B's 40 × 5120) at the paper's sequence and GPT-2 vocabulary
@@ -111,8 +111,8 @@ def test_largest_on_64_h100_keeps_the_trained_aspect(capsys):
 def test_run_configs_gpu_names_its_links_and_peak():
     """cluster.gpu of a run config (the probe's α-β prediction, metrics' MFU): the preset's node at the config's
     GPUs per node; the DGX-2's are the paper's (comm_model.PAPER_LINKS)."""
-    from zero3d.analysis.cluster import links_for_gpu
-    from zero3d.analysis.comm_model import PAPER_LINKS
+    from analysis.cluster import links_for_gpu
+    from analysis.comm_model import PAPER_LINKS
     from pretrain.metrics import PEAK_TFLOPS
     assert links_for_gpu("V100", 16) == PAPER_LINKS
     h100 = links_for_gpu("H100", 4)

@@ -1,8 +1,8 @@
 """Planner offload tiers: none while a layout fits on the device; else optimizer→cpu, →nvme, then stage 3 params."""
 import pytest
 
-from zero3d.analysis import planner
-from zero3d.analysis.estimate import GIB, estimate_from_shape, gpt_param_count, paper_shape
+from analysis import planner
+from analysis.estimate import GIB, estimate_from_shape, gpt_param_count, paper_shape
 
 CLUSTER = planner.PAPER_CLUSTER
 NODE_HOST = 0.9 * 24 * 64 * GIB  # paper §4.1: 24 × 64 GB DIMMs per DGX-2, less the 10% margin

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from zero3d.analysis import __main__ as cli
-from zero3d.analysis import planner
+from analysis import __main__ as cli
+from analysis import planner
 
 # H100-like: 8 GPUs per node on 900 GB/s NVLink, 8 × 400 Gb/s InfiniBand per node, 4 nodes
 H100ISH = dataclasses.replace(planner.PAPER_CLUSTER, name="h100-ish", gpus_per_node=8, nodes=4,

@@ -8,7 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from slurm import collect  # noqa: E402
-from zero3d.analysis.__main__ import main  # noqa: E402
+from analysis.__main__ import main  # noqa: E402
 
 GIB = 2**30
 # Figure 2's 8B row (appendix Table 1): 72 layers × 3072, 24 heads, 400 GPUs at MP 4, 64 per DP rank: B = 6400

@@ -6,8 +6,8 @@ import pytest
 from pretrain.config import load_config
 from pretrain.memory_check import estimate_config
 from pretrain.probe import cli as probe
-from zero3d.analysis.comm_model import Links, collective_seconds, comm_breakdown, ring_kind
-from zero3d.analysis.estimate import DEFAULT_MARGIN_FRACTION
+from analysis.comm_model import Links, collective_seconds, comm_breakdown, ring_kind
+from analysis.estimate import DEFAULT_MARGIN_FRACTION
 from pretrain.probe.report import GIB, extrapolate_layers, judge, relative_gap
 
 pytestmark = pytest.mark.one_core  # one process, tens of seconds: the side lane (tools/run_suite.py)

@@ -51,7 +51,7 @@ def test_a_gpu_probe_compares_model_states_and_the_peak_only():
     """On a GPU the probe has no per-category snapshot at the peak (CUDA's allocator counts bytes): its rows
     are the model states and the peak (the first --real run on an H100 failed with KeyError 'activations')."""
     from pretrain.probe.report import estimate_rows
-    from zero3d.analysis.estimate import MemoryBreakdown
+    from analysis.estimate import MemoryBreakdown
     est = MemoryBreakdown(params_per_rank=1, param_bytes=1, grad_bytes=2, optimizer_bytes=3, checkpoint_bytes=4,
                           working_set_bytes=0, logits_bytes=0, buffer_bytes=5, margin_bytes=6, gpu_memory_bytes=100,
                           host_bytes=7)

@@ -4,7 +4,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from zero3d.analysis.comm_model import link_bytes, zeropp_collectives
+from analysis.comm_model import link_bytes, zeropp_collectives
 from zero3d.comm.core import CommStats, ring_link_split
 from zero3d.comm.quantize import QuantSpec, dequantize, quantize
 

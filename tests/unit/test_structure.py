@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("zero3d", "pretrain", "megatron_patches", "slurm", "configs")
+PACKAGES = ("zero3d", "analysis", "model_shape", "pretrain", "megatron_patches", "slurm", "configs")
 # megatron-core's public, documented entry points; everything else under megatron.core is internal.
 MEGATRON_PUBLIC = ("megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.pipeline_parallel",
                    "megatron.core.datasets", "megatron.core.dist_checkpointing")
@@ -66,12 +66,17 @@ def test_no_import_cycles():
     assert cycles == []
 
 
+def top_package(module: str) -> str:
+    return module.split(".")[0]
+
+
 def test_engine_imports_no_analysis_pretrain_or_megatron():
+    """The engine is model-agnostic: no analysis (analysis/, the GPT's shape in model_shape/), no pretrain, no megatron."""
     for name, path in modules().items():
-        if not name.startswith("zero3d.") or name.startswith("zero3d.analysis"):
+        if top_package(name) != "zero3d":
             continue
         bad = [m for m, _ in imports(path)
-               if m.startswith(("zero3d.analysis", "pretrain", "megatron", "megatron_patches", "slurm"))]
+               if top_package(m) in ("analysis", "model_shape", "pretrain", "megatron", "megatron_patches", "slurm")]
         assert bad == [], f"{path.relative_to(REPO)} imports {bad}"
 
 
@@ -164,14 +169,25 @@ def test_wings_are_packages_with_a_one_line_docstring():
 def test_setuptools_ships_every_package():
     """A non-editable install copies only the packages pyproject.toml lists: every folder with an __init__.py."""
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    present = {".".join(p.parent.relative_to(REPO).parts) for top in ("zero3d", "pretrain", "megatron_patches")
+    present = {".".join(p.parent.relative_to(REPO).parts) for top in ("zero3d", "analysis", "model_shape", "pretrain",
+                                                                      "megatron_patches")
                for p in (REPO / top).rglob("__init__.py")}
     assert present - listed == set()
 
 
-def test_zero3d_and_its_analysis_import_no_pretrain():
-    bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items() if name.startswith("zero3d")
-           for m, _ in imports(path) if m == "pretrain" or m.startswith("pretrain.")]
+def test_zero3d_and_the_analysis_import_no_pretrain():
+    bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
+           if top_package(name) in ("zero3d", "analysis", "model_shape")
+           for m, _ in imports(path) if top_package(m) == "pretrain"]
+    assert bad == []
+
+
+def test_the_model_shape_is_the_lowest_floor():
+    """model_shape/ (GPTShape, its FLOPs) is what the config and the analysis both read: it imports nothing of the
+    project but itself, and no torch."""
+    project = ("zero3d", "analysis", "pretrain", "megatron_patches", "slurm", "configs", "torch", "megatron")
+    bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
+           if top_package(name) == "model_shape" for m, _ in imports(path) if top_package(m) in project]
     assert bad == []
 
 
@@ -264,7 +280,7 @@ def test_engine_asks_its_placement_never_whether_one_exists():
     import re
     pattern = re.compile(r"\b(offload|placement)\s+is\s+(not\s+)?None\b|\b(self|engine)\.offload\b")
     found = [f"{path}:{n}: {line.strip()}" for prefix in ("zero3d", "pretrain") for path, n, line in _source_lines(prefix)
-             if pattern.search(line) and not path.startswith("zero3d/analysis")]
+             if pattern.search(line)]
     assert found == []
 
 
@@ -356,8 +372,8 @@ def test_one_in_flight_handle_type():
 def test_one_vocabulary_of_communication_modes():
     """The mode names ("+hpZ", "qwZ+hpZ+qgZ", ...) are built in zero3d/comm/modes.py only; the analysis, the planner
     and the memory check read them through CommModes, never by matching strings."""
-    found = [f"{path.relative_to(REPO)}:{i}" for path in list((REPO / "zero3d").rglob("*.py")) +
-             list((REPO / "pretrain").rglob("*.py")) if path.name != "modes.py"
+    found = [f"{path.relative_to(REPO)}:{i}" for top in ("zero3d", "analysis", "pretrain")
+             for path in (REPO / top).rglob("*.py") if path.name != "modes.py"
              for i, line in enumerate(path.read_text().splitlines(), 1)
              if any(f'"{s}"' in line or f"'{s}'" in line for s in ("+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ",
                                                                     "hpZ", "qwZ", "qgZ"))]
@@ -380,8 +396,9 @@ def _reads_environment(tree: ast.AST) -> bool:
 
 
 def test_zero3d_never_reads_the_environment():
-    """Issue #35: no module under zero3d/ (analysis included) reads os.environ / os.getenv."""
-    readers = [str(path.relative_to(REPO)) for path in sorted((REPO / "zero3d").rglob("*.py"))
+    """Issue #35: no module under zero3d/, analysis/ or model_shape/ reads os.environ / os.getenv."""
+    readers = [str(path.relative_to(REPO)) for top in ("zero3d", "analysis", "model_shape")
+               for path in sorted((REPO / top).rglob("*.py"))
                if _reads_environment(ast.parse(path.read_text()))]
     assert [r for r in readers if r not in ZERO3D_ENVIRONMENT_READERS] == []
 
@@ -424,14 +441,14 @@ def test_adam_is_named_in_its_spec_only():
     """Issue #35: AdamW's state names, its legacy manifest key and its 12 bytes per parameter (fp32 master + two
     moments) live in zero3d/optim/adamw.py's ADAMW alone; everything else asks the engine's OptimizerSpec. A "12" (not
     a format width) on a line that speaks of bytes, Ψ, K, masters, moments or the optimizer counts as the
-    assumption. Excluded: zero3d/analysis/paper_tables.py, which reproduces the paper's Tables I/II, whose
+    assumption. Excluded: analysis/paper_tables.py, which reproduces the paper's Tables I/II, whose
     captions say the paper's K = 12 (its numbers come from the estimator's PRECISIONS, derived from ADAMW)."""
     import re
     words = r"(?i:byte|Ψ|psi|\bK\b|master|moment|optimi[sz]er|adam)"
     twelve = re.compile(rf"(?<![<>^:])\b12\b.*{words}|{words}.*(?<![<>^:])\b12\b")  # not a format width (:>12)
-    found = [f"{path}:{n}: {line.strip()}" for prefix in ("zero3d", "pretrain")
+    found = [f"{path}:{n}: {line.strip()}" for prefix in ("zero3d", "analysis", "model_shape", "pretrain")
              for path, n, line in _source_lines(prefix)
-             if path not in ("zero3d/optim/adamw.py", "zero3d/analysis/paper_tables.py")
+             if path not in ("zero3d/optim/adamw.py", "analysis/paper_tables.py")
              and ("exp_avg" in line or "adam_step" in line or twelve.search(line))]
     assert found == []
 

@@ -52,3 +52,30 @@ def test_no_backslash_line_continuations():
         if lines:
             found[str(path.relative_to(REPO))] = lines
     assert sorted(found) == sorted(CONTINUATIONS_LEFT), found
+
+
+def project_imports(module: str, known: dict) -> set:
+    """The project modules `module` imports, directly or through others (absolute imports at any depth)."""
+    from test_structure import imports, own_module
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        for imported, names in imports(known[m]):
+            for target in [imported] + [f"{imported}.{n}" for n in names]:
+                t = own_module(target, known)
+                if t and t not in seen and t != m:
+                    seen.add(t)
+                    todo.append(t)
+    return seen
+
+
+def test_the_engine_and_the_configs_ground_floor_reach_no_analysis():
+    """Issue #54: the analysis (analysis/) stands beside the engine: nothing under zero3d/, and neither the config's
+    sections (pretrain/sections.py) nor its tree (pretrain/config.py), imports it, directly or through another module;
+    the model's shape they share is model_shape/, below both."""
+    from test_structure import modules
+    known = modules()
+    reached = {m: sorted(t for t in project_imports(m, known) if t.split(".")[0] == "analysis")
+               for m in known if m.split(".")[0] == "zero3d" or m in ("pretrain.sections", "pretrain.config")}
+    assert {m: found for m, found in reached.items() if found} == {}
+    assert "model_shape.gpt" in project_imports("pretrain.sections", known)

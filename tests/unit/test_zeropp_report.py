@@ -1,10 +1,10 @@
-"""`python -m zero3d.analysis --zeropp`: the α-β time per link by hand, the paper rows' bytes by formula, refusals."""
+"""`python -m analysis --zeropp`: the α-β time per link by hand, the paper rows' bytes by formula, refusals."""
 import pytest
 
-from zero3d.analysis.__main__ import main
-from zero3d.analysis.comm_model import PAPER_LINKS, LinkCollective, link_seconds
-from zero3d.analysis.estimate import gpt_param_count
-from zero3d.analysis.zeropp_report import DGX2, H100, predict
+from analysis.__main__ import main
+from analysis.comm_model import PAPER_LINKS, LinkCollective, link_seconds
+from analysis.estimate import gpt_param_count
+from analysis.zeropp_report import DGX2, H100, predict
 
 
 def test_link_seconds_by_hand():

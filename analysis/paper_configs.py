@@ -4,14 +4,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, GIB, MemoryBreakdown,
+from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, GIB, MemoryBreakdown,
                                      estimate_from_shape)
-from zero3d.analysis.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, PAPER_CONFIGS, PAPER_SEQ,
+from analysis.planner import (DP_ONLY_GPUS, GPT2_VOCAB, MP_STUDY, PAPER_CLUSTER, PAPER_CONFIGS, PAPER_SEQ,
                             Cluster, ZeroChoice, config_limits, dp_only_limit, format_candidates, plan)
 
 # "facts §N" cites section N of docs/zero-paper-facts.md, the paper facts this project is held to.
 # The paper appendix's configurations (configs/paper/reproduction-configs.csv) are read from the path the
-# caller passes: the command line (`python -m zero3d.analysis --csv`) names the repository's copy by default.
+# caller passes: the command line (`python -m analysis --csv`) names the repository's copy by default.
 PAPER_TARGETS_B = {"C1": 40, "C2": 60, "C3": 50, "C4": 140, "C5": 150}  # Figure 5, for side-by-side print
 # Figure numbers are the artifact appendix's (docs/zero-paper-facts.md §8.1): 4 = max model size per
 # configuration (SC20 Fig. 5), 5 = max cached memory (SC20 Fig. 6), 6 = throughput per configuration
@@ -41,7 +41,7 @@ def zero_choices(figure: int, model: str, system: str, mp: int, jobs: int) -> li
     if figure == 6 and jobs > 1:
         note = ("ASSUMPTION (facts §4.10): the table lists five batches but does not say which "
                 "configuration each belongs to; they are read in the order the appendix prints Figure 4's "
-                "configurations, " + ", ".join(FIGURE6_ORDER) + " (zero3d/analysis/paper_configs.py)")
+                "configurations, " + ", ".join(FIGURE6_ORDER) + " (analysis/paper_configs.py)")
         return [(c, note) for c in FIGURE6_ORDER[:jobs]]
     if model == "170B":
         return [("C5", "facts §4.10: 170B needs Pa+cpu (C5) to run without OOM")] * jobs

@@ -3,7 +3,7 @@ and the paper's per-stage formulas over them (`model_state_bytes`), generalised 
 from dataclasses import dataclass
 from fractions import Fraction
 
-from zero3d.analysis.gpt_shape import GPTShape
+from model_shape.gpt import GPTShape
 from zero3d.comm.modes import CommModes
 from zero3d.optim import MASTER_BYTES, STATE_DTYPES, spec_named
 

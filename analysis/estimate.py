@@ -3,12 +3,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.analysis.context import context_backward_bytes, context_layer_bytes, local_shape, validate_context
-from zero3d.analysis.float8 import float8_copy_bytes, gathered_unit_bytes
-from zero3d.analysis.gpt_shape import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
+from analysis.activations import layer_bytes, mlp_activation_bytes, selective_layer_bytes
+from analysis.context import context_backward_bytes, context_layer_bytes, local_shape, validate_context
+from analysis.float8 import float8_copy_bytes, gathered_unit_bytes
+from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 from zero3d.comm.modes import CommModes
 from zero3d.config import ZeroConfig
-from zero3d.analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
+from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
                                           Precision, extra_state_bytes, model_state_bytes)
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
@@ -16,7 +17,7 @@ GIB = 2**30
 # The budget convention, one for the planner, `--plan`, `python -m pretrain --estimate` and the guard:
 # a device's memory in GiB, the unit vendors label cards in (cluster.gpu_memory_gb = 32 means 32 GiB).
 # A V100-SXM3-32GB carries 32 GiB of HBM2 and torch reports ~31.7 GiB of it, so the paper's
-# 32 GB = 32e9 (Tables I and II, zero3d.analysis.paper_tables) would under-state the card by 2.4e9.
+# 32 GB = 32e9 (Tables I and II, analysis.paper_tables) would under-state the card by 2.4e9.
 V100_MEMORY_BYTES = 32 * GIB
 # CUDA context, NCCL/cuBLAS workspaces and allocator fragmentation (docs/estimator.md, Margin). 10%:
 # the paper ran 12B/13B data-parallel only and 170B (C5) on 32 GiB V100s, rows whose estimates leave
@@ -76,15 +77,15 @@ def attention_state_bytes(attention: str, seq: int, micro_batch: int, heads: int
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int,
                            act_bytes: int = 2, ffn_hidden: Optional[int] = None, attention: str = "local") -> int:
     """Korthikanti et al. 2022 (no sequence parallelism) activations one GPT-2 layer keeps for backward
-    (GPTShape.layer_activation_bytes for any shape).
+    (activations.layer_bytes for any shape).
 
     At 2-byte activations, ffn = 4h and local attention this is s·b·h·(10 + 24/t + 5·a·s/(h·t)); dropout
     masks are 1 byte per element whatever the activation dtype, so the general form keeps them apart.
     Fused attention (ATTENTION_KINDS) replaces the 5·a·s/(h·t) score term by a·s·b·4/t bytes of statistics.
     """
     shape = paper_shape(hidden, heads=heads, seq=seq, ffn_hidden=ffn_hidden)
-    return shape.layer_activation_bytes(micro_batch, tp, act_bytes,
-                                        attention_state_bytes(attention, seq, micro_batch, heads, act_bytes))
+    return layer_bytes(shape, micro_batch, tp, act_bytes,
+                       attention_state_bytes(attention, seq, micro_batch, heads, act_bytes))
 
 
 def document_mask_bytes(seq: int, micro_batch: int, micro_batches: int, in_flight: int, act_bytes: int,
@@ -114,7 +115,7 @@ def backward_transient_bytes(shape: GPTShape, micro_batch: int, tp: int, act_byt
     fc2 = s * b * h * e + s * b * shape.ffn_size * e // t
     if attention != "local":
         return fc2
-    scores = (2 * a * s * s * b * e - shape.mlp_activation_bytes(b, e)) // t
+    scores = (2 * a * s * s * b * e - mlp_activation_bytes(shape, b, e)) // t
     return max(fc2, scores)
 
 
@@ -282,7 +283,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
     softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
     attention masks (document_mask_bytes), counted with the activations. `cp` context-parallel ranks
-    (zero3d/analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
+    (analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
     activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `optimizer` and
     `state_dtype` (optimizer.name, optimizer.state_dtype) give K (OptimizerStates.of_shape). `float8`
     (precision.fp8: "tensorwise", "rowwise") and `fp8_gather` (zero.fp8_gather, stage 3 tensorwise): buffer_terms."""
@@ -307,26 +308,26 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
         param += extra_state_bytes(CommModes(secondary_partition=True).name, psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
-    layer_bytes = local_shape(shape, cp).layer_activation_bytes(micro_batch, tp, e, attention_state_bytes(
+    kept_by_layer = layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention_state_bytes(
         attention, seq, micro_batch, shape.heads, e)) + context_layer_bytes(shape, micro_batch, tp, cp, e)
     # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
     host = 0.0
     if recompute == "none":
-        checkpoints, working = 0.0, float(shape.layers * layer_bytes)
+        checkpoints, working = 0.0, float(shape.layers * kept_by_layer)
     elif recompute == "selective":
         # every layer's kept GEMM and fused-attention outputs; the one layer being back-propagated makes the rest
         # again (its norms, activations, local attention's scores)
-        kept = local_shape(shape, cp).selective_layer_bytes(micro_batch, tp, e, attention == "fused")
-        checkpoints, working = float(shape.layers * kept), float(max(layer_bytes - kept, 0))
+        kept = selective_layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention == "fused")
+        checkpoints, working = float(shape.layers * kept), float(max(kept_by_layer - kept, 0))
     else:
         # one checkpoint per layer (its input), sliced over the TP group under Pa
         checkpoints = shape.layers * micro_batch * seq * hidden * e / (tp if pa else 1)
         if pa_cpu:
             checkpoints, host = 0.0, checkpoints
         # the one layer being recomputed and back-propagated (fused attention: no [b·a, s, s] buffer either)
-        working = float(layer_bytes)
+        working = float(kept_by_layer)
 
     if fp8_gather and (stage != 3 or float8 != "tensorwise"):
         raise ValueError(f"fp8_gather needs stage 3 and float8 = 'tensorwise'; got stage {stage}, float8 {float8!r}")
@@ -338,7 +339,7 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     # the fused loss's stored gradients live from its forward to its backward's first step: beside the layer
     # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak
     logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
-                        beside=buffers + (layer_bytes if recompute != "none" else 0))
+                        beside=buffers + (kept_by_layer if recompute != "none" else 0))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),

@@ -1,16 +1,16 @@
-"""`python -m zero3d.analysis`: the memory estimator, the paper's tables and the planner from the command line."""
+"""`python -m analysis`: the memory estimator, the paper's tables and the planner from the command line."""
 import argparse
 import json
 import os
 import sys
 from typing import Optional
 
-from zero3d.analysis.cluster import add_cluster_flags, described, spec_from_args
-from zero3d.analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, OptimizerStates,
+from analysis.cluster import add_cluster_flags, described, spec_from_args
+from analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, OptimizerStates,
                                      estimate, format_breakdown, model_state_bytes, padded_vocab)
-from zero3d.analysis.gpt_shape import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
-from zero3d.analysis.float8 import FLOAT8_RECIPES
-from zero3d.analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
+from model_shape.gpt import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
+from analysis.float8 import FLOAT8_RECIPES
+from analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                               offload_breakdown)
 from zero3d.config import ZeroConfig
 from zero3d.optim import SPECS, STATE_DTYPES
@@ -19,7 +19,7 @@ from zero3d.optim import SPECS, STATE_DTYPES
 # only in pretrain's config (which zero3d never imports), so the flags below keep the paper's V100 set-up.
 ZERO = ZeroConfig()
 # --plan's CSV: the paper appendix's configurations, in the repository this command runs from.
-PAPER_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs", "paper",
+PAPER_CSV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "paper",
                          "reproduction-configs.csv")
 
 
@@ -36,7 +36,7 @@ def _format_states(params: float, dp: int, precision: str, optimizer: OptimizerS
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags for the estimator, the paper tables and the planner."""
-    ap = argparse.ArgumentParser(prog="python -m zero3d.analysis", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__)
     mode = ap.add_argument_group("modes")
     mode.add_argument("--table1", action="store_true", help="print the paper's Table I")
     mode.add_argument("--table2", action="store_true", help="print Table II's theoretical columns")
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _zeropp(ap: argparse.ArgumentParser, args) -> int:
     """--zeropp: the predicted step time of the ZeRO++ modes (zeropp_report)."""
-    from zero3d.analysis.zeropp_report import zeropp_report
+    from analysis.zeropp_report import zeropp_report
     if args.quant_block < 2 or args.quant_block % 2:
         ap.error(f"--quant-block {args.quant_block} is invalid; must be an even integer >= 2")
     try:
@@ -137,7 +137,7 @@ def _offload_args(args) -> dict:
 
 def _largest(ap: argparse.ArgumentParser, args) -> int:
     """--largest: the biggest GPT whose device memory fits with the requested offload."""
-    from zero3d.analysis.shapes import TRAINED
+    from analysis.shapes import TRAINED
     shapes = ((args.hidden, args.heads),) if args.hidden and args.heads else None
     rule_name = args.shape_rule or ("trained" if described(args) else "free")
     rule = TRAINED if rule_name == "trained" and shapes is None else None
@@ -185,7 +185,7 @@ def model_shape(args, vocab: int, seq: int) -> GPTShape:
 
 def _rank(ap: argparse.ArgumentParser, args) -> int:
     """--plan rank: feasible layouts for a shape on the described cluster, best modelled throughput first."""
-    from zero3d.analysis.planner import GPT2_VOCAB, PAPER_SEQ, format_candidates, plan
+    from analysis.planner import GPT2_VOCAB, PAPER_SEQ, format_candidates, plan
     if None in (args.layers, args.hidden, args.heads):
         ap.error("--plan rank needs --layers, --hidden, --heads and one of --global-batch, --batch-per-gpu")
     try:
@@ -206,7 +206,7 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
 
 def _print_tables(args) -> int:
     """--table1 / --table2, as markdown or (--json) as the cells: text and bold per Table I cell."""
-    from zero3d.analysis.paper_tables import table_one, table_one_cells, table_two, table_two_cells
+    from analysis.paper_tables import table_one, table_one_cells, table_two, table_two_cells
     if not args.json:
         print("\n\n".join(t() for t, on in ((table_one, args.table1), (table_two, args.table2)) if on))
         return 0
@@ -243,7 +243,7 @@ def main(argv: Optional[list] = None) -> int:
     if args.zeropp is not None:
         return _zeropp(ap, args)
     if args.predict_table:
-        from zero3d.analysis.predict_table import format_rows, predict_rows
+        from analysis.predict_table import format_rows, predict_rows
         try:
             cluster = args.spec.cluster(args.precision)
             rows = predict_rows(cluster, args.csv, args.sizes.split(",") if args.sizes else None, args.precision,
@@ -266,7 +266,7 @@ def main(argv: Optional[list] = None) -> int:
         if described(args):
             ap.error(f"--plan {args.plan} judges the paper's runs on the paper's cluster; a cluster flag is not used "
                      "there (your cluster: --plan rank, --largest, --zeropp, --predict-table)")
-        from zero3d.analysis.paper_configs import paper_report
+        from analysis.paper_configs import paper_report
         if not os.path.isfile(args.csv):
             ap.error(f"--csv {args.csv!r} is not a file")
         print(paper_report(csv_path=args.csv, csv_only=args.plan == "csv"))

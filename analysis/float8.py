@@ -1,7 +1,7 @@
 """What precision.fp8 and zero.fp8_gather add to a rank's memory (pretrain/model/fp8.py, zero3d/float8_gather.py): the
 float8 codes and scales of fc2's backward, and stage 3's gathered units holding the layers' linear weights in float8
 (docs/estimator.md, Float8; held to the probe by tests/unit/test_probe.py)."""
-from zero3d.analysis.gpt_shape import GPTShape
+from model_shape.gpt import GPTShape
 
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")  # pretrain's precision.fp8
 SCALE_BYTES = 4  # an fp32 float8 scale
@@ -20,7 +20,7 @@ def float8_copy_bytes(shape: GPTShape, micro_batch: int, tp: int, float8: str, f
       gradient GEMM's inverse scales (h + f').
 
     The cast's fp32 staging (≤ zero3d.float8.CAST_CHUNK elements) is freed by then. The bf16 tensors autograd keeps
-    are bf16 activations as without float8 (layer_activation_bytes)."""
+    are bf16 activations as without float8 (activations.layer_bytes)."""
     if float8 not in FLOAT8_RECIPES:
         raise ValueError(f"float8 = {float8!r} is invalid; valid: {', '.join(map(repr, FLOAT8_RECIPES))}")
     if float8 == "none":

@@ -3,17 +3,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
-from zero3d.analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectives_per_pass,
+from analysis.cluster import PAPER_CLUSTER, Cluster
+from analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectives_per_pass,
                                         context_bytes_per_step, dp_collectives, link_seconds, muon_elements_per_step,
                                         newton_schulz_flops)
-from zero3d.analysis.context import valid_context_sizes
-from zero3d.analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
+from analysis.context import valid_context_sizes
+from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
                                       V100_MEMORY_BYTES, MemoryBreakdown, OptimizerStates, estimate, estimate_from_shape,
                                       gpt_param_count, largest_fitting_layers, paper_shape)
-from zero3d.analysis.flops import StepFlops
-from zero3d.analysis.gpt_shape import GPTShape
-from zero3d.analysis.offload_estimate import OffloadBreakdown, offload_breakdown
+from model_shape.flops import StepFlops
+from model_shape.gpt import GPTShape
+from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from zero3d.comm.modes import CommModes
 from zero3d.optim import spec_named
 

@@ -2,7 +2,7 @@
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
-from zero3d.analysis.estimate import GB, model_state_bytes
+from analysis.estimate import GB, model_state_bytes
 
 PAPER_GPU_MEMORY = 32 * GB  # the paper's tables treat the V100 as 32 GB = 32e9 bytes
 TABLE_ONE_DP = (1, 4, 16, 64, 256, 1024)

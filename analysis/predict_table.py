@@ -2,10 +2,10 @@
 Predicted scaling table). Rows carry slurm/collect.py's columns, so its table and plot writers take them as they are."""
 from pathlib import Path
 
-from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster
-from zero3d.analysis.estimate import gpt_param_count, paper_shape
-from zero3d.analysis.paper_configs import load_paper_runs
-from zero3d.analysis.planner import GPT2_VOCAB, PAPER_SEQ, plan, step_time
+from analysis.cluster import PAPER_CLUSTER, Cluster
+from analysis.estimate import gpt_param_count, paper_shape
+from analysis.paper_configs import load_paper_runs
+from analysis.planner import GPT2_VOCAB, PAPER_SEQ, plan, step_time
 
 # What the paper states of Figure 2's measured throughput (docs/zero-paper-facts.md §4.6): only the 100B bar
 # (over 38 TFLOP/s per GPU) and the 8B-100B average (15 PFLOP/s on 400 GPUs = 37.5 per GPU); the other bars'
@@ -90,4 +90,4 @@ def format_rows(cluster: Cluster, rows: list) -> str:
 
 
 def default_csv() -> Path:
-    return Path(__file__).resolve().parents[2] / "configs" / "paper" / "reproduction-configs.csv"
+    return Path(__file__).resolve().parents[1] / "configs" / "paper" / "reproduction-configs.csv"

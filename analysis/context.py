@@ -1,7 +1,8 @@
 """Context parallelism in the estimator: its layout rules, each rank's S/C tokens, the gathered K and V."""
 import dataclasses
 
-from zero3d.analysis.gpt_shape import GPTShape
+from analysis.activations import mlp_activation_bytes
+from model_shape.gpt import GPTShape
 
 
 def valid_context_sizes(seq: int, ranks: int) -> list:
@@ -40,7 +41,7 @@ def local_shape(shape: GPTShape, cp: int) -> GPTShape:
 
 def gathered_kv_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:
     """K and V as pretrain/model/context.py's attention keeps them for backward, beyond the S/C tokens' K and V
-    that GPTShape.layer_activation_bytes counts, on a TP rank: each layer all-gathers K and V ([S, b, g, d] each)
+    that activations.layer_bytes counts, on a TP rank: each layer all-gathers K and V ([S, b, g, d] each)
     over the CP group, and each local chunk's SDPA call keeps its key prefix of them (views of the gathered
     tensors, unrepeated: enable_gqa; its causal mask is the kernels' own, lower-right aligned, no tensor), so
     the other ranks' S − s tokens of K and V are kept too: 2·e·b·(S − s)·g·d/t, s = S/C (g·d: the K width over
@@ -58,7 +59,7 @@ def context_backward_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, 
         return 0
     s, b, e, q = shape.seq // cp, micro_batch, act_bytes, shape.query_width
     return (2 * e * shape.seq * b * shape.kv_width + 2 * e * s * b * q
-            - local_shape(shape, cp).mlp_activation_bytes(b, e)) // tp
+            - mlp_activation_bytes(local_shape(shape, cp), b, e)) // tp
 
 
 def context_layer_bytes(shape: GPTShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> int:

@@ -9,8 +9,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.analysis.comm_model import Links
-from zero3d.analysis.estimate import GIB, PRECISIONS
+from analysis.comm_model import Links
+from analysis.estimate import GIB, PRECISIONS
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
-"""GPTShape: a GPT decoder's arithmetic in one place — padded vocabulary, parameters per TP rank, FLOPs, activations.
+"""GPTShape: a GPT decoder described in one place — its dimensions, padded vocabulary, parameters per TP rank and
+their names, and its FLOPs (model_shape/flops.py).
 
-The config (pretrain's `model` section), the estimator, the planner, the probe and the metrics all ask it;
-the counts are megatron-core 0.16.1's GPTModel with its local layer spec (tests/dist/test_gpt_shape.py holds
-them to the built model, element for element).
+The config (pretrain's `model` section), the analysis (estimator, planner, probe) and the metrics all ask it; the
+counts are megatron-core 0.16.1's GPTModel with its local layer spec (tests/dist/test_flops.py holds them to the built
+model, element for element). What a layer keeps for backward, in bytes, is the analysis's (analysis/activations.py).
 """
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from zero3d.analysis.flops import StepFlops, gpt_step_flops
+from model_shape.flops import StepFlops, gpt_step_flops
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron's make-vocab-size-divisible-by default
 MLPS = ("gelu", "gelu_tanh", "swiglu")
@@ -186,44 +187,8 @@ class GPTShape:
 
     def step_flops(self, global_batch: int, recompute: bool, tp: int = 1, loss_recompute: bool = False,
                    recomputed_attention: bool = False) -> StepFlops:
-        """Model and hardware FLOPs of one step over the vocabulary padded for `tp` (zero3d.analysis.flops)."""
+        """Model and hardware FLOPs of one step over the vocabulary padded for `tp` (model_shape/flops.py)."""
         return gpt_step_flops(self.layers, self.hidden, self.seq, self.padded_vocab(tp), global_batch, recompute,
                               ffn_hidden=self.ffn_size, num_attention_heads=self.heads,
                               num_query_groups=self.groups, gated_mlp=self.gated, head_dim=self.head_dim,
                               loss_recompute=loss_recompute, recomputed_attention=recomputed_attention)
-
-    # ------------------------------------------------------------------ activations (bytes, one TP rank)
-
-    def layer_activation_bytes(self, micro_batch: int, tp: int, act_bytes: int, attention_state: int) -> int:
-        """Activations one layer keeps for backward (Korthikanti et al. 2022, no sequence parallelism), with
-        `attention_state` the bytes core attention keeps beyond Q, K, V and its output (all heads).
-
-        Whole on every rank: both norm inputs, the QKV and fc1 inputs (e each) and two 1-byte dropout masks.
-        Split by TP: Q and the projection input (e·a·d each: e·h unless kv_channels sets d), K and V (e·g·d
-        each), fc1's output (e·f, 2·e·f gated) and the activation's output (e·f); q/k norms keep their inputs too
-        (e·(a·d + g·d)).
-        GPT-2 at 2 bytes: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with local attention."""
-        s, b, h, e = self.seq, micro_batch, self.hidden, act_bytes
-        f, m = self.ffn_size, 2 if self.gated else 1
-        whole = s * b * h * (4 * e + 2)
-        q = self.query_width
-        split = s * b * e * (2 * q + 2 * self.kv_width + f * m + f
-                             + (q + self.kv_width if self.qk_layernorm else 0))
-        return whole + (split + attention_state) // tp
-
-    def selective_layer_bytes(self, micro_batch: int, tp: int, act_bytes: int, fused_attention: bool) -> int:
-        """What one layer keeps under selective recomputation (pretrain/model/recompute.py), one TP rank, no
-        sequence parallelism: its input and its projection and fc2 GEMMs' outputs (e·h a token each, whole), its QKV
-        and fc1 GEMMs' outputs (e·(a·d + 2·g·d) and e·f, 2·e·f gated, split by TP) and, with fused attention, its
-        output and fp32 logsumexp (e·a·d and 4·a bytes a token, split); local attention's core is recomputed instead."""
-        s, b, h, e, q = self.seq, micro_batch, self.hidden, act_bytes, self.query_width
-        f, m = self.ffn_size, 2 if self.gated else 1
-        whole = 3 * s * b * h * e
-        split = s * b * e * (q + 2 * self.kv_width + f * m)
-        if fused_attention:
-            split += s * b * q * e + 4 * self.heads * s * b
-        return whole + split // tp
-
-    def mlp_activation_bytes(self, micro_batch: int, act_bytes: int) -> int:
-        """fc1's output and the activation's output, all TP ranks: what the MLP's backward frees."""
-        return self.seq * micro_batch * self.ffn_size * act_bytes * (3 if self.gated else 2)

@@ -4,7 +4,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from zero3d.analysis.estimate import (ADAMW_FP32, DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES,
+from analysis.estimate import (ADAMW_FP32, DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES,
                                       PRECISIONS, OptimizerStates,
                                       V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
                                       largest_fitting_layers)

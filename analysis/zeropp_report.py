@@ -1,13 +1,13 @@
-"""`python -m zero3d.analysis --zeropp`: α-β step time per link for stage 3 and its ZeRO++ modes on the paper's rows."""
+"""`python -m analysis --zeropp`: α-β step time per link for stage 3 and its ZeRO++ modes on the paper's rows."""
 from dataclasses import dataclass
 
-from zero3d.analysis.cluster import PAPER_CLUSTER, Cluster, ClusterSpec
-from zero3d.analysis.comm_model import (ZEROPP_MODES, collectives_per_pass, link_bytes, link_seconds, row_mode,
+from analysis.cluster import PAPER_CLUSTER, Cluster, ClusterSpec
+from analysis.comm_model import (ZEROPP_MODES, collectives_per_pass, link_bytes, link_seconds, row_mode,
                                        zeropp_collectives)
-from zero3d.analysis.estimate import DEFAULT_BUCKET_ELEMENTS, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
-from zero3d.analysis.paper_configs import load_paper_runs
-from zero3d.analysis.flops import gpt_flops_per_step
-from zero3d.analysis.planner import PAPER_SEQ, GPT2_VOCAB
+from analysis.estimate import DEFAULT_BUCKET_ELEMENTS, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
+from analysis.paper_configs import load_paper_runs
+from model_shape.flops import gpt_flops_per_step
+from analysis.planner import PAPER_SEQ, GPT2_VOCAB
 
 # The report's default machines: the paper's DGX-2 nodes and DGX H100 nodes (cluster.PRESETS). Compute runs at
 # each cluster's `efficiency`: Megatron-LM's V100 share, assumed for the H100.

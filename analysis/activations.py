@@ -1,0 +1,40 @@
+"""What one transformer layer keeps for backward, in bytes on one TP rank, by the layer's shape (docs/estimator.md,
+Activations): every activation, what selective recomputation keeps, and the MLP's share of them."""
+from model_shape.gpt import GPTShape
+
+
+def layer_bytes(shape: GPTShape, micro_batch: int, tp: int, act_bytes: int, attention_state: int) -> int:
+    """Activations one layer keeps for backward (Korthikanti et al. 2022, no sequence parallelism), with
+    `attention_state` the bytes core attention keeps beyond Q, K, V and its output (all heads).
+
+    Whole on every rank: both norm inputs, the QKV and fc1 inputs (e each) and two 1-byte dropout masks.
+    Split by TP: Q and the projection input (e·a·d each: e·h unless kv_channels sets d), K and V (e·g·d
+    each), fc1's output (e·f, 2·e·f gated) and the activation's output (e·f); q/k norms keep their inputs too
+    (e·(a·d + g·d)).
+    GPT-2 at 2 bytes: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with local attention."""
+    s, b, h, e = shape.seq, micro_batch, shape.hidden, act_bytes
+    f, m = shape.ffn_size, 2 if shape.gated else 1
+    whole = s * b * h * (4 * e + 2)
+    q = shape.query_width
+    split = s * b * e * (2 * q + 2 * shape.kv_width + f * m + f
+                         + (q + shape.kv_width if shape.qk_layernorm else 0))
+    return whole + (split + attention_state) // tp
+
+
+def selective_layer_bytes(shape: GPTShape, micro_batch: int, tp: int, act_bytes: int, fused_attention: bool) -> int:
+    """What one layer keeps under selective recomputation (pretrain/model/recompute.py), one TP rank, no
+    sequence parallelism: its input and its projection and fc2 GEMMs' outputs (e·h a token each, whole), its QKV
+    and fc1 GEMMs' outputs (e·(a·d + 2·g·d) and e·f, 2·e·f gated, split by TP) and, with fused attention, its
+    output and fp32 logsumexp (e·a·d and 4·a bytes a token, split); local attention's core is recomputed instead."""
+    s, b, h, e, q = shape.seq, micro_batch, shape.hidden, act_bytes, shape.query_width
+    f, m = shape.ffn_size, 2 if shape.gated else 1
+    whole = 3 * s * b * h * e
+    split = s * b * e * (q + 2 * shape.kv_width + f * m)
+    if fused_attention:
+        split += s * b * q * e + 4 * shape.heads * s * b
+    return whole + split // tp
+
+
+def mlp_activation_bytes(shape: GPTShape, micro_batch: int, act_bytes: int) -> int:
+    """fc1's output and the activation's output, all TP ranks: what the MLP's backward frees."""
+    return shape.seq * micro_batch * shape.ffn_size * act_bytes * (3 if shape.gated else 2)

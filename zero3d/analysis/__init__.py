@@ -1,1 +1,0 @@
-"""Analysis beside the engine (never imported by it): memory estimator, planner, paper tables, probe."""
