@@ -6,12 +6,12 @@ import sys
 from typing import Optional
 
 from analysis.cluster import add_cluster_flags, described, spec_from_args
-from analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, OptimizerStates,
-                                     estimate, format_breakdown, model_state_bytes, padded_vocab)
-from model_shape.gpt import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
+from analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, Budget, OptimizerStates, Parallelism,
+                               Step, ZeroChoice, estimate, format_breakdown, model_state_bytes, padded_vocab)
 from analysis.float8 import FLOAT8_RECIPES
 from analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
-                                              offload_breakdown)
+                                       offload_breakdown)
+from model_shape.gpt import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
 from zero3d.config import ZeroConfig
 from zero3d.optim import SPECS, STATE_DTYPES
 
@@ -298,19 +298,15 @@ def main(argv: Optional[list] = None) -> int:
     pa = args.pa or args.pa_cpu
     try:
         shape = model_shape(args, args.vocab, args.seq)
-        m = estimate(
-            shape, gpus=args.gpus, tp=args.tp, stage=args.stage, micro_batch=args.micro_batch,
-            recompute=args.recompute, pa=pa, pa_cpu=args.pa_cpu, bucket_elements=args.bucket_elements,
-            precision=args.precision, prefetch_units=args.prefetch_units,
-            gpu_memory_bytes=args.gpu_memory_gb * GIB, margin_fraction=args.margin_fraction,
-            optimizer=args.optimizer, state_dtype=args.state_dtype,
-            float8=args.fp8, fp8_gather=args.fp8_gather)
+        layout = Parallelism(args.gpus, args.tp)
+        zero = ZeroChoice(args.stage, pa, args.pa_cpu, bucket_elements=args.bucket_elements,
+                          prefetch_units=args.prefetch_units, fp8_gather=args.fp8_gather, **_offload_args(args))
+        step = Step(args.micro_batch, args.recompute, args.precision, float8=args.fp8)
+        optimizer = OptimizerStates.of_shape(shape, args.tp, args.optimizer, args.state_dtype)
+        m = estimate(shape, layout, zero, step, Budget(args.gpu_memory_gb * GIB, args.margin_fraction), optimizer)
         offload = None
         if args.offload_optimizer != "none" or args.offload_params != "none":
-            offload = offload_breakdown(m, stage=args.stage, gpus=args.gpus, tp=args.tp, precision=args.precision,
-                                        optimizer=OptimizerStates.of_shape(shape, args.tp, args.optimizer,
-                                                                           args.state_dtype),
-                                        **_offload_args(args))
+            offload = offload_breakdown(m, layout, zero, args.precision, optimizer=optimizer)
             m = offload.device
     except ValueError as err:
         ap.error(str(err))

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from zero3d.comm.modes import CommModes, stage_modes
+from zero3d.comm.topology import node_of_rank
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def ring_kind(op: str) -> str:
 
 
 def spans_nodes(ranks, links: Links) -> bool:
-    return len({r // links.gpus_per_node for r in ranks}) > 1
+    return len({node_of_rank(r, links.gpus_per_node) for r in ranks}) > 1
 
 
 def collective_seconds(op: str, nbytes: int, ranks, links: Links = PAPER_LINKS) -> float:

@@ -1,4 +1,6 @@
-"""Per-GPU memory estimator for a GPT shape under tensor parallelism × ZeRO."""
+"""Per-GPU memory estimator for a GPT shape under tensor parallelism × ZeRO: `estimate(shape, layout, zero, step,
+budget, optimizer)`, each argument one of analysis/job.py's objects (or the model's GPTShape, the optimizer's
+OptimizerStates)."""
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -6,25 +8,13 @@ from typing import Optional
 from analysis.activations import layer_bytes, mlp_activation_bytes, selective_layer_bytes
 from analysis.context import context_backward_bytes, context_layer_bytes, local_shape, validate_context
 from analysis.float8 import float8_copy_bytes, gathered_unit_bytes
-from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
-from zero3d.comm.modes import CommModes
-from zero3d.config import ZeroConfig
+from analysis.job import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GIB, V100_MEMORY_BYTES,  # noqa: F401
+                          Budget, Parallelism, Step, ZeroChoice, job_of)
 from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
-                                          Precision, extra_state_bytes, model_state_bytes)
+                                   Precision, extra_state_bytes, model_state_bytes)
+from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
-GIB = 2**30
-# The budget convention, one for the planner, `--plan`, `python -m pretrain --estimate` and the guard:
-# a device's memory in GiB, the unit vendors label cards in (cluster.gpu_memory_gb = 32 means 32 GiB).
-# A V100-SXM3-32GB carries 32 GiB of HBM2 and torch reports ~31.7 GiB of it, so the paper's
-# 32 GB = 32e9 (Tables I and II, analysis.paper_tables) would under-state the card by 2.4e9.
-V100_MEMORY_BYTES = 32 * GIB
-# CUDA context, NCCL/cuBLAS workspaces and allocator fragmentation (docs/estimator.md, Margin). 10%:
-# the paper ran 12B/13B data-parallel only and 170B (C5) on 32 GiB V100s, rows whose estimates leave
-# 4.6-5.1 GB of the card, so a larger margin would refuse jobs the paper ran (docs/zero-paper-facts.md
-# §4.10, §4.11).
-DEFAULT_MARGIN_FRACTION = 0.10
-DEFAULT_BUCKET_ELEMENTS = ZeroConfig.bucket_elements  # CB: the engine's zero.bucket_elements default
 
 
 def paper_shape(hidden: int, layers: int = 1, heads: int = 1, vocab: int = 1, seq: int = 1, tied: bool = False,
@@ -259,34 +249,40 @@ def validate_layout(shape: GPTShape, gpus, tp, stage, micro_batch, recompute, pa
 
 def estimate_from_shape(*, layers: int, hidden: int, heads: int, vocab: int, seq: int, tied: bool = False,
                         ffn_hidden: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
-                        **layout) -> MemoryBreakdown:
-    """`estimate` of the paper's GPT-2-shaped decoder given by its dimensions (the tables' and searches' form)."""
-    return estimate(GPTShape(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=ffn_hidden,
-                             tied=tied, vocab_divisible_by=vocab_divisible_by), **layout)
+                        optimizer: str = "adamw", state_dtype: str = "fp32", **fields) -> MemoryBreakdown:
+    """`estimate` of the paper's GPT-2-shaped decoder given by its dimensions, the other objects' fields given flat
+    (job_of; `optimizer`, `state_dtype`: OptimizerStates.of_shape): the tables' and searches' form."""
+    shape = GPTShape(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, ffn=ffn_hidden, tied=tied,
+                     vocab_divisible_by=vocab_divisible_by)
+    layout, zero, step, budget = job_of(**fields)
+    return estimate(shape, layout, zero, step, budget, OptimizerStates.of_shape(shape, layout.tp, optimizer, state_dtype))
 
 
-def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig.stage, micro_batch: int = 1,
-             recompute: str = "none", pa: bool = False, pa_cpu: bool = False,
-             bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, precision: str = "fp16",
-             prefetch_units: int = ZeroConfig.prefetch_units, gpu_memory_bytes: float = V100_MEMORY_BYTES,
-             margin_fraction: float = DEFAULT_MARGIN_FRACTION, loss_chunk_tokens: int = 0, loss_recompute: bool = False,
-             secondary_partition: bool = False, hybrid: bool = False, dp_per_node: int = 1,
-             attention: str = "local", mask_bytes: float = 0.0, cp: int = 1, optimizer: str = "adamw",
-             state_dtype: str = "fp32", float8: str = "none",
-             fp8_gather: bool = False) -> MemoryBreakdown:
-    """Per-GPU memory of the GPT `shape` on gpus = tp × cp × dp under ZeRO `stage` (formulas: docs/estimator.md);
-    ZeRO defaults are ZeroConfig's (CB: `bucket_elements`; None means no CB, the 4Ψ fused buffer);
-    `loss_chunk_tokens` > 0: the loss holds that many tokens' logits at once (pretrain/model/loss.py), fused (its
-    weight and hidden-state gradients kept from forward to backward) or, `loss_recompute`, recomputed in backward.
-    ZeRO++ with `dp_per_node` DP ranks per node: `secondary_partition` (hpZ) adds Ψb/m of parameters,
-    `hybrid` shards the model states over the node's m ranks instead of all dp. `attention` (ATTENTION_KINDS):
-    "local" (the paper's Megatron) keeps the [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the
-    softmax statistics, in every layer's activations and so in the working set. `mask_bytes`: per-sample
-    attention masks (document_mask_bytes), counted with the activations. `cp` context-parallel ranks
+def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step = Step(), budget: Budget = Budget(),
+             optimizer: Optional[OptimizerStates] = None) -> MemoryBreakdown:
+    """Per-GPU memory of the GPT `shape` on `layout`'s gpus = tp × cp × dp under `zero` (formulas: docs/estimator.md),
+    a step holding `step` and judged against `budget`.
+
+    `zero`: its stage; CB, `bucket_elements` (None means no CB, the 4Ψ fused buffer); Pa and Pa+cpu; with
+    `layout.dp_per_node` DP ranks per node its node-aware mode: hpZ (secondary partition) adds Ψb/m of parameters,
+    hybrid shards the model states over the node's m ranks instead of all dp; `fp8_gather` (zero.fp8_gather, stage 3
+    tensorwise): buffer_terms. `step`: `loss_chunk_tokens` > 0, the loss holds that many tokens' logits at once
+    (pretrain/model/loss.py), fused (its weight and hidden-state gradients kept from forward to backward) or,
+    `loss_recompute`, recomputed in backward; `attention` (ATTENTION_KINDS): "local" (the paper's Megatron) keeps the
+    [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the softmax statistics, in every layer's activations and
+    so in the working set; `mask_bytes`: per-sample attention masks (document_mask_bytes), counted with the
+    activations; `float8` (precision.fp8: "tensorwise", "rowwise"): buffer_terms. `layout.cp` context-parallel ranks
     (analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
-    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `optimizer` and
-    `state_dtype` (optimizer.name, optimizer.state_dtype) give K (OptimizerStates.of_shape). `float8`
-    (precision.fp8: "tensorwise", "rowwise") and `fp8_gather` (zero.fp8_gather, stage 3 tensorwise): buffer_terms."""
+    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `optimizer`
+    (OptimizerStates.of_shape; None: AdamW with fp32 states) gives K."""
+    gpus, tp, cp, dp_per_node = layout.gpus, layout.tp, layout.cp, layout.dp_per_node
+    stage, pa, pa_cpu, bucket_elements, prefetch_units = (zero.stage, zero.pa, zero.pa_cpu, zero.bucket_elements,
+                                                          zero.prefetch_units)
+    secondary_partition, hybrid, fp8_gather = zero.modes.secondary_partition, zero.modes.hybrid, zero.fp8_gather
+    micro_batch, recompute, precision, attention = step.micro_batch, step.recompute, step.precision, step.attention
+    loss_chunk_tokens, loss_recompute, float8, mask_bytes = (step.loss_chunk_tokens, step.loss_recompute, step.float8,
+                                                             step.mask_bytes)
+    gpu_memory_bytes, margin_fraction = budget.gpu_memory_bytes, budget.margin_fraction
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
     validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
@@ -301,11 +297,11 @@ def estimate(shape: GPTShape, *, gpus: int, tp: int = 1, stage: int = ZeroConfig
     psi = shape.params(tp)
     if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
         raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
-    states = OptimizerStates.of_shape(shape, tp, optimizer, state_dtype)
+    states = optimizer or OptimizerStates.of_shape(shape, tp)
     param, grad, optimizer_bytes = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
                                                                         precision, states))
     if secondary_partition:
-        param += extra_state_bytes(CommModes(secondary_partition=True).name, psi, dp, dp_per_node, precision)
+        param += extra_state_bytes(zero.zeropp, psi, dp, dp_per_node, precision)
 
     e = prec.activation_bytes
     kept_by_layer = layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention_state_bytes(

@@ -5,9 +5,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from analysis.estimate import (ADAMW_FP32, DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES,
-                                      PRECISIONS, OptimizerStates,
-                                      V100_MEMORY_BYTES, MemoryBreakdown, estimate_from_shape, gpt_param_count,
-                                      largest_fitting_layers)
+                               PRECISIONS, V100_MEMORY_BYTES, MemoryBreakdown, OptimizerStates, Parallelism,
+                               ZeroChoice, estimate_from_shape, gpt_param_count, largest_fitting_layers)
 from zero3d.config import PLACEMENTS as OFFLOAD_PLACEMENTS
 from zero3d.config import ZeroConfig
 
@@ -84,11 +83,11 @@ def validate_offload(stage: int, offload_optimizer: str, offload_params: str = "
         raise ValueError(f"accumulation = {accumulation!r} is invalid; must be a positive integer")
 
 
-def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1, precision: str = "fp16",
-                      offload_optimizer: str = "none", offload_params: str = "none",
-                      nvme_buffer_bytes: float = DEFAULT_NVME_BUFFER_BYTES, accumulation: int = 1,
-                      optimizer: OptimizerStates = ADAMW_FP32) -> OffloadBreakdown:
-    """Move what zero3d's `zero.offload_optimizer` / `zero.offload_params` move (docs/estimator.md, Offload).
+def offload_breakdown(m: MemoryBreakdown, layout: Parallelism, zero: ZeroChoice, precision: str = "fp16",
+                      accumulation: int = 1, optimizer: OptimizerStates = ADAMW_FP32) -> OffloadBreakdown:
+    """Move what zero3d's `zero.offload_optimizer` / `zero.offload_params` move (`zero`: a ZeroChoice at its stage,
+    with the NVMe stream's `nvme_buffer_bytes`) off the device of a rank of `layout`, `accumulation` micro-batches a
+    step in `precision` (docs/estimator.md, Offload).
 
     Optimizer offload: the K·Ψ/N_d optimizer bytes (fp32 master + the `optimizer`'s states; in fp32 training the
     parameters are the master, and the host keeps its own fp32 master copy besides the states) leave
@@ -101,6 +100,8 @@ def offload_breakdown(m: MemoryBreakdown, *, stage: int, gpus: int, tp: int = 1,
     (stage 1: the fp32 shard once, at the step), the updated compute-dtype shard comes up once; with
     parameter offload there is no upload, but every forward and backward gather fetches the shard.
     """
+    stage, gpus, tp = zero.stage, layout.gpus, layout.tp
+    offload_optimizer, offload_params, nvme_buffer_bytes = zero.offload_optimizer, zero.offload_params, zero.nvme_buffer_bytes
     validate_offload(stage, offload_optimizer, offload_params, nvme_buffer_bytes, accumulation)
     grads_on_host = offload_optimizer == "cpu" and stage >= 2  # what zero3d's HostOffload does
     p = PRECISIONS[precision]
@@ -174,9 +175,9 @@ def largest_offload_gpt(*, hidden_heads: Optional[tuple] = None, gpus: int = 1, 
                                 stage=stage, micro_batch=micro_batch, recompute=recompute,
                                 bucket_elements=bucket_elements, precision=precision,
                                 gpu_memory_bytes=gpu_memory_bytes, margin_fraction=margin_fraction)
-        return offload_breakdown(m, stage=stage, gpus=gpus, tp=tp, precision=precision,
-                                 offload_optimizer=offload_optimizer, offload_params=offload_params,
-                                 nvme_buffer_bytes=nvme_buffer_bytes)
+        return offload_breakdown(m, Parallelism(gpus, tp), ZeroChoice(stage, offload_optimizer=offload_optimizer,
+                                                                      offload_params=offload_params,
+                                                                      nvme_buffer_bytes=nvme_buffer_bytes), precision)
 
     best = LargestOffload(0, 0, 0, 0, None)
     grow = hidden_heads is None

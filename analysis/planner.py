@@ -4,49 +4,21 @@ from dataclasses import dataclass
 from typing import Optional
 
 from analysis.cluster import PAPER_CLUSTER, Cluster
-from analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectives_per_pass,
-                                        context_bytes_per_step, dp_collectives, link_seconds, muon_elements_per_step,
-                                        newton_schulz_flops)
+from analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectives_per_pass, context_bytes_per_step,
+                                 dp_collectives, link_seconds, muon_elements_per_step, newton_schulz_flops)
 from analysis.context import valid_context_sizes
-from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS,
-                                      V100_MEMORY_BYTES, MemoryBreakdown, OptimizerStates, estimate, estimate_from_shape,
-                                      gpt_param_count, largest_fitting_layers, paper_shape)
+from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS, V100_MEMORY_BYTES, Budget,
+                               MemoryBreakdown, OptimizerStates, Parallelism, Step, ZeroChoice, estimate,
+                               estimate_from_shape, gpt_param_count, largest_fitting_layers, paper_shape)
+from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from model_shape.flops import StepFlops
 from model_shape.gpt import GPTShape
-from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from zero3d.comm.modes import CommModes
+from zero3d.comm.topology import TopologyError, dp_ranks_per_node
 from zero3d.optim import spec_named
 
 GPT2_VOCAB = 50257
 PAPER_SEQ = 1024  # the only sequence length the paper uses
-
-
-@dataclass(frozen=True)
-class ZeroChoice:
-    """One ZeRO configuration: DP stage plus the ZeRO-R activation options."""
-
-    stage: int
-    pa: bool = False
-    pa_cpu: bool = False
-    offload_optimizer: str = "none"  # zero.offload_optimizer: "none", "cpu", "nvme"
-    offload_params: str = "none"  # zero.offload_params (stage 3)
-    zeropp: str = ""  # a node-aware mode of comm_model.STAGE_MODES[stage] (+hybrid, +qgZ, ...), "" for none
-
-    @property
-    def offloaded(self) -> bool:
-        return self.offload_optimizer != "none"
-
-    @property
-    def label(self) -> str:
-        names = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
-        extra = " + P_a+cpu" if self.pa_cpu else " + P_a" if self.pa else ""
-        if self.offloaded:
-            extra += f" + opt→{self.offload_optimizer}"
-        if self.offload_params != "none":
-            extra += f" + params→{self.offload_params}"
-        if self.zeropp:
-            extra += " + " + self.zeropp.lstrip("+")
-        return names[self.stage] + extra
 
 
 # Escalation when nothing fits on the device alone (zero.offload_optimizer, zero.offload_params): the
@@ -58,10 +30,24 @@ OFFLOAD_TIERS = (("cpu", "none"), ("nvme", "none"), ("cpu", "cpu"), ("nvme", "cp
 PLANNER_MODES = {stage: modes[1:] for stage, modes in STAGE_MODES.items()}
 
 
+def node_split(cluster: Cluster, gpus: int, tp: int) -> Optional[int]:
+    """DP ranks (stride tp) that share a node, by the engine's rank → node rule (zero3d.comm.topology.dp_ranks_per_node:
+    tp-wide TP groups fill the node, the DP group strides across); None where the DP groups do not split evenly into
+    nodes (the engine refuses every node-aware mode there)."""
+    try:
+        return dp_ranks_per_node(gpus, tp, 1, cluster.gpus_per_node)
+    except TopologyError:
+        return None
+
+
 def dp_per_node(cluster: Cluster, gpus: int, tp: int) -> int:
-    """DP ranks (stride tp) that share a node: tp-wide TP groups fill the node, the DP group strides across."""
-    m = max(1, min(gpus, cluster.gpus_per_node) // tp)
-    return m if (gpus // tp) % m == 0 else 1
+    """The DP ranks a node holds (node_split), 1 where the DP groups do not split evenly into nodes."""
+    return node_split(cluster, gpus, tp) or 1
+
+
+def layout_on(cluster: Cluster, gpus: int, tp: int = 1, cp: int = 1) -> Parallelism:
+    """`gpus` GPUs of `cluster` at TP `tp` × CP `cp`, with the DP ranks each of its nodes holds (dp_per_node)."""
+    return Parallelism(gpus, tp, cp, dp_per_node(cluster, gpus, tp))
 
 
 def cluster_links(cluster: Cluster) -> Links:
@@ -118,16 +104,19 @@ def compute_seconds(cluster: Cluster, flops: StepFlops, recompute: str, float8: 
         gpus * cluster.efficiency)
 
 
-def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, micro_batch,
-              global_batch, params_per_rank, recompute="full", precision="fp16", pcie_bytes=0.0,
-              bucket_elements: Optional[int] = DEFAULT_BUCKET_ELEMENTS, cp: int = 1, optimizer: str = "adamw",
-              float8: str = "none", fp8_gather: bool = False, attention: str = "local") -> dict:
-    """Modelled step-time parts; overlap assumptions in docs/estimator.md §Planner. The compute is the model's
-    hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included), the
-    float8 GEMMs at the float8 peak with `float8` (compute_seconds). `cp` context-parallel ranks: each runs S/cp
-    tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp. `optimizer` (optimizer.name): Muon adds its
-    whole-matrix step (muon_seconds). `fp8_gather` (stage 3): the layers' linear weights gathered as float8 codes
-    (comm_model.dp_collectives)."""
+def step_time(cluster: Cluster, model: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step, global_batch: int,
+              params_per_rank: int, pcie_bytes: float = 0.0, optimizer: str = "adamw") -> dict:
+    """Modelled step-time parts of `model` on `layout` under `zero`, each step holding `step` (its micro-batch,
+    recompute, precision, attention, float8); overlap assumptions in docs/estimator.md §Planner. The compute is the
+    model's hardware FLOPs (GPTShape.step_flops: its MLP, query groups and padded vocabulary; recompute included), the
+    float8 GEMMs at the float8 peak with `step.float8` (compute_seconds). `layout.cp` context-parallel ranks: each runs
+    S/cp tokens a sequence, ZeRO's collectives span dp·cp = gpus/tp, `layout.dp_per_node` of them on a node.
+    `optimizer` (optimizer.name): Muon adds its whole-matrix step (muon_seconds). `zero.fp8_gather` (stage 3): the
+    layers' linear weights gathered as float8 codes (comm_model.dp_collectives); `zero.bucket_elements`: the
+    collectives per pass (collectives_per_pass)."""
+    gpus, tp, cp = layout.gpus, layout.tp, layout.cp
+    micro_batch, recompute, precision, attention, float8 = (step.micro_batch, step.recompute, step.precision,
+                                                            step.attention, step.float8)
     layers, hidden, seq = model.layers, model.hidden, model.seq // cp
     dp = gpus // (tp * cp)
     if global_batch % (micro_batch * dp):
@@ -150,11 +139,11 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
     offload = accumulation * 2 * per_layer * layers / cluster.pcie_bandwidth if zero.pa_cpu else 0.0
     # DP: the stage's per-link collectives (comm_model.dp_collectives), one α per ring step of every
     # bucket's / unit's collective (collectives_per_pass), under today's overlap rules per stage
-    buckets, gathers = collectives_per_pass(params_per_rank, bucket_elements, layers + 2)
+    buckets, gathers = collectives_per_pass(params_per_rank, zero.bucket_elements, layers + 2)
     links = cluster_links(cluster)
     float8_gather = dict(float8_elements=layers * model.layer_linear_weights(tp), float8_weights=4 * layers,
-                         float8_groups=layers) if fp8_gather and zero.stage == 3 else {}
-    colls = dp_collectives(zero.stage, zero.zeropp, params_per_rank, dp * cp, dp_per_node(cluster, gpus, tp),
+                         float8_groups=layers) if zero.fp8_gather and zero.stage == 3 else {}
+    colls = dp_collectives(zero.stage, zero.zeropp, params_per_rank, dp * cp, layout.dp_per_node,
                            value_bytes=PRECISIONS[precision].grad_bytes, accumulation=accumulation,
                            buckets=buckets, gathers=gathers, **float8_gather)
     seconds = {purpose: sum(link_seconds(c, links) for c in colls if c.purpose == purpose)
@@ -178,10 +167,10 @@ def step_time(cluster: Cluster, *, model: GPTShape, gpus, tp, zero: ZeroChoice, 
     pcie = pcie_bytes / cluster.pcie_bandwidth  # ZeRO-Offload; the CPU optimizer's own time is not modelled
     cp_s = context_seconds(cluster, model, tp, cp, micro_batch, accumulation, act_bytes, recompute)
     optimizer_s = muon_seconds(cluster, model, gpus, tp, cp, zero.stage) if spec_named(optimizer).matrix else 0.0
-    step = compute + mp + pa + offload + dp_exposed + pcie + cp_s + optimizer_s
+    step_s = compute + mp + pa + offload + dp_exposed + pcie + cp_s + optimizer_s
     return dict(dp=dp, global_batch=global_batch, accumulation=accumulation, compute_s=compute, mp_s=mp,
-                pa_s=pa, offload_s=offload, dp_s=dp_exposed, pcie_s=pcie, tflops_per_gpu=flops / step / gpus / 1e12,
-                samples_per_s=global_batch / step, cp_s=cp_s, optimizer_s=optimizer_s)
+                pa_s=pa, offload_s=offload, dp_s=dp_exposed, pcie_s=pcie, tflops_per_gpu=flops / step_s / gpus / 1e12,
+                samples_per_s=global_batch / step_s, cp_s=cp_s, optimizer_s=optimizer_s)
 
 
 def muon_seconds(cluster: Cluster, model: GPTShape, gpus: int, tp: int, cp: int, stage: int) -> float:
@@ -277,8 +266,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
             for option in activation_options:
                 zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
                 modes = [""]
-                if not zero.offloaded and zero.offload_params == "none" and cp == 1:
-                    m = dp_per_node(cluster, gpus, tp)
+                m = node_split(cluster, gpus, tp)
+                if not zero.offloaded and zero.offload_params == "none" and cp == 1 and m is not None:
                     modes += [z for z in PLANNER_MODES[stage] if (m >= 2 or not CommModes.named(z).needs_two_per_node)
                               and not (fp8_gather and _gathers_its_own_way(z))]
                 for mode in modes:
@@ -331,35 +320,27 @@ def _micro_batches(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, ste
 
 def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_batch: int, step_batch: int,
                bucket_elements: Optional[int], margin_fraction: float, cp: int = 1) -> Optional[Candidate]:
-    """The layout with its memory and modelled time, or None when it does not fit."""
-    memory = estimate(shape["model"], gpus=shape["gpus"], recompute=shape["recompute"],
-                      precision=shape["precision"], tp=tp, stage=zero.stage, micro_batch=micro_batch, pa=zero.pa,
-                      pa_cpu=zero.pa_cpu, bucket_elements=bucket_elements,
-                      gpu_memory_bytes=cluster.gpu_memory_bytes, margin_fraction=margin_fraction,
-                      secondary_partition=CommModes.named(zero.zeropp).secondary_partition,
-                      hybrid=CommModes.named(zero.zeropp).hybrid,
-                      dp_per_node=dp_per_node(cluster, shape["gpus"], tp), attention=shape.get("attention", "local"),
-                      cp=cp, optimizer=shape.get("optimizer", "adamw"), state_dtype=shape.get("state_dtype", "fp32"),
-                      float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero))
+    """The layout with its memory and modelled time, or None when it does not fit: `shape` (plan's search: the model,
+    gpus, recompute, precision, attention, optimizer, state_dtype, float8, fp8_gather) read once into the analysis's
+    objects, `zero` with the search's buckets (and float8 gathers at stage 3)."""
+    model, gpus = shape["model"], shape["gpus"]
+    layout = layout_on(cluster, gpus, tp, cp)
+    zero = dataclasses.replace(zero, bucket_elements=bucket_elements, fp8_gather=_fp8_gather(shape, zero))
+    step = Step(micro_batch, shape["recompute"], shape["precision"], shape.get("attention", "local"),
+                float8=shape.get("float8", "none"))
+    optimizer = OptimizerStates.of_shape(model, tp, shape.get("optimizer", "adamw"), shape.get("state_dtype", "fp32"))
+    memory = estimate(model, layout, zero, step, Budget(cluster.gpu_memory_bytes, margin_fraction), optimizer)
     offload = None
     if zero.offloaded:
-        offload = offload_breakdown(memory, stage=zero.stage, gpus=shape["gpus"], tp=tp, precision=shape["precision"],
-                                    offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
-                                    accumulation=step_batch // (micro_batch * (shape["gpus"] // (tp * cp))),
-                                    optimizer=OptimizerStates.of_shape(shape["model"], tp, shape.get("optimizer", "adamw"),
-                                                                       shape.get("state_dtype", "fp32")))
+        offload = offload_breakdown(memory, layout, zero, step.precision,
+                                    accumulation=step_batch // (micro_batch * (gpus // (tp * cp))), optimizer=optimizer)
         memory = offload.device
-        if not cluster.holds_offload(offload, shape["gpus"], margin_fraction):
+        if not cluster.holds_offload(offload, gpus, margin_fraction):
             return None
     if not memory.fits:
         return None
-    timing = step_time(cluster, model=shape["model"], gpus=shape["gpus"], tp=tp, zero=zero, micro_batch=micro_batch,
-                       global_batch=step_batch, params_per_rank=memory.params_per_rank,
-                       recompute=shape["recompute"], precision=shape["precision"],
-                       pcie_bytes=offload.pcie_bytes_per_step if offload else 0.0, bucket_elements=bucket_elements,
-                       cp=cp, optimizer=shape.get("optimizer", "adamw"),
-                       float8=shape.get("float8", "none"), fp8_gather=_fp8_gather(shape, zero),
-                       attention=shape.get("attention", "local"))
+    timing = step_time(cluster, model, layout, zero, step, step_batch, memory.params_per_rank,
+                       offload.pcie_bytes_per_step if offload else 0.0, shape.get("optimizer", "adamw"))
     return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
 
 

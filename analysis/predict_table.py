@@ -3,9 +3,9 @@ Predicted scaling table). Rows carry slurm/collect.py's columns, so its table an
 from pathlib import Path
 
 from analysis.cluster import PAPER_CLUSTER, Cluster
-from analysis.estimate import gpt_param_count, paper_shape
+from analysis.estimate import Step, gpt_param_count, paper_shape
 from analysis.paper_configs import load_paper_runs
-from analysis.planner import GPT2_VOCAB, PAPER_SEQ, plan, step_time
+from analysis.planner import GPT2_VOCAB, PAPER_SEQ, layout_on, plan, step_time
 
 # What the paper states of Figure 2's measured throughput (docs/zero-paper-facts.md §4.6): only the 100B bar
 # (over 38 TFLOP/s per GPU) and the 8B-100B average (15 PFLOP/s on 400 GPUs = 37.5 per GPU); the other bars'
@@ -54,10 +54,9 @@ def predict_rows(cluster: Cluster, csv_path, sizes=None, precision: str = "fp16"
                    measured_steps=None, paper="-", paper_layout_tflops=None)
         if cluster == PAPER_CLUSTER and gpus == run.gpus:
             row["paper"] = paper_said(run)
-            t = step_time(cluster, tp=run.mp, zero=run.zero, micro_batch=run.batch_per_gpu, gpus=gpus,
-                          global_batch=paper_batch, recompute="full", precision=precision,
-                          params_per_rank=gpt_param_count(run.layers, run.hidden, GPT2_VOCAB, PAPER_SEQ, run.mp),
-                          **shape)
+            t = step_time(cluster, shape["model"], layout_on(cluster, gpus, run.mp), run.zero,
+                          Step(run.batch_per_gpu, "full", precision), paper_batch,
+                          gpt_param_count(run.layers, run.hidden, GPT2_VOCAB, PAPER_SEQ, run.mp))
             row["paper_layout_tflops"] = t["tflops_per_gpu"]
         if not found:
             rows.append(dict(row, config="no layout fits", mp=None, batch_per_gpu=None, global_batch=batch,

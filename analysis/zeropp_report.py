@@ -8,6 +8,7 @@ from analysis.estimate import DEFAULT_BUCKET_ELEMENTS, estimate_from_shape, extr
 from analysis.paper_configs import load_paper_runs
 from model_shape.flops import gpt_flops_per_step
 from analysis.planner import PAPER_SEQ, GPT2_VOCAB
+from zero3d.comm.topology import dp_ranks_per_node
 
 # The report's default machines: the paper's DGX-2 nodes and DGX H100 nodes (cluster.PRESETS). Compute runs at
 # each cluster's `efficiency`: Megatron-LM's V100 share, assumed for the H100.
@@ -24,7 +25,7 @@ def predict(machine: Cluster, *, layers: int, hidden: int, heads: int, gpus: int
     links = machine.links
     if tp > links.gpus_per_node or links.gpus_per_node % tp:
         raise ValueError(f"tp = {tp} does not fit a node of {links.gpus_per_node} GPUs; valid: a divisor of it")
-    dp, per_node = gpus // tp, links.gpus_per_node // tp
+    dp, per_node = gpus // tp, dp_ranks_per_node(gpus, tp, 1, links.gpus_per_node)
     accumulation = global_batch // (micro_batch * dp)
     if accumulation < 1 or global_batch % (micro_batch * dp):
         raise ValueError(f"global_batch = {global_batch} is not a multiple of micro_batch × dp = {micro_batch} × {dp}")

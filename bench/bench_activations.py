@@ -42,7 +42,7 @@ def bench_rank(rank, world_size, args):
     import zero3d
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from pretrain.config import load_config
-    from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss
+    from pretrain.model.gpt import activation_checkpointing, build_model, gpt_loss, parallel_groups
     from pretrain.runtime.layout import init_layout
     from pretrain.train import Batches, engine_settings
 
@@ -63,8 +63,7 @@ def bench_rank(rank, world_size, args):
         model_parallel_cuda_manual_seed(1)
         acts = activation_checkpointing(cfg.zero, topo.tp_group)
         model = build_model(cfg, topo.device, acts)
-        engine = zero3d.wrap_model(model, engine_settings(cfg),
-                                   zero3d.ParallelGroups(dp_group=topo.dp_group, tp_rank=topo.tp_rank))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         if acts:
             acts.record_into(engine.comm_stats)
         batches = Batches(RandomTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)

@@ -34,7 +34,7 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
     import zero3d
     from pretrain.checkpoint.checkpointer import Checkpointer, layout_signature
     from pretrain.config import load_config
-    from pretrain.model.gpt import build_model, gpt_loss
+    from pretrain.model.gpt import build_model, gpt_loss, parallel_groups
     from pretrain.runtime.layout import destroy_layout, init_layout
     from pretrain.train import engine_settings
 
@@ -46,7 +46,7 @@ def bench_rank(rank, world_size, args, layers, hidden, save_root):
     try:
         model = build_model(cfg, topo.device)
         psi = sum(p.numel() for p in model.parameters())  # TP 1: the whole model (before stage 3 frees it)
-        engine = zero3d.wrap_model(model, engine_settings(cfg), zero3d.ParallelGroups(topo.dp_group))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         tokens = torch.randint(0, 1024, (1, 65), generator=torch.Generator().manual_seed(rank))
         engine.backward(gpt_loss(engine, tokens))
         engine.step(1e-4)  # Adam's moments exist, as in training

@@ -64,9 +64,9 @@ def run_system(rank, world, system, args):
     lr, state = 1e-3, {}
     if system.startswith("zero3d-"):
         import zero3d
+        from pretrain.model.gpt import parallel_groups
         from pretrain.train import engine_settings
-        engine = zero3d.wrap_model(model, engine_settings(cfg),
-                                   zero3d.ParallelGroups(topo.dp_group, topo.tp_rank))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state_bytes = engine.state_bytes
     else:  # deepspeed-offload

@@ -201,10 +201,9 @@ def run_system(rank, world, system, args):
     stats = None
     if system.startswith("zero3d-"):
         import zero3d
+        from pretrain.model.gpt import parallel_groups
         from pretrain.train import engine_settings
-        nodes = {"node_topology": topo.node, "gpus_per_node": topo.gpus_per_node} if hasattr(topo, "node") else {}
-        engine = zero3d.wrap_model(model, engine_settings(cfg),
-                                   zero3d.ParallelGroups(topo.dp_group, topo.tp_rank, **nodes))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         forward, backward, step = engine, engine.backward, lambda: engine.step(lr)
         state = lambda: sum(engine.state_bytes().values())  # noqa: E731
         stats = engine.comm_stats  # zero3d's own count of the collectives it issued

@@ -1,13 +1,14 @@
-"""Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts."""
+"""Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts. The config is
+read once into the analysis's objects (`estimate_args`), which the estimator takes whole."""
 import dataclasses
 from typing import Optional
 
+from analysis.estimate import (GB, GIB, PRECISIONS, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step,
+                               ZeroChoice, document_mask_bytes, estimate, format_breakdown)
+from analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
 from pretrain.config import Config, ConfigError
 from pretrain.sections import ClusterConfig
-from analysis.estimate import (GB, GIB, PRECISIONS, MemoryBreakdown, OptimizerStates, document_mask_bytes,
-                                      estimate, format_breakdown)
-from analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
-from zero3d.config import ZeroConfig
+from zero3d.comm.topology import TopologyError, dp_ranks_per_node
 
 
 def gpu_budget_bytes(cluster: ClusterConfig) -> float:
@@ -16,29 +17,25 @@ def gpu_budget_bytes(cluster: ClusterConfig) -> float:
     return cluster.gpu_memory_gb * GIB
 
 
-def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
-    """zero3d's estimator for this config's model, layout and ZeRO settings."""
-    m, z = cfg.model, cfg.zero
-    # Pipeline stages: one stage's layers, with both the embeddings and the output layer counted
-    # (the first and last stages hold one each: an upper bound for either).
-    return estimate(
-        dataclasses.replace(m.shape, layers=m.num_layers // cfg.parallel.pipeline),
-        gpus=world_size // cfg.parallel.pipeline, tp=cfg.parallel.tensor, stage=z.stage,
-        micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, pa=z.partition_activations,
-        pa_cpu=z.cpu_checkpointing, bucket_elements=z.bucket_elements, precision=cfg.precision.dtype,
-        prefetch_units=z.prefetch_units, gpu_memory_bytes=gpu_memory_bytes,
-        loss_chunk_tokens=m.loss_chunk_tokens, loss_recompute=m.loss_recompute, secondary_partition=z.comm_modes().secondary_partition,
-        hybrid=z.comm_modes().hybrid, dp_per_node=dp_per_node(cfg, world_size),
-        attention=attention_kind(m.attention), mask_bytes=mask_bytes(cfg, world_size), cp=cfg.parallel.context,
-        optimizer=cfg.optimizer.name, state_dtype=cfg.optimizer.state_dtype, float8=cfg.precision.fp8,
-        fp8_gather=z.fp8_gather)
+def estimate_args(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_node: Optional[int] = None) -> tuple:
+    """(shape, layout, zero, step, budget, optimizer): a rank of this config as the estimator (analysis.estimate) takes
+    it. Pipeline stages: one stage's layers, with both the embeddings and the output layer counted (the first and last
+    stages hold one each: an upper bound for either). `gpus_per_node`: the ranks per node the run's Layout resolved
+    (default: cluster.gpus_per_node)."""
+    m, p = cfg.model, cfg.parallel
+    shape = dataclasses.replace(m.shape, layers=m.num_layers // p.pipeline)
+    layout = Parallelism(world_size // p.pipeline, p.tensor, p.context, dp_per_node(cfg, world_size, gpus_per_node))
+    step = Step(micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, precision=cfg.precision.dtype,
+                attention=attention_kind(m.attention), loss_chunk_tokens=m.loss_chunk_tokens,
+                loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size))
+    optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
+    return shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer
 
 
-def optimizer_states(cfg: Config) -> OptimizerStates:
-    """K's inputs for this config (one pipeline stage's layers, as estimate_config counts them)."""
-    m = cfg.model
-    return OptimizerStates.of_shape(dataclasses.replace(m.shape, layers=m.num_layers // cfg.parallel.pipeline),
-                                    cfg.parallel.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
+def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float,
+                    gpus_per_node: Optional[int] = None) -> MemoryBreakdown:
+    """The estimator for this config's model, layout and ZeRO settings (estimate_args)."""
+    return estimate(*estimate_args(cfg, world_size, gpu_memory_bytes, gpus_per_node))
 
 
 def mask_bytes(cfg: Config, world_size: int) -> int:
@@ -65,28 +62,28 @@ def attention_kind(choice: str) -> str:
     return "local" if choice == "local" else "fused"
 
 
-def dp_per_node(cfg: Config, world_size: int) -> int:
-    """DP ranks on one node: TP takes its share of cluster.gpus_per_node first (zero3d/comm/topology.py's rule)."""
-    dp = world_size // (cfg.parallel.tensor * cfg.parallel.pipeline)
-    return max(1, min(dp, cfg.cluster.gpus_per_node // cfg.parallel.tensor))
+def dp_per_node(cfg: Config, world_size: int, gpus_per_node: Optional[int] = None) -> int:
+    """DP ranks on one node for hpZ and hybrid, by the engine's rank → node rule (zero3d.comm.topology): TP takes its
+    share of the node first; 1 without a node-aware mode. A layout whose DP groups do not split evenly into nodes is
+    the ConfigError the run's start gives."""
+    if not cfg.zero.node_aware():
+        return 1
+    try:
+        return dp_ranks_per_node(world_size, cfg.parallel.tensor, cfg.parallel.pipeline,
+                                 gpus_per_node or cfg.cluster.gpus_per_node)
+    except TopologyError as err:
+        raise ConfigError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs") from None
 
 
-def offload_settings(z: ZeroConfig) -> dict:
-    """zero.offload_optimizer / offload_params / nvme_buffer_bytes, as the estimator takes them."""
-    return dict(offload_optimizer=z.offload_optimizer, offload_params=z.offload_params,
-                nvme_buffer_bytes=z.nvme_buffer_bytes)
-
-
-def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float) -> tuple:
+def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float,
+                    gpus_per_node: Optional[int] = None) -> tuple:
     """(what stays on the device, OffloadBreakdown or None): with zero.offload_* on, the check judges only
     the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes)."""
-    estimate, settings = estimate_config(cfg, world_size, gpu_memory_bytes), offload_settings(cfg.zero)
-    if settings["offload_optimizer"] == "none" and settings["offload_params"] == "none":
-        return estimate, None
-    offload = offload_breakdown(estimate, stage=cfg.zero.stage, gpus=world_size // cfg.parallel.pipeline,
-                                tp=cfg.parallel.tensor, precision=cfg.precision.dtype,
-                                accumulation=accumulation(cfg, world_size), optimizer=optimizer_states(cfg),
-                                **settings)
+    shape, layout, zero, step, budget, optimizer = estimate_args(cfg, world_size, gpu_memory_bytes, gpus_per_node)
+    whole = estimate(shape, layout, zero, step, budget, optimizer)
+    if zero.offload_optimizer == "none" and zero.offload_params == "none":
+        return whole, None
+    offload = offload_breakdown(whole, layout, zero, step.precision, accumulation(cfg, world_size), optimizer)
     return offload.device, offload
 
 
@@ -109,33 +106,35 @@ def describe(cfg: Config, world_size: int) -> str:
             f"{cfg.optimizer.name}, {cfg.optimizer.state_dtype} states")
 
 
-def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None) -> tuple:
+def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None,
+                  gpus_per_node: Optional[int] = None) -> tuple:
     """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
-    estimate, offload = device_estimate(cfg, world_size, gpu_budget_bytes(cfg.cluster))
+    estimate, offload = device_estimate(cfg, world_size, gpu_budget_bytes(cfg.cluster), gpus_per_node)
     device = f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
     return estimate, _table(estimate, offload, describe(cfg, world_size), device, cpu_note)
 
 
-def check_memory(cfg: Config, world_size: int, device, is_main: bool) -> MemoryBreakdown:
+def check_memory(cfg: Config, world_size: int, device, is_main: bool,
+                 gpus_per_node: Optional[int] = None) -> MemoryBreakdown:
     """Print the estimate on rank 0; on CUDA refuse (every rank alike) a config that does not fit.
 
     The smallest device memory over all ranks is the budget, so every rank takes the same decision.
     On CPU ranks there is no device budget: the table is printed for the device the config
-    describes, and the verdict says that nothing was checked.
+    describes, and the verdict says that nothing was checked. `gpus_per_node`: the run's Layout's.
     """
     import torch
     import torch.distributed as dist
     if device.type != "cuda":
         estimate, table = config_report(cfg, world_size, cpu_note=(
             f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
-            f"{cfg.cluster.gpu_memory_gb:g} GiB)"))
+            f"{cfg.cluster.gpu_memory_gb:g} GiB)"), gpus_per_node=gpus_per_node)
         if is_main:
             print(table, flush=True)
         return estimate
     budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
     dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     gpu_memory = budget.item()
-    estimate, offload = device_estimate(cfg, world_size, gpu_memory)
+    estimate, offload = device_estimate(cfg, world_size, gpu_memory, gpus_per_node)
     name = torch.cuda.get_device_name(device)
     table = _table(estimate, offload, describe(cfg, world_size), f"{name} (smallest over the ranks)")
     if is_main:

@@ -1,5 +1,4 @@
 """The training loop: config → topology → data → GPTModel → ZeRO wrap → steps → metrics/checkpoints."""
-import dataclasses
 import math
 import sys
 import time
@@ -49,12 +48,6 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
 
 
-def engine_groups(model, topo: Layout) -> zero3d.ParallelGroups:
-    """The engine's process groups (the model wing's parallel_groups) with megatron's TP group, over which an
-    optimizer that takes matrices whole (Muon) joins their TP shards."""
-    return dataclasses.replace(parallel_groups(model, topo), tp_group=topo.tp_group)
-
-
 def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats (the
     checkpoints' and context parallelism's collectives too);
@@ -64,7 +57,7 @@ def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
     model = build_model(cfg, topo.device, activations)
     if initial is not None:
         load_into(model, initial)
-    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), engine_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     record_context_into(model, engine.comm_stats)
@@ -142,7 +135,7 @@ def imported_model(directory: str, m) -> ImportedModel:
 def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
-    check_memory(cfg, topo.world_size, topo.device, topo.is_main)
+    check_memory(cfg, topo.world_size, topo.device, topo.is_main, topo.gpus_per_node)
     check_attention_kernel(cfg, topo)
     check_float8_device(cfg.precision.fp8, topo.device)  # precision.fp8 on a GPU without float8 matmuls: one line
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):

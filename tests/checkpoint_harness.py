@@ -6,10 +6,10 @@ import zero3d
 from gpt_harness import BASE, SyntheticTokens, init_by_global_name
 from pretrain.checkpoint.checkpointer import Checkpointer, architecture_identity, layout_signature
 from pretrain.config import load_config
-from pretrain.model.gpt import build_model
+from pretrain.model.gpt import build_model, parallel_groups
 from pretrain.runtime.layout import destroy_layout, destroy_model_parallel_groups, init_layout
 from pretrain.step import forward_backward, mean_loss
-from pretrain.train import Batches, engine_groups, engine_settings
+from pretrain.train import Batches, engine_settings
 
 # 12 samples a step divide into every DP size used (1, 2, 3); vocabulary padded to 128 at TP 1 and 2.
 CKPT_BASE = BASE + ["train.global_batch_size=12", "model.make_vocab_size_divisible_by=64"]
@@ -41,7 +41,7 @@ def train_segment(rank, world_size, overrides, save_dir, first, last, save_at=()
         if layout_free_init:
             init_by_global_name(model)
         psi = sum(p.numel() for p in model.parameters())  # before stage 3 frees them
-        engine = zero3d.wrap_model(model, engine_settings(cfg), engine_groups(model, topo))
+        engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
         batches = Batches(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length), cfg.train, cfg.data, topo)
         identity = {**synthetic_identity(cfg), **(identity_overrides or {})}
         layout = layout_signature(cfg, topo)

@@ -6,10 +6,10 @@ import torch.distributed as dist
 
 import zero3d
 from pretrain.config import load_config
-from pretrain.model.gpt import activation_checkpointing, build_model, record_context_into
+from pretrain.model.gpt import activation_checkpointing, build_model, parallel_groups, record_context_into
 from pretrain.runtime.layout import init_layout
 from pretrain.step import forward_backward, mean_loss
-from pretrain.train import Batches, engine_groups, engine_settings
+from pretrain.train import Batches, engine_settings
 
 BUCKET_ELEMENTS = 4000  # zero.bucket_elements of every run unless overridden
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
@@ -75,7 +75,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     group_numels = {"decay": sum(p.numel() for p in model.parameters() if p.dim() > 1),
                     "no_decay": sum(p.numel() for p in model.parameters() if p.dim() <= 1)}
     param_numels = named_numels(model)  # for the bucketing rule written out in the tests (buckets_by_rule)
-    engine = zero3d.wrap_model(model, engine_settings(cfg), engine_groups(model, topo))
+    engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     if activations is not None:
         activations.record_into(engine.comm_stats)
     record_context_into(model, engine.comm_stats)

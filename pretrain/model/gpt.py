@@ -268,25 +268,21 @@ def _has_sdpa(model) -> bool:
 
 
 def parallel_groups(model, topo):
-    """The engine's view of the layout. Gradients summed over another group before the DP reduction:
-    word embeddings tied to the last pipeline stage's output layer (megatron's embedding group;
-    counted once in the norm) and sequence-parallel layer norms / biases (the TP group)."""
-    import zero3d
-    from megatron.core import parallel_state
+    """The engine's process groups: the layout's (Layout.engine_groups: ZeRO over data × context, whose ranks hold the
+    same parameters, each the gradient of its chunks), with the gradients summed over another of its groups before the
+    DP reduction: word embeddings tied to the last pipeline stage's output layer (megatron's embedding group; counted
+    once in the norm) and sequence-parallel layer norms / biases (the TP group)."""
     tied, excluded = {}, frozenset()
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     if topo.pp > 1 and weight is not None:  # middle stages hold no copy
-        tied = {weight: parallel_state.get_embedding_group()}
+        tied = {weight: topo.embedding_group}
         excluded = frozenset([weight]) if getattr(weight, "shared", False) else frozenset()  # last stage's copy
-    tp_group = parallel_state.get_tensor_model_parallel_group()
     if model.config.sequence_parallel:  # each TP rank saw a sequence slice: its grad is a partial sum
-        tied.update({p: tp_group for p in model.parameters() if getattr(p, "sequence_parallel", False)})
+        tied.update({p: topo.tp_group for p in model.parameters() if getattr(p, "sequence_parallel", False)})
     if model.config.qk_layernorm and topo.tp > 1:  # each TP rank normalised its own heads: a partial sum too
-        tied.update({p: tp_group for name, p in model.named_parameters()
+        tied.update({p: topo.tp_group for name, p in model.named_parameters()
                      if "q_layernorm" in name or "k_layernorm" in name})
-    # ZeRO over data × context: the context ranks hold the same parameters, each the gradient of its chunks
-    return zero3d.ParallelGroups(dp_group=topo.zero_group or topo.dp_group, tp_rank=topo.tp_rank, tied=tied, norm_excluded=excluded,
-                                 node_topology=topo.node, gpus_per_node=topo.gpus_per_node)
+    return topo.engine_groups(tied, excluded)
 
 
 def gather_units(model) -> list[tuple]:

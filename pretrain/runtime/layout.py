@@ -1,4 +1,5 @@
-"""Process layout: the validated Layout (degrees, ranks, groups, node topology) and its one builder, on any backend."""
+"""Process layout: the validated Layout (degrees, ranks, groups, node topology) and its one builder, on any backend;
+the engine's groups (ParallelGroups) are the layout's."""
 import contextlib
 import os
 import time
@@ -57,6 +58,9 @@ class Layout:
     # The ranks ZeRO shards over and averages gradients across: data × context (megatron's data-parallel group
     # with context parallelism); None: the DP group.
     zero_group: object = None
+    # megatron's embedding group: the first and last pipeline stages, whose tied word embeddings sum their gradients
+    # (None on the stages between them).
+    embedding_group: object = None
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "dp", "cp", "grad_accum", "gpus_per_node"):
@@ -85,6 +89,16 @@ class Layout:
         """The pipeline stage that computes the loss (every rank when pp = 1)."""
         return self.pp_rank == self.pp - 1
 
+    def engine_groups(self, tied: Optional[dict] = None, norm_excluded: frozenset = frozenset()):
+        """The engine's process groups (zero3d.ParallelGroups), this layout's: ZeRO over data × context, the TP group
+        (an optimizer that takes matrices whole, Muon, joins their TP shards over it), the node topology and the ranks
+        per node; `tied`: weights whose gradient is summed over another group of this layout before the DP reduction,
+        `norm_excluded` the copies already counted in the norm (the model wing's tied_gradients)."""
+        import zero3d
+        return zero3d.ParallelGroups(dp_group=self.zero_group or self.dp_group, tp_rank=self.tp_rank,
+                                     tp_group=self.tp_group, tied=dict(tied or {}), norm_excluded=norm_excluded,
+                                     node_topology=self.node, gpus_per_node=self.gpus_per_node)
+
 
 def collective_timeout(cfg: Config) -> timedelta:
     """train.timeout_minutes, for the world group and every group megatron creates."""
@@ -108,13 +122,6 @@ def layout_gpus_per_node(cfg: Config, launch: dict) -> int:
     """The ranks per node, resolved once for the Layout: the node-aware zero.* modes' ranks_per_node (from the
     launch's `env`, the launcher's variables, when it carries one), else cluster.gpus_per_node."""
     return ranks_per_node(cfg, launch.get("env")) if cfg.zero.node_aware() else cfg.cluster.gpus_per_node
-
-
-def dp_groups(world_size: int, tp: int, pp: int) -> list[list[int]]:
-    """Every DP group's global ranks, in megatron-core's default order tp-cp-ep-dp-pp (cp = ep = 1):
-    the rank at coordinates (t, d, p) is t + tp·(d + dp·p)."""
-    dp = world_size // (tp * pp)
-    return [[t + tp * (d + dp * p) for d in range(dp)] for p in range(pp) for t in range(tp)]
 
 
 def launched_device(launch: dict) -> torch.device:
@@ -188,14 +195,15 @@ def init_layout(cfg: Config, launch: Optional[dict] = None, device: Optional[tor
                   dp_group=ps.get_data_parallel_group(), tp_group=ps.get_tensor_model_parallel_group(),
                   pp_group=ps.get_pipeline_model_parallel_group(), cp=cfg.parallel.context,
                   cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                  zero_group=ps.get_data_parallel_group(with_context_parallel=True))
+                  zero_group=ps.get_data_parallel_group(with_context_parallel=True),
+                  embedding_group=ps.get_embedding_group(check_initialized=False))
 
 
 def node_topology(cfg: Config, world_size: int, gpus_per_node: int):
     """The DP group's NodeTopology with its sub-groups: every rank builds the same ones, in one agreed order,
     from every DP group's ranks (dp_groups); a layout that does not split into nodes is refused on every rank."""
     from megatron.core import parallel_state as ps
-    from zero3d.comm.topology import TopologyError, build_node_topology
+    from zero3d.comm.topology import TopologyError, build_node_topology, dp_groups
     try:
         node = build_node_topology(ps.get_data_parallel_group(), gpus_per_node, timeout=collective_timeout(cfg),
                                    dp_groups=dp_groups(world_size, cfg.parallel.tensor, cfg.parallel.pipeline))

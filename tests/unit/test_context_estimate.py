@@ -51,7 +51,7 @@ def test_layer_bytes_by_hand_numbers():
 def test_working_set_and_tokens_per_rank(cp):
     """Without recomputation the working set is L layers' activations; the logits are this rank's S/C tokens'
     (b·s·V_pad/t·4); the model states are sharded over dp·cp = gpus/t = 4 ranks whatever cp is."""
-    m = est.estimate(SHAPE, stage=3, cp=cp, **LAYOUT)
+    m = est.estimate(SHAPE, *est.job_of(stage=3, cp=cp, **LAYOUT))
     s = S // cp
     assert m.working_set_bytes == L * layer_bytes_by_hand(cp)
     assert m.logits_bytes == B * s * 1024 // T * 4
@@ -61,7 +61,7 @@ def test_working_set_and_tokens_per_rank(cp):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_recompute_checkpoints(cp):
     """Full recomputation: one checkpoint per layer of s = S/C tokens (L·b·s·h·e), one layer's working set."""
-    m = est.estimate(SHAPE, stage=3, cp=cp, recompute="full", **LAYOUT)
+    m = est.estimate(SHAPE, *est.job_of(stage=3, cp=cp, recompute="full", **LAYOUT))
     assert m.checkpoint_bytes == L * B * (S // cp) * H * E
     assert m.working_set_bytes == layer_bytes_by_hand(cp)
 
@@ -84,7 +84,7 @@ def test_activation_gradients_at_the_rank_tokens(cp, fc2, attention, expected):
 def test_model_states_over_data_times_context(stage, divisor):
     """gpus = 16, t = 2, cp = 4: dp = 2, ZeRO over dp·cp = 8 ranks (the same shards as cp = 1's dp = 8)."""
     layout = LAYOUT | {"gpus": 16}
-    m, one = est.estimate(SHAPE, stage=stage, cp=4, **layout), est.estimate(SHAPE, stage=stage, **layout)
+    m, one = est.estimate(SHAPE, *est.job_of(stage=stage, cp=4, **layout)), est.estimate(SHAPE, *est.job_of(stage=stage, **layout))
     assert m.optimizer_bytes == PSI * 12 / 8 == one.optimizer_bytes
     assert m.grad_bytes == (PSI * 2 / 8 if stage >= 2 else PSI * 2) == one.grad_bytes
 
@@ -94,7 +94,7 @@ def test_cp_one_is_the_default():
     for attention in ("local", "fused"):
         for recompute in ("none", "full"):
             layout = LAYOUT | {"attention": attention, "recompute": recompute}
-            assert est.estimate(SHAPE, cp=1, **layout) == est.estimate(SHAPE, **layout)
+            assert est.estimate(SHAPE, *est.job_of(cp=1, **layout)) == est.estimate(SHAPE, *est.job_of(**layout))
 
 
 @pytest.mark.parametrize("recompute, passes", [("none", 2), ("full", 3)])
@@ -119,16 +119,16 @@ def test_context_bytes_per_step_by_hand(recompute, passes):
 ])
 def test_bad_cp_refused(cp, message):
     with pytest.raises(ValueError) as raised:
-        est.estimate(SHAPE, cp=cp, **LAYOUT)
+        est.estimate(SHAPE, *est.job_of(cp=cp, **LAYOUT))
     assert str(raised.value) == message
 
 
 def test_cp_needs_fused_attention_and_no_node_modes():
     with pytest.raises(ValueError, match=r"cp = 2 with attention = 'local' is invalid; context parallelism needs "
                                          r"attention = 'fused'"):
-        est.estimate(SHAPE, cp=2, **(LAYOUT | {"attention": "local"}))
+        est.estimate(SHAPE, *est.job_of(cp=2, **(LAYOUT | {"attention": "local"})))
     with pytest.raises(ValueError, match=r"cp = 2 with hpZ / hybrid sharding is invalid; valid: cp = 1"):
-        est.estimate(SHAPE, cp=2, stage=3, hybrid=True, dp_per_node=2, **LAYOUT)
+        est.estimate(SHAPE, *est.job_of(cp=2, stage=3, hybrid=True, dp_per_node=2, **LAYOUT))
 
 
 def test_context_bytes_refusals():
@@ -151,11 +151,11 @@ def test_memory_check_passes_the_context():
                              "train.global_batch_size=8"])
     m = cfg.model
     got = estimate_config(cfg, 8, 80 * est.GIB)
-    want = est.estimate(m.shape, gpus=8, tp=2, cp=2, stage=3, micro_batch=cfg.train.micro_batch_size,
-                        recompute=m.recompute, bucket_elements=cfg.zero.bucket_elements,
-                        precision=cfg.precision.dtype, prefetch_units=cfg.zero.prefetch_units,
-                        gpu_memory_bytes=80 * est.GIB, loss_chunk_tokens=m.loss_chunk_tokens,
-                        attention=attention_kind(m.attention))
+    want = est.estimate(m.shape, *est.job_of(gpus=8, tp=2, cp=2, stage=3, micro_batch=cfg.train.micro_batch_size,
+                                             recompute=m.recompute, bucket_elements=cfg.zero.bucket_elements,
+                                             precision=cfg.precision.dtype, prefetch_units=cfg.zero.prefetch_units,
+                                             gpu_memory_bytes=80 * est.GIB, loss_chunk_tokens=m.loss_chunk_tokens,
+                                             attention=attention_kind(m.attention)))
     assert got == want
     e = est.PRECISIONS[cfg.precision.dtype].activation_bytes
     assert got.checkpoint_bytes == 2 * cfg.train.micro_batch_size * 128 * 128 * e  # L·b·(S/C)·h·e: 128 of 256 tokens
@@ -179,8 +179,8 @@ def test_planner_proposes_the_smallest_context_that_fits():
     assert found and {c.cp for c in found} == {2} and {c.dp for c in found} == {32}
     layout = dict(gpus=64, tp=1, stage=3, micro_batch=1, precision="bf16", attention="fused", recompute="full",
                   gpu_memory_bytes=cluster.gpu_memory_bytes)
-    assert found[0].memory == est.estimate(LLAMA_128K, cp=2, **layout)
-    assert not est.estimate(LLAMA_128K, cp=1, **layout).fits
+    assert found[0].memory == est.estimate(LLAMA_128K, *est.job_of(cp=2, **layout))
+    assert not est.estimate(LLAMA_128K, *est.job_of(cp=1, **layout)).fits
     # L·A·3 collectives (gather, reduce-scatter, the recomputed gather) · 2·S·b·g·d·e·(C−1)/C, A = 64/(1·32) = 2
     sent = 32 * 2 * 3 * (2 * 131072 * 1 * 1024 * 2 * 1 / 2)
     steps = 32 * 2 * 3 * 1

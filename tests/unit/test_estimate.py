@@ -307,9 +307,9 @@ def test_planner_ranks_the_papers_100b_layout():
 def test_planner_super_linear_scaling_of_figure_3():
     # 60B (75 × 8192), MP 16, C4; per-GPU batch grows with freed memory: 16, 48, 48, 64
     psi = gpt_param_count(75, 8192, 50257, 1024, tp=16)
-    rate = {gpus: planner.step_time(planner.PAPER_CLUSTER, model=paper_shape(8192, 75, 64, 50257, 1024),
-                                    gpus=gpus, tp=16, zero=planner.PAPER_CONFIGS["C4"], micro_batch=b,
-                                    global_batch=b * gpus // 16, params_per_rank=psi)["samples_per_s"]
+    rate = {gpus: planner.step_time(planner.PAPER_CLUSTER, paper_shape(8192, 75, 64, 50257, 1024),
+                                    planner.layout_on(planner.PAPER_CLUSTER, gpus, 16), planner.PAPER_CONFIGS["C4"],
+                                    est.Step(b, "full"), b * gpus // 16, psi)["samples_per_s"]
             for gpus, b in ((64, 16), (128, 48), (256, 48), (400, 64))}
     assert rate[128] / rate[64] > 2 and rate[400] / rate[64] > 400 / 64
     by_gpu = planner.plan(layers=75, hidden=8192, heads=64, batch_per_gpu=16, gpus=128, tp_choices=[16])
@@ -370,7 +370,7 @@ def test_k_from_the_optimizer_generalises_sixteen_bytes_a_parameter():
     for dtype, size in (("fp32", 4), ("bf16", 2)):
         muon = est.OptimizerStates.of_shape(shape, 1, "muon", dtype)
         assert psi * muon.k("bf16") == 4 * psi + size * matrices + 2 * size * (psi - matrices)
-        m = est.estimate(shape, gpus=2, stage=1, precision="bf16", optimizer="muon", state_dtype=dtype)
+        m = est.estimate(shape, est.Parallelism(2), est.ZeroChoice(1), est.Step(precision="bf16"), optimizer=muon)
         assert m.optimizer_bytes == (4 * psi + size * matrices + 2 * size * (psi - matrices)) / 2
     with pytest.raises(ValueError, match="matrix_share = 1/2 is invalid for adamw"):
         est.OptimizerStates("adamw", "fp32", Fraction(1, 2))
@@ -386,9 +386,8 @@ def test_muon_exchange_in_the_comm_model_and_the_planner():
     assert muon_elements_per_step(1800, 3, 2, 0) == (0, 1800)
     shape = est.paper_shape(1024, layers=4, heads=16, vocab=50257, seq=1024)
     cluster = planner.PAPER_CLUSTER
-    layout = dict(model=shape, gpus=16, tp=2, zero=planner.ZeroChoice(2), micro_batch=1, global_batch=64,
-                  params_per_rank=shape.params(2))
-    adamw, muon = (planner.step_time(cluster, **layout, optimizer=name) for name in ("adamw", "muon"))
+    layout = (shape, planner.layout_on(cluster, 16, 2), planner.ZeroChoice(2), est.Step(1, "full"), 64, shape.params(2))
+    adamw, muon = (planner.step_time(cluster, *layout, optimizer=name) for name in ("adamw", "muon"))
     assert adamw["optimizer_s"] == 0 and muon["optimizer_s"] == planner.muon_seconds(cluster, shape, 16, 2, 1, 2) > 0
     assert muon["compute_s"] + muon["dp_s"] + muon["mp_s"] + muon["optimizer_s"] == pytest.approx(
         adamw["compute_s"] + adamw["dp_s"] + adamw["mp_s"] + muon["optimizer_s"], rel=1e-12)

@@ -7,7 +7,8 @@ import pytest
 from analysis.cluster import ClusterSpec
 from analysis.comm_model import dp_collectives, link_bytes
 from model_shape.gpt import GPTShape
-from analysis.planner import ZeroChoice, plan, step_time
+from analysis.estimate import Step
+from analysis.planner import ZeroChoice, layout_on, plan, step_time
 from zero3d.comm.modes import CommModes
 
 LLAMA3_8B = GPTShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, query_groups=8,
@@ -21,9 +22,8 @@ def test_the_float8_gemms_run_at_the_float8_peak():
     s, b, h, f, kv, layers, v = 8192, 128, 4096, 14336, 1024, 32, 128256
     linears = layers * 2 * (h * h + 2 * h * kv + h * h + 3 * h * f) * b * s  # one forward
     attention, logits = layers * 4 * s * h * b * s, 2 * h * v * b * s
-    args = dict(model=LLAMA3_8B, gpus=16, tp=1, zero=ZeroChoice(3), micro_batch=2, global_batch=b,
-                params_per_rank=LLAMA3_8B.params(), recompute="full", precision="bf16")
-    bf16, fp8 = step_time(H100, **args), step_time(H100, **args, float8="tensorwise")
+    bf16, fp8 = (step_time(H100, LLAMA3_8B, layout_on(H100, 16, 1), ZeroChoice(3), Step(2, "full", "bf16", float8=f), b,
+                           LLAMA3_8B.params()) for f in ("none", "tensorwise"))
     rate = 16 * H100.efficiency
     assert bf16["compute_s"] == pytest.approx((4 * (linears + attention) + 3 * logits) / (989e12 * rate))
     assert fp8["compute_s"] == pytest.approx((4 * attention + 3 * logits) / (989e12 * rate)

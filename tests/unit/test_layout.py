@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 import megatron_patches
 from pretrain.config import load_config
-from pretrain.runtime.layout import Layout, LayoutError, destroy_layout, dp_groups, init_layout, start_fake
+from pretrain.runtime.layout import Layout, LayoutError, destroy_layout, init_layout, start_fake
+from zero3d.comm.topology import dp_groups
 
 GOOD = dict(rank=5, world_size=8, local_rank=1, tp=2, pp=2, dp=2, tp_rank=1, pp_rank=1, dp_rank=0, grad_accum=4,
             device=torch.device("cpu"), dp_group=None, tp_group=None, pp_group=None, gpus_per_node=4)

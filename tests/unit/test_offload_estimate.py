@@ -4,8 +4,8 @@ import json
 import pytest
 
 from analysis.__main__ import main
-from analysis.estimate import (GIB, estimate_from_shape, gpt_param_count, layer_activation_bytes,
-                                      padded_vocab)
+from analysis.estimate import (GIB, Parallelism, ZeroChoice, estimate_from_shape, gpt_param_count,
+                               layer_activation_bytes, padded_vocab)
 from analysis.offload_estimate import OFFLOAD_SHAPES, largest_offload_gpt, offload_breakdown
 
 SHAPE = dict(layers=24, hidden=2048, heads=16, vocab=50257, seq=1024, recompute="full", micro_batch=1,
@@ -16,9 +16,14 @@ PAPER_13B = 13e9  # Ren et al. 2021 (ZeRO-Offload): 13B trains on one 32 GB V100
 TOLERANCE = 0.20
 
 
+def offload_of(m, stage, precision="fp16", accumulation=1, **zero):
+    """offload_breakdown of `m` on GPUS GPUs at `stage` with the offload keys `zero`."""
+    return offload_breakdown(m, Parallelism(GPUS), ZeroChoice(stage, **zero), precision, accumulation)
+
+
 def breakdown(stage=2, precision="fp16", **offload):
     m = estimate_from_shape(gpus=GPUS, stage=stage, precision=precision, **SHAPE)
-    return m, offload_breakdown(m, stage=stage, gpus=GPUS, precision=precision, **offload)
+    return m, offload_of(m, stage=stage, precision=precision, **offload)
 
 
 def test_optimizer_offload_moves_k_psi_over_nd_off_the_device():
@@ -73,7 +78,7 @@ def test_param_offload_fetches_per_gather_and_the_paper_gradient_placement():
 def test_bad_offload_requests(kwargs, message):
     m = estimate_from_shape(gpus=GPUS, **SHAPE, stage=kwargs["stage"])
     with pytest.raises(ValueError) as err:
-        offload_breakdown(m, gpus=GPUS, **kwargs)
+        offload_of(m, **kwargs)
     assert message in str(err.value)
 
 

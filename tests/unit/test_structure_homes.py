@@ -79,3 +79,27 @@ def test_the_engine_and_the_configs_ground_floor_reach_no_analysis():
                for m in known if m.split(".")[0] == "zero3d" or m in ("pretrain.sections", "pretrain.config")}
     assert {m: found for m, found in reached.items() if found} == {}
     assert "model_shape.gpt" in project_imports("pretrain.sections", known)
+
+
+def node_arithmetic(path: Path) -> list[str]:
+    """The expressions of a file that place ranks on nodes: a rank or a count divided (// or %) by a number of GPUs per
+    node, or a number of GPUs per node divided (//) by a TP size (the DP ranks a node holds)."""
+    import ast
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+            right, left = ast.unparse(node.right), ast.unparse(node.left)
+            if "gpus_per_node" in right or (isinstance(node.op, ast.FloorDiv) and "gpus_per_node" in left):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_one_rank_to_node_rule():
+    """Issue #54: a rank's node is zero3d/comm/topology.py's `node_of_rank` (and the DP ranks a node holds its
+    `dp_ranks_per_node`): no other module of the engine, the analysis or pretrain divides ranks by the GPUs per node
+    (the engine's node topology and bytes per link, the memory check and the planner read the one rule)."""
+    rule = REPO / "zero3d" / "comm" / "topology.py"
+    found = [line for top in ("zero3d", "analysis", "model_shape", "pretrain") for path in sorted((REPO / top).rglob("*.py"))
+             if path != rule for line in node_arithmetic(path)]
+    assert found == []
+    assert [line.split(": ", 1)[1] for line in node_arithmetic(rule)] == ["global_rank // gpus_per_node"]

@@ -98,3 +98,31 @@ def test_launcher_counts(env, expected):
 def test_launcher_refusals(env, gpn, message):
     with pytest.raises(NodeSizeError, match=message):
         resolve_gpus_per_node(gpn, env)
+
+
+def test_the_memory_check_and_the_planner_place_dp_ranks_as_the_engine_does():
+    """Issue #54: one rank → node rule. For every TP × DP layout of up to 16 ranks (PP 1) under every node size up to
+    16, the DP ranks a node holds of rank 0's DP group (the brute-force placement) are what the memory check counts
+    for hpZ and the planner weighs; a layout with a DP group that does not split evenly is the engine's one-line
+    refusal in the memory check and no node-aware mode in the planner."""
+    from analysis.cluster import ClusterSpec
+    from analysis.planner import dp_per_node, node_split
+    from pretrain.config import load_config
+    from pretrain.errors import ConfigError
+    from pretrain.memory_check import dp_per_node as memory_dp_per_node
+    for gpn in range(1, 17):
+        cluster = ClusterSpec(gpus_per_node=gpn).cluster()
+        for tp, dp in {(tp, dp) for tp, dp, pp in LAYOUTS}:
+            expected = [brute_force(group, gpn) for group in megatron_dp_groups(tp, dp, 1)]
+            world = tp * dp
+            cfg = load_config(None, [f"parallel.tensor={tp}", "zero.stage=3", "zero.secondary_partition=node",
+                                     f"cluster.gpus_per_node={gpn}", "model.num_attention_heads=48",
+                                     "model.hidden_size=96", f"train.global_batch_size={4 * dp}"], check=False)
+            if None in expected:
+                assert node_split(cluster, world, tp) is None and dp_per_node(cluster, world, tp) == 1
+                with pytest.raises(ConfigError, match="does not split evenly into nodes"):
+                    memory_dp_per_node(cfg, world)
+                continue
+            per_node = sum(1 for node, _ in expected[0] if node == 0)
+            assert node_split(cluster, world, tp) == dp_per_node(cluster, world, tp) == per_node, (tp, dp, gpn)
+            assert memory_dp_per_node(cfg, world) == per_node, (tp, dp, gpn)

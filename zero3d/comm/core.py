@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from zero3d.comm.quantize import QuantSpec, pack, unpack_into
+from zero3d.comm.topology import node_of_rank
 
 
 def all_gather_single(**kwargs):
@@ -175,15 +176,15 @@ class Comm:
     """Collectives over one process group; each call is recorded in a shared CommStats."""
 
     def __init__(self, group, stats: CommStats, gpus_per_node: Optional[int] = None):
-        """`gpus_per_node`: global rank g is on node g // gpus_per_node (topology.NodeTopology's
-        rule), and every call's bytes are split per link; None: counted as before, no split."""
+        """`gpus_per_node`: each global rank is on its node by topology.node_of_rank (the one rule), and every call's
+        bytes are split per link; None: counted as before, no split."""
         self.group = group
         self.stats = stats
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global_ranks = ([dist.get_global_rank(group, r) for r in range(self.size)]
                               if group is not None else list(range(self.size)))
-        self._nodes = [g // gpus_per_node for g in self._global_ranks] if gpus_per_node else None
+        self._nodes = [node_of_rank(g, gpus_per_node) for g in self._global_ranks] if gpus_per_node else None
         self._gloo = is_gloo(group)
 
     def record_into(self, stats: CommStats) -> None:

@@ -1,20 +1,41 @@
-"""Node topology of the data-parallel group: which DP ranks share a node, and its intra-/inter-node sub-groups."""
+"""Node topology of the data-parallel group: the one rank → node rule (`node_of_rank`), which DP ranks share a node,
+and the DP group's intra-/inter-node sub-groups. The rank arithmetic imports no torch: the memory check and the
+planner read it too (`dp_ranks_per_node`); building the sub-groups does."""
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Sequence
-
-import torch
-import torch.distributed as dist
 
 
 class TopologyError(ValueError):
     """The node layout is unknown or the DP group does not split evenly into nodes."""
 
 
+def node_of_rank(global_rank: int, gpus_per_node: int) -> int:
+    """The node global rank `global_rank` runs on: launchers place ranks node by node, `gpus_per_node` on each. The one
+    rank → node rule: the node topology, the collectives' bytes per link, the memory check and the planner read it."""
+    return global_rank // gpus_per_node
+
+
+def dp_groups(world_size: int, tp: int, pp: int) -> list[list[int]]:
+    """Every DP group's global ranks, in megatron-core's default order tp-cp-ep-dp-pp (cp = ep = 1):
+    the rank at coordinates (t, d, p) is t + tp·(d + dp·p)."""
+    dp = world_size // (tp * pp)
+    return [[t + tp * (d + dp * p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+
+def dp_ranks_per_node(world_size: int, tp: int, pp: int, gpus_per_node: int) -> int:
+    """The DP ranks on each node of the DP group holding global rank 0, in a world of `world_size` ranks at TP `tp` ×
+    PP `pp`, by `node_of_rank` and megatron's order (`dp_groups`): what the engine's node topology holds on rank 0
+    (node_layout), and what the memory check and the planner count with. A TopologyError when any DP group does not
+    split evenly into nodes (every group is checked, as build_node_topology checks them)."""
+    layouts = [node_layout(group, gpus_per_node) for group in dp_groups(world_size, tp, pp)]
+    return len(layouts[0][0])
+
+
 def node_layout(dp_global_ranks: Sequence[int], gpus_per_node: int) -> list[list[int]]:
     """The DP ranks (indices into `dp_global_ranks`) of each node the group touches, nodes in order.
 
-    A global rank g lives on node g // gpus_per_node (launchers place ranks node by node; megatron's
+    A global rank g lives on node_of_rank(g) = g // gpus_per_node (launchers place ranks node by node; megatron's
     TP-consecutive order then leaves gpus_per_node / tp DP ranks of a DP group on each node). Refused
     unless every node holds the same number of the group's ranks as one consecutive run of DP ranks
     (the hierarchical collectives index a rank as node × ranks_per_node + local).
@@ -23,7 +44,7 @@ def node_layout(dp_global_ranks: Sequence[int], gpus_per_node: int) -> list[list
         raise TopologyError(f"gpus_per_node = {gpus_per_node} is invalid; must be >= 1")
     nodes: dict[int, list[int]] = {}
     for dp_rank, g in enumerate(dp_global_ranks):
-        nodes.setdefault(g // gpus_per_node, []).append(dp_rank)
+        nodes.setdefault(node_of_rank(g, gpus_per_node), []).append(dp_rank)
     layout = [nodes[n] for n in sorted(nodes)]
     per_node = len(layout[0])
     uneven = any(len(ranks) != per_node for ranks in layout)
@@ -88,6 +109,8 @@ def topology_of(dp_rank: int, dp_global_ranks: Sequence[int], gpus_per_node: int
 
 def agreed_minimum(*values: int) -> list[int]:
     """Each value's minimum over every rank, by one all_reduce (the fake backend's is a no-op: this rank's own)."""
+    import torch
+    import torch.distributed as dist
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     mins = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(mins, op=dist.ReduceOp.MIN)
@@ -104,6 +127,7 @@ def build_node_topology(dp_group, gpus_per_node: int, timeout: Optional[timedelt
     every DP group is validated (every rank refuses the same bad layout), and every sub-group of every DP
     group is created by every rank in one agreed order with `timeout`.
     """
+    import torch.distributed as dist
     mine = tuple(dist.get_process_group_ranks(dist.group.WORLD if dp_group is None else dp_group))
     groups = sorted({tuple(ranks) for ranks in dp_groups or [mine]})
     split = mine in groups and sorted(r for ranks in groups for r in ranks) == list(range(dist.get_world_size()))
