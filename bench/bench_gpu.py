@@ -4,8 +4,9 @@ compiled), plus the paper's rank slices.
     python bench/bench_gpu.py [--steps 10] [--shapes both] [--json]   # on one GPU (docs/gpu-check.md)
     python bench/bench_gpu.py --cpu-dry-run                           # tiny versions of every row on CPU (a suite test)
 
-Rows, for each shape `--shapes` picks, in bf16 at TP 1, trained through zero3d (`pretrain` model + ZeRO
-engine stage 2, one rank) and through the plain-PyTorch model below, eager and `torch.compile`d:
+Rows, for each shape `--shapes` picks, in bf16 at TP 1, trained through zero3d (`pretrain` model + ZeRO engine, one
+rank: stage 2 eager, and its layers compiled at stages 2 and 3) and through the plain-PyTorch model below, eager and
+`torch.compile`d; each row's tokens/s and peak memory also ÷ the compiled plain model's (the parity issue's ratios):
   gpt    the 1.3B GPT-2 shape (24 layers × 2048 hidden × 16 heads, seq 2048, vocab 50257): `PlainGPT`
   llama  a Llama-3.2-1B-like shape (16 layers × 2048 hidden × 32 heads in 8 key/value groups, SwiGLU 8192,
          RoPE base 500000, RMSNorm, no biases, untied output, seq 4096, vocab 128256): `PlainLlama`
@@ -228,10 +229,13 @@ def model_overrides(shape: dict) -> list:
     return overrides
 
 
-def zero3d_row(shape: dict, device, steps: int, fp8: str = "none") -> dict:
-    """One rank of `pretrain`: megatron GPTModel (model.attention auto, chunked loss) under the ZeRO engine; `fp8`:
-    precision.fp8's recipe (in bf16, whatever the shape's dtype)."""
+def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 2, compiled: bool = False,
+               dry: bool = False) -> dict:
+    """One rank of `pretrain`: megatron GPTModel (model.attention auto, the fused chunked loss) under the ZeRO engine
+    at `stage`, its layers `compiled` (model.compile: inductor; the dry run aot_eager) or eager; `fp8`: precision.fp8's
+    recipe (in bf16, whatever the shape's dtype)."""
     import zero3d
+    import pretrain.model.gpt as gpt
     from megatron.core import parallel_state
     from pretrain.config import load_config
     from pretrain.model.gpt import build_model, parallel_groups
@@ -242,10 +246,15 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none") -> dict:
                       MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     cfg = load_config(None, model_overrides(shape) + [
         f"train.micro_batch_size={shape['micro']}", f"train.global_batch_size={shape['micro']}",
-        f"precision.dtype={'bf16' if fp8 != 'none' else shape['dtype']}", f"precision.fp8={fp8}", "zero.stage=2",
-        f"optimizer.lr={LR}", "logging.wandb=false"])
+        f"precision.dtype={'bf16' if fp8 != 'none' else shape['dtype']}", f"precision.fp8={fp8}", f"zero.stage={stage}",
+        f"model.compile={'true' if compiled else 'false'}", f"optimizer.lr={LR}", "logging.wandb=false"])
     topo = init_layout(cfg)
-    model = build_model(cfg, topo.device)
+    backend = gpt.COMPILE_BACKEND
+    gpt.COMPILE_BACKEND = "aot_eager" if dry else backend  # the CPU dry run: no C++ build per row
+    try:
+        model = build_model(cfg, topo.device)
+    finally:
+        gpt.COMPILE_BACKEND = backend
     engine = zero3d.wrap_model(model, engine_settings(cfg), parallel_groups(model, topo))
     tokens, losses = tokens_batch(shape, topo.device), []
 
@@ -256,11 +265,16 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none") -> dict:
     try:
         step_s = timed(step, steps, warmup=2, device=topo.device)
         kind = NAMES[shape["kind"]] + (f" FP8 {fp8}" if fp8 != "none" else "")
-        return row(f"zero3d {kind} (attention {cfg.model.attention}, stage 2)", step_s, shape, topo.device, losses[-1],
-                   peak_dtype="fp8" if fp8 != "none" else "")
+        return row(f"zero3d {kind} ({'compiled' if compiled else 'eager'}, stage {stage})", step_s, shape, topo.device,
+                   losses[-1], peak_dtype="fp8" if fp8 != "none" else "")
     finally:
         engine.close()
         parallel_state.destroy_model_parallel()
+
+
+# zero3d's rows of each shape, as (stage, compiled): eager stage 2 (the rows measured before compiled layers existed),
+# then compiled at stages 2 and 3: what the parity issue (#55) holds against the compiled plain model.
+ZERO3D_ROWS = ((2, False), (2, True), (3, True))
 
 
 def probe_rows(dry: bool, timeout: float, quick: bool = False, fp8: bool = False) -> list:
@@ -281,11 +295,12 @@ def probe_rows(dry: bool, timeout: float, quick: bool = False, fp8: bool = False
 
 
 def release_cuda(device) -> None:
-    """Drop this process's cached CUDA blocks (the compiled model's, held by dynamo) before the next rows."""
+    """Drop the previous rows' compiled graphs (dynamo's caches: a layer class recompiled for each row's model would
+    reach its recompilation limit and run eager) and, on a GPU, the cached blocks they held, before the next row."""
+    import gc
+    torch._dynamo.reset()
+    gc.collect()
     if device.type == "cuda":
-        import gc
-        torch._dynamo.reset()
-        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -294,18 +309,24 @@ def fmt(value, spec: str) -> str:
 
 
 def table(rows: list, title: str) -> str:
-    lines = [f"{title}", "", "| row | tokens/s | TFLOP/s | MFU | peak GiB | step s | loss |", "|---|---|---|---|---|---|---|"]
+    """The rows as a markdown table; training rows with their tokens/s and peak ÷ the compiled plain model's."""
+    plain = next((r for r in rows if r["row"].startswith("plain PyTorch") and r["row"].endswith("compiled")), None)
+    lines = [f"{title}", "", "| row | tokens/s | ÷ compiled plain | TFLOP/s | MFU | peak GiB | peak ÷ compiled plain "
+             "| step s | loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "tokens_per_s" not in r:  # a probe row
             peak = r.get("peak_bytes")
             verdict = (r.get("verdict") or f"error: {r.get('error')}").split(" — ")[0]  # e.g. "verdict: FITS"
-            lines.append(f"| {r['row']} (rc {r['rc']}, {verdict}) | — | "
+            lines.append(f"| {r['row']} (rc {r['rc']}, {verdict}) | — | — | "
                          f"{fmt(r.get('tflops'), '.1f')} | {fmt(r.get('mfu'), '.1%')} | "
-                         f"{fmt(peak / 2**30 if peak else None, '.2f')} | {fmt(r.get('step_s'), '.3f')} | — |")
+                         f"{fmt(peak / 2**30 if peak else None, '.2f')} | — | {fmt(r.get('step_s'), '.3f')} | — |")
             continue
         peak = r["peak_bytes"] / 2**30 if r["peak_bytes"] else None
-        lines.append(f"| {r['row']} | {r['tokens_per_s']:.0f} | {r['tflops']:.3g} | {fmt(r['mfu'], '.1%')} | "
-                     f"{fmt(peak, '.2f')} | {r['step_s']:.4f} | {r['loss']:.4f} |")
+        speed = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
+        memory = r["peak_bytes"] / plain["peak_bytes"] if plain and r["peak_bytes"] and plain["peak_bytes"] else None
+        lines.append(f"| {r['row']} | {r['tokens_per_s']:.0f} | {fmt(speed, '.3f')} | {r['tflops']:.3g} | "
+                     f"{fmt(r['mfu'], '.1%')} | {fmt(peak, '.2f')} | {fmt(memory, '.2f')} | {r['step_s']:.4f} | "
+                     f"{r['loss']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -336,13 +357,15 @@ def main(argv=None) -> int:
     rows, fp8 = [], args.fp8 or dry
     for shape in shapes.values():
         release_cuda(device)  # the previous shape's compiled model must not crowd this one's rows
-        float8 = [lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe)
+        zero3d = [lambda stage=stage, compiled=compiled: zero3d_row(shape, device, args.steps, stage=stage,
+                                                                    compiled=compiled, dry=dry)
+                  for stage, compiled in ZERO3D_ROWS]
+        float8 = [lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe, compiled=True, dry=dry)
                   for recipe in (FP8_RECIPES if fp8 and shape["kind"] == "llama" else ())]
-        for make in (lambda: zero3d_row(shape, device, args.steps), *float8,
-                     lambda: plain_row(shape, device, False, dry, args.steps),
+        for make in (*zero3d, *float8, lambda: plain_row(shape, device, False, dry, args.steps),
                      lambda: plain_row(shape, device, True, dry, args.steps)):
+            release_cuda(device)  # each row's compiled graphs and cached blocks gone before the next row's peak
             if device.type == "cuda":
-                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             rows.append(make())
     if not args.no_probes:

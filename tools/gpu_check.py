@@ -51,7 +51,7 @@ def ensure_megatron(wheel_dir: Path = REPO / ".whl") -> dict:
                WANDB_MODE="disabled")
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
         return env
-    wheels = sorted(glob.glob(str(wheel_dir / "*.whl")))
+    wheels = [w for w in sorted(glob.glob(str(wheel_dir / "*.whl"))) if installable_here(Path(w).name)]
     if not wheels:
         raise SystemExit(f"megatron-core is not importable and {wheel_dir} holds no wheels: put the "
                          "megatron_core-0.16.1 wheel for this Python (and any missing pure dependencies) there")
@@ -60,6 +60,14 @@ def ensure_megatron(wheel_dir: Path = REPO / ".whl") -> dict:
     env["PYTHONPATH"] = os.pathsep.join([SITE, env["PYTHONPATH"]])
     sys.path.insert(0, SITE)
     return env
+
+
+def installable_here(wheel: str) -> bool:
+    """A wheel file name this interpreter can install: pure (py3-none-any) or built for its CPython version, so `.whl/`
+    may carry the same package for several Pythons (the lent machine's Python is not known ahead)."""
+    python = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    tags = wheel[:-len(".whl")].split("-")[-3:]  # python tag, ABI tag, platform tag
+    return tags[0] in ("py3", "py2.py3") or python in tags[0].split(".")
 
 
 def versions(env: dict) -> dict:
@@ -93,6 +101,7 @@ def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, st
     run_dir = REPO / "runs/gpu-check" / f"row{index}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "pretrain", "--config", "configs/tiny.toml", "parallel.tensor=1", "logging.wandb=false",
+           "logging.tensorboard=false",
            f"train.steps={steps}", "train.eval_interval=0", f"logging.log_interval={steps}",
            "train.save_final=false", "train.resume=false", f"logging.run_dir=\"{run_dir}\"",
            f"train.global_batch_size={4 * nproc}", *overrides]
@@ -142,14 +151,14 @@ def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def bench_table(env: dict, dry: bool, quick: bool, timeout: float) -> str:
-    """bench/bench_gpu.py's table (zero3d beside the plain-PyTorch GPT, the rank slices in bf16 and fp16)."""
-    cmd = [sys.executable, "-W", "ignore", "bench/bench_gpu.py"] + (["--cpu-dry-run", "--steps", "1"] if dry else []) \
-        + (["--quick"] if quick else [])
+def bench_table(env: dict, dry: bool, quick: bool, timeout: float, extra: tuple = ()) -> str:
+    """bench/bench_gpu.py's table (zero3d beside the plain-PyTorch models; the rank slices in bf16 and fp16), with
+    bench_gpu's `extra` arguments."""
+    cmd = ([sys.executable, "-W", "ignore", "bench/bench_gpu.py"] + (["--cpu-dry-run", "--steps", "1"] if dry else [])
+           + (["--quick"] if quick else []) + list(extra))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        return f"bench/bench_gpu.py failed (rc {proc.returncode}): " + \
-            error_line(proc)[0] + "\n"
+        return f"bench/bench_gpu.py {' '.join(extra)} failed (rc {proc.returncode}): " + error_line(proc)[0] + "\n"
     return proc.stdout
 
 
@@ -214,6 +223,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one row of each kind (about half the time)")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same rows on CPU/gloo, probes in fake mode")
     ap.add_argument("--no-bench", action="store_true", help="leave out bench/bench_gpu.py's table (run it apart)")
+    ap.add_argument("--parity", action="store_true",
+                    help="the parity and FP8 rows first (issues #55, #58): the Llama shape through zero3d eager and "
+                         "compiled at stages 2 and 3 and in FP8 beside the plain model, the Llama-3 8B rank slice as "
+                         "its recipe runs and with selective recomputation compiled (bf16, FP8), then the GPT shape")
     ap.add_argument("--out", default=str(REPO / "runs/gpu-check/report.md"))
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
                     help=f"stop starting rows after this many seconds (default {BUDGET_S:.0f})")
@@ -221,6 +234,8 @@ def main(argv=None) -> int:
     if args.budget_s <= 0:
         ap.error(f"--budget-s {args.budget_s} is invalid; must be > 0")
     started = time.perf_counter()
+    if args.parity:
+        return parity(args, started)
     env = ensure_megatron()
     if args.cpu_dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # torch sees no GPU: pretrain picks gloo and the CPU
@@ -232,8 +247,8 @@ def main(argv=None) -> int:
     probes = PROBES[:1] if args.quick else PROBES
     # Order: two training rows (the stack works on CUDA), then the probes (the heaviest, most wanted
     # rows), then the rest; rows that would start past the budget are listed as skipped.
-    jobs = [("train", i, row) for i, row in enumerate(rows[:2])] + [("probe", None, p) for p in [LLAMA_PROBE, *probes]] \
-        + [("train", i + 2, row) for i, row in enumerate(rows[2:])]
+    jobs = ([("train", i, row) for i, row in enumerate(rows[:2])] + [("probe", None, p) for p in [LLAMA_PROBE, *probes]]
+            + [("train", i + 2, row) for i, row in enumerate(rows[2:])])
     results = []
     for kind, index, job in jobs:
         label = job[0] if kind == "train" else f"probe {job[0]}"
@@ -263,6 +278,49 @@ def main(argv=None) -> int:
     write_report(Path(args.out), info, results, skipped, started, bench)
     print(f"wrote {args.out}")
     return 0 if all(r["rc"] in (0, 1) if r["row"].startswith("probe") else r["rc"] == 0 for r in results) else 1
+
+
+# The 8B rank slice as the parity issue measures it: the planner's recompute policy (selective, which fits its 80 GB)
+# with compiled layers, in bf16 and FP8; the recipe as written (full recomputation, eager) beside them.
+PARITY_PROBES = [("Llama-3 8B recipe", []),
+                 ("Llama-3 8B selective compiled", ['model.recompute="selective"', "model.compile=true"]),
+                 ("Llama-3 8B selective compiled FP8", ['model.recompute="selective"', "model.compile=true",
+                                                        'precision.fp8="tensorwise"'])]
+
+
+def parity(args, started: float) -> int:
+    """--parity: bench_gpu's Llama rows (with FP8), the 8B slice's probes, then bench_gpu's GPT rows, while the
+    budget lasts -> the report."""
+    env = ensure_megatron()
+    if args.cpu_dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    info = versions(env)
+    if not args.cpu_dry_run and info["gpus"] == 0:
+        raise SystemExit("no CUDA device visible: run on a GPU machine, or use --cpu-dry-run")
+    steps = ["--steps", "1" if args.cpu_dry_run else "8"]
+    parts, results, skipped = [], [], []
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - started)
+    order = ([("bench Llama", ["--shapes", "llama", "--fp8", "--no-probes", *steps])]
+             + [(f"probe {name}", overrides) for name, overrides in PARITY_PROBES]
+             + [("bench GPT", ["--shapes", "gpt", "--no-probes", *steps])])
+    for name, extra in order:
+        if left() < 60:
+            skipped.append(f"{name}: time budget")
+            continue
+        try:
+            if name.startswith("bench"):
+                parts.append(bench_table(env, args.cpu_dry_run, False, timeout=left(), extra=tuple(extra)))
+            else:
+                results.append(probe_row(name[len("probe "):], LLAMA_PROBE[1], env, args.cpu_dry_run, timeout=left(),
+                                         overrides=extra, memory_gb=LLAMA_PROBE[2]))
+                print(json.dumps(results[-1], default=str), flush=True)
+        except subprocess.TimeoutExpired:
+            skipped.append(f"{name}: did not finish inside the time budget")
+    write_report(Path(args.out), info, results, skipped, started, "\n".join(parts))
+    print(f"wrote {args.out}")
+    return 0 if all(r["rc"] in (0, 1) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -83,13 +83,52 @@ def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float,
     return f"error (pytest exit {proc.returncode})", seconds, tail
 
 
+def run_one(tree: Path, m: dict, timeout: float) -> tuple[str, float, str]:
+    """The mutant applied to `tree`, its tests run, the file restored."""
+    path = tree / m["file"]
+    original = path.read_text()
+    path.write_text(mutate(original, m))
+    try:
+        return run_tests(tree, m["tests"], timeout)
+    finally:
+        path.write_text(original)
+
+
+def run_all(mutants: list[dict], trees: list[Path], timeout: float) -> list[tuple]:
+    """[(mutant, outcome, seconds)] in the list's order, len(trees) mutants at a time, each in a tree of its own."""
+    import queue
+    import threading
+    free, results, lock = queue.Queue(), {}, threading.Lock()
+    for tree in trees:
+        free.put(tree)
+
+    def work(i: int, m: dict) -> None:
+        tree = free.get()
+        try:
+            outcome, seconds, tail = run_one(tree, m, timeout)
+        finally:
+            free.put(tree)
+        with lock:
+            results[i] = (m, outcome, seconds)
+            print(f"[{len(results)}/{len(mutants)}] {m['name']}: {outcome} ({seconds:.0f} s)", flush=True)
+            print(f"    {tail}" if outcome == "killed" else tail, flush=True)  # what failed, or why not
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=len(trees)) as pool:
+        list(pool.map(work, range(len(mutants)), mutants))
+    return [results[i] for i in range(len(mutants))]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("-k", dest="only", action="append", default=[], help="run only mutants whose name contains this")
     ap.add_argument("--check", action="store_true", help="only check that every mutant applies to this tree")
     ap.add_argument("--baseline", action="store_true", help="first run each mutant's tests on the unmutated copy")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant's test run")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in a copy of its own (default 1)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs} is invalid; must be >= 1")
     mutants = [m for m in load() if not args.only or any(k in m["name"] for k in args.only)]
     try:
         check_all(ROOT, mutants)
@@ -100,34 +139,26 @@ def main(argv=None) -> int:
         print(f"{len(mutants)} mutants apply to {ROOT}")
         return 0
     began = time.monotonic()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="zero3d-mutants-") as tmp:
-        tree = Path(tmp)
-        copy_tree(tree)
+        trees = [Path(tmp) / f"tree{j}" for j in range(args.jobs)]
+        for tree in trees:
+            tree.mkdir()
+            copy_tree(tree)
         probe = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", "import zero3d; print(zero3d.__file__)"],
-                               cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
-        if not probe.stdout.strip().startswith(str(tree)):
+                               cwd=trees[0], env={**os.environ, "PYTHONPATH": str(trees[0])}, capture_output=True,
+                               text=True)
+        if not probe.stdout.strip().startswith(str(trees[0])):
             print(f"error: the copy does not import its own zero3d ({probe.stdout.strip() or probe.stderr[-500:]})",
                   file=sys.stderr)
             return 2
         if args.baseline:
             tests = sorted({t for m in mutants for t in m["tests"]})
-            outcome, seconds, tail = run_tests(tree, tests, args.timeout * 4)
+            outcome, seconds, tail = run_tests(trees[0], tests, args.timeout * 4)
             print(f"baseline ({len(tests)} test ids): {outcome} in {seconds:.0f} s", flush=True)
             if outcome != "survived":
                 print(tail)
                 return 1
-        for i, m in enumerate(mutants, 1):
-            path = tree / m["file"]
-            original = path.read_text()
-            path.write_text(mutate(original, m))
-            try:
-                outcome, seconds, tail = run_tests(tree, m["tests"], args.timeout)
-            finally:
-                path.write_text(original)
-            rows.append((m, outcome, seconds))
-            print(f"[{i}/{len(mutants)}] {m['name']}: {outcome} ({seconds:.0f} s)", flush=True)
-            print(f"    {tail}" if outcome == "killed" else tail, flush=True)  # what failed, or why not
+        rows = run_all(mutants, trees, args.timeout)
     total = time.monotonic() - began
     width = max(len(m["name"]) for m, _, _ in rows)
     print(f"\n| {'mutant'.ljust(width)} | result   | s    | promise |")

@@ -277,8 +277,9 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
     stderr = rank_logs(tmp_path / "logs", "stderr")
     for rank in procs:
         if rank != victim:
-            (line,) = error_lines(stderr[rank])
-            assert f"(rank {rank})" in line and "Traceback" not in stderr[rank]
+            lines = error_lines(stderr[rank])
+            assert len(lines) == 1, (rank, stderr[rank][-3000:])  # once (load, 1 suite run in 3) a rank said none
+            assert f"(rank {rank})" in lines[0] and "Traceback" not in stderr[rank]
     # A readable console: no rank warns about torch's older collective names (zero3d calls the ones the
     # installed torch offers), megatron's Apex/TE fallbacks, its CUDA-graph scope deprecation or its
     # CUDA_DEVICE_MAX_CONNECTIONS advice; rank 0 states those once, as a fact.

@@ -62,6 +62,8 @@ def cosine_lr(step: int, steps: int) -> float:
     lr, min_lr, warmup = 3e-3, 3e-4, 2
     if step < warmup:
         return lr * (step + 1) / warmup
+    if step >= steps:  # past the decay's end (a decay of no steps too): min_lr
+        return min_lr
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
 
 
@@ -101,17 +103,17 @@ def test_a_finished_run_says_so_and_writes_nothing(finished_run, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_more_steps_that_change_the_schedule_are_refused_unless_allowed(finished_run, monkeypatch, tmp_path):
-    """train.steps 2 → 4 on resume moves the cosine's end: step 4 would train at another learning rate. Refused in one
+    """train.steps 2 → 4 on resume moves the cosine's end: step 3 would train at another learning rate. Refused in one
     line naming it (exit 2, nothing written); with train.allow_schedule_change = true said in one line and trained on
     — a copy of the run, with a train.init_from the resume does not use, said too."""
     import shutil
     run_dir = finished_run["root"] / "run"
     before = snapshot(run_dir)
-    new, old = f"{cosine_lr(3, 4):.6g}", f"{cosine_lr(3, 2):.6g}"
+    new, old = f"{cosine_lr(2, 4):.6g}", f"{cosine_lr(2, 2):.6g}"  # 0-based step 2, the run's step 3
     assert new != old
     codes, _, lines = restart(finished_run, monkeypatch, [], steps=4)
     assert codes == [2] and lines == [
-        f"error: resuming step_00000002 with train.steps 2 → 4 changes its learning-rate schedule: step 4 would train at "
+        f"error: resuming step_00000002 with train.steps 2 → 4 changes its learning-rate schedule: step 3 would train at "
         f"lr {new} instead of {old} (config): keep the checkpoint's values, or set train.allow_schedule_change = true "
         "to train on with the new schedule"], lines
     assert snapshot(run_dir) == before
@@ -125,7 +127,7 @@ def test_more_steps_that_change_the_schedule_are_refused_unless_allowed(finished
                                                             f"train.init_from={json.dumps(str(hf))}"], 4, copy)
     assert codes == [0], lines
     said = out.splitlines()
-    assert (f"train.steps 2 → 4 since step_00000002: the learning-rate schedule changes (step 4 would train at lr {new} "
+    assert (f"train.steps 2 → 4 since step_00000002: the learning-rate schedule changes (step 3 would train at lr {new} "
             f"instead of {old}); train.allow_schedule_change = true") in said, out
     assert (f"train.init_from = '{hf}' is not used: this run resumes its own step_00000002 (train.resume = false would "
             "start from the HF weights again)") in said, out
