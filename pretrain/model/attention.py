@@ -29,6 +29,20 @@ from pretrain.model.context import context_parallel_attention
 CHOICES = ("auto", "sdpa", "local", "te")
 
 
+def own_key_and_value(query, key, value):
+    """K and V as tensors of their own where that frees the fused QKV GEMM's output. megatron splits Q, K and V out
+    of it as views; with grouped queries it reshapes Q into a copy, and RoPE rotates Q and K into new tensors. Saved
+    for backward as views, K or V would keep the whole fused output alive for their share of it: copied, it goes
+    once attention has run ((a + g)·d·s·b·e less a layer under GQA). Where Q itself is still a view of it (multi-head
+    attention, learned positions) the output stays alive anyway, and copies would only add 2·a·d·s·b·e."""
+    if torch.compiler.is_compiling():  # the compiled graph's partitioner decides what backward keeps
+        return key, value
+    fused = query._base
+    if fused is not None and (key._base is fused or value._base is fused):
+        return key, value
+    return key.contiguous(), value.contiguous()
+
+
 class SDPAttention(DotProductAttention):
     """megatron's DotProductAttention contract computed by `torch.nn.functional.scaled_dot_product_attention`."""
 
@@ -69,6 +83,7 @@ class SDPAttention(DotProductAttention):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type == AttnMaskType.causal
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        key, value = own_key_and_value(query, key, value)
         if self.cp_size > 1:
             refuse_context_parallel(mask_type)
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -81,10 +96,6 @@ class SDPAttention(DotProductAttention):
         gqa = groups > 1 and causal
         if groups > 1 and not causal:
             key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
-        # megatron splits K and V out of the fused QKV GEMM's output as views (Q it reshapes into a copy, RoPE rotates
-        # Q and K into new tensors): saved for backward as views, they would keep the whole fused output alive, Q's
-        # part of it (and under RoPE K's too) held for nothing. Their own copies let it go once attention has run.
-        key, value = key.contiguous(), value.contiguous()
         if causal and query.shape[0] != key.shape[0]:
             raise ValueError(f"model.attention = 'sdpa': causal attention needs equal query and key lengths, got "
                              f"{query.shape[0]} and {key.shape[0]}")

@@ -79,9 +79,10 @@ def test_sdpa_module_matches_megatron_dot_product_attention():
         "model.attention = 'sdpa' does not take packed sequences", "model.attention = 'sdpa' does not take an attention_bias"]
 
 
-def _attention_saves(rank, world_size, position_embedding):
-    """(shape, bytes of its storage, bytes of its own elements) of each 4-D tensor one Llama-shaped layer saves for
-    backward: Q, K, V and the attention output as SDPA keeps them ([b, heads, s, d])."""
+def _attention_saves(rank, world_size, position_embedding, groups):
+    """The 4-D tensors one Llama-shaped layer (`groups` key/value heads of 4) saves for backward, Q, K, V and the
+    attention output as SDPA keeps them ([b, heads, s, d]): (shape, the address of its storage, that storage's bytes)
+    each, and the layer's sizes."""
     import torch
 
     from gpt_harness import BASE
@@ -89,7 +90,7 @@ def _attention_saves(rank, world_size, position_embedding):
     from pretrain.model.gpt import build_model
     from pretrain.runtime.layout import init_layout
     cfg = load_config(None, BASE + [f'model.position_embedding="{position_embedding}"', 'model.mlp="swiglu"',
-                                    'model.norm="rmsnorm"', "model.bias=false", "model.num_query_groups=2",
+                                    'model.norm="rmsnorm"', "model.bias=false", f"model.num_query_groups={groups}",
                                     "model.num_layers=1", 'model.attention="sdpa"'])
     topo = init_layout(cfg)
     layer = build_model(cfg, topo.device).decoder.layers[0]
@@ -102,18 +103,21 @@ def _attention_saves(rank, world_size, position_embedding):
 
     def pack(t):
         if t.dim() == 4 and t.shape[0] == b:
-            saved.append((tuple(t.shape), t.untyped_storage().nbytes(), t.numel() * t.element_size()))
+            saved.append((tuple(t.shape), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(torch.randn(s, b, h, requires_grad=True), attention_mask=None, rotary_pos_emb=rotary)
-    return saved
+    return saved, dict(s=s, b=b, a=cfg.model.num_attention_heads, d=h // cfg.model.num_attention_heads)
 
 
-@pytest.mark.parametrize("position_embedding", ["rope", "learned"])
-def test_attention_keeps_its_own_k_and_v_not_the_fused_qkv_output(position_embedding):
-    """megatron cuts K and V out of the fused QKV GEMM's output as views; saved as views they kept the whole output
-    alive (Q's part of it, and under RoPE, which rotates Q and K into new tensors, K's too: (a + g)·d·s·b·e a layer,
-    80 MiB in a Llama-3 8B layer at 8K tokens). Each tensor SDPA saves for backward holds only its own elements."""
-    saved = run_ranks(_attention_saves, 1, position_embedding, timeout=120)[0]
+@pytest.mark.parametrize("position_embedding,groups", [("rope", 2), ("learned", 2), ("rope", 4), ("learned", 4)])
+def test_attention_keeps_its_own_k_and_v_not_the_fused_qkv_output(position_embedding, groups):
+    """megatron cuts Q, K and V out of the fused QKV GEMM's output as views (Q reshaped into a copy under GQA, Q and
+    K rotated into new tensors under RoPE); K or V saved as a view kept the whole output alive ((a + g)·d·s·b·e a
+    layer under GQA, 80 MiB in a Llama-3 8B layer at 8K tokens), copies where Q is a view too (multi-head attention,
+    learned positions) would add 2·a·d·s·b·e. Either way the storages SDPA keeps for backward come to the fused
+    output's size plus the attention output's, (a + 2g)·d·s·b·e + a·d·s·b·e, e = 4 (fp32)."""
+    saved, n = run_ranks(_attention_saves, 1, position_embedding, groups, timeout=120)[0]
     assert len(saved) >= 3  # Q, K, V (and the output)
-    assert all(storage == own for _, storage, own in saved), saved
+    storages = {address: nbytes for _, address, nbytes in saved}
+    assert sum(storages.values()) == (n["a"] + 2 * groups + n["a"]) * n["d"] * n["s"] * n["b"] * 4, saved
