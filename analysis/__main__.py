@@ -12,6 +12,7 @@ from analysis.float8 import FLOAT8_RECIPES
 from analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                        offload_breakdown)
 from model_shape.gpt import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
+from zero3d.comm.modes import ANALYSED
 from zero3d.config import ZeroConfig
 from zero3d.optim import SPECS, STATE_DTYPES
 
@@ -109,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--sizes", help="--predict-table: Figure 2 rows to keep, e.g. 8B,20B (default: all)")
     zpp = ap.add_argument_group("ZeRO++ (node-aware stage 3; docs/estimator.md, ZeRO++)")
     zpp.add_argument("--zeropp", nargs="*", metavar="MODEL",
-                     help="α-β step time per link for stage 3, +hpZ, +hybrid, +qwZ, +qgZ and all three on "
+                     help=f"α-β step time per link for stage 3, {', '.join(ANALYSED[1:-1])} and all three on "
                           "Figure 2's 400-GPU rows (default: 100B 170B), DGX-2 and H100 nodes")
     zpp.add_argument("--grad-bits", type=int, choices=[4, 8], default=4, help="--zeropp: qgZ's bits")
     zpp.add_argument("--quant-block", type=int, default=256, help="--zeropp: elements per quantization scale")

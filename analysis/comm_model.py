@@ -4,6 +4,8 @@ from fractions import Fraction
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from analysis.link_collectives import DPPass, LinkCollective, ring_collective  # noqa: F401 (LinkCollective: its readers)
+from analysis.modes import FLOAT8_REFUSED, mode_costs
 from zero3d.comm.modes import CommModes, stage_modes
 from zero3d.comm.topology import node_of_rank
 
@@ -165,31 +167,6 @@ def row_mode(row: str) -> str:
     return "" if row == PLAIN_ROW else row
 
 
-@dataclass(frozen=True)
-class LinkCollective:
-    """Collectives a rank runs in a step for one purpose: bytes it sends inside its node and across nodes,
-    ring steps summed over its `calls` collectives (each paying α per step), and what it carries:
-    "grads" (the gradient reduction), "params" (parameter gathers) or "replicas" (hybrid's cross-node sum)."""
-
-    name: str
-    intra_bytes: Fraction
-    inter_bytes: Fraction
-    steps: int
-    calls: int = 1
-    purpose: str = ""
-
-
-def _ring(name: str, nbytes: Fraction, n: int, m: int, calls: int, purpose: str,
-          steps_per_call: Optional[int] = None) -> LinkCollective:
-    """`calls` ring collectives over n ranks, m per node in consecutive blocks, sending `nbytes` per rank in
-    all: k = n/m nodes give k crossings of the n edges (n when m = 1), so inter = nbytes·k/n = nbytes/m
-    (comm.ring_link_split's model); none inside one node. Steps: n − 1 per call unless given."""
-    k = n // m
-    inter = Fraction(nbytes) / m if k > 1 else Fraction(0)
-    per_call = n - 1 if steps_per_call is None else steps_per_call
-    return LinkCollective(name, Fraction(nbytes) - inter, inter, calls * per_call, calls, purpose)
-
-
 def collectives_per_pass(psi: int, bucket_elements: Optional[int], units: int) -> tuple[int, int]:
     """(B, G): collectives per pass over the Ψ parameters, as the engine issues them. Stages 0-2 keep a
     decay and a no-decay flat buffer, each cut into buckets of `bucket_elements` (zero3d/flat.py), one
@@ -203,22 +180,6 @@ def collectives_per_pass(psi: int, bucket_elements: Optional[int], units: int) -
     if bucket_elements is None:
         return 2, 2 * units
     return -(-psi // bucket_elements) + 1, units * (-(-psi // (units * bucket_elements)) + 1)
-
-
-def _wire_bytes(numel: int, bits: int, block: int, scale_bytes: int) -> Fraction:
-    """Bytes of `numel` quantized elements as sent: whole blocks of codes and one scale a block
-    (zero3d.comm.quantize.QuantSpec.wire_bytes)."""
-    blocks = -(-numel // block)
-    return Fraction(blocks * block * bits, 8) + blocks * scale_bytes
-
-
-def _quantized(psi: int, pieces: Optional[Sequence[int]], parts: int, bits: int, block: int,
-               scale_bytes: int) -> Fraction:
-    """Bytes of one quantized copy of Ψ sent as `parts` equal chunks of each bucket: Ψ·(bits/8 + scale/block)
-    without `pieces`; with them (the buckets' padded sizes), each chunk rounded up to whole blocks."""
-    if pieces is None:
-        return psi * (Fraction(bits, 8) + Fraction(scale_bytes, block))
-    return sum((parts * _wire_bytes(size // parts, bits, block, scale_bytes) for size in pieces), Fraction(0))
 
 
 def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, value_bytes: int = 2,
@@ -238,25 +199,18 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
     updated parameters: Ψb(N−1)/N each, B calls of N−1 steps each.
     stage 2: a reduce-scatter per micro-batch (AΨb(N−1)/N, A·B calls) and one all-gather (B calls).
     stage 3: per micro-batch a forward and a backward all-gather (A·G calls each) and a reduce-scatter
-    (A·B calls), Ψb(N−1)/N each: per node 3AΨb(N−1)/N across nodes. +hpZ: the backward all-gather runs
-    inside the node from the node's secondary shards: AΨb(m−1)/m, all intra. +qwZ: both all-gathers send
-    AΨq_w(N−1)/N. +qgZ (stages 2, 3): each reduce-scatter is comm/hierarchical.py's two
-    all-to-alls: inside the node (m−1) chunks of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g
-    (m−1 and k−1 steps per bucket), after a one-element fp32 all-reduce per bucket over the N ranks (the
-    ranks agree whether any holds a non-finite gradient: hierarchical.overflow_safe_quantized_reduce_scatter), its
-    bytes counted as a ring's and its latency as a tree's (2·⌈log2 N⌉ steps).
-    qwZ+hpZ+qgZ: the three together. `pieces`: the flat buffers' padded bucket sizes (each a multiple of N,
-    summing to Ψ); given, every quantized chunk counts whole blocks, as the wire carries it (exact at any
-    bucket size; without them Ψ·q, exact when every chunk is a whole number of blocks); B = len(pieces).
-    +hybrid (stages 1-3): the stage's collectives over the node's m ranks (all intra, ring (m−1)/m), then
-    the Ψ/m gradient shard all-reduced across the k nodes once per step: 2(Ψb/m)(k−1)/k, all inter, one
-    call per bucket piece (B calls of 2(k−1) steps).
+    (A·B calls), Ψb(N−1)/N each: per node 3AΨb(N−1)/N across nodes.
+    A mode (+hpZ, +hybrid, +qwZ, +qgZ; qwZ+hpZ+qgZ: the three together) changes these as its card in
+    analysis/modes.py says (q_w / q_g: its quantized bytes an element). `pieces`: the flat buffers' padded bucket
+    sizes (each a multiple of N, summing to Ψ); given, every quantized chunk counts whole blocks, as the wire carries
+    it (exact at any bucket size; without them Ψ·q, exact when every chunk is a whole number of blocks);
+    B = len(pieces).
     zero.fp8_gather (stage 3, plain or +hybrid): `float8_elements` of Ψ (the FP8 linear weights' groups, padded) are
     gathered as float8 codes, one byte each instead of b, and before each gather every one of the `float8_groups`
     groups all-reduces its weights' amaxes: 2·4·float8_weights·(N−1)/N bytes per pass, 2(N−1) steps a group.
 
     A ring over N ranks in k > 1 node blocks crosses nodes on k of its N edges: a rank counts 1/m of what
-    it sends as inter-node (`_ring`, comm.ring_link_split).
+    it sends as inter-node (link_collectives.ring_collective, comm.ring_link_split).
     """
     if stage not in STAGE_MODES or mode not in STAGE_MODES[stage]:
         valid = STAGE_MODES.get(stage, ())
@@ -274,48 +228,38 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
         buckets = len(pieces)
     n, m, k, a = dp, per_node, dp // per_node, accumulation
     full = Fraction(psi * value_bytes)
-    if float8_elements and (stage != 3 or CommModes.named(mode).secondary_partition
-                            or CommModes.named(mode).weight_bits is not None):
-        raise ValueError(f"float8 gathers run at stage 3 without hpZ or qwZ; got stage {stage}, mode {mode!r}")
     modes = CommModes.named(mode)
-    hpz, qwz, qgz, hybrid = modes.secondary_partition, modes.weight_bits is not None, modes.grad_bits is not None, modes.hybrid
-    if hybrid:
-        n = m  # sharded inside the node: every ring below runs over the node's m ranks
+    if float8_elements and (stage != 3 or modes.gathers_own_format):
+        raise ValueError(f"{FLOAT8_REFUSED}; got stage {stage}, mode {mode!r}")
+    cards = mode_costs(modes)
+    for card in cards:
+        n = card.shard_ranks(n, m)
     ring = Fraction(n - 1, n)
-    where = " (node)" if hybrid else ""
-    grad_rs = [_ring("reduce_scatter" + where, full * ring * (a if stage >= 2 else 1), n, m,
-                     buckets * (a if stage >= 2 else 1), "grads")]
-    if qgz:
-        # (1) each of the m − 1 local peers gets the k·c elements it owns a slice of, (2) each of the k − 1
-        # other nodes' peers gets c (c = a bucket / N): one quantized copy over m, one over N
-        node_copy = _quantized(psi, pieces, m, grad_bits, block, scale_bytes)
-        rank_copy = _quantized(psi, pieces, n, grad_bits, block, scale_bytes)
-        grad_rs = [LinkCollective("all_to_all (node, qgZ)", node_copy / m * (m - 1) * a, Fraction(0),
-                                  a * buckets * (m - 1), a * buckets, "grads"),
-                   LinkCollective("all_to_all (across nodes, qgZ)", Fraction(0), rank_copy / n * (k - 1) * a,
-                                  a * buckets * (k - 1), a * buckets, "grads"),
-                   _ring("all_reduce (qgZ overflow flag)", 2 * Fraction(4) * ring * a * buckets, n, m, a * buckets,
-                         "grads", 2 * max(1, (n - 1).bit_length()))]  # one element: NCCL's tree, 2·⌈log2 N⌉ hops
+    where = "".join(card.where() for card in cards)
+    p = DPPass(psi, pieces, n, m, k, a, buckets, gathers, full, ring, weight_bits, grad_bits, block, scale_bytes)
+    grad_rs = [ring_collective("reduce_scatter" + where, full * ring * (a if stage >= 2 else 1), n, m,
+                               buckets * (a if stage >= 2 else 1), "grads")]
+    for card in cards:
+        grad_rs = card.grad_reduction(p, grad_rs)
     if stage == 0:
-        out = [_ring("all_reduce", 2 * full * ring, n, m, buckets, "grads", 2 * (n - 1))]
+        out = [ring_collective("all_reduce", 2 * full * ring, n, m, buckets, "grads", 2 * (n - 1))]
     elif stage in (1, 2):
-        out = grad_rs + [_ring("all_gather" + where, full * ring, n, m, buckets, "params")]
+        out = grad_rs + [ring_collective("all_gather" + where, full * ring, n, m, buckets, "params")]
     else:
         gathered = full - float8_elements * (value_bytes - 1)  # float8 codes: one byte an element
-        gather = _quantized(psi, pieces, n, weight_bits, block, scale_bytes) * ring if qwz else gathered * ring
-        tag = " (qwZ)" if qwz else where
-        out = [_ring("all_gather fwd" + tag, gather * a, n, m, a * gathers, "params")]
+        gather, tag = gathered * ring, where
+        for card in cards:
+            gather, tag = card.gather(p, gather, tag)
+        out = [ring_collective("all_gather fwd" + tag, gather * a, n, m, a * gathers, "params")]
         if float8_elements:  # each float8 group's amaxes, max-reduced before its forward and backward gathers
-            out.append(_ring("all_reduce (fp8 amax)" + where, 2 * 2 * Fraction(4 * float8_weights) * ring * a, n, m,
-                             2 * a * float8_groups, "params", 2 * (n - 1)))
-        if hpz:
-            out.append(_ring("all_gather bwd (node, hpZ)", full * Fraction(m - 1, m) * a, m, m, a * gathers, "params"))
-        else:
-            out.append(_ring("all_gather bwd" + tag, gather * a, n, m, a * gathers, "params"))
-        out += grad_rs
-    if hybrid and k > 1:
-        out.append(LinkCollective("all_reduce (across nodes)", Fraction(0), 2 * full / m * Fraction(k - 1, k),
-                                  buckets * 2 * (k - 1), buckets, "replicas"))
+            out.append(ring_collective("all_reduce (fp8 amax)" + where, 2 * 2 * Fraction(4 * float8_weights) * ring * a,
+                                       n, m, 2 * a * float8_groups, "params", 2 * (n - 1)))
+        backward = ring_collective("all_gather bwd" + tag, gather * a, n, m, a * gathers, "params")
+        for card in cards:
+            backward = card.backward_gather(p, backward)
+        out += [backward] + grad_rs
+    for card in cards:
+        out += card.after(p)
     return out
 
 

@@ -3,6 +3,7 @@ import dataclasses
 
 from analysis.activations import mlp_activation_bytes
 from model_shape.gpt import GPTShape
+from zero3d.comm.modes import NODE_SPLITTING
 
 
 def valid_context_sizes(seq: int, ranks: int) -> list:
@@ -29,7 +30,7 @@ def validate_context(cp, seq: int, gpus: int, tp: int, attention: str, node_awar
         raise ValueError(f"cp = {cp} with attention = {attention!r} is invalid; context parallelism needs "
                          "attention = 'fused' (megatron's local attention has none)")
     if node_aware:
-        raise ValueError(f"cp = {cp} with hpZ / hybrid sharding is invalid; valid: cp = 1 (their node groups are "
+        raise ValueError(f"cp = {cp} with {NODE_SPLITTING} sharding is invalid; valid: cp = 1 (their node groups are "
                          "built over the data-parallel ranks alone)")
 
 

@@ -11,7 +11,8 @@ from analysis.float8 import float8_copy_bytes, gathered_unit_bytes
 from analysis.job import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GIB, V100_MEMORY_BYTES,  # noqa: F401
                           Budget, Parallelism, Step, ZeroChoice, job_of)
 from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
-                                   Precision, extra_state_bytes, model_state_bytes)
+                                   Precision, model_state_bytes)
+from analysis.modes import extra_state_bytes, mode_costs  # noqa: F401 (extra_state_bytes: its readers)
 from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
@@ -264,8 +265,9 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     a step holding `step` and judged against `budget`.
 
     `zero`: its stage; CB, `bucket_elements` (None means no CB, the 4Ψ fused buffer); Pa and Pa+cpu; with
-    `layout.dp_per_node` DP ranks per node its node-aware mode: hpZ (secondary partition) adds Ψb/m of parameters,
-    hybrid shards the model states over the node's m ranks instead of all dp; `fp8_gather` (zero.fp8_gather, stage 3
+    `layout.dp_per_node` DP ranks per node its node-aware mode, as its card in analysis/modes.py says (hpZ, the
+    secondary partition, adds Ψb/m of parameters; hybrid shards the model states over the node's m ranks instead of
+    all dp); `fp8_gather` (zero.fp8_gather, stage 3
     tensorwise): buffer_terms. `step`: `loss_chunk_tokens` > 0, the loss holds that many tokens' logits at once
     (pretrain/model/loss.py), fused (its weight and hidden-state gradients kept from forward to backward) or,
     `loss_recompute`, recomputed in backward; `attention` (ATTENTION_KINDS): "local" (the paper's Megatron) keeps the
@@ -278,14 +280,14 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     gpus, tp, cp, dp_per_node = layout.gpus, layout.tp, layout.cp, layout.dp_per_node
     stage, pa, pa_cpu, bucket_elements, prefetch_units = (zero.stage, zero.pa, zero.pa_cpu, zero.bucket_elements,
                                                           zero.prefetch_units)
-    secondary_partition, hybrid, fp8_gather = zero.modes.secondary_partition, zero.modes.hybrid, zero.fp8_gather
+    splits_node, cards, fp8_gather = zero.modes.needs_two_per_node, mode_costs(zero.modes), zero.fp8_gather
     micro_batch, recompute, precision, attention = step.micro_batch, step.recompute, step.precision, step.attention
     loss_chunk_tokens, loss_recompute, float8, mask_bytes = (step.loss_chunk_tokens, step.loss_recompute, step.float8,
                                                              step.mask_bytes)
     gpu_memory_bytes, margin_fraction = budget.gpu_memory_bytes, budget.margin_fraction
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
-    validate_context(cp, shape.seq, gpus, tp, attention, secondary_partition or hybrid)
+    validate_context(cp, shape.seq, gpus, tp, attention, splits_node)
     if cp > 1 and recompute == "selective":
         raise ValueError(f"recompute = 'selective' with cp = {cp} is not supported; use 'none' or 'full'")
     if gpu_memory_bytes <= 0 or not 0 <= margin_fraction < 1:
@@ -295,13 +297,15 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     dp = gpus // tp  # ZeRO's group: data × context
     seq, hidden = shape.seq // cp, shape.hidden  # this rank's tokens of a sequence
     psi = shape.params(tp)
-    if (secondary_partition or hybrid) and (dp_per_node < 1 or dp % dp_per_node):
+    if splits_node and (dp_per_node < 1 or dp % dp_per_node):
         raise ValueError(f"dp_per_node = {dp_per_node} is invalid; must divide dp = {dp}")
     states = optimizer or OptimizerStates.of_shape(shape, tp)
-    param, grad, optimizer_bytes = (float(x) for x in model_state_bytes(psi, stage, dp_per_node if hybrid else dp,
-                                                                        precision, states))
-    if secondary_partition:
-        param += extra_state_bytes(zero.zeropp, psi, dp, dp_per_node, precision)
+    state_ranks = dp
+    for card in cards:
+        state_ranks = card.state_ranks(state_ranks, dp_per_node)
+    param, grad, optimizer_bytes = (float(x) for x in model_state_bytes(psi, stage, state_ranks, precision, states))
+    for card in cards:
+        param += card.added_param_bytes(psi, dp_per_node, precision)
 
     e = prec.activation_bytes
     kept_by_layer = layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention_state_bytes(
@@ -330,7 +334,7 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     terms = buffer_terms(shape, stage=stage, psi=psi, micro_batch=micro_batch, tp=tp,
                          bucket_elements=bucket_elements, precision=precision, prefetch_units=prefetch_units,
                          attention=attention, cp=cp, float8=float8, fp8_gather=fp8_gather,
-                         dp=dp_per_node if hybrid else dp)
+                         dp=state_ranks)
     buffers = float(sum(terms.values()))
     # the fused loss's stored gradients live from its forward to its backward's first step: beside the layer
     # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from zero3d.comm.modes import CommModes
+from zero3d.comm.modes import CARDS, CommModes
 from zero3d.config import ZeroConfig
 
 GIB = 2**30
@@ -111,7 +111,8 @@ class Budget:
     margin_fraction: float = DEFAULT_MARGIN_FRACTION
 
 
-MODE_FLAGS = ("secondary_partition", "hybrid")  # the flat form's names of the node-aware modes memory reads
+# the flat form's names of the node-aware modes memory reads (their cards: zero3d/comm/modes.py)
+MODE_FLAGS = tuple(card.field for card in CARDS if card.splits_node)
 
 
 def job_of(**fields) -> tuple:
@@ -120,7 +121,7 @@ def job_of(**fields) -> tuple:
     no object has is a TypeError naming it."""
     objects = (Parallelism, ZeroChoice, Step, Budget)
     names = {f.name: cls for cls in objects for f in dataclasses.fields(cls)}
-    modes = CommModes(secondary_partition=fields.pop("secondary_partition", False), hybrid=fields.pop("hybrid", False))
+    modes = CommModes(**{flag: fields.pop(flag, False) for flag in MODE_FLAGS})
     unknown = sorted(set(fields) - set(names))
     if unknown:
         raise TypeError(f"{unknown[0]!r} is not a field of {', '.join(c.__name__ for c in objects)}; valid: "

@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from model_shape.gpt import GPTShape
-from zero3d.comm.modes import CommModes
 from zero3d.optim import MASTER_BYTES, STATE_DTYPES, spec_named
 
 
@@ -72,20 +71,3 @@ def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16",
     grad = psi * p.grad_bytes / (dp if stage >= 2 else 1)
     optimizer_bytes = psi * optimizer.k(precision) / (dp if stage >= 1 else 1)
     return param, grad, optimizer_bytes
-
-
-def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16", stage: int = 3,
-                      optimizer: OptimizerStates = ADAMW_FP32) -> float:
-    """Per-GPU bytes a node-aware mode (comm_model.STAGE_MODES) adds over plain ZeRO `stage`, this formula's
-    one home (the engine measures the same: zero3d/accounting.py): hpZ's secondary copy Ψb/m of the
-    parameters; hybrid's sharded states over m instead of N ranks, (b_p + b_g + K)Ψ(1/m − 1/N) at stage 3,
-    (b_g + K)Ψ(1/m − 1/N) at stage 2, KΨ(1/m − 1/N) at stage 1 (model_state_bytes' shards)."""
-    p, modes = PRECISIONS[precision], CommModes.named(mode)
-    if modes.secondary_partition:
-        return psi * p.param_bytes / per_node
-    if modes.hybrid:
-        if stage not in (1, 2, 3):
-            raise ValueError(f"stage {stage} is invalid for +hybrid; valid: 1, 2, 3 (stage 0 shards nothing)")
-        return (sum(float(x) for x in model_state_bytes(psi, stage, per_node, precision, optimizer))
-                - sum(float(x) for x in model_state_bytes(psi, stage, dp, precision, optimizer)))
-    return 0.0

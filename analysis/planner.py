@@ -269,7 +269,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
                 m = node_split(cluster, gpus, tp)
                 if not zero.offloaded and zero.offload_params == "none" and cp == 1 and m is not None:
                     modes += [z for z in PLANNER_MODES[stage] if (m >= 2 or not CommModes.named(z).needs_two_per_node)
-                              and not (fp8_gather and _gathers_its_own_way(z))]
+                              and not (fp8_gather and CommModes.named(z).gathers_own_format)]
                 for mode in modes:
                     found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
                                             step_batch, dp, bucket_elements, margin_fraction, cp)
@@ -293,12 +293,6 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
         if found:
             break
     return found
-
-
-def _gathers_its_own_way(mode: str) -> bool:
-    """hpZ and qwZ gather the parameters in their own formats: zero.fp8_gather is refused beside them."""
-    modes = CommModes.named(mode)
-    return modes.secondary_partition or modes.weight_bits is not None
 
 
 def _fp8_gather(shape: dict, zero: ZeroChoice) -> bool:

@@ -7,6 +7,7 @@ from analysis.comm_model import (ZEROPP_MODES, collectives_per_pass, link_bytes,
 from analysis.estimate import DEFAULT_BUCKET_ELEMENTS, estimate_from_shape, extra_state_bytes, gpt_param_count, GB
 from analysis.paper_configs import load_paper_runs
 from model_shape.flops import gpt_flops_per_step
+from analysis.modes import COSTS
 from analysis.planner import PAPER_SEQ, GPT2_VOCAB
 from zero3d.comm.topology import dp_ranks_per_node
 
@@ -72,12 +73,13 @@ def zeropp_report(csv_path, models=("100B", "170B"), grad_bits: int = 4, block: 
                   clusters: tuple = (DGX2, H100)) -> str:
     """The paper's 400-GPU ZeRO rows of Figure 2 (as the CSV lays them out, and with TP 1 at one sample
     per GPU, the layout ZeRO++ evaluates) on each of `clusters` (default: DGX-2 and DGX H100 nodes)."""
+    wire = ", ".join(note for note in (costs.wire_note(grad_bits) for costs in COSTS.values()) if note)
+    memory = ", ".join(costs.memory_note for costs in COSTS.values() if costs.memory_note)
     header = ("ZeRO++ modes at stage 3, α-β per link (bytes and seconds per rank per step; 'step s': compute + "
-              "communication, 'overlap s': the larger of the two; gain against stage 3). qwZ int8, qgZ "
-              f"int{grad_bits}, {block}-element blocks with fp32 scales. Compute at {clusters[0].efficiency:.0%} of peak "
-              "(Megatron-LM's V100 share; assumed for the H100). 'extra GB': hpZ's secondary parameter copy, "
-              "hybrid's node-only sharding; 'memory': the stage-3 estimate (full recompute, Pa where tp > 1) plus it, "
-              "against the GPU.")
+              f"communication, 'overlap s': the larger of the two; gain against stage 3). {wire}, {block}-element "
+              f"blocks with fp32 scales. Compute at {clusters[0].efficiency:.0%} of peak (Megatron-LM's V100 share; "
+              f"assumed for the H100). 'extra GB': {memory}; 'memory': the stage-3 estimate (full recompute, Pa where "
+              "tp > 1) plus it, against the GPU.")
     out = [header]
     runs = {r.model: r for r in load_paper_runs(csv_path) if r.figure == 2 and r.system == "zero"}
     for model in models:

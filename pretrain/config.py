@@ -15,6 +15,7 @@ from pretrain.sections import (ClusterConfig, DataConfig, LoggingConfig, ModelCo
                                ParallelConfig, Section, TrainConfig, check_finite)
 from pretrain.sections import require as _require
 from zero3d import config as engine_config  # [zero], [optimizer], [precision]: zero3d's own dataclasses
+from zero3d.comm.modes import NODE_AWARE_KEYS
 from zero3d.config import FLOAT8_ALIGNMENT, ZeroConfig, ZeroConfigError
 
 
@@ -368,8 +369,8 @@ def _check_context(cfg: Config) -> None:
              "masks would differ from context 1's; use model.attention_dropout = 0")
     _require(not cfg.data.reset_attention_mask, "parallel.context > 1 with data.reset_attention_mask = true is not "
              "supported yet: the per-document masks are not split into context chunks; set it to false")
-    _require(not cfg.zero.node_aware(), "parallel.context > 1 with zero.secondary_partition / hybrid / quantize_* is "
-             "not supported yet: their node groups are built over the data-parallel ranks alone")
+    _require(not cfg.zero.node_aware(), f"parallel.context > 1 with {NODE_AWARE_KEYS} is not supported yet: their "
+             "node groups are built over the data-parallel ranks alone")
 
 
 def _check_float8(cfg: Config) -> None:

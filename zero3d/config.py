@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from zero3d.comm.modes import CARDS, OWN_FORMAT_KEYS, CommModes
+
 PLACEMENTS = ("none", "cpu", "nvme")
 # torch._scaled_mm on CUDA takes a GEMM's contraction and output dimensions only in multiples of 16; an FP8
 # linear's three GEMMs (zero3d/float8.py) contract over each of its dimensions, so every one must be.
@@ -122,7 +124,6 @@ class ZeroConfig:
 
     def comm_modes(self):
         """The node-aware communication modes these keys switch on (zero3d/comm/modes.py: one vocabulary)."""
-        from zero3d.comm.modes import CommModes
         return CommModes.from_zero(self)
 
     def node_aware(self) -> bool:
@@ -134,42 +135,20 @@ class ZeroConfig:
         return self.comm_modes().node_layout_error(per_node, gpus_per_node)
 
     def _zeropp_checks(self) -> tuple:
+        """The communication modes' checks, each from its card (zero3d/comm/modes.py), and fp8_gather's."""
         z = self
         return (
-            (z.secondary_partition in ("none", "node"),
-             f"zero.secondary_partition = {z.secondary_partition!r} is invalid; valid values: 'none', 'node'"),
-            (z.hybrid in ("none", "node"), f"zero.hybrid = {z.hybrid!r} is invalid; valid values: 'none', 'node'"),
-            (z.quantize_weights in ("none", "int8"),
-             f"zero.quantize_weights = {z.quantize_weights!r} is invalid; valid values: 'none', 'int8'"),
-            (z.quantize_gradients in ("none", "int8", "int4"),
-             f"zero.quantize_gradients = {z.quantize_gradients!r} is invalid; valid values: 'none', 'int8', 'int4'"),
+            *(card.value_check(z) for card in CARDS),
             (type(z.quant_block) is int and z.quant_block > 0 and z.quant_block % 2 == 0,
              f"zero.quant_block = {z.quant_block!r} is invalid; must be an even integer > 0"),
-            (z.secondary_partition == "none" or z.stage == 3,
-             f"zero.secondary_partition = {z.secondary_partition!r} needs zero.stage = 3 (only stage 3 gathers "
-             f"parameters); got zero.stage = {z.stage}"),
-            (z.hybrid == "none" or z.stage >= 1,
-             f"zero.hybrid = {z.hybrid!r} needs zero.stage = 1, 2 or 3 (stage 0 shards nothing); got zero.stage = 0"),
-            (z.quantize_weights == "none" or z.stage == 3,
-             f"zero.quantize_weights = {z.quantize_weights!r} needs zero.stage = 3 (only stage 3 gathers "
-             f"parameters each step); got zero.stage = {z.stage}"),
-            (z.quantize_gradients == "none" or z.stage >= 2,
-             f"zero.quantize_gradients = {z.quantize_gradients!r} needs zero.stage = 2 or 3 (the bucket "
-             f"reduce-scatter); got zero.stage = {z.stage}"),
-            (z.hybrid == "none" or z.secondary_partition == "none",
-             "zero.hybrid = 'node' with zero.secondary_partition = 'node' is refused: hybrid shards inside the "
-             "node already, so its backward all-gather is node-local without a secondary partition"),
-            (z.hybrid == "none" or z.quantize_gradients == "none",
-             "zero.hybrid = 'node' with zero.quantize_gradients is refused: qgZ's hierarchical reduce-scatter "
-             "spans the nodes, hybrid's reduce-scatter does not"),
+            *(card.stage_check(z) for card in CARDS),
+            *(check for card in CARDS for check in card.refusal_checks(z, of_modes=True)),
             (not z.fp8_gather or z.stage == 3,
              f"zero.fp8_gather = true needs zero.stage = 3 (only stage 3 gathers parameters); got zero.stage = {z.stage}"),
-            (not z.fp8_gather or (z.secondary_partition == "none" and z.quantize_weights == "none"),
-             "zero.fp8_gather = true with zero.secondary_partition or zero.quantize_weights is refused: those modes "
-             "gather the weights in their own formats; use one of them"),
-            (z.hybrid == "none" or z.offload_optimizer == "none",
-             f"zero.hybrid = 'node' with zero.offload_optimizer = {z.offload_optimizer!r} is not supported; "
-             "use one of them"),
+            (not z.fp8_gather or all(getattr(z, card.key) == "none" for card in CARDS if card.gathers_own_format),
+             f"zero.fp8_gather = true with {OWN_FORMAT_KEYS} is refused: those modes gather the weights in their own "
+             "formats; use one of them"),
+            *(check for card in CARDS for check in card.refusal_checks(z, of_modes=False)),
         )
 
     def _offload_checks(self) -> tuple:

@@ -16,6 +16,7 @@ from pretrain.step import train_step
 from pretrain.train import build_and_wrap
 from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
 from zero3d.accounting import step_counter_bytes
+from zero3d.comm.modes import quantized_settings
 
 # Fake tensors hold no values; the engine's one host read (the squared gradient norm) gets this
 # finite value, so every step takes the non-overflow path (clip, optimizer step, publish).
@@ -161,8 +162,7 @@ def refuse_what_fake_tensors_cannot_run(cfg: Config, fake: bool) -> None:
         raise ConfigError(f"probe: zero.offload_optimizer = {z.offload_optimizer!r}, zero.offload_params = "
                           f"{z.offload_params!r}: the NVMe placements do file I/O, which fake tensors cannot "
                           "do; probe with \"cpu\" (the device side is the same code) or with --real")
-    quantized = [f"zero.{key} = {getattr(z, key)!r}" for key in ("quantize_weights", "quantize_gradients")
-                 if getattr(z, key) != "none"]
+    quantized = quantized_settings(z)
     if fake and quantized:  # a block's scale is its values' maximum: fake tensors hold no values
         raise ConfigError(f"probe: {', '.join(quantized)}: the quantization scales are data, which fake tensors "
                           "do not hold; probe with --real, or without quantization (it adds no model states)")

@@ -103,3 +103,51 @@ def test_one_rank_to_node_rule():
              if path != rule for line in node_arithmetic(path)]
     assert found == []
     assert [line.split(": ", 1)[1] for line in node_arithmetic(rule)] == ["global_rank // gpus_per_node"]
+
+
+# The words that name each communication mode in code: its short name and its ZeroConfig key.
+MODE_WORDS = {"hpZ": ("hpZ", "secondary_partition"), "hybrid": ("hybrid",), "qwZ": ("qwZ", "quantize_weights"),
+              "qgZ": ("qgZ", "quantize_gradients")}
+# A mode's homes: its card's two halves (the engine's, the analysis's) and the config section holding its key.
+MODE_HOMES = ("zero3d/comm/modes.py", "analysis/modes.py", "zero3d/config.py")
+
+
+def code_words(text: str) -> str:
+    """A file's names and string literals as code uses them: no comments, no docstrings (module, class, function)."""
+    import ast
+    docstrings = {node.body[0].lineno for node in ast.walk(ast.parse(text))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                  and isinstance(node.body[0].value.value, str)}
+    return " ".join(tok.string for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+                    if tok.type == tokenize.NAME or tok.type == tokenize.STRING and tok.start[0] not in docstrings)
+
+
+def test_code_words_leave_out_comments_and_docstrings():
+    code = '"""hpZ"""\nx = 1  # hpZ\ndef f():\n    """qwZ"""\n    return "qgZ", modes.hybrid\n'
+    assert code_words(code).split() == ["x", "def", "f", "return", '"qgZ"', "modes", "hybrid"]
+
+
+def mode_namers() -> dict:
+    """mode → the project's Python files (not tests, not docs) whose code names it, beyond its homes."""
+    files = [path for path in project_python() if path.relative_to(REPO).parts[0] not in ("tests", "docs")
+             and str(path.relative_to(REPO)) not in MODE_HOMES]
+    words = {path: code_words(path.read_text()) for path in files}
+    return {mode: sorted(str(path.relative_to(REPO)) for path, text in words.items() if any(w in text for w in names))
+            for mode, names in MODE_WORDS.items()}
+
+
+def test_a_communication_mode_is_named_by_its_card_and_at_most_three_other_files():
+    """Issue #54: a mode is a card (zero3d/comm/modes.py: its key, stages and config checks; analysis/modes.py: its
+    collectives' α-β costs and its memory terms), which the config, the α-β model and the estimator read; beyond its
+    card and its config key, at most 3 files' code names it (the engine code that runs it among them)."""
+    namers = mode_namers()
+    assert {mode: files for mode, files in namers.items() if len(files) > 3} == {}, namers
+
+
+def test_every_mode_card_has_its_costs():
+    """The engine's half of each card and the analysis's half are keyed by the same names, in one registry each."""
+    from analysis.modes import COSTS
+    from zero3d.comm.modes import CARDS, ORDER
+    assert sorted(COSTS) == sorted(card.name for card in CARDS) == sorted(ORDER) == sorted(MODE_WORDS)
+    assert {card.name: card.key for card in CARDS} == {mode: words[-1] for mode, words in MODE_WORDS.items()}

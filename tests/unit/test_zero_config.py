@@ -27,6 +27,12 @@ from zero3d.config import ZeroConfig, ZeroConfigError
     (dict(quant_block=7), "zero.quant_block = 7 is invalid; must be an even integer > 0"),
     (dict(quant_block=0), "zero.quant_block = 0 is invalid; must be an even integer > 0"),
     (dict(stage=3, hybrid="node", secondary_partition="node"), "zero.hybrid = 'node' with zero.secondary_partition"),
+    (dict(stage=2, hybrid="node", quantize_gradients="int8"),
+     "zero.hybrid = 'node' with zero.quantize_gradients is refused: qgZ's hierarchical reduce-scatter spans the nodes"),
+    (dict(stage=1, hybrid="node", offload_optimizer="cpu"),
+     "zero.hybrid = 'node' with zero.offload_optimizer = 'cpu' is not supported; use one of them"),
+    (dict(stage=3, fp8_gather=True, quantize_weights="int8"),
+     "zero.fp8_gather = true with zero.secondary_partition or zero.quantize_weights is refused"),
 ])
 def test_invalid_settings_name_key_value_and_what_is_valid(fields, message):
     with pytest.raises(ZeroConfigError) as err:

@@ -1,16 +1,106 @@
-"""ZeRO's communication modes (hpZ, hybrid, qwZ, qgZ) under one vocabulary: their config keys, their names, their stages."""
+"""ZeRO's communication modes (hpZ, hybrid, qwZ, qgZ), each a card: its name, its config key and the values that
+switch it on, the stages that run it and its config checks; `CommModes`, the one vocabulary (config keys ↔ the
+analysis's names "+hpZ", "qwZ+hpZ+qgZ", ...) built from the cards.
+
+A mode's card has two halves because the engine never imports the analysis (tests/unit/test_structure_homes.py):
+this half, which the config, the engine's CommPlan and the probe read, sits in the engine; the other half, its
+collectives' α-β costs and its memory terms, is analysis/modes.py, keyed by the same name, beside the α-β model and
+the estimator that read it. A new mode is its card here, its costs there, and the engine code that runs it
+(zero3d/comm/plan.py), besides its key in ZeroConfig."""
 from dataclasses import dataclass
 from typing import Optional
 
-# A mode's short name, in the order names join ("qwZ+hpZ+qgZ"); one mode alone is "+" + its name.
-ORDER = ("qwZ", "hpZ", "qgZ", "hybrid")
-# The lowest ZeRO stage that runs each: hpZ and qwZ act on stage 3's parameter gathers, qgZ on the
-# bucketed gradient reduction (stages 2, 3), hybrid on any sharding.
-MIN_STAGE = {"qwZ": 3, "hpZ": 3, "qgZ": 2, "hybrid": 1}
-# The combinations the analysis models at each stage ("" = plain ZeRO), by name.
-ANALYSED = ("", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")
 QGZ_BITS = 4  # qgZ as the analysis models it (the paper's int4 gradients); the engine also runs int8
 QWZ_BITS = 8
+
+
+@dataclass(frozen=True)
+class ModeCard:
+    """One communication mode: `name` (as the analysis writes it), `key` (its ZeroConfig key) and the key's
+    `values` ("none", off, first), `field` (CommModes' field it sets: True, or the bits of a quantizing mode) and
+    `analysed_bits` (a quantizing mode's bits in the analysis; None for a switch), `min_stage` (the lowest ZeRO
+    stage that runs it) and `stage_reason` (why, in the config check's words), `splits_node` (it splits the node:
+    >= 2 DP ranks on it), `gathers_own_format` (it gathers the parameters its own way: zero.fp8_gather is refused
+    beside it), `quantized` (its collectives carry quantization scales, which are data) and `refusals`: (another
+    ZeroConfig key, the message) for each setting it cannot run beside, the key's value being "none" where it can."""
+
+    name: str
+    key: str
+    values: tuple
+    field: str
+    min_stage: int
+    stage_reason: str
+    analysed_bits: Optional[int] = None
+    splits_node: bool = False
+    gathers_own_format: bool = False
+    quantized: bool = False
+    refusals: tuple = ()
+
+    def setting(self, value: str):
+        """CommModes' field value for the config key's `value`: None / False off; the bits or True on."""
+        if self.analysed_bits is not None:
+            return None if value == "none" else int(value.removeprefix("int"))
+        return value == self.values[1]
+
+    def on(self, modes: "CommModes") -> bool:
+        return getattr(modes, self.field) not in (None, False)
+
+    def key_value(self, modes: "CommModes") -> str:
+        """The config key's value that switches on what `modes` holds of this mode."""
+        value = getattr(modes, self.field)
+        if not self.on(modes):
+            return "none"
+        return f"int{value}" if self.analysed_bits is not None else self.values[1]
+
+    def value_check(self, zero) -> tuple:
+        """(ok, message): the key's value is one of `values` (ZeroConfig raises the first failing check)."""
+        value = getattr(zero, self.key)
+        return value in self.values, (f"zero.{self.key} = {value!r} is invalid; valid values: "
+                                      f"{', '.join(repr(v) for v in self.values)}")
+
+    def stage_check(self, zero) -> tuple:
+        """(ok, message): the mode is off, or zero.stage runs it."""
+        value, stages = getattr(zero, self.key), [str(s) for s in range(self.min_stage, 4)]
+        stages = ", ".join(stages[:-1]) + " or " + stages[-1] if len(stages) > 1 else stages[0]
+        return (value == "none" or zero.stage in range(self.min_stage, 4),
+                f"zero.{self.key} = {value!r} needs zero.stage = {stages} ({self.stage_reason}); "
+                f"got zero.stage = {zero.stage}")
+
+    def refusal_checks(self, zero, of_modes: bool) -> tuple:
+        """(ok, message) of this mode beside each setting it refuses: the other modes' keys (`of_modes`) or the
+        rest of zero.*."""
+        mode_keys = {card.key for card in CARDS}
+        return tuple((getattr(zero, self.key) == "none" or getattr(zero, other) == "none", message.format(z=zero))
+                     for other, message in self.refusals if (other in mode_keys) == of_modes)
+
+
+# The cards, in the order of their ZeroConfig keys.
+HPZ = ModeCard("hpZ", "secondary_partition", ("none", "node"), "secondary_partition", 3,
+               "only stage 3 gathers parameters", splits_node=True, gathers_own_format=True)
+HYBRID = ModeCard("hybrid", "hybrid", ("none", "node"), "hybrid", 1, "stage 0 shards nothing", splits_node=True, refusals=(
+    ("secondary_partition", "zero.hybrid = 'node' with zero.secondary_partition = 'node' is refused: hybrid shards "
+                            "inside the node already, so its backward all-gather is node-local without a secondary "
+                            "partition"),
+    ("quantize_gradients", "zero.hybrid = 'node' with zero.quantize_gradients is refused: qgZ's hierarchical "
+                           "reduce-scatter spans the nodes, hybrid's reduce-scatter does not"),
+    ("offload_optimizer", "zero.hybrid = 'node' with zero.offload_optimizer = {z.offload_optimizer!r} is not "
+                          "supported; use one of them")))
+QWZ = ModeCard("qwZ", "quantize_weights", ("none", "int8"), "weight_bits", 3,
+               "only stage 3 gathers parameters each step", analysed_bits=QWZ_BITS, gathers_own_format=True,
+               quantized=True)
+QGZ = ModeCard("qgZ", "quantize_gradients", ("none", "int8", "int4"), "grad_bits", 2, "the bucket reduce-scatter",
+               analysed_bits=QGZ_BITS, quantized=True)
+CARDS = (HPZ, HYBRID, QWZ, QGZ)
+BY_NAME = {card.name: card for card in CARDS}
+# A mode's short name, in the order names join ("qwZ+hpZ+qgZ"); one mode alone is "+" + its name.
+ORDER = ("qwZ", "hpZ", "qgZ", "hybrid")
+# The combinations the analysis models at each stage ("" = plain ZeRO), by name.
+ANALYSED = ("", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")
+# The keys of every node-aware mode, as the messages of the rules that read them all write them.
+NODE_AWARE_KEYS = "zero.secondary_partition / hybrid / quantize_*"
+# The modes that split the node, by name ("hpZ / hybrid"), and those that gather in their own formats.
+NODE_SPLITTING = " / ".join(card.name for card in CARDS if card.splits_node)
+OWN_FORMAT_KEYS = " or ".join(f"zero.{card.key}" for card in CARDS if card.gathers_own_format)
 
 
 @dataclass(frozen=True)
@@ -26,9 +116,7 @@ class CommModes:
     @classmethod
     def from_zero(cls, zero) -> "CommModes":
         """From a ZeroConfig's keys (zero.secondary_partition, hybrid, quantize_weights, quantize_gradients)."""
-        bits = {"none": None, "int8": 8, "int4": 4}
-        return cls(secondary_partition=zero.secondary_partition == "node", hybrid=zero.hybrid == "node",
-                   weight_bits=bits[zero.quantize_weights], grad_bits=bits[zero.quantize_gradients])
+        return cls(**{card.field: card.setting(getattr(zero, card.key)) for card in CARDS})
 
     @classmethod
     def named(cls, name: str) -> "CommModes":
@@ -38,14 +126,16 @@ class CommModes:
         if unknown or len(set(parts)) != len(parts):
             raise ValueError(f"mode {name!r} is invalid; valid: {', '.join(repr(n) for n in ANALYSED)} "
                              f"(modes {', '.join(ORDER)} joined by '+')")
-        return cls(secondary_partition="hpZ" in parts, hybrid="hybrid" in parts,
-                   weight_bits=QWZ_BITS if "qwZ" in parts else None, grad_bits=QGZ_BITS if "qgZ" in parts else None)
+        return cls(**{BY_NAME[p].field: BY_NAME[p].analysed_bits or True for p in parts})
 
     @property
     def parts(self) -> tuple:
-        on = {"qwZ": self.weight_bits is not None, "hpZ": self.secondary_partition,
-              "qgZ": self.grad_bits is not None, "hybrid": self.hybrid}
-        return tuple(p for p in ORDER if on[p])
+        return tuple(p for p in ORDER if BY_NAME[p].on(self))
+
+    @property
+    def cards(self) -> tuple:
+        """The cards of the modes on, in name order."""
+        return tuple(BY_NAME[p] for p in self.parts)
 
     @property
     def name(self) -> str:
@@ -61,11 +151,16 @@ class CommModes:
     @property
     def needs_two_per_node(self) -> bool:
         """hpZ and hybrid split the node: they need >= 2 DP ranks on it."""
-        return self.secondary_partition or self.hybrid
+        return any(card.splits_node for card in self.cards)
+
+    @property
+    def gathers_own_format(self) -> bool:
+        """hpZ and qwZ gather the parameters in their own formats: zero.fp8_gather is refused beside them."""
+        return any(card.gathers_own_format for card in self.cards)
 
     @property
     def min_stage(self) -> int:
-        return max((MIN_STAGE[p] for p in self.parts), default=0)
+        return max((card.min_stage for card in self.cards), default=0)
 
     def node_layout_error(self, per_node: int, gpus_per_node: int) -> str:
         """Why these modes cannot run with `per_node` DP ranks per node ("" when they can)."""
@@ -77,12 +172,15 @@ class CommModes:
 
     def zero_keys(self) -> dict:
         """The ZeroConfig keys that switch these modes on."""
-        return {"secondary_partition": "node" if self.secondary_partition else "none",
-                "hybrid": "node" if self.hybrid else "none",
-                "quantize_weights": f"int{self.weight_bits}" if self.weight_bits else "none",
-                "quantize_gradients": f"int{self.grad_bits}" if self.grad_bits else "none"}
+        return {card.key: card.key_value(self) for card in CARDS}
 
 
 def stage_modes(stage: int) -> tuple:
     """The analysed mode names that run at ZeRO `stage`."""
     return tuple(name for name in ANALYSED if CommModes.named(name).min_stage <= stage)
+
+
+def quantized_settings(zero) -> list:
+    """The quantizing modes' keys a ZeroConfig `zero` switches on, as "zero.key = 'value'"."""
+    return [f"zero.{card.key} = {getattr(zero, card.key)!r}" for card in CARDS
+            if card.quantized and getattr(zero, card.key) != "none"]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.comm.hierarchical import overflow_safe_quantized_reduce_scatter
-from zero3d.comm.modes import CommModes
+from zero3d.comm.modes import NODE_AWARE_KEYS, CommModes
 from zero3d.comm.quantize import QuantSpec
 from zero3d.comm.topology import NodeTopology
 
@@ -94,7 +94,7 @@ def _check_node_modes(modes: CommModes, node: Optional[NodeTopology], dp_size: i
     if not modes.node_aware:
         return
     if node is None:
-        raise ValueError("zero.secondary_partition / hybrid / quantize_* need the DP group's node topology "
+        raise ValueError(f"{NODE_AWARE_KEYS} need the DP group's node topology "
                          "(ParallelGroups.node_topology, zero3d.comm.topology.build_node_topology); none was given")
     if node.dp_size != dp_size:
         raise ValueError(f"the node topology covers {node.dp_size} DP ranks; the DP group has {dp_size}")
