@@ -1,4 +1,7 @@
-"""The config's own sections, each a dataclass that checks its values when built (cross-section rules: config.py)."""
+"""The sections pretrain alone defines — [model], [parallel], [data], [train], [logging], [cluster], [paper] — each a
+dataclass that checks its values when built. The sections that extend zero3d's settings, [optimizer] and [precision],
+sit beside the tree in config.py; [zero] is zero3d's own (zero3d/config.py), which the tree embeds as it is;
+cross-section rules: config.py."""
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -9,7 +12,7 @@ from pretrain.errors import ConfigError
 from model_shape.flops import StepFlops
 from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape
 
-# Over 400 lines: the schema of every config section in one place, a docstring per field (docs/config.md is
+# Over 400 lines: the schema of pretrain's own sections in one place, a docstring per field (docs/config.md is
 # generated from them: pretrain/config_reference.py); each section checks its own values.
 
 
