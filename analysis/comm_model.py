@@ -4,7 +4,7 @@ from fractions import Fraction
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from analysis.link_collectives import DPPass, LinkCollective, ring_collective  # noqa: F401 (LinkCollective: its readers)
+from analysis.link_collectives import DPPass, LinkCollective, ring_collective  # noqa: F401 (LinkCollective: readers)
 from analysis.modes import FLOAT8_REFUSED, mode_costs
 from zero3d.comm.modes import CommModes, stage_modes
 from zero3d.comm.topology import node_of_rank

@@ -1,6 +1,7 @@
 """A rank's collectives counted per link (inside its node, across nodes): `LinkCollective`, a ring's split of its
 bytes between the links, the bytes of a quantized copy as the wire carries it, and `DPPass`, the quantities of one
-step's DP collectives that the α-β model (comm_model.dp_collectives) and each mode's costs (analysis/modes.py) read."""
+step's DP collectives that the α-β model (comm_model.dp_collectives) and each mode's costs (analysis/modes.py)
+read."""
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence

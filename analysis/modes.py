@@ -122,9 +122,9 @@ class QwZ(ModeCosts):
 
 
 class QgZ(ModeCosts):
-    """+qgZ (stages 2, 3): each reduce-scatter is comm/hierarchical.py's two all-to-alls: inside the node (m−1) chunks
-    of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g (m−1 and k−1 steps per bucket), after a one-element fp32
-    all-reduce per bucket over the N ranks (the ranks agree whether any holds a non-finite gradient:
+    """+qgZ (stages 2, 3): each reduce-scatter is comm/hierarchical.py's two all-to-alls: inside the node (m−1)
+    chunks of Ψ/m·q_g, then across nodes (k−1) chunks of Ψ/N·q_g (m−1 and k−1 steps per bucket), after a one-element
+    fp32 all-reduce per bucket over the N ranks (the ranks agree whether any holds a non-finite gradient:
     hierarchical.overflow_safe_quantized_reduce_scatter), its bytes counted as a ring's and its latency as a tree's
     (2·⌈log2 N⌉ steps)."""
 

@@ -1,6 +1,6 @@
-"""One typed config tree from TOML and `section.key=value` overrides; the rules that read two sections or more; and
-the two sections that extend zero3d's settings with this recipe's: [optimizer] (its defaults, the schedule) and
-[precision] (the compute dtype, FP8). pretrain's own sections are sections.py's; [zero] is zero3d/config.py's."""
+"""One typed config tree from TOML and `section.key=value` overrides, the rules that read two sections or more, and
+[optimizer] / [precision]: zero3d's settings with this recipe's (pretrain's own sections: sections.py; [zero]:
+zero3d/config.py)."""
 import dataclasses
 import difflib
 import fnmatch

@@ -1,5 +1,5 @@
-"""The sections pretrain alone defines — [model], [parallel], [data], [train], [logging], [cluster], [paper] — each a
-dataclass that checks its values when built. The sections that extend zero3d's settings, [optimizer] and [precision],
+"""The sections pretrain alone defines — [model], [parallel], [data], [train], [logging], [cluster], [paper] — each
+a dataclass that checks its values when built. The sections that extend zero3d's settings, [optimizer] and [precision],
 sit beside the tree in config.py; [zero] is zero3d's own (zero3d/config.py), which the tree embeds as it is;
 cross-section rules: config.py."""
 import dataclasses

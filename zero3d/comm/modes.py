@@ -77,14 +77,16 @@ class ModeCard:
 # The cards, in the order of their ZeroConfig keys.
 HPZ = ModeCard("hpZ", "secondary_partition", ("none", "node"), "secondary_partition", 3,
                "only stage 3 gathers parameters", splits_node=True, gathers_own_format=True)
-HYBRID = ModeCard("hybrid", "hybrid", ("none", "node"), "hybrid", 1, "stage 0 shards nothing", splits_node=True, refusals=(
+HYBRID_REFUSALS = (
     ("secondary_partition", "zero.hybrid = 'node' with zero.secondary_partition = 'node' is refused: hybrid shards "
                             "inside the node already, so its backward all-gather is node-local without a secondary "
                             "partition"),
     ("quantize_gradients", "zero.hybrid = 'node' with zero.quantize_gradients is refused: qgZ's hierarchical "
                            "reduce-scatter spans the nodes, hybrid's reduce-scatter does not"),
     ("offload_optimizer", "zero.hybrid = 'node' with zero.offload_optimizer = {z.offload_optimizer!r} is not "
-                          "supported; use one of them")))
+                          "supported; use one of them"))
+HYBRID = ModeCard("hybrid", "hybrid", ("none", "node"), "hybrid", 1, "stage 0 shards nothing", splits_node=True,
+                  refusals=HYBRID_REFUSALS)
 QWZ = ModeCard("qwZ", "quantize_weights", ("none", "int8"), "weight_bits", 3,
                "only stage 3 gathers parameters each step", analysed_bits=QWZ_BITS, gathers_own_format=True,
                quantized=True)
