@@ -49,6 +49,20 @@ def check_all(root: Path, mutants: list[dict]) -> None:
         mutate((root / m["file"]).read_text(), m)
 
 
+def missing_tests(root: Path, mutants: list[dict]) -> list[str]:
+    """The named tests pytest does not collect in the tree at `root` ("mutant: id"): a renamed test, or a docs-tier
+    id whose line number moved, would make its mutant an error instead of a kill. An id names a file, a test, or one
+    of a parametrized test's cases."""
+    ids = sorted({t for m in mutants for t in m["tests"]})
+    files = sorted({t.split("::")[0] for t in ids})
+    proc = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "--collect-only",
+                           "-p", "no:cacheprovider", *files], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True)
+    collected = {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+    found = {t for t in ids if t in files or t in collected or any(c.startswith(t + "[") for c in collected)}
+    return [f"{m['name']}: {t}" for m in mutants for t in m["tests"] if t not in found]
+
+
 def copy_tree(dest: Path) -> None:
     """Tracked and untracked-but-not-ignored files of the worktree (no venv, no runs/)."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
@@ -136,7 +150,11 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.check:
-        print(f"{len(mutants)} mutants apply to {ROOT}")
+        missing = missing_tests(ROOT, mutants)
+        if missing:
+            print("error: tests/mutants.toml names tests that do not exist:\n  " + "\n  ".join(missing), file=sys.stderr)
+            return 2
+        print(f"{len(mutants)} mutants apply to {ROOT}, and each names tests that exist")
         return 0
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zero3d-mutants-") as tmp:

@@ -139,13 +139,6 @@ def megatron_files(step_dir: Path) -> ExportFiles:
     return ExportFiles(params, weights, {"config.json": config})
 
 
-def readable_by_transformers_4(config: dict) -> dict:
-    """transformers 5 reads RoPE's base from `rope_parameters`; 4.x from a top-level `rope_theta` (its rope_scaling
-    left unset: the default rotary embedding, the only one exported), which 5 ignores beside rope_parameters: both."""
-    rope = config.get("rope_parameters") or {}
-    return {**config, "rope_theta": rope["rope_theta"]} if "rope_theta" in rope else config
-
-
 SHARD_BYTES = 5 * 2**30  # above this, model.safetensors is split into shards with an index (as transformers does)
 
 
@@ -175,7 +168,7 @@ def hf_files(step_dir: Path, tokenizer: Optional[Path] = None, with_tokenizer: b
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     special = {"bos_token_id": text.bos_token_id if text else None, "eos_token_id": text.eos_token_id if text else None}
-    config = readable_by_transformers_4({**hf_config(model, vocab), **special})
+    config = {**hf_config(model, vocab), **special}
     config["torch_dtype"] = str(next(iter(params.values())).dtype).removeprefix("torch.")
     files = {"config.json": config, "generation_config.json": {"do_sample": False, "max_length": model["seq_length"],
                                                                 **special}}

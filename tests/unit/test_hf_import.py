@@ -187,18 +187,16 @@ def test_a_damaged_safetensors_file_or_an_incomplete_config_is_one_line(tmp_path
 
 def test_the_exported_config_carries_rope_theta_for_transformers_4_and_5(llama_dir):
     """transformers 5 reads RoPE's base from rope_parameters, 4.x from a top-level rope_theta (LlamaConfig's own
-    argument there; it has no rope_parameters): the export writes both, equal, and 5 reads the same config as before."""
+    argument there; it has no rope_parameters): the export's config (families' rope_keys) writes both, equal, and 5
+    reads rope_parameters as before."""
     from transformers import LlamaConfig
 
-    from pretrain.checkpoint.export import readable_by_transformers_4
     from pretrain.checkpoint.hf import hf_config
     model = {"position_embedding": "rope", "num_query_groups": None, "rope_scaling_factor": None,
              "qk_layernorm": False, **model_section(read_hf_config(llama_dir))}
-    base = hf_config(model, model["vocab_size"])
-    config = readable_by_transformers_4(base)
+    config = hf_config(model, model["vocab_size"])
     theta = float(model["rope_base"])
-    assert config == {**base, "rope_theta": theta} and config["rope_parameters"]["rope_theta"] == theta
-    assert LlamaConfig(**config).rope_parameters == LlamaConfig(**base).rope_parameters == {
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == theta
+    without = {k: v for k, v in config.items() if k != "rope_theta"}
+    assert LlamaConfig(**config).rope_parameters == LlamaConfig(**without).rope_parameters == {
         "rope_theta": theta, "rope_type": "default"}
-    gpt2 = {"architectures": ["GPT2LMHeadModel"], "n_embd": 64}
-    assert readable_by_transformers_4(gpt2) == gpt2  # no rotary embedding: nothing added
