@@ -42,10 +42,9 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
 # The backward's gradient may differ from loss_mask × one number by this much (relative to its largest element):
 # the float rounding of that product, far below any other gradient (a per-token weight differing by 1e-5).
 PROPORTIONAL_TOLERANCE = 1e-5
-NOT_PROPORTIONAL = ("the fused loss (model.loss_chunk_tokens > 0) can only scale its weight gradient by one number: "
-                    "the gradient of the per-token losses must be the loss_mask handed to the model (none: all 1) "
-                    "times one number, as a mean or a masked mean makes it; for any other function of them set "
-                    "model.loss_recompute = true")
+# torch._assert_async's message: CUDA takes at most 254 characters (longer fails every step, whatever the condition)
+NOT_PROPORTIONAL = ("fused loss: the per-token losses' gradient must be the loss_mask times one number (a mean or "
+                    "masked mean); for any other function of them set model.loss_recompute = true")
 
 
 def real_columns(real_vocab: int, width: int, first_id: int) -> int:
