@@ -18,6 +18,20 @@ BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads
         f"zero.bucket_elements={BUCKET_ELEMENTS}"]
 
 
+class Unwrapped:
+    """The engine's interface to the loop over the bare model: plain autograd (the reference runs
+    of tests that train a model without zero3d through pretrain's own step)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+
 class SyntheticTokens:
     """Sample i is a fixed token block (same on every rank, any layout): an arithmetic progression
     mod vocab with a random start and stride, so there is something to learn."""

@@ -100,29 +100,13 @@ class WholeMatrixStep:
                    if m.owner == owner and m.parts[rank] is not None)
 
     def __call__(self, pieces: list) -> list:
-        by_group = {}
-        for group, offset, tensor in pieces:
-            by_group.setdefault(group, []).append((offset, tensor))
-
-        def view(group: str, at: int, n: int) -> torch.Tensor:
-            for offset, tensor in by_group[group]:
-                if offset <= at and at + n <= offset + tensor.numel():
-                    return tensor[at - offset:at - offset + n]
-            raise AssertionError(f"elements [{at}, {at + n}) of group {group!r} lie in no piece handed over")
+        view = _viewer([(group, offset, tensor) for group, offset, tensor in pieces])
 
         me, size = self.dp.rank, self.dp.size
         local = self._gather_owned(view, me, size)
         updates = self._transform(local)
         out = [torch.zeros_like(tensor) for _, _, tensor in pieces]
-        out_by_group = {}
-        for (group, offset, _), tensor in zip(pieces, out):
-            out_by_group.setdefault(group, []).append((offset, tensor))
-
-        def out_view(group: str, at: int, n: int) -> torch.Tensor:
-            for offset, tensor in out_by_group[group]:
-                if offset <= at and at + n <= offset + tensor.numel():
-                    return tensor[at - offset:at - offset + n]
-            raise AssertionError(f"elements [{at}, {at + n}) of group {group!r} lie in no piece handed over")
+        out_view = _viewer([(group, offset, tensor) for (group, offset, _), tensor in zip(pieces, out)])
 
         for m in self.matrices:
             if m.owner == -1:
@@ -221,3 +205,18 @@ def replicated(group) -> bool:
     """Its master covers the whole buffer on every DP rank (stage 0, stage 3's persistent groups), not a shard."""
     master_numel = sum(piece.numel() for _, piece in group.master_pieces)
     return master_numel == group.layout.padded_numel and group.layout.shard_numel != group.layout.padded_numel
+
+
+def _viewer(pieces: list):
+    """view(group, at, n): elements [at, at + n) of a group's flat buffer, as a view of the (group, offset, tensor)
+    piece holding them all."""
+    by_group = {}
+    for group, offset, tensor in pieces:
+        by_group.setdefault(group, []).append((offset, tensor))
+
+    def view(group: str, at: int, n: int) -> torch.Tensor:
+        for offset, tensor in by_group[group]:
+            if offset <= at and at + n <= offset + tensor.numel():
+                return tensor[at - offset:at - offset + n]
+        raise AssertionError(f"elements [{at}, {at + n}) of group {group!r} lie in no piece handed over")
+    return view

@@ -118,23 +118,28 @@ def _check_plain(gradient_accumulation_fusion: bool, grad_output_buffer) -> None
                          "weight-gradient buffers (both off in zero3d's TransformerConfig)")
 
 
+class _Float8Matmul:
+    """What both float8 linear classes change in megatron's: the weight marked for ZeRO's float8 gathers, and the
+    matmul of `_forward_impl` in float8 (`recipe`: zero3d.float8.RECIPES); megatron's forward around it unchanged."""
+
+    def __init__(self, *args, recipe: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recipe = RECIPES[recipe]
+        setattr(self.weight, FLOAT8_WEIGHT, True)
+
+    def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                      grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
+        _check_plain(gradient_accumulation_fusion, grad_output_buffer)
+        return Float8LinearFunction.apply(input, weight, bias, self.recipe, allreduce_dgrad, sequence_parallel,
+                                          tp_group)
+
+
 @functools.cache
 def _column_parallel_class():
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    class Float8ColumnParallelLinear(ColumnParallelLinear):
-        """megatron's ColumnParallelLinear (QKV, fc1) with its matmul in float8 (`recipe`: zero3d.float8.RECIPES)."""
-
-        def __init__(self, *args, recipe: str, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.recipe = RECIPES[recipe]
-            setattr(self.weight, FLOAT8_WEIGHT, True)
-
-        def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                          grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
-            _check_plain(gradient_accumulation_fusion, grad_output_buffer)
-            return Float8LinearFunction.apply(input, weight, bias, self.recipe, allreduce_dgrad, sequence_parallel,
-                                              tp_group)
+    class Float8ColumnParallelLinear(_Float8Matmul, ColumnParallelLinear):
+        """megatron's ColumnParallelLinear (QKV, fc1) with its matmul in float8."""
 
     return Float8ColumnParallelLinear
 
@@ -143,20 +148,9 @@ def _column_parallel_class():
 def _row_parallel_class():
     from megatron.core.tensor_parallel import RowParallelLinear
 
-    class Float8RowParallelLinear(RowParallelLinear):
+    class Float8RowParallelLinear(_Float8Matmul, RowParallelLinear):
         """megatron's RowParallelLinear (projection, fc2) with its matmul in float8; its output is summed (or
         reduce-scattered under SP) over TP by megatron's forward, in bf16, as before."""
-
-        def __init__(self, *args, recipe: str, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.recipe = RECIPES[recipe]
-            setattr(self.weight, FLOAT8_WEIGHT, True)
-
-        def _forward_impl(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-                          grad_output_buffer=None, wgrad_deferral_limit=None, tp_group=None):
-            _check_plain(gradient_accumulation_fusion, grad_output_buffer)
-            return Float8LinearFunction.apply(input, weight, bias, self.recipe, allreduce_dgrad, sequence_parallel,
-                                              tp_group)
 
     return Float8RowParallelLinear
 

@@ -9,7 +9,7 @@ import torch
 
 import checkpoint_harness
 from checkpoint_harness import CKPT_BASE, train_segment
-from gpt_harness import SyntheticTokens
+from gpt_harness import SyntheticTokens, Unwrapped
 from pretrain.checkpoint.read import read_json
 from ranks import run_ranks
 from zero3d.optim import OptimizerSpec
@@ -41,19 +41,6 @@ def sgd_segment(rank, world_size, *args):
     base = checkpoint_harness.engine_settings
     checkpoint_harness.engine_settings = lambda cfg: base(cfg, optimizer_spec=SGD)
     return train_segment(rank, world_size, *args)
-
-
-class Unwrapped:
-    """The engine's interface to the loop, over the bare model: plain autograd."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
 
 
 def plain_sgd(rank, world_size, overrides, steps):

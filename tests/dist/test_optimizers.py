@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoint_harness import CKPT_BASE, train_segment
-from gpt_harness import SyntheticTokens, init_by_global_name, run_gpt_steps
+from gpt_harness import SyntheticTokens, Unwrapped, init_by_global_name, run_gpt_steps
 from ranks import run_ranks
 
 STEPS = 10
@@ -141,19 +141,6 @@ def reference_optimizer(name, model, o):
     if name == "lion":
         return Lion([(decay, o.weight_decay), (vectors, 0.0)], o.lr, o.betas)
     return Muon(named, o.lr, o.weight_decay, o.betas, o.eps)
-
-
-class Unwrapped:
-    """The engine's interface to the loop over the bare model: plain autograd."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def backward(self, loss):
-        loss.backward()
 
 
 def reference_run(name, overrides):
