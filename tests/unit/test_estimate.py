@@ -127,6 +127,31 @@ def test_sequence_parallel_activations_are_korthikanti_equation_4():
         est.estimate(shape, est.Parallelism(8, 1), est.ZeroChoice(3), est.Step(sequence_parallel=True))
 
 
+
+def test_cli_flags_give_the_step_the_run_holds(capsys):
+    """python -m analysis's --sequence-parallel / --attention / --loss-chunk-tokens reach the estimate: at the shape
+    above, L·(34·sbh + 5·a·s²·b)/t of activations with SP and local attention; fused attention keeps 4·a·s·b of
+    softmax statistics instead of the scores; a 1,024-token loss chunk holds 1,024 × V_pad/t fp32 logits (and the
+    fused loss's kept gradients beyond the buffers) instead of all s·b."""
+    s, b, h, a, t, layers = 2048, 1, 4096, 32, 8, 4
+    flags = ["--layers", str(layers), "--hidden", str(h), "--heads", str(a), "--vocab", "50257", "--seq", str(s),
+             "--gpus", "8", "--tp", str(t), "--stage", "3", "--precision", "bf16", "--json"]
+
+    def run(*extra):
+        assert cli.main(flags + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert run("--sequence-parallel")["working_set_bytes"] == layers * (s * b * h * 34 + 5 * a * s * s * b) // t
+    fused = run("--sequence-parallel", "--attention", "fused")["working_set_bytes"]
+    assert fused == layers * (s * b * h * 34 + 4 * a * s * b) // t
+    v_pad = 51200  # 50,257 padded to a multiple of 128·t = 1,024
+    assert run()["logits_bytes"] == s * b * v_pad // t * 4
+    assert run("--loss-chunk-tokens", "1024", "--loss-recompute")["logits_bytes"] == 1024 * v_pad // t * 4
+    with pytest.raises(SystemExit):
+        cli.main(flags + ["--recompute", "any"])
+    assert "--recompute any is the planner's choice" in capsys.readouterr().err
+
+
 def test_fused_attention_keeps_softmax_statistics_not_scores():
     """The 1.3B shape at s = 2048 in bf16 (h 2048, 16 heads, b 1), by hand: sbh = 2048·2048 = 4,194,304.
     Local (the paper's): sbh·(34 + 5·a·s/h) = sbh·(34 + 80) = 478,150,656 B per layer. Fused: the same layer
