@@ -309,8 +309,9 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
                 if at_tp:
                     found += at_tp
                     break
-        # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
-        return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
+        # ties (micro-batch does not change modelled time) go to fewer accumulation steps (larger GEMMs), then to
+        # the most memory headroom (the lower total: hybrid's replicas or hpZ's copy rank below plain stage 3)
+        return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation, c.memory.total_bytes))
 
     found = search()
     for tier in OFFLOAD_TIERS if offload and not found else ():

@@ -69,3 +69,18 @@ def test_a_planned_layout_is_what_estimate_prints_to_the_byte(config, overrides,
     assert picked, [c["overrides"] for c in planned][:5]
     for c in picked[:2]:
         assert c["memory"] == estimate_bytes(config, *overrides, *c["overrides"])
+
+
+def test_layouts_equal_in_time_are_ranked_by_memory_headroom():
+    """The 13B shape of docs/estimator.md on 4 × 8 H100: the top layouts all model 5.61 s at micro-batch 16; hpZ's
+    secondary copy (Ψ·2/m more) and hybrid's node-sharded states hold more than plain stage 3, so they rank below it.
+    No two consecutive layouts keep an order that time, accumulation and memory do not give."""
+    from analysis.cluster import ClusterSpec
+    from analysis.planner import plan
+    found = plan(ClusterSpec("dgx-h100", nodes=4).cluster("bf16"), layers=40, hidden=5120, heads=40, vocab=50257,
+                 seq=1024, global_batch=512, recompute="full", precision="bf16")
+    keys = [(-c.samples_per_s, c.accumulation, c.memory.total_bytes) for c in found]
+    assert keys == sorted(keys)
+    top = [(c.zero.label, round(c.memory.total_bytes / 1e9, 1)) for c in found[:6]]
+    assert top == [("P_os+g+p", 34.7), ("P_os+g+p + qwZ", 34.7), ("P_os+g+p + qgZ", 34.7), ("P_os+g+p + hpZ", 38.0),
+                   ("P_os+g+p + qwZ+hpZ+qgZ", 38.0), ("P_os+g+p + hybrid", 54.3)]
