@@ -84,3 +84,23 @@ def test_layouts_equal_in_time_are_ranked_by_memory_headroom():
     top = [(c.zero.label, round(c.memory.total_bytes / 1e9, 1)) for c in found[:6]]
     assert top == [("P_os+g+p", 34.7), ("P_os+g+p + qwZ", 34.7), ("P_os+g+p + qgZ", 34.7), ("P_os+g+p + hpZ", 38.0),
                    ("P_os+g+p + qwZ+hpZ+qgZ", 38.0), ("P_os+g+p + hybrid", 54.3)]
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("configs/llama3_70b.toml", []), ("configs/llama3_8b.toml", []),
+    ("configs/llama3_8b.toml", ["cluster.nodes=1", "train.global_batch_size=8", "model.seq_length=131072"]),
+], ids=["70b", "8b", "8b-at-128k"])
+def test_every_planned_layout_is_a_config_the_run_accepts_and_estimates_alike(config, overrides):
+    """Beyond the commands above, in one process: each of the 103 / 727 / 173 layouts (hpZ, hybrid, qwZ, qgZ, Pa, CP
+    and every recompute policy among them) is a config that loads and validates, whose start-up estimate
+    (device_estimate, what --estimate prints and the guard judges) is the planner's, field by field."""
+    from pretrain.config import load_config, validate_layout
+    from pretrain.memory_check import device_estimate, gpu_budget_bytes
+    from pretrain.plan import overrides_of, plan_config
+    found = plan_config(load_config(config, overrides))
+    assert found
+    for c in found:
+        cfg = load_config(config, overrides + overrides_of(c))
+        world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+        validate_layout(cfg, world)
+        assert device_estimate(cfg, world, gpu_budget_bytes(cfg.cluster))[0].to_dict() == c.memory.to_dict()
