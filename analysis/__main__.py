@@ -6,8 +6,9 @@ import sys
 from typing import Optional
 
 from analysis.cluster import add_cluster_flags, described, spec_from_args
-from analysis.estimate import (DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, Budget, OptimizerStates, Parallelism,
-                               Step, ZeroChoice, estimate, format_breakdown, model_state_bytes, padded_vocab)
+from analysis.estimate import (ATTENTION_KINDS, DEFAULT_MARGIN_FRACTION, GB, GIB, PRECISIONS, RECOMPUTE, Budget,
+                               OptimizerStates, Parallelism, Step, ZeroChoice, estimate, format_breakdown,
+                               model_state_bytes, padded_vocab)
 from analysis.float8 import FLOAT8_RECIPES
 from analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                        offload_breakdown)
@@ -55,7 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--stage", type=int, default=ZERO.stage, choices=[0, 1, 2, 3])
     ap.add_argument("--micro-batch", type=int, default=1)
-    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    ap.add_argument("--recompute", choices=["none", "selective", "full", "any"], default="none",
+                    help="model.recompute; any (--plan rank): the planner chooses per layout")
+    ap.add_argument("--attention", choices=list(ATTENTION_KINDS), default="local",
+                    help="local: megatron's materialised scores (the paper's); fused: SDPA / Transformer Engine, "
+                         "the run's default (model.attention = auto / sdpa / te)")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0,
+                    help="model.loss_chunk_tokens: the fused loss's tokens at a time (0: whole fp32 logits, the "
+                         "paper's; a run's default is 1024)")
+    ap.add_argument("--loss-recompute", action="store_true", help="model.loss_recompute: each loss chunk recomputed")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="parallel.sequence_parallel: activations sliced over TP's tokens (--plan rank: at tp > 1)")
     ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")
     ap.add_argument("--pa-cpu", action="store_true", help="Pa + offload the slices to host (implies --pa)")
     ap.add_argument("--bucket-elements", type=int, default=ZERO.bucket_elements,
@@ -194,15 +205,21 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
         gpus = args.gpus or cluster.gpus
         found = plan(cluster, model=model_shape(args, args.vocab or GPT2_VOCAB, args.seq or PAPER_SEQ), gpus=gpus,
                      global_batch=args.global_batch, batch_per_gpu=args.batch_per_gpu,
-                     recompute=args.recompute, precision=args.precision,
-                     bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction, float8=args.fp8,
-                     fp8_gather=args.fp8_gather)
+                     recompute=RECOMPUTE if args.recompute == "any" else args.recompute,
+                     bucket_elements=args.bucket_elements, margin_fraction=args.margin_fraction,
+                     fp8_gather=args.fp8_gather, step=_step(args, 1))
     except ValueError as err:
         ap.error(str(err))
     offload = " (none fits without offload; the first offload tier that fits)" if found and found[0].offload else ""
     print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs){offload}; best first:")
     print(format_candidates(found, args.top))
     return 0
+
+
+def _step(args, micro_batch: int) -> Step:
+    """What a step holds, from the flags (its micro-batch and recompute the caller's)."""
+    return Step(micro_batch, "none" if args.recompute == "any" else args.recompute, args.precision, args.attention,
+                args.loss_chunk_tokens, args.loss_recompute, args.fp8, sequence_parallel=args.sequence_parallel)
 
 
 def _print_tables(args) -> int:
@@ -259,6 +276,10 @@ def main(argv: Optional[list] = None) -> int:
     if args.dp is not None and (args.plan or args.largest):
         ap.error(f"--dp {args.dp} is not used by {'--plan' if args.plan else '--largest'}; "
                  "give --gpus (and --tp) instead")
+    if args.loss_chunk_tokens < 0:
+        ap.error(f"--loss-chunk-tokens {args.loss_chunk_tokens} is invalid; must be >= 0 (0: whole logits)")
+    if args.recompute == "any" and args.plan != "rank":
+        ap.error("--recompute any is the planner's choice (--plan rank); elsewhere give none, selective or full")
     if args.plan == "rank":
         return _rank(ap, args)
     if args.largest:
@@ -302,7 +323,7 @@ def main(argv: Optional[list] = None) -> int:
         layout = Parallelism(args.gpus, args.tp)
         zero = ZeroChoice(args.stage, pa, args.pa_cpu, bucket_elements=args.bucket_elements,
                           prefetch_units=args.prefetch_units, fp8_gather=args.fp8_gather, **_offload_args(args))
-        step = Step(args.micro_batch, args.recompute, args.precision, float8=args.fp8)
+        step = _step(args, args.micro_batch)
         optimizer = OptimizerStates.of_shape(shape, args.tp, args.optimizer, args.state_dtype)
         m = estimate(shape, layout, zero, step, Budget(args.gpu_memory_gb * GIB, args.margin_fraction), optimizer)
         offload = None

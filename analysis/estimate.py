@@ -275,7 +275,8 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     so in the working set; `mask_bytes`: per-sample attention masks (document_mask_bytes), counted with the
     activations; `float8` (precision.fp8: "tensorwise", "rowwise"): buffer_terms. `layout.cp` context-parallel ranks
     (analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
-    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `optimizer`
+    activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `step.sequence_parallel`:
+    the activations TP leaves whole are cut over its ranks' tokens too (activations.layer_bytes). `optimizer`
     (OptimizerStates.of_shape; None: AdamW with fp32 states) gives K."""
     gpus, tp, cp, dp_per_node = layout.gpus, layout.tp, layout.cp, layout.dp_per_node
     stage, pa, pa_cpu, bucket_elements, prefetch_units = (zero.stage, zero.pa, zero.pa_cpu, zero.bucket_elements,
@@ -308,8 +309,12 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
         param += card.added_param_bytes(psi, dp_per_node, precision)
 
     e = prec.activation_bytes
+    sp = step.sequence_parallel
+    if sp and (tp == 1 or pa):
+        raise ValueError(f"sequence_parallel with tp = {tp}{' and pa' if pa else ''} is invalid; it needs tp > 1 "
+                         "and no pa (the layer inputs are sliced over TP already)")
     kept_by_layer = layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention_state_bytes(
-        attention, seq, micro_batch, shape.heads, e)) + context_layer_bytes(shape, micro_batch, tp, cp, e)
+        attention, seq, micro_batch, shape.heads, e), sp) + context_layer_bytes(shape, micro_batch, tp, cp, e)
     # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
@@ -319,11 +324,11 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     elif recompute == "selective":
         # every layer's kept GEMM and fused-attention outputs; the one layer being back-propagated makes the rest
         # again (its norms, activations, local attention's scores)
-        kept = selective_layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention == "fused")
+        kept = selective_layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention == "fused", sp)
         checkpoints, working = float(shape.layers * kept), float(max(kept_by_layer - kept, 0))
     else:
-        # one checkpoint per layer (its input), sliced over the TP group under Pa
-        checkpoints = shape.layers * micro_batch * seq * hidden * e / (tp if pa else 1)
+        # one checkpoint per layer (its input), sliced over the TP group under Pa or sequence parallelism
+        checkpoints = shape.layers * micro_batch * seq * hidden * e / (tp if pa or sp else 1)
         if pa_cpu:
             checkpoints, host = 0.0, checkpoints
         # the one layer being recomputed and back-propagated (fused attention: no [b·a, s, s] buffer either)

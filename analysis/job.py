@@ -91,7 +91,8 @@ class Step:
     """What one step of a rank holds besides the model states: `micro_batch` samples at a time, `recompute`
     (estimate.RECOMPUTE), activations and gradients in `precision` (model_states.PRECISIONS), `attention`
     (estimate.ATTENTION_KINDS), the loss `loss_chunk_tokens` tokens at a time (0: all; `loss_recompute`: recomputed in
-    backward), `float8` GEMMs (precision.fp8) and `mask_bytes` of per-sample attention masks (document_mask_bytes)."""
+    backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes) and
+    `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)."""
 
     micro_batch: int = 1
     recompute: str = "none"
@@ -101,6 +102,7 @@ class Step:
     loss_recompute: bool = False
     float8: str = "none"
     mask_bytes: float = 0.0
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ from analysis.cluster import PAPER_CLUSTER, Cluster
 from analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectives_per_pass, context_bytes_per_step,
                                  dp_collectives, link_seconds, muon_elements_per_step, newton_schulz_flops)
 from analysis.context import valid_context_sizes
-from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS, V100_MEMORY_BYTES, Budget,
-                               MemoryBreakdown, OptimizerStates, Parallelism, Step, ZeroChoice, estimate,
-                               estimate_from_shape, gpt_param_count, largest_fitting_layers, paper_shape)
+from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS, RECOMPUTE,
+                               V100_MEMORY_BYTES, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step,
+                               ZeroChoice, document_mask_bytes, estimate, estimate_from_shape, gpt_param_count,
+                               largest_fitting_layers, paper_shape)
 from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from model_shape.flops import StepFlops
 from model_shape.gpt import GPTShape
@@ -83,6 +84,7 @@ class Candidate:
     cp: int = 1  # context-parallel ranks splitting each sequence (dp × cp = the ZeRO group)
     cp_s: float = 0.0  # the K/V all-gathers and reduce-scatters over the CP group, on the critical path
     optimizer_s: float = 0.0  # Muon's whole-matrix step: its exchange and its owners' Newton–Schulz, not overlapped
+    step: Optional[Step] = None  # what a step of this layout holds (its micro-batch, recompute policy, SP, ...)
 
     @property
     def step_s(self) -> float:
@@ -221,7 +223,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
          margin_fraction: float = DEFAULT_MARGIN_FRACTION,
          tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True,
          attention: str = "local", optimizer: str = "adamw", state_dtype: str = "fp32",
-         float8: str = "none", fp8_gather: bool = False) -> list:
+         float8: str = "none", fp8_gather: bool = False, step: Optional[Step] = None,
+         zero: Optional[ZeroChoice] = None, document_masks: bool = False) -> list:
     """Every layout that fits, best modelled throughput first.
 
     The model: `model` (any GPTShape), or the paper's GPT-2 shape by `layers`, `hidden`, `heads`, `vocab`, `seq`.
@@ -235,6 +238,13 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     Muon's whole-matrix step in the time (muon_seconds).
     `float8` (precision.fp8) and `fp8_gather` (zero.fp8_gather, at stage 3 without hpZ / qwZ): the float8 GEMMs'
     copies and compute, and stage 3's float8 weight gathers (estimate, step_time).
+    `recompute`: one of estimate.RECOMPUTE, or several (a tuple) for the planner to choose per layout (selective
+    not with cp > 1). `step` (a run's Step, pretrain/memory_check.py's estimate_args): what every layout's step
+    holds, its precision, attention, float8, loss chunking and sequence parallelism (at tp > 1) in place of
+    `precision`, `attention` and `float8`; its micro-batch, recompute and mask bytes are the planner's.
+    `zero` (a run's ZeroChoice): the buckets, prefetch, float8 gathers and NVMe buffers every layout takes, in place
+    of `bucket_elements` and `fp8_gather`; its stage and modes are the planner's. `document_masks`
+    (data.reset_attention_mask): each layout's per-sample masks (estimate.document_mask_bytes) counted.
     """
     if (global_batch is None) == (batch_per_gpu is None):
         raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
@@ -246,10 +256,19 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
         raise ValueError("give the model as `model` (a GPTShape) or as layers, hidden and heads, not both")
     model = model or paper_shape(hidden, layers, heads, vocab, seq)
     gpus = gpus or cluster.gpus
+    step = step or Step(precision=precision, attention=attention, float8=float8)
+    precision, attention, float8 = step.precision, step.attention, step.float8
+    zero_template = zero or ZeroChoice(0, bucket_elements=bucket_elements, fp8_gather=fp8_gather)
+    bucket_elements, fp8_gather = zero_template.bucket_elements, zero_template.fp8_gather
+    recomputes = (recompute,) if isinstance(recompute, str) else tuple(recompute)
+    bad = [r for r in recomputes if r not in RECOMPUTE]
+    if bad or not recomputes:
+        raise ValueError(f"recompute = {bad[0] if bad else recompute!r} is invalid; valid: {', '.join(RECOMPUTE)}")
     tps = tp_choices or [t for t in _divisors(gpus) if model.heads % t == 0 and model.groups % t == 0
                          and model.hidden % t == 0 and model.ffn_size % t == 0]
-    shape = dict(model=model, gpus=gpus, recompute=recompute, precision=precision, attention=attention,
-                 optimizer=optimizer, state_dtype=state_dtype, float8=float8, fp8_gather=fp8_gather)
+    shape = dict(model=model, gpus=gpus, precision=precision, attention=attention, optimizer=optimizer,
+                 state_dtype=state_dtype, float8=float8, fp8_gather=fp8_gather, step=step, zero=zero_template,
+                 document_masks=document_masks)
 
     def search_layout(tp: int, cp: int, offload_optimizer: str, offload_params: str) -> list:
         found = []
@@ -257,35 +276,42 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
         step_batch = global_batch if batch_per_gpu is None else batch_per_gpu * dp
         if step_batch % dp:
             return found  # the global batch must split evenly over the DP ranks
-        activation_options = [ZeroChoice(0)]
-        if tp > 1 and recompute == "full":
-            activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
-        for stage in stages:
-            if (offload_optimizer != "none" and stage == 0) or (offload_params != "none" and stage != 3):
-                continue
-            for option in activation_options:
-                zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
-                modes = [""]
-                m = node_split(cluster, gpus, tp)
-                if not zero.offloaded and zero.offload_params == "none" and cp == 1 and m is not None:
-                    modes += [z for z in PLANNER_MODES[stage] if (m >= 2 or not CommModes.named(z).needs_two_per_node)
-                              and not (fp8_gather and CommModes.named(z).gathers_own_format)]
-                for mode in modes:
-                    found += _micro_batches(cluster, shape, tp, dataclasses.replace(zero, zeropp=mode),
-                                            step_batch, dp, bucket_elements, margin_fraction, cp)
+        for policy in recomputes:
+            if policy == "selective" and cp > 1:
+                continue  # the estimator refuses selective recomputation with context parallelism
+            activation_options = [ZeroChoice(0)]
+            if tp > 1 and policy == "full" and not step.sequence_parallel:  # Pa slices what SP slices already
+                activation_options += [ZeroChoice(0, pa=True), ZeroChoice(0, pa=True, pa_cpu=True)]
+            for stage in stages:
+                if (offload_optimizer != "none" and stage == 0) or (offload_params != "none" and stage != 3):
+                    continue
+                for option in activation_options:
+                    zero = ZeroChoice(stage, option.pa, option.pa_cpu, offload_optimizer, offload_params)
+                    modes = [""]
+                    m = node_split(cluster, gpus, tp)
+                    if not zero.offloaded and zero.offload_params == "none" and cp == 1 and m is not None:
+                        modes += [z for z in PLANNER_MODES[stage]
+                                  if (m >= 2 or not CommModes.named(z).needs_two_per_node)
+                                  and not (fp8_gather and CommModes.named(z).gathers_own_format)]
+                    for mode in modes:
+                        found += _micro_batches(cluster, dict(shape, recompute=policy), tp,
+                                                dataclasses.replace(zero, zeropp=mode), step_batch, dp,
+                                                bucket_elements, margin_fraction, cp)
         return found
 
     def search(offload_optimizer: str = "none", offload_params: str = "none") -> list:
         found = []
         for tp in tps:
-            cps = valid_context_sizes(model.seq, gpus // tp) if attention == "fused" else [1]
+            # context parallelism: fused attention only, and no per-sample document masks (the engine refuses both)
+            cps = valid_context_sizes(model.seq, gpus // tp) if attention == "fused" and not document_masks else [1]
             for cp in cps:  # the smallest context degree at which this tp fits (1: no context parallelism)
                 at_tp = search_layout(tp, cp, offload_optimizer, offload_params)
                 if at_tp:
                     found += at_tp
                     break
-        # ties (micro-batch does not change modelled time) go to fewer accumulation steps: larger GEMMs
-        return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation))
+        # ties (micro-batch does not change modelled time) go to fewer accumulation steps (larger GEMMs), then to
+        # the most memory headroom (the lower total: hybrid's replicas or hpZ's copy rank below plain stage 3)
+        return sorted(found, key=lambda c: (-c.samples_per_s, c.accumulation, c.memory.total_bytes))
 
     found = search()
     for tier in OFFLOAD_TIERS if offload and not found else ():
@@ -319,15 +345,22 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
     objects, `zero` with the search's buckets (and float8 gathers at stage 3)."""
     model, gpus = shape["model"], shape["gpus"]
     layout = layout_on(cluster, gpus, tp, cp)
-    zero = dataclasses.replace(zero, bucket_elements=bucket_elements, fp8_gather=_fp8_gather(shape, zero))
-    step = Step(micro_batch, shape["recompute"], shape["precision"], shape.get("attention", "local"),
-                float8=shape.get("float8", "none"))
+    template = shape.get("zero") or ZeroChoice(0)
+    zero = dataclasses.replace(zero, bucket_elements=bucket_elements, fp8_gather=_fp8_gather(shape, zero),
+                               prefetch_units=template.prefetch_units, nvme_buffer_bytes=template.nvme_buffer_bytes)
+    base = shape.get("step") or Step(precision=shape["precision"], attention=shape.get("attention", "local"),
+                                     float8=shape.get("float8", "none"))
+    accumulation = step_batch // (micro_batch * (gpus // (tp * cp)))
+    masks = (document_mask_bytes(model.seq, micro_batch, accumulation, 1, PRECISIONS[base.precision].activation_bytes,
+                                 base.attention) if shape.get("document_masks") else 0)
+    step = dataclasses.replace(base, micro_batch=micro_batch, recompute=shape["recompute"], mask_bytes=masks,
+                               sequence_parallel=base.sequence_parallel and tp > 1)
     optimizer = OptimizerStates.of_shape(model, tp, shape.get("optimizer", "adamw"), shape.get("state_dtype", "fp32"))
     memory = estimate(model, layout, zero, step, Budget(cluster.gpu_memory_bytes, margin_fraction), optimizer)
     offload = None
     if zero.offloaded:
-        offload = offload_breakdown(memory, layout, zero, step.precision,
-                                    accumulation=step_batch // (micro_batch * (gpus // (tp * cp))), optimizer=optimizer)
+        offload = offload_breakdown(memory, layout, zero, step.precision, accumulation=accumulation,
+                                    optimizer=optimizer)
         memory = offload.device
         if not cluster.holds_offload(offload, gpus, margin_fraction):
             return None
@@ -335,7 +368,8 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
         return None
     timing = step_time(cluster, model, layout, zero, step, step_batch, memory.params_per_rank,
                        offload.pcie_bytes_per_step if offload else 0.0, shape.get("optimizer", "adamw"))
-    return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, **timing)
+    return Candidate(tp=tp, zero=zero, micro_batch=micro_batch, memory=memory, offload=offload, cp=cp, step=step,
+                     **timing)
 
 
 def format_candidates(candidates: list, top: int = 10) -> str:
@@ -351,7 +385,8 @@ def format_candidates(candidates: list, top: int = 10) -> str:
                      + (f", CP {c.cp_s:.2f}" if c.cp > 1 else "")
                      + (f", PCIe {c.pcie_s:.2f}; host {c.offload.host_bytes / 1e9:.1f} GB, NVMe "
                         f"{c.offload.nvme_bytes / 1e9:.1f} GB, PCIe {c.offload.pcie_bytes_per_step / 1e9:.1f} GB/step)"
-                        if c.offload else ")"))
+                        if c.offload else ")") + (f" recompute {c.step.recompute}" if c.step else "")
+                     + (" + SP" if c.step and c.step.sequence_parallel else ""))
     return "\n".join(lines) if lines else "  no layout fits (or the global batch splits over no DP degree)"
 
 

@@ -67,12 +67,17 @@ def parse_args(argv=None):
                         help="print the resolved config as JSON and exit")
     parser.add_argument("--estimate", action="store_true",
                         help="print the per-GPU memory estimate for the [cluster] layout and exit")
+    parser.add_argument("--plan", action="store_true",
+                        help="rank this config's layouts on its [cluster] by the planner, with --estimate's memory")
+    parser.add_argument("--top", type=int, default=10, help="--plan: how many layouts to print")
+    parser.add_argument("--json", action="store_true",
+                        help="--estimate / --plan: JSON (the breakdown's exact bytes) instead of the table")
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks with errors (also: ZERO3D_DEBUG=1)")
     return parser.parse_args(argv)
 
 
-def estimate(cfg) -> int:
+def estimate(cfg, as_json: bool = False) -> int:
     from pretrain.memory_check import config_report
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     try:
@@ -80,7 +85,7 @@ def estimate(cfg) -> int:
         result, table = config_report(cfg, world)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    print(table)
+    print(json.dumps(result.to_dict(), indent=1) if as_json else table)
     return EXIT_OK if result.fits else EXIT_ESTIMATE_TOO_BIG
 
 
@@ -95,7 +100,11 @@ def main(argv=None) -> int:
             print(json.dumps(cfg.to_dict(), indent=2))
             return EXIT_OK
         if args.estimate:
-            return estimate(cfg)
+            return estimate(cfg, args.json)
+        if args.plan:
+            from pretrain.plan import plan_report
+            print(plan_report(cfg, args.top, args.json))
+            return EXIT_OK
         # Paths, launch environment and layout before torch and megatron are imported: a second.
         check_paths(cfg)
         launch = launcher_env()

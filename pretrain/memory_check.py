@@ -27,7 +27,8 @@ def estimate_args(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_pe
     layout = Parallelism(world_size // p.pipeline, p.tensor, p.context, dp_per_node(cfg, world_size, gpus_per_node))
     step = Step(micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, precision=cfg.precision.dtype,
                 attention=attention_kind(m.attention), loss_chunk_tokens=m.loss_chunk_tokens,
-                loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size))
+                loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size),
+                sequence_parallel=p.sequence_parallel)
     optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
     return shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer
 

@@ -8,6 +8,7 @@ from analysis import estimate as est
 from analysis import __main__ as cli
 from analysis import paper_tables as tables
 from analysis import planner
+from analysis.activations import layer_bytes
 from analysis.estimate import (GB, estimate_from_shape, gpt_param_count, layer_activation_bytes, padded_vocab,
                                       paper_shape)
 from model_shape.flops import gpt_flops_per_step
@@ -109,6 +110,46 @@ def test_activation_formula_is_korthikanti():
     s, b, h, a = 1024, 16, 8192, 64
     assert layer_activation_bytes(s, b, h, a, 16) == s * b * h * 14  # 10 + 24/16 + 5·64·1024/(8192·16)
     assert layer_activation_bytes(s, b, 1600, 16, 1) == s * b * 1600 * 34 + 5 * 16 * s * s * b
+
+
+def test_sequence_parallel_activations_are_korthikanti_equation_4():
+    """Sequence parallelism: s·b·h·34/t + 5·a·s²·b/t a layer (Korthikanti et al. 2022, equation 4), against their
+    equation 2's s·b·h·(10 + 24/t + 5·a·s/(h·t)) without it; the whole estimate's working set holds L of them."""
+    s, b, h, a, t, layers = 2048, 1, 4096, 32, 8, 4
+    shape = est.paper_shape(h, layers, a, 50257, s)
+    local = est.attention_state_bytes("local", s, b, a, 2)
+    assert layer_bytes(shape, b, t, 2, local, sequence_parallel=True) == (s * b * h * 34 + 5 * a * s * s * b) // t
+    assert layer_bytes(shape, b, t, 2, local) == s * b * h * 10 + (s * b * h * 24 + 5 * a * s * s * b) // t
+    sp = est.estimate(shape, est.Parallelism(8, t), est.ZeroChoice(3), est.Step(b, "none", "bf16", "local",
+                                                                                 sequence_parallel=True))
+    assert sp.working_set_bytes == layers * (s * b * h * 34 + 5 * a * s * s * b) // t
+    with pytest.raises(ValueError, match="sequence_parallel with tp = 1 is invalid"):
+        est.estimate(shape, est.Parallelism(8, 1), est.ZeroChoice(3), est.Step(sequence_parallel=True))
+
+
+
+def test_cli_flags_give_the_step_the_run_holds(capsys):
+    """python -m analysis's --sequence-parallel / --attention / --loss-chunk-tokens reach the estimate: at the shape
+    above, L·(34·sbh + 5·a·s²·b)/t of activations with SP and local attention; fused attention keeps 4·a·s·b of
+    softmax statistics instead of the scores; a 1,024-token loss chunk holds 1,024 × V_pad/t fp32 logits (and the
+    fused loss's kept gradients beyond the buffers) instead of all s·b."""
+    s, b, h, a, t, layers = 2048, 1, 4096, 32, 8, 4
+    flags = ["--layers", str(layers), "--hidden", str(h), "--heads", str(a), "--vocab", "50257", "--seq", str(s),
+             "--gpus", "8", "--tp", str(t), "--stage", "3", "--precision", "bf16", "--json"]
+
+    def run(*extra):
+        assert cli.main(flags + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert run("--sequence-parallel")["working_set_bytes"] == layers * (s * b * h * 34 + 5 * a * s * s * b) // t
+    fused = run("--sequence-parallel", "--attention", "fused")["working_set_bytes"]
+    assert fused == layers * (s * b * h * 34 + 4 * a * s * b) // t
+    v_pad = 51200  # 50,257 padded to a multiple of 128·t = 1,024
+    assert run()["logits_bytes"] == s * b * v_pad // t * 4
+    assert run("--loss-chunk-tokens", "1024", "--loss-recompute")["logits_bytes"] == 1024 * v_pad // t * 4
+    with pytest.raises(SystemExit):
+        cli.main(flags + ["--recompute", "any"])
+    assert "--recompute any is the planner's choice" in capsys.readouterr().err
 
 
 def test_fused_attention_keeps_softmax_statistics_not_scores():

@@ -335,3 +335,22 @@ def test_selective_recomputation_estimate_is_what_a_probed_layer_keeps(capsys):
                                           for n in (1, 2))
         assert two - one == per_layer
         assert est_two["checkpoint_bytes"] - est_one["checkpoint_bytes"] == per_layer
+
+
+def test_sequence_parallel_estimate_is_what_a_probed_layer_keeps(capsys):
+    """parallel.sequence_parallel = true, rank 1 of TP 2, bf16, 2 layers − 1 layer (Korthikanti et al.'s every term ÷ t).
+    By hand, sbh = 32,768, e = 2, t = 2. None, SDPA: the whole part (4e·sbh + the two masks 2·sbh = 327,680) ÷ t too:
+    (327,680 + 794,624) / 2 = 561,152 B; executed: that less the masks (65,536 / 2) plus the LayerNorm statistics of
+    s/t tokens (4,096 / 2): 530,432. Selective: the input ÷ t (32,768), the projection and fc2 GEMMs' outputs whole
+    (their [s, b, h] partial sums before the reduce-scatter, 2e·sbh = 131,072), the split part as without SP
+    (266,240): 430,080 B; local attention recomputes its core: 393,216. Full: the layer's input ÷ t, 32,768 B."""
+    (one, est_one), (two, est_two) = (_attention_probe(capsys, n, "auto", "parallel.sequence_parallel=true")
+                                      for n in (1, 2))
+    assert (est_one["working_set_bytes"], est_two["working_set_bytes"]) == (561_152, 2 * 561_152)
+    assert two - one == 561_152 - 32_768 + 2_048
+    for attention, recompute, per_layer in (("auto", "selective", 430_080), ("local", "selective", 393_216),
+                                            ("auto", "full", 32_768)):
+        (one, est_one), (two, est_two) = (_attention_probe(capsys, n, attention, "parallel.sequence_parallel=true",
+                                                           f"model.recompute=\"{recompute}\"") for n in (1, 2))
+        assert two - one == per_layer
+        assert est_two["checkpoint_bytes"] - est_one["checkpoint_bytes"] == per_layer

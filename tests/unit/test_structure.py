@@ -97,7 +97,7 @@ PRETRAIN_FLOORS = (
     ("checkpoint wing", ("pretrain.checkpoint",)),
     ("model wing", ("pretrain.model",)),
     ("step", ("pretrain.step", "pretrain.pipeline")),
-    ("loop", ("pretrain.train", "pretrain.memory_check")),
+    ("loop", ("pretrain.train", "pretrain.memory_check", "pretrain.plan")),
     ("probe wing", ("pretrain.probe",)),
     ("entry", ("pretrain.__main__", "pretrain.export", "pretrain.hf_config", "pretrain.preprocess", "pretrain.probe.__main__",
                "pretrain.launcher", "pretrain.config_reference")),
