@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model.loss_chunk_tokens: the fused loss's tokens at a time (0: whole fp32 logits, the "
                          "paper's; a run's default is 1024)")
     ap.add_argument("--loss-recompute", action="store_true", help="model.loss_recompute: each loss chunk recomputed")
+    ap.add_argument("--compile", action="store_true",
+                    help="model.compile: the compute at the share of peak measured with compiled layers "
+                         "(analysis/throughput.py)")
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="parallel.sequence_parallel: activations sliced over TP's tokens (--plan rank: at tp > 1)")
     ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")
@@ -118,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--predict-table", action="store_true",
                       help="Figure 2's ZeRO rows (1.5B..170B) on the described cluster: the planner's layout, memory "
                            "and predicted TFLOP/s per GPU (files and plot: python slurm/collect.py --predict)")
+    mode.add_argument("--efficiency", action="store_true",
+                      help="the measured rows the planner's compute time reads (analysis/throughput.py): each GPU and "
+                           "kernel path's share of peak, and each row predicted from the others")
     mode.add_argument("--sizes", help="--predict-table: Figure 2 rows to keep, e.g. 8B,20B (default: all)")
     zpp = ap.add_argument_group("ZeRO++ (node-aware stage 3; docs/estimator.md, ZeRO++)")
     zpp.add_argument("--zeropp", nargs="*", metavar="MODEL",
@@ -198,6 +204,7 @@ def model_shape(args, vocab: int, seq: int) -> GPTShape:
 def _rank(ap: argparse.ArgumentParser, args) -> int:
     """--plan rank: feasible layouts for a shape on the described cluster, best modelled throughput first."""
     from analysis.planner import GPT2_VOCAB, PAPER_SEQ, format_candidates, plan
+    from analysis.throughput import KernelPath
     if None in (args.layers, args.hidden, args.heads):
         ap.error("--plan rank needs --layers, --hidden, --heads and one of --global-batch, --batch-per-gpu")
     try:
@@ -212,6 +219,7 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
         ap.error(str(err))
     offload = " (none fits without offload; the first offload tier that fits)" if found and found[0].offload else ""
     print(f"{len(found)} feasible layouts on {cluster.name} ({gpus} GPUs){offload}; best first:")
+    print(f"compute at {cluster.efficiency_along(KernelPath.of(_step(args, 1)))}")
     print(format_candidates(found, args.top))
     return 0
 
@@ -219,7 +227,8 @@ def _rank(ap: argparse.ArgumentParser, args) -> int:
 def _step(args, micro_batch: int) -> Step:
     """What a step holds, from the flags (its micro-batch and recompute the caller's)."""
     return Step(micro_batch, "none" if args.recompute == "any" else args.recompute, args.precision, args.attention,
-                args.loss_chunk_tokens, args.loss_recompute, args.fp8, sequence_parallel=args.sequence_parallel)
+                args.loss_chunk_tokens, args.loss_recompute, args.fp8, sequence_parallel=args.sequence_parallel,
+                compiled=args.compile)
 
 
 def _print_tables(args) -> int:
@@ -249,6 +258,10 @@ def main(argv: Optional[list] = None) -> int:
         ap.error(f"--bucket-elements {args.bucket_elements} is invalid; must be > 0 (--no-cb: no CB)")
     if args.table1 or args.table2:
         return _print_tables(args)
+    if args.efficiency:
+        from analysis.throughput import rows_table
+        print(rows_table())
+        return 0
     if not 0 <= args.margin_fraction < 1:
         ap.error(f"--margin-fraction {args.margin_fraction} is invalid; must be in [0, 1)")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:

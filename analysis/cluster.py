@@ -1,6 +1,7 @@
 """The GPU cluster the planner, `--largest`, `--zeropp` and the α-β model describe: a GPU kind, nodes, links.
 
-One home for the concept: `GPUKind` (dense peak per dtype, memory), `Cluster` (what the models read),
+One home for the concept: `Cluster` (what the models read; its GPUs' kinds in analysis/gpus.py, their sustained
+efficiency per kernel path in analysis/throughput.py),
 `PRESETS` (DGX-2 V100, the paper's; DGX A100, H100, H200) and `ClusterSpec` (the user's description: a
 preset, its node count and any overrides, from CLI flags or a `[cluster]` TOML section) → `Cluster`.
 """
@@ -10,61 +11,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from analysis.comm_model import Links
-from analysis.estimate import GIB, PRECISIONS
-
-
-@dataclass(frozen=True)
-class GPUKind:
-    """One GPU model: dense (no sparsity) tensor-core peak per training dtype, and its memory."""
-
-    name: str  # as the vendor sells it
-    memory_gb: float  # labelled memory, read in GiB (docs/estimator.md, Budget convention)
-    fp16_tflops: float  # dense fp16 tensor-core peak, TFLOP/s
-    bf16_tflops: Optional[float]  # dense bf16 peak; None where the GPU has no bf16 tensor cores
-    fp32_tflops: float  # plain fp32 (no TF32: torch leaves TF32 matmuls off by default)
-    fp8_tflops: Optional[float] = None  # dense float8 tensor-core peak (Ada, Hopper and newer); None: no float8
-
-    def __post_init__(self):
-        for name in ("memory_gb", "fp16_tflops", "fp32_tflops"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} = {getattr(self, name)} is invalid; must be > 0")
-        for name in ("bf16_tflops", "fp8_tflops"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"{name} = {getattr(self, name)} is invalid; must be > 0 (or None: none)")
-
-    def peak_tflops(self) -> dict:
-        """{dtype: dense TFLOP/s} for the dtypes this GPU has tensor cores (or plain fp32) for; "fp8": the float8
-        GEMMs' (pretrain's precision.fp8)."""
-        peaks = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops, "fp32": self.fp32_tflops, "fp8": self.fp8_tflops}
-        return {dtype: float(value) for dtype, value in peaks.items() if value is not None}
-
-    def peak_flops(self, precision: str) -> float:
-        """Dense peak in FLOP/s at `precision` (estimate.PRECISIONS)."""
-        peaks = {"fp16": self.fp16_tflops, "bf16": self.bf16_tflops, "fp32": self.fp32_tflops}
-        if precision not in peaks:
-            raise ValueError(f"precision {precision!r} is invalid; valid: {', '.join(PRECISIONS)}")
-        if peaks[precision] is None:
-            valid = ", ".join(p for p, v in peaks.items() if v is not None)
-            bf16 = ", ".join(k for k, g in GPU_KINDS.items() if g.bf16_tflops) if precision == "bf16" else ""
-            raise ValueError(f"precision {precision} is invalid on {self.name} (no {precision} tensor cores); "
-                             f"valid: {valid}" + (f" (bf16 GPUs: {bf16}; e.g. --cluster dgx-h100)" if bf16 else ""))
-        return peaks[precision] * 1e12
-
-
-# Vendor data sheets: V100-SXM3-32GB (DGX-2: 2 PFLOP/s fp16 tensor over 16 GPUs = 125 each, 15.7 fp32);
-# A100-SXM4-80GB (312 bf16/fp16 dense, 19.5 fp32); H100-SXM5-80GB (989 bf16/fp16 dense, 67 fp32);
-# H200-SXM-141GB (same compute as the H100 SXM: 989 dense, 67 fp32; 141 GB HBM3e). FP8 dense: NVIDIA's H100 data
-# sheet gives 3,958 TFLOP/s FP8 "with sparsity" for the SXM (the H200's sheet the same), 3,026 for the PCIe card:
-# dense is half, 1,979 and 1,513; V100 and A100 have no float8 tensor cores.
-V100 = GPUKind("V100-SXM3-32GB", 32, 125, None, 15.7)
-A100 = GPUKind("A100-SXM4-80GB", 80, 312, 312, 19.5)
-H100 = GPUKind("H100-SXM5-80GB", 80, 989, 989, 67, fp8_tflops=1979)
-H200 = GPUKind("H200-SXM-141GB", 141, 989, 989, 67, fp8_tflops=1979)
-# PCIe cards run lower clocks: their own peaks (V100 PCIe 112 / 14; H100 PCIe 756 dense / 51, FP8 1,513 dense)
-V100_PCIE = GPUKind("V100-PCIe-32GB", 32, 112, None, 14.0)
-H100_PCIE = GPUKind("H100-PCIe-80GB", 80, 756, 756, 51, fp8_tflops=1513)
-# The short keys cluster.gpu and pretrain.metrics (MFU) name the cards by (V100 SXM2 and SXM3 share their peaks)
-GPU_KINDS = {"V100": V100, "V100-PCIe": V100_PCIE, "A100": A100, "H100": H100, "H100-PCIe": H100_PCIE, "H200": H200}
+from analysis.estimate import GIB
+from analysis.gpus import A100, GPU_KINDS, H100, H200, V100, GPUKind
+from analysis.throughput import MEASURED_ROWS, Efficiency, KernelPath, efficiency
 
 
 @dataclass(frozen=True)
@@ -79,27 +28,39 @@ class Cluster:
     inter_node_bandwidth: float  # bytes/s per NODE, shared by its GPUs (InfiniBand)
     peak_flops: float  # per GPU, dense, at the training precision
     pcie_bandwidth: float  # bytes/s per GPU between host and device
-    efficiency: float  # share of peak the compute sustains when no communication is exposed
+    gpu: str  # analysis.gpus.GPU_KINDS key: whose measured rows give the compute's share of peak (efficiency_along)
     host_memory_bytes: float  # per NODE, shared by its GPUs (ZeRO-Offload's host states)
     nvme_bytes: float  # per NODE (ZeRO-Infinity's files)
     intra_latency: float = 5e-6  # α, seconds per ring step inside a node (assumed; the paper states none)
     inter_latency: float = 10e-6  # α, seconds per ring step across nodes (assumed)
     fp32_flops: Optional[float] = None  # plain fp32 per GPU (Muon's Newton–Schulz runs in it); None: peak_flops
     fp8_peak_flops: Optional[float] = None  # per GPU, dense float8 (precision.fp8's GEMMs); None: no float8
+    rows: tuple = MEASURED_ROWS  # the measured rows efficiency_along reads (a user's run: pretrain --plan --measured)
 
     def __post_init__(self):
         for name in ("gpus_per_node", "nodes", "gpu_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth",
                      "peak_flops", "pcie_bandwidth", "host_memory_bytes", "nvme_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster {name} = {getattr(self, name)} is invalid; must be > 0")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"cluster efficiency = {self.efficiency} is invalid; must be in (0, 1]")
+        if self.gpu not in GPU_KINDS:
+            raise ValueError(f"cluster gpu = {self.gpu!r} is invalid; valid: {', '.join(GPU_KINDS)}")
         if self.intra_latency < 0 or self.inter_latency < 0:
             raise ValueError(f"cluster latencies {self.intra_latency}, {self.inter_latency} are invalid; must be >= 0")
 
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def efficiency_along(self, path: KernelPath) -> Efficiency:
+        """The share of peak a step sustains along `path` on this cluster's GPUs, from the measured rows
+        (analysis.throughput.efficiency): the compute's, with no communication exposed."""
+        return efficiency(self.gpu, path, self.rows)
+
+    @property
+    def efficiency(self) -> float:
+        """The share of peak along the paper's kernels (materialised attention, eager, no float8): the reports that
+        model them (--zeropp, the predicted tables)."""
+        return self.efficiency_along(KernelPath()).value
 
     @property
     def inter_node_bandwidth_per_gpu(self) -> float:
@@ -118,10 +79,6 @@ class Cluster:
                      nvswitch_latency=self.intra_latency, ib_bandwidth_per_node=self.inter_node_bandwidth,
                      ib_latency=self.inter_latency)
 
-
-# Sustained share of peak: Megatron-LM's single-V100 baseline, 39 of 125 TFLOP/s (Shoeybi et al. 2019). The
-# same share is assumed, not measured, for the newer GPUs.
-EFFICIENCY = 39e12 / 125e12
 
 
 @dataclass(frozen=True)
@@ -214,7 +171,7 @@ class ClusterSpec:
         return Cluster(name=name, gpus_per_node=per_node, nodes=nodes, gpu_memory_bytes=memory,
                        intra_node_bandwidth=self.intra_bw * 1e9 if self.intra_bw else node.intra_node_bandwidth,
                        inter_node_bandwidth=inter, peak_flops=peak, pcie_bandwidth=node.pcie_bandwidth,
-                       efficiency=EFFICIENCY, host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes,
+                       gpu=next(key for key, kind in GPU_KINDS.items() if kind is node.gpu), host_memory_bytes=node.host_memory_bytes, nvme_bytes=node.nvme_bytes,
                        fp32_flops=node.gpu.peak_flops("fp32"),
                        fp8_peak_flops=node.gpu.fp8_tflops * 1e12 if node.gpu.fp8_tflops else None)
 

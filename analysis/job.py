@@ -91,8 +91,9 @@ class Step:
     """What one step of a rank holds besides the model states: `micro_batch` samples at a time, `recompute`
     (estimate.RECOMPUTE), activations and gradients in `precision` (model_states.PRECISIONS), `attention`
     (estimate.ATTENTION_KINDS), the loss `loss_chunk_tokens` tokens at a time (0: all; `loss_recompute`: recomputed in
-    backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes) and
-    `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)."""
+    backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes),
+    `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)
+    and `compiled` layers (model.compile: the kernel path the planner's time reads, no memory term)."""
 
     micro_batch: int = 1
     recompute: str = "none"
@@ -103,6 +104,7 @@ class Step:
     float8: str = "none"
     mask_bytes: float = 0.0
     sequence_parallel: bool = False
+    compiled: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION,
                                ZeroChoice, document_mask_bytes, estimate, estimate_from_shape, gpt_param_count,
                                largest_fitting_layers, paper_shape)
 from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
+from analysis.throughput import KernelPath, ideal_seconds
 from model_shape.flops import StepFlops
 from model_shape.gpt import GPTShape
 from zero3d.comm.modes import CommModes
@@ -92,18 +93,14 @@ class Candidate:
                 + self.optimizer_s)
 
 
-def compute_seconds(cluster: Cluster, flops: StepFlops, recompute: str, float8: str, gpus: int) -> float:
-    """The step's hardware FLOPs at the cluster's peak (× its efficiency); with `float8` (precision.fp8) the layers'
-    linear GEMMs, their recomputed forward included, at its float8 peak, the rest (attention, logits) at the
-    training precision's."""
-    if float8 == "none":
-        return flops.hardware / (gpus * cluster.peak_flops * cluster.efficiency)
-    if cluster.fp8_peak_flops is None:
-        raise ValueError(f"float8 = {float8!r} needs float8 tensor cores; {cluster.name} has none (e.g. "
+def compute_seconds(cluster: Cluster, flops: StepFlops, step: Step, gpus: int) -> float:
+    """The step's hardware FLOPs over `gpus` GPUs at the cluster's peaks (throughput.ideal_seconds: float8 GEMMs at its
+    float8 peak) times the share of peak measured along the step's kernel path (Cluster.efficiency_along)."""
+    if step.float8 != "none" and cluster.fp8_peak_flops is None:
+        raise ValueError(f"float8 = {step.float8!r} needs float8 tensor cores; {cluster.name} has none (e.g. "
                          "--cluster dgx-h100 or dgx-h200)")
-    linears = flops.linears * (4 if recompute == "full" else 3) // 3
-    return ((flops.hardware - linears) / cluster.peak_flops + linears / cluster.fp8_peak_flops) / (
-        gpus * cluster.efficiency)
+    ideal = ideal_seconds(flops, step.recompute, step.float8, cluster.peak_flops, cluster.fp8_peak_flops)
+    return ideal / (gpus * cluster.efficiency_along(KernelPath.of(step)).value)
 
 
 def step_time(cluster: Cluster, model: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step, global_batch: int,
@@ -126,10 +123,10 @@ def step_time(cluster: Cluster, model: GPTShape, layout: Parallelism, zero: Zero
                          f"{micro_batch} × {dp}")
     accumulation = global_batch // (micro_batch * dp)
     act_bytes = PRECISIONS[precision].activation_bytes
-    step_flops = model.step_flops(global_batch, recompute == "full", tp,
+    step_flops = model.step_flops(global_batch, recompute == "full", tp, loss_recompute=step.loss_recompute,
                                   recomputed_attention=recompute == "selective" and attention == "local")
     flops = step_flops.hardware
-    compute = compute_seconds(cluster, step_flops, recompute, float8, gpus)
+    compute = compute_seconds(cluster, step_flops, step, gpus)
     micro_compute = compute / accumulation
     # MP link: NVSwitch while the TP group stays inside a node, else the node's share of IB
     inside_node = tp <= cluster.gpus_per_node

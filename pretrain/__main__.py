@@ -70,6 +70,9 @@ def parse_args(argv=None):
     parser.add_argument("--plan", action="store_true",
                         help="rank this config's layouts on its [cluster] by the planner, with --estimate's memory")
     parser.add_argument("--top", type=int, default=10, help="--plan: how many layouts to print")
+    parser.add_argument("--measured", action="append", default=[], metavar="RUN_DIR",
+                        help="--plan: the compute's share of peak from this run's own steps (its metrics.jsonl, "
+                             "config.json, status.json) instead of docs/gpu-check.md's rows; repeat for several runs")
     parser.add_argument("--json", action="store_true",
                         help="--estimate / --plan: JSON (the breakdown's exact bytes) instead of the table")
     parser.add_argument("--debug", action="store_true",
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
             return estimate(cfg, args.json)
         if args.plan:
             from pretrain.plan import plan_report
-            print(plan_report(cfg, args.top, args.json))
+            print(plan_report(cfg, args.top, args.json, tuple(args.measured)))
             return EXIT_OK
         # Paths, launch environment and layout before torch and megatron are imported: a second.
         check_paths(cfg)

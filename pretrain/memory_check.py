@@ -28,7 +28,7 @@ def estimate_args(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_pe
     step = Step(micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, precision=cfg.precision.dtype,
                 attention=attention_kind(m.attention), loss_chunk_tokens=m.loss_chunk_tokens,
                 loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size),
-                sequence_parallel=p.sequence_parallel)
+                sequence_parallel=p.sequence_parallel, compiled=m.compile in (True, "auto"))
     optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
     return shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer
 

@@ -11,12 +11,12 @@ import psutil
 import torch
 
 from pretrain.atomic import write_atomically
-from analysis.cluster import GPU_KINDS
+from analysis.gpus import GPU_KINDS
 from model_shape.flops import StepFlops
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU, bf16/fp16 tensor-core and plain fp32 (what fp32 matmuls get with
-# TF32 off, torch's default), and float8 ("fp8") where the GPU has it: one table, analysis.cluster's GPU kinds
+# TF32 off, torch's default), and float8 ("fp8") where the GPU has it: one table, analysis.gpus's GPU kinds
 # (the planner reads the same).
 # V100 has no bf16; PCIe cards run lower clocks, so they have their own rows.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {key: gpu.peak_tflops() for key, gpu in GPU_KINDS.items()}

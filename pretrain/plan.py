@@ -4,32 +4,107 @@ the planner varies only the layout (TP, CP, ZeRO stage and activation options, o
 recompute policy, the micro-batch) and keeps the rest of the step as the config has it: attention kernel, loss
 chunking, sequence parallelism (at TP > 1), float8, optimizer states, buckets, document masks. Each layout is
 printed with the overrides that make the config that layout, and `--estimate` of the config with those overrides is
-the layout's memory to the byte."""
+the layout's memory to the byte. The compute runs at the share of peak measured along the config's kernel path
+(analysis/throughput.py: docs/gpu-check.md's rows, or with `--measured RUN_DIR` a run of the user's own)."""
+import dataclasses
 import json
+import statistics
+from pathlib import Path
 
-from analysis.cluster import PRESET_OF_GPU, ClusterSpec
-from analysis.estimate import GB, RECOMPUTE
-from analysis.planner import Candidate, format_candidates, plan
-from pretrain.config import Config, ConfigError
-from pretrain.memory_check import estimate_args, gpu_budget_bytes
+from analysis.cluster import PRESET_OF_GPU, Cluster, ClusterSpec
+from analysis.estimate import GB, RECOMPUTE, estimate
+from analysis.offload_estimate import offload_breakdown
+from analysis.planner import Candidate, format_candidates, plan, step_time
+from analysis.throughput import MEASURED_ROWS, KernelPath, MeasuredRow
+from pretrain.config import RESOLVED_CONFIG, Config, ConfigError, _merge, validate
+from pretrain.memory_check import attention_kind, estimate_args, gpu_budget_bytes
+from pretrain.summary import read_records
 from zero3d.comm.modes import CARDS
 
 
-def plan_config(cfg: Config) -> list:
+def config_cluster(cfg: Config, rows: tuple = MEASURED_ROWS) -> Cluster:
+    """The planner's Cluster for cfg's [cluster] (its GPU's node preset), its efficiency from `rows`."""
+    if cfg.cluster.gpu not in PRESET_OF_GPU:
+        raise ConfigError(f"cluster.gpu = {cfg.cluster.gpu!r} has no node preset for the planner's time model",
+                          "config", f"set cluster.gpu to one of {', '.join(PRESET_OF_GPU)}")
+    cluster = ClusterSpec(PRESET_OF_GPU[cfg.cluster.gpu], nodes=cfg.cluster.nodes,
+                          gpus_per_node=cfg.cluster.gpus_per_node,
+                          gpu_memory_gb=cfg.cluster.gpu_memory_gb).cluster(cfg.precision.dtype)
+    return dataclasses.replace(cluster, rows=rows)
+
+
+def measured_row(run_dir: str) -> MeasuredRow:
+    """A finished run of the user's as a measured row: its config.json's model, layout and kernel path, and the
+    median over its logged steps after logging.summary_warmup_steps of the step time less the exposed communication
+    (metrics.jsonl's perf/step_time_s − perf/phase/comm_exposed_s), on its world size (status.json) of
+    cluster.gpu. A pipelined run's bubble counts as compute."""
+    run = Path(run_dir)
+    needed = [run / RESOLVED_CONFIG, run / "metrics.jsonl", run / "status.json"]
+    missing = [str(p) for p in needed if not p.is_file()]
+    if missing:
+        raise ConfigError(f"--measured {run_dir!r} is not a run directory: {', '.join(missing)} missing",
+                          fix="give the logging.run_dir of a run that logged steps")
+    cfg, defaults = Config(), Config().to_dict()
+    try:
+        tree = json.loads(needed[0].read_text())  # the resolved tree: merge what differs from the defaults
+        _merge(cfg, {s: {k: v for k, v in keys.items() if v != defaults.get(s, {}).get(k)}
+                     for s, keys in tree.items()}, str(needed[0]))
+        world = int(json.loads(needed[2].read_text())["world_size"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(f"--measured {run_dir!r}: its config.json or status.json cannot be read ({err})") from None
+    validate(cfg)
+    records = read_records(needed[1])
+    past = [r for r in records if r.get("step", 0) > cfg.logging.summary_warmup_steps] or records
+    compute = [r["perf/step_time_s"] - r.get("perf/phase/comm_exposed_s", 0.0) for r in past
+               if r.get("perf/step_time_s")]
+    if not compute:
+        raise ConfigError(f"--measured {run_dir!r}: {needed[1]} has no step with perf/step_time_s",
+                          fix="give a run that trained at least one step (logging.log_interval = 1 logs each)")
+    m = cfg.model
+    return MeasuredRow(str(run), "measured run", cfg.cluster.gpu,
+                       KernelPath(attention_kind(m.attention), m.compile in (True, "auto"), cfg.precision.fp8),
+                       m.shape,
+                       cfg.train.global_batch_size, statistics.median(compute), m.recompute,
+                       m.loss_chunk_tokens > 0 and m.loss_recompute, cfg.parallel.tensor, world)
+
+
+def config_step(cfg: Config, rows: tuple = MEASURED_ROWS) -> dict:
+    """The planner's modelled step of cfg's own layout (analysis.planner.step_time: compute at the measured share of
+    peak, exposed communication, offload traffic) and its parts, with its cluster's `efficiency` (an Efficiency). A
+    pipelined config: one stage's step (estimate_args) × (m + p − 1) / m, the 1F1B bubble of p stages over m
+    micro-batches."""
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    cluster = config_cluster(cfg, rows)
+    shape, layout, zero, step, budget, optimizer = estimate_args(cfg, world, gpu_budget_bytes(cfg.cluster))
+    memory = estimate(shape, layout, zero, step, budget, optimizer)
+    pcie = 0.0
+    if zero.offloaded:
+        accumulation = cfg.train.global_batch_size // (step.micro_batch * (layout.gpus // (layout.tp * layout.cp)))
+        pcie = offload_breakdown(memory, layout, zero, step.precision, accumulation=accumulation,
+                                 optimizer=optimizer).pcie_bytes_per_step
+    try:
+        timing = step_time(cluster, shape, layout, zero, step, cfg.train.global_batch_size, memory.params_per_rank,
+                           pcie, cfg.optimizer.name)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    stages, micro = cfg.parallel.pipeline, timing["accumulation"]
+    bubble = (micro + stages - 1) / micro
+    step_s = bubble * sum(timing[k] for k in ("compute_s", "mp_s", "pa_s", "offload_s", "dp_s", "pcie_s", "cp_s",
+                                              "optimizer_s"))
+    return dict(timing, step_s=step_s, efficiency=cluster.efficiency_along(KernelPath.of(step)))
+
+
+def plan_config(cfg: Config, rows: tuple = MEASURED_ROWS) -> list:
     """Every layout of `cfg`'s model on its [cluster] that fits, best modelled throughput first (analysis.planner.plan),
-    each step holding what cfg's does (estimate_args), the recompute policy the planner's choice."""
+    each step holding what cfg's does (estimate_args), the recompute policy the planner's choice, the compute at the
+    share of peak `rows` measured along cfg's kernel path."""
     p = cfg.parallel
     if p.pipeline > 1:
         raise ConfigError(f"--plan lays out TP × CP × DP; parallel.pipeline = {p.pipeline} is not planned",
                           "config", "plan with parallel.pipeline=1, or --estimate the pipelined layout")
-    if cfg.cluster.gpu not in PRESET_OF_GPU:
-        raise ConfigError(f"cluster.gpu = {cfg.cluster.gpu!r} has no node preset for the planner's time model",
-                          "config", f"set cluster.gpu to one of {', '.join(PRESET_OF_GPU)}")
+    cluster = config_cluster(cfg, rows)
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     shape, _, zero, step, budget, _ = estimate_args(cfg, world, gpu_budget_bytes(cfg.cluster))
-    cluster = ClusterSpec(PRESET_OF_GPU[cfg.cluster.gpu], nodes=cfg.cluster.nodes,
-                          gpus_per_node=cfg.cluster.gpus_per_node,
-                          gpu_memory_gb=cfg.cluster.gpu_memory_gb).cluster(cfg.precision.dtype)
     try:
         return plan(cluster, model=shape, gpus=world, global_batch=cfg.train.global_batch_size, recompute=RECOMPUTE,
                     margin_fraction=budget.margin_fraction, optimizer=cfg.optimizer.name,
@@ -51,16 +126,20 @@ def overrides_of(candidate: Candidate) -> list:
             + [f'model.recompute="{step.recompute}"', f"train.micro_batch_size={candidate.micro_batch}"])
 
 
-def plan_report(cfg: Config, top: int, as_json: bool) -> str:
-    """The ranked layouts: a line each with its overrides and exact bytes, or (`as_json`) every one as JSON."""
-    found = plan_config(cfg)
+def plan_report(cfg: Config, top: int, as_json: bool, measured: tuple = ()) -> str:
+    """The ranked layouts: a line each with its overrides and exact bytes, or (`as_json`) every one as JSON. `measured`:
+    run directories whose steps (measured_row) replace docs/gpu-check.md's rows as the efficiency's source."""
+    rows = tuple(measured_row(d) for d in measured) or MEASURED_ROWS
+    found = plan_config(cfg, rows)
     if as_json:
         return json.dumps([{"overrides": overrides_of(c), "total_bytes": c.memory.total_bytes,
                             "memory": c.memory.to_dict(), "step_s": c.step_s, "tflops_per_gpu": c.tflops_per_gpu}
                            for c in found], indent=1)
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    world_step = estimate_args(cfg, world, gpu_budget_bytes(cfg.cluster))[3]
     lines = [f"{len(found)} feasible layouts of this config on {cfg.cluster.nodes} × {cfg.cluster.gpus_per_node} "
-             f"{cfg.cluster.gpu} ({world} GPUs, {cfg.cluster.gpu_memory_gb:g} GiB); best first:"]
+             f"{cfg.cluster.gpu} ({world} GPUs, {cfg.cluster.gpu_memory_gb:g} GiB); best first:",
+             f"compute at {config_cluster(cfg, rows).efficiency_along(KernelPath.of(world_step))}"]
     for c in found[:top]:
         lines += [format_candidates([c], 1), f"      {c.memory.total_bytes:,.0f} B = {c.memory.total_bytes / GB:.3f} GB: "
                   + " ".join(overrides_of(c))]

@@ -25,7 +25,6 @@ WARNING_SAFETY = 2.0  # file systems slow down when every rank writes at once
 WARNING_SLACK_S = 60  # the agreed stop, the barriers, status.json, srun's teardown
 WARNING_FLOOR_S = 180
 WARNING_MAX_S = 65535  # Slurm's limit for --signal=SIG@TIME
-ASSUMED_TFLOPS_PER_GPU = 10.0  # a pessimistic step time: configs/generate_paper.py sizes time limits alike
 
 
 @dataclass
@@ -60,19 +59,19 @@ def checkpoint_bytes(cfg: Config) -> float:
     return (PRECISIONS[cfg.precision.dtype].param_bytes + 12) * psi
 
 
-def step_seconds(cfg: Config, world: int) -> float:
-    """One training step at ASSUMED_TFLOPS_PER_GPU: the model's hardware FLOPs with full recomputation
-    (GPTShape.step_flops over the tokenizer's vocabulary, Megatron's 96·B·s·L·h²·(1 + s/6h) + 6·B·s·h·V for GPT-2)."""
-    shape = dataclasses.replace(cfg.model.shape, vocab_divisible_by=1)
-    flops = shape.step_flops(cfg.train.global_batch_size, recompute=True).hardware
-    return flops / (world * ASSUMED_TFLOPS_PER_GPU * 1e12)
+def step_seconds(cfg: Config, nodes: int) -> float:
+    """One training step of cfg's layout on `nodes` nodes of its [cluster] as the planner models it
+    (pretrain/plan.py's config_step: the compute at the share of peak docs/gpu-check.md's rows measured along the
+    config's kernel path, exposed communication, offload traffic, the pipeline's bubble)."""
+    from pretrain.plan import config_step
+    return config_step(dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, nodes=nodes)))["step_s"]
 
 
-def warning_seconds(cfg: Config, world: int) -> int:
-    """--signal=USR1@T: T covers one step plus the checkpoint's write at cluster.checkpoint_write_gbps,
-    times WARNING_SAFETY, plus slack; at least WARNING_FLOOR_S."""
+def warning_seconds(cfg: Config, nodes: int) -> int:
+    """--signal=USR1@T: T covers one step (step_seconds, the planner's) plus the checkpoint's write at
+    cluster.checkpoint_write_gbps, times WARNING_SAFETY, plus slack; at least WARNING_FLOOR_S."""
     write = checkpoint_bytes(cfg) / (cfg.cluster.checkpoint_write_gbps * 1e9)
-    needed = WARNING_SAFETY * (write + step_seconds(cfg, world)) + WARNING_SLACK_S
+    needed = WARNING_SAFETY * (write + step_seconds(cfg, nodes)) + WARNING_SLACK_S
     return int(min(WARNING_MAX_S, max(WARNING_FLOOR_S, -(-needed // 1))))
 
 
@@ -159,7 +158,7 @@ def build_job(config_path: str, overrides=(), cpu: bool = False, container=None,
     except ValueError:
         raise ConfigError(f"cluster.time_limit = {c.time_limit!r} is invalid; Slurm's forms: {TIME_FORMS}") from None
     run_dir = cfg.run_dir if cfg.run_dir.is_absolute() else REPO_ROOT / cfg.run_dir
-    warning = warning_seconds(cfg, world)
+    warning = warning_seconds(cfg, min(node_counts(cfg)))  # an elastic job's fewest nodes step the slowest
     elastic = len(node_counts(cfg)) > 1
     # An elastic job holds whole nodes and no task count: Slurm pins a job's task count to its first
     # allocation's, so a requeue after a lost node could never start on fewer nodes. launch.sbatch starts

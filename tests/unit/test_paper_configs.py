@@ -86,7 +86,7 @@ def test_every_job_validates_and_dry_runs(path, capsys, gpt2_overrides):
     assert f"--nodes={cfg.cluster.nodes}" in sbatch and f"--gpus-per-node={cfg.cluster.gpus_per_node}" in sbatch
     assert f"--time={cfg.cluster.time_limit}" in sbatch and sbatch.endswith(" ".join([f"slurm/launch.sbatch {rel}", *ignore]))
     warning = int(re.search(r"--signal=USR1@(\d+)", sbatch).group(1))
-    assert warning == submit.warning_seconds(cfg, world) and warning < submit.time_limit_seconds(cfg.cluster.time_limit)
+    assert warning == submit.warning_seconds(cfg, cfg.cluster.nodes) and warning < submit.time_limit_seconds(cfg.cluster.time_limit)
     train = next(line for line in out.splitlines() if line.startswith("train:"))
     assert train.split() == ["train:", "srun", "--kill-on-bad-exit=1", "--cpu-bind=none", "python", "-m",
                              "pretrain", "--config", str(rel), *ignore]
