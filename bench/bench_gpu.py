@@ -180,6 +180,24 @@ def row(label: str, step_s: float, shape: dict, device, loss: float, peak_dtype:
             "tflops": perf["perf/tflops_per_gpu"], "mfu": perf.get("perf/mfu"), "peak_bytes": peak, "loss": loss}
 
 
+def contained(label: str, shape: dict, make) -> dict:
+    """The row `make` measures; where it raises, a row saying so in one line (rc 2), and the table goes on."""
+    try:
+        return make()
+    except Exception as err:  # noqa: BLE001 - one row's failure (an inductor or CUDA error) must not lose the table
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return {"row": label, "shape": shape["kind"], "rc": 2, "error": f"{type(err).__name__}: {first}"}
+
+
+def plain_label(shape: dict, compiled: bool) -> str:
+    return f"plain PyTorch {NAMES[shape['kind']]}, {'compiled' if compiled else 'eager'}"
+
+
+def zero3d_label(shape: dict, fp8: str, stage: int, compiled: bool) -> str:
+    kind = NAMES[shape["kind"]] + (f" FP8 {fp8}" if fp8 != "none" else "")
+    return f"zero3d {kind} ({'compiled' if compiled else 'eager'}, stage {stage})"
+
+
 def plain_model(shape: dict) -> torch.nn.Module:
     s, vocab = shape, padded_vocab(shape["vocab"])
     if s["kind"] == "llama":
@@ -204,8 +222,7 @@ def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dic
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     step_s = timed(step, steps, warmup=2, device=device)
-    return row(f"plain PyTorch {NAMES[shape['kind']]}, {'compiled' if compiled else 'eager'}", step_s, shape, device,
-               losses[-1].item())
+    return row(plain_label(shape, compiled), step_s, shape, device, losses[-1].item())
 
 
 def free_port() -> int:
@@ -264,9 +281,8 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 
         losses.append(step_mean_loss(result, topo))
     try:
         step_s = timed(step, steps, warmup=2, device=topo.device)
-        kind = NAMES[shape["kind"]] + (f" FP8 {fp8}" if fp8 != "none" else "")
-        return row(f"zero3d {kind} ({'compiled' if compiled else 'eager'}, stage {stage})", step_s, shape, topo.device,
-                   losses[-1], peak_dtype="fp8" if fp8 != "none" else "")
+        return row(zero3d_label(shape, fp8, stage, compiled), step_s, shape, topo.device, losses[-1],
+                   peak_dtype="fp8" if fp8 != "none" else "")
     finally:
         engine.close()
         parallel_state.destroy_model_parallel()
@@ -310,7 +326,8 @@ def fmt(value, spec: str) -> str:
 
 def table(rows: list, title: str) -> str:
     """The rows as a markdown table; training rows with their tokens/s and peak ÷ the compiled plain model's."""
-    plain = next((r for r in rows if r["row"].startswith("plain PyTorch") and r["row"].endswith("compiled")), None)
+    plain = next((r for r in rows if r["row"].startswith("plain PyTorch") and r["row"].endswith("compiled")
+                  and "tokens_per_s" in r), None)
     lines = [f"{title}", "", "| row | tokens/s | ÷ compiled plain | TFLOP/s | MFU | peak GiB | peak ÷ compiled plain "
              "| step s | loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -357,17 +374,21 @@ def main(argv=None) -> int:
     rows, fp8 = [], args.fp8 or dry
     for shape in shapes.values():
         release_cuda(device)  # the previous shape's compiled model must not crowd this one's rows
-        zero3d = [lambda stage=stage, compiled=compiled: zero3d_row(shape, device, args.steps, stage=stage,
-                                                                    compiled=compiled, dry=dry)
+        zero3d = [(zero3d_label(shape, "none", stage, compiled),
+                   lambda stage=stage, compiled=compiled: zero3d_row(shape, device, args.steps, stage=stage,
+                                                                     compiled=compiled, dry=dry))
                   for stage, compiled in ZERO3D_ROWS]
-        float8 = [lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe, compiled=True, dry=dry)
+        float8 = [(zero3d_label(shape, recipe, 2, True),
+                   lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe, compiled=True, dry=dry))
                   for recipe in (FP8_RECIPES if fp8 and shape["kind"] == "llama" else ())]
-        for make in (*zero3d, *float8, lambda: plain_row(shape, device, False, dry, args.steps),
-                     lambda: plain_row(shape, device, True, dry, args.steps)):
+        plain = [(plain_label(shape, compiled), lambda compiled=compiled: plain_row(shape, device, compiled, dry,
+                                                                                      args.steps))
+                 for compiled in (False, True)]
+        for label, make in (*zero3d, *float8, *plain):
             release_cuda(device)  # each row's compiled graphs and cached blocks gone before the next row's peak
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            rows.append(make())
+            rows.append(contained(label, shape, make))
     if not args.no_probes:
         release_cuda(device)  # the probes: subprocesses capped at 32 GB that these blocks must not crowd
         rows += probe_rows(dry, timeout=300, quick=args.quick, fp8=fp8)

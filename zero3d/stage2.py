@@ -18,6 +18,14 @@ class GradientShardedEngine(WholeParamsEngine):
         for param in self.buckets.location:
             self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
 
+    def forward(self, *args, **kwargs):
+        """The previous micro-batch's last reductions delivered first: their buffers (the embedding's bucket is the
+        size of its gradient) are not held through this forward and backward (the Llama-3 8B slice: 1.13 GB)."""
+        self.buckets.wait()  # delivered before the forward
+        return super().forward(*args, **kwargs)
+
+    __call__ = forward
+
     @property
     def staging_bytes_peak(self) -> int:
         """Most bytes of bucket gradient buffers alive at once."""

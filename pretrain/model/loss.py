@@ -122,8 +122,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             torch.matmul(grad_logits, weight, out=d_hidden[part])
             if weight.dtype == torch.float32:  # (addmm with out=, not addmm_: what torch's FLOP counter sees)
                 torch.addmm(d_weight, grad_logits.t(), h, out=d_weight)
-            else:  # the chunk's product in the model dtype (as megatron's GEMM), summed over the chunks in fp32
-                d_weight += torch.matmul(grad_logits.t(), h)
+            else:  # the chunk's product in the model dtype (as megatron's GEMM), summed over the chunks in fp32, in
+                # blocks of vocabulary rows no larger than the chunk's logits: no [V, h] product beside the fp32 sum
+                rows_per_block = max(1, grad_logits.numel() // hidden.shape[1])
+                for r in range(0, d_weight.shape[0], rows_per_block):
+                    d_weight[r:r + rows_per_block] += torch.matmul(grad_logits[:, r:r + rows_per_block].t(), h)
             del grad_logits  # freed before the next chunk's logits exist
         ctx.save_for_backward(d_hidden, d_weight, d_bias, loss_mask)
         ctx.dtypes, ctx.backward_ran = (hidden.dtype, weight.dtype), False

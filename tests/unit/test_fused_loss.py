@@ -91,3 +91,35 @@ def test_without_gradients_the_loss_alone():
         per_token = chunked_loss(hidden, weight, bias, labels, CHUNK, False, None, VOCAB, loss_mask=mask)
     assert not per_token.requires_grad
     torch.testing.assert_close(per_token, reference(hidden, weight, bias, labels, mask)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_the_weight_gradient_is_summed_without_a_whole_vocabulary_product():
+    """bf16 at the Llama-3 8B slice's shapes (fake tensors: 8192 tokens, hidden 4096, 128256 columns, chunks of 1024):
+    the only [V, h] tensor the fused loss makes is its fp32 sum; each chunk's bf16 product is made a block of rows at a
+    time, no larger than the chunk's bf16 logits [1024, V] (a whole [V, h] product was 1.05 GB beside the sum)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place op: no allocation
+                return out
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.numel[t.dtype] = max(self.numel.get(t.dtype, 0), t.numel())
+            return out
+
+    tokens, hidden_size, width, chunk = 8192, 4096, 128256, 1024
+    with FakeTensorMode():
+        hidden = torch.empty(tokens, 1, hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(width, hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.zeros(tokens, 1, dtype=torch.long)
+        with Largest() as seen:
+            chunked_loss(hidden, weight, None, labels, chunk, False, None, width)
+    assert seen.numel[torch.float32] == width * hidden_size  # the gradient's fp32 sum
+    assert seen.numel[torch.bfloat16] == chunk * width  # the chunk's logits; no bf16 tensor larger
