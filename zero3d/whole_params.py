@@ -8,6 +8,11 @@ from zero3d.engine import DataParallelEngine, GroupState
 from zero3d.flat import flatten_grads, flatten_params
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Is `module`'s forward a torch.compile'd function (`module.forward = torch.compile(module.forward)`)?"""
+    return getattr(module.forward, "_torchdynamo_orig_callable", None) is not None
+
+
 class WholeParamsEngine(DataParallelEngine):
     """Stages 1/2: every rank keeps whole parameters; the fp32 master and Adam moments cover this
     rank's pieces only (one piece per bucket); after the step each rank's updated pieces are
@@ -62,11 +67,20 @@ class WholeParamsEngine(DataParallelEngine):
 
     def _register_param_sync_hooks(self) -> None:
         """Forward pre-hooks (as megatron-core's overlap_param_gather): a module waits for the gathers
-        of the buckets holding its own parameters; `state_dict()` waits for all of them."""
+        of the buckets holding its own parameters; `state_dict()` waits for all of them. A module whose forward is
+        torch.compile'd (model.compile: each layer's) waits for its whole subtree's, and nothing inside it hooks: a
+        hook in a compiled forward breaks its graph (the wait's host clock), inside megatron's layer context manager
+        the whole layer then ran eager."""
         bucket_of = {group.params[i]: (name, bucket.index)
                      for name, group in self.groups.items() for bucket in group.buckets for i in bucket.slot_indices}
-        for module in self.model.modules():
-            keys = tuple(dict.fromkeys(bucket_of[p] for p in module.parameters(recurse=False) if p in bucket_of))
+        compiled_regions = []
+        for path, module in self.model.named_modules():
+            if any(region == "" or path.startswith(region + ".") for region in compiled_regions):
+                continue
+            whole = is_compiled(module)
+            if whole:
+                compiled_regions.append(path)
+            keys = tuple(dict.fromkeys(bucket_of[p] for p in module.parameters(recurse=whole) if p in bucket_of))
             if keys:
                 self.hooks.append(module.register_forward_pre_hook(partial(self._wait_for_buckets, keys)))
         self.hooks.append(self.model.register_state_dict_pre_hook(
