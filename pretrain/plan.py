@@ -13,6 +13,7 @@ from pathlib import Path
 
 from analysis.cluster import PRESET_OF_GPU, Cluster, ClusterSpec
 from analysis.estimate import GB, RECOMPUTE, estimate
+from analysis.gpus import GPU_KINDS
 from analysis.offload_estimate import offload_breakdown
 from analysis.planner import Candidate, format_candidates, plan, step_time
 from analysis.throughput import MEASURED_ROWS, KernelPath, MeasuredRow
@@ -45,27 +46,35 @@ def measured_row(run_dir: str) -> MeasuredRow:
         raise ConfigError(f"--measured {run_dir!r} is not a run directory: {', '.join(missing)} missing",
                           fix="give the logging.run_dir of a run that logged steps")
     cfg, defaults = Config(), Config().to_dict()
-    try:
+    try:  # whatever its bytes: a file that is not what pretrain writes is one line, never a traceback
         tree = json.loads(needed[0].read_text())  # the resolved tree: merge what differs from the defaults
         _merge(cfg, {s: {k: v for k, v in keys.items() if v != defaults.get(s, {}).get(k)}
                      for s, keys in tree.items()}, str(needed[0]))
         world = int(json.loads(needed[2].read_text())["world_size"])
+        records = read_records(needed[1])
+        past = [r for r in records if r.get("step", 0) > cfg.logging.summary_warmup_steps] or records
+        compute = [float(r["perf/step_time_s"]) - float(r.get("perf/phase/comm_exposed_s", 0.0)) for r in past
+                   if r.get("perf/step_time_s")]
     except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ConfigError(f"--measured {run_dir!r}: its config.json or status.json cannot be read ({err})") from None
+        raise ConfigError(f"--measured {run_dir!r}: its config.json, status.json or metrics.jsonl is not what "
+                          f"pretrain writes ({type(err).__name__}: {err})") from None
     validate(cfg)
-    records = read_records(needed[1])
-    past = [r for r in records if r.get("step", 0) > cfg.logging.summary_warmup_steps] or records
-    compute = [r["perf/step_time_s"] - r.get("perf/phase/comm_exposed_s", 0.0) for r in past
-               if r.get("perf/step_time_s")]
     if not compute:
         raise ConfigError(f"--measured {run_dir!r}: {needed[1]} has no step with perf/step_time_s",
                           fix="give a run that trained at least one step (logging.log_interval = 1 logs each)")
+    if cfg.cluster.gpu not in GPU_KINDS or world < 1:
+        raise ConfigError(f"--measured {run_dir!r}: cluster.gpu = {cfg.cluster.gpu!r} on {world} rank(s) has no peak "
+                          f"to measure against", fix=f"a run with cluster.gpu one of {', '.join(GPU_KINDS)}")
     m = cfg.model
-    return MeasuredRow(str(run), "measured run", cfg.cluster.gpu,
-                       KernelPath(attention_kind(m.attention), m.compile in (True, "auto"), cfg.precision.fp8),
-                       m.shape,
-                       cfg.train.global_batch_size, statistics.median(compute), m.recompute,
-                       m.loss_chunk_tokens > 0 and m.loss_recompute, cfg.parallel.tensor, world)
+    row = MeasuredRow(str(run), "measured run", cfg.cluster.gpu,
+                      KernelPath(attention_kind(m.attention), m.compile in (True, "auto"), cfg.precision.fp8),
+                      m.shape, cfg.train.global_batch_size, statistics.median(compute), m.recompute,
+                      m.loss_chunk_tokens > 0 and m.loss_recompute, cfg.parallel.tensor, world)
+    share = row.efficiency if 0 < row.step_s < float("inf") else float("nan")
+    if not 0 < share <= 1:  # NaN fails too
+        raise ConfigError(f"--measured {run_dir!r}: a {row.step_s:g} s compute step is {share:.3g} of "
+                          f"{cfg.cluster.gpu}'s peak; valid: a step whose share of peak is in (0, 1]")
+    return row
 
 
 def config_step(cfg: Config, rows: tuple = MEASURED_ROWS) -> dict:
