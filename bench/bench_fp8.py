@@ -4,7 +4,7 @@ shipped corpus, 4 CPU ranks at TP 2 × DP 2 with sequence parallelism, ZeRO stag
     python bench/bench_fp8.py [--steps 100] [--out runs/bench-fp8]
     python bench/bench_fp8.py --report runs/bench-fp8     # the table again, from runs already made there
 
-Rows: bf16; precision.fp8 "tensorwise"; "tensorwise" with zero.fp8_gather; "rowwise". Each FP8 row: its loss at a few
+Rows: bf16; fp32 (bf16's own distance from fp32, the floor the FP8 rows are read against); precision.fp8 "tensorwise"; "tensorwise" with zero.fp8_gather; "rowwise". Each FP8 row: its loss at a few
 steps, the largest relative difference from bf16's loss over every step (both runs see the same batches) and over
 10-step means, and the parameter all-gather bytes a step (bf16 and float8, from metrics.jsonl's comm/*). The issue's acceptance: within 2% of bf16 at every step; the float8
 gathers half the bf16 gathers' bytes of the same weights. tests/dist/test_fp8.py holds 12 steps of the same promise
@@ -19,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["precision.dtype=bf16", "zero.stage=3", "parallel.sequence_parallel=true", "train.eval_interval=0",
           "train.save_final=false", "logging.log_interval=1", "logging.wandb=false", "train.resume=false"]
-RUNS = {"bf16": [], "fp8 tensorwise": ["precision.fp8=tensorwise"],
+# fp32: how far bf16's own trajectory strays from fp32's over the same batches, the floor an FP8 row is read against
+RUNS = {"bf16": [], "fp32": ["precision.dtype=fp32"], "fp8 tensorwise": ["precision.fp8=tensorwise"],
         "fp8 tensorwise + fp8_gather": ["precision.fp8=tensorwise", "zero.fp8_gather=true"],
         "fp8 rowwise": ["precision.fp8=rowwise"]}
 SHOWN = (1, 25, 50, 75, 100)  # steps whose loss the table prints
@@ -79,11 +80,14 @@ def main(argv=None) -> int:
         worst = max(abs(a - b) / b for a, b in zip(losses, bf16))
         means = [(sum(losses[i:i + 10]), sum(bf16[i:i + 10])) for i in range(0, len(losses), 10)]
         worst_mean = max(abs(a - b) / b for a, b in means)
-        worst_all = max(worst_all, worst)
+        if name.startswith("fp8"):
+            worst_all = max(worst_all, worst)
         print(f"| {name} | " + " | ".join(f"{losses[s - 1]:.4f}" for s in shown) +
               f" | {worst:.2%} | {worst_mean:.2%} | {gather_bytes(records[-1], 'all_gather'):.0f} | "
               f"{gather_bytes(records[-1], 'fp8_all_gather'):.0f} |")
-    print(f"\nworst relative loss difference of an FP8 run from bf16: {worst_all:.2%} (the issue's bound: 2%)")
+    floor = max(abs(a - b) / b for a, b in zip([r["train/loss"] for r in results["fp32"]], bf16))
+    print(f"\nworst relative loss difference of an FP8 run from bf16: {worst_all:.2%} (the issue's bound: 2%); "
+          f"of fp32 from bf16: {floor:.2%}")
     return 0 if worst_all < 0.02 else 1
 
 

@@ -1,24 +1,4 @@
-"""ZeRO-R activation checkpoints (paper §2.5, §3.5): Pa, Pa+cpu and MD, for per-layer recomputation.
-
-`checkpoint(function, acts, hidden_states, *rest)` replaces megatron-core's reentrant
-`tensor_parallel.checkpoint`: the forward runs `function` without saving activations and keeps
-only the layer input `hidden_states` (the checkpoint); backward restores the RNG states, rebuilds
-the input, recomputes the layer with grad and back-propagates through it.
-
-- Pa (`partition`): each TP rank keeps only its 1/TP slice of the flattened input (padded to a
-  multiple of TP); backward all-gathers the slices over the TP group (tag "activations"). One
-  all-gather per checkpointed layer = L·⌈bsh/TP⌉·TP·(TP−1)/TP elements per micro-batch.
-- Pa+cpu (`cpu`): the slices live in host memory (pinned and copied on a side stream on CUDA).
-- MD (`contiguous`): the stored checkpoints of a micro-batch are copied into one pre-allocated
-  buffer (on the host with Pa+cpu), sized by `reserve` and grown only when a larger one is needed.
-
-Pa and megatron's sequence parallelism must not be combined: with SP the layer input is already
-sequence-sharded across the TP ranks (each holds s/TP of the sequence), so slicing it again would
-partition an already partitioned tensor (1/TP² per rank, gathering only 1/TP of the input back) —
-SP already removes the TP replication Pa targets; the config rejects the combination. Nothing here is
-ZeRO-stage specific: parameters are used as the model holds them. The model applies it per layer
-(pretrain/model/gpt.py's ZeroRecomputeLayer, a layer class in megatron's layer spec).
-"""
+"""ZeRO-R activation checkpoints (paper §2.5, §3.5): Pa, Pa+cpu and MD, for per-layer recomputation."""
 from fractions import Fraction
 from typing import Callable, Optional
 

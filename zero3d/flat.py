@@ -1,18 +1,4 @@
-"""The flat-buffer layer every stage shares: parameter groups packed into bucket-sharded, padded buffers.
-
-Layout of one group's flat buffer (parameters in model order):
-
-    | bucket k-1 (padded) | ... | bucket 1 (padded) | bucket 0 (padded) |
-
-Buckets hold whole parameters and are numbered in the order backward produces their gradients
-(bucket 0 = the last parameters). Each bucket is padded to a multiple of the DP size N_d and split
-into N_d equal pieces; DP rank r owns piece r of every bucket, and its shard is the concatenation
-of its pieces in buffer order. So a bucket is reduced with one reduce-scatter and published with
-one all-gather, and bucket b's piece sits at shard offset b.start / N_d.
-
-Contract (checkpoints and the gradient norm rely on it): each (parameter, DP rank) owns at most one
-contiguous range of the flattened parameter — `FlatLayout.slots_in_shard(dp_rank)` lists them.
-"""
+"""The flat-buffer layer every stage shares: parameter groups packed into bucket-sharded, padded buffers."""
 import fnmatch
 from dataclasses import dataclass
 

@@ -1,23 +1,4 @@
-"""Float8 arithmetic of the two dynamic current-scaling training recipes (torchao 0.18's `Float8LinearConfig`
-recipes "tensorwise" and "rowwise", restated here): each operand of each GEMM is scaled by its own absolute
-maximum at the moment it is cast (no amax history), cast to float8, multiplied by `torch._scaled_mm` with the
-inverse scales, and the product comes out in bf16.
-
-- tensorwise: one scale per tensor; input and weight in e4m3, the output gradient in e5m2 (its range), the
-  scales as computed (`max / amax`, in fp64 then fp32).
-- rowwise: one scale per row or column along each GEMM's contraction dimension (the input per row, the weight
-  per output row, then for the backward GEMMs per column of the re-quantized operands); every operand in e4m3;
-  scales rounded down to a power of two (so dequantizing is exact).
-
-A GEMM is written `a @ bᵀ` with both operands contiguous along the contraction dimension k ([m, k] and [n, k]):
-`_scaled_mm`'s layouts on CUDA (a row-major, b column-major) without a copy. `torch._scaled_mm`'s rules,
-measured on torch 2.13's CPU kernel and read from its meta registration (the CUDA checks): operands float8
-(e4m3fn, e5m2, and the fnuz variants); scales fp32, both one element (tensorwise) or a contiguous (m, 1) and
-(1, n) (rowwise); out_dtype any float (the CPU kernel dequantizes both operands to fp32, multiplies in fp32 and
-rounds once to out_dtype); on CUDA a must be row-major, b column-major, and k and n divisible by 16 (the CPU
-kernel checks neither; zero3d/config.py's FLOAT8_ALIGNMENT, which pretrain's config holds every FP8 GEMM to). This module imports only torch: the engine's stage 3 casts shards with it
-(`zero3d/comm/float8_gather.py`), pretrain's FP8 linear layers (`pretrain/model/fp8.py`) their operands.
-"""
+"""Float8 arithmetic of the two dynamic current-scaling training recipes, tensorwise and rowwise (torchao 0.18's)."""
 from dataclasses import dataclass
 from typing import Optional
 

@@ -1,15 +1,4 @@
-"""Stage 3's float8 parameter gather (zero.fp8_gather): a group of FP8 linear weights (parameters tagged
-zero3d.float8.FLOAT8_WEIGHT by the model) all-gathered as e4m3 codes, one byte an element, half of bf16's.
-
-Per gather of the group: every rank takes the amax of each weight's part of its shard (0 where it holds none), the
-amaxes are all-reduced (max) over the shard group (tag "fp8_amax": one fp32 per weight), each rank casts its shard
-with the weights' scales — tensorwise, the scale of the whole TP-local weight — and the codes are all-gathered bucket
-by bucket ("fp8_all_gather", the phase's tag). So the gathered codes are the whole weight cast with its own scale,
-what the FP8 linear would cast from the bf16 weight: each weight then holds an empty placeholder (one NaN element
-broadcast to its shape: read as a value, it poisons what reads it) and, as FLOAT8_GATHERED, its codes and scale,
-which the FP8 linear layers use as they are (pretrain/model/fp8.py). Recomputed at every gather: a scale is never
-older than the shard it casts (the optimizer step rewrites the shards between steps; a checkpoint load, anytime).
-"""
+"""Stage 3's float8 parameter gather (zero.fp8_gather): FP8 linear weights all-gathered as e4m3 codes and scales."""
 import torch
 
 from zero3d.float8 import E4M3, FLOAT8_GATHERED, FLOAT8_WEIGHT, Float8Weight, cast, scale_from_amax

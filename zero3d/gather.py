@@ -1,13 +1,4 @@
-"""Stage 3 gather units: which modules' parameters are materialised together, and in what order.
-
-A unit is one module whose parameters are all-gathered over DP just before it runs and freed
-after. Which modules: the caller's `units(model)` (pretrain/model/gpt.py's `gather_units` lists
-megatron's embedding, each transformer layer and the output layer), else the model's top-level
-children; every other parameter (a final layer norm…) joins a unit of the module that directly
-holds it. A parameter belongs to the first unit that holds it; a unit that uses a parameter of
-another unit (tied weights, or one `units` names as used at call time) *borrows* that unit and
-gathers it too.
-"""
+"""Stage 3 gather units: which modules' parameters are materialised together, and in what order."""
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 

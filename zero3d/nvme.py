@@ -1,15 +1,4 @@
-"""ZeRO-Infinity for the optimizer: master shards and optimizer states in files, streamed through two host buffers.
-
-Every group's fp32 master and each of the optimizer's states (`OptimizerSpec.states`) live in one file
-each (raw float32, or bfloat16 for bf16 states (`optimizer.state_dtype`), positional reads and writes with os.preadv/os.pwritev straight into page-locked
-buffers, no pickling) in a private directory under `zero.nvme_path`. The step walks the groups in chunks
-that fit one of two host buffers (`zero.nvme_buffer_bytes` for both together): while the CPU runs the
-spec's update on chunk i in one buffer, an I/O thread writes chunk i-1 back and reads chunk i+1
-into the other, so host memory for optimizer states stays at the buffer budget whatever the model size.
-
-Checkpoints: `materialized()` reads the states into ordinary host tensors (the engine's master
-shards and `optimizer.state`) for the duration of a save or load and writes them back on exit.
-"""
+"""ZeRO-Infinity for the optimizer: master shards and optimizer states in files, streamed through two host buffers."""
 import contextlib
 import os
 import shutil

@@ -1,24 +1,4 @@
-"""ZeRO-Offload: fp32 master shards and optimizer states in host memory, the optimizer step on the CPU.
-
-The engine hands over, per parameter group, a `GroupSpec`: its fp32 master (initial values, in
-master coordinates), the device tensors holding the matching compute-dtype parameter elements
-(`param_pieces`: one tensor, or one piece per bucket at stages 1/2) and the group's weight decay.
-From then on:
-
-- the master and the optimizer's states (its `OptimizerSpec.states`) live on the host (page-locked on CUDA, so copies are DMA);
-- the reduced gradient shard comes to the host: at stages 2/3 piece by piece while backward still
-  runs (`accumulate_grad`, as each bucket's reduction completes) into a host-only shard, as
-  ZeRO-Offload keeps it; at stage 1 (and for stage 3's persistent groups) whole at the step; on
-  CUDA on a side stream ordered by stream waits;
-- the step applies the engine's unscale and clip factors on the host, runs the spec's update there
-  (zero3d/optim/flat_optimizer.py with its fused kernels: AdamW's is torch's fused CPU kernel;
-  bench/bench_offload.py measures fused against foreach and single-tensor; a whole-matrix rule's exchange
-  copies the directions to the device and back), casts the updated master to the compute dtype on the host
-  and copies that into the device pieces.
-
-NVMe placement (zero3d/nvme.py) keeps the same interface with the states in files. The step order
-and the overflow decision stay the engine's: `step` is called only when the engine updates.
-"""
+"""ZeRO-Offload: fp32 master shards and optimizer states in host memory, the optimizer step on the CPU."""
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional

@@ -1,13 +1,4 @@
-"""The engine's sharded-state view: which range of each parameter this rank holds and which it writes.
-
-A checkpoint never looks at how a flat buffer is sharded; it asks this module. `owned_pieces` is the
-one place that turns the layout's shard coordinates into parameter coordinates: each (parameter,
-DP rank) owns at most one contiguous range of the flattened (TP-local) parameter.
-
-A group's tensor is either full-length (`layout.padded_numel` elements: parameters of stages 0-2,
-the replicated groups of stage 0 and stage 3's persistent ones) and indexed in flat coordinates,
-or a shard (`layout.shard_numel`) indexed in shard coordinates.
-"""
+"""The engine's sharded-state view: which range of each parameter this rank holds and which it writes."""
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol

@@ -1,54 +1,4 @@
-"""Stage 3 (Pos+g+p): parameters, gradients and optimizer states partitioned over the DP group.
-
-Layout: one bucket-sharded FlatLayout per (gather unit, decay class) — the units come from
-`EngineSettings.units` (pretrain passes megatron's embedding / layers / output layer), else the
-model's top-level children; see zero3d/gather.py. Each rank keeps only its shard of each (its piece
-of every bucket): model-dtype parameters, model-dtype gradients, the fp32 master (the parameter
-shard itself when the model is fp32, else an fp32 copy) and Adam's moments. A unit is materialised
-by one all-gather per bucket. Outside a unit's forward/backward its parameters hold no storage.
-
-Forward: a module pre-hook gathers the unit (tag "params"), first issuing the all-gathers of the
-next `prefetch_units` units so they overlap this unit's compute; a post-hook frees it. The order is
-the one recorded on the first forward (so any execution order is followed, including modules run
-out of definition order); until then, module-definition order. Eval forwards gather the same way
-(tag "params_eval") and free everything when done. On GPU, with `overlap_comm`, gathers and
-reductions are issued on a side CUDA stream.
-
-Backward: a gradient hook on the unit's outputs re-gathers it (tag "params_bwd") just before its
-backward runs, prefetching the next units in reverse recorded order; with full recomputation the
-pre-hook of the recomputed forward does it instead and the unit stays gathered through the
-recompute's backward. Gradients land in their bucket's buffer (zero3d/buckets.py); a full bucket
-(CB) is reduce-scattered (tag "grads", pre-divided as in stages 0-2) and its piece added into the
-gradient shard, so accumulation over micro-batches just adds. Once every owned gradient has
-arrived, the unit is freed. Per step (no accumulation, no recompute) that is Ψ forward + Ψ backward
-+ Ψ gradients = 3Ψ(N_d−1)/N_d elements, Ψ counted over the padded buffers (< N_d padding per
-bucket), in one collective per bucket each.
-
-Weights tied across ranks (`ParallelGroups.tied`: megatron's sequence-parallel layer norms, q/k norms at
-TP > 1, whose gradients are partial sums over the TP group): a sharded one's gradient skips its bucket
-during backward and is held whole (small: norms), accumulated over its unit's uses; once backward ends
-(`finish_backward`) each is all-reduced over its group (tag "tied_grads", in `tied`'s order on every rank)
-and added to its bucket, which is then reduce-scattered over DP into the owner's shard. A persistent one's
-gradient is summed over its group at the step, before the DP all-reduce.
-
-Shared weights: a unit that uses another unit's parameter (megatron's output layer handed the word
-embeddings when `share_embeddings_and_output_weights`, PP = 1) borrows that unit: it is gathered
-with it in forward and backward (in backward freed once the borrower's input gradient exists,
-unless the lender's own backward has begun), at the cost of one more gather of the lender each way.
-
-Persistence: a parameter with numel <= `param_persistence_threshold` is never sharded: it stays
-whole on every rank and is replicated like stage 0 (full gradient all-reduced and averaged, full
-fp32 master and Adam states), in groups "persistent/<decay class>" (state_bytes "persistent_*").
-
-Offload: with `zero.offload_params` the shards live on the host (or in memory-mapped files) and each
-gather first copies them to the device (`_device_shard`); the live-parameter budget is unchanged.
-
-Float8 gathers (zero.fp8_gather, the plan's `float8_gather`): a unit's FP8 linear weights form groups of their own
-("<unit>/<class>/float8"), gathered as float8 codes and scales by zero3d/float8_gather.py's Float8Group.
-
-Pipeline parallelism is not supported (pretrain's config refuses it): megatron's schedule interleaves
-micro-batches' forwards and backwards, which the gather order and `backward` above do not follow.
-"""
+"""Stage 3 (Pos+g+p): parameters, gradients and optimizer states partitioned over the DP group."""
 from functools import partial
 
 import torch
@@ -91,7 +41,7 @@ class ParameterShardedEngine(DataParallelEngine):
                                        pre_scale=self.pre_scale, held_elsewhere=frozenset(self.tied),
                                        overlap=settings.zero.overlap_comm, stream=self.stream,
                                        position={p: i for i, p in enumerate(model.parameters())})
-        # Tied weights (see the module docstring): sharded ones held whole, persistent ones summed in place.
+        # Tied weights (docs/engine.md, "Stage 3"): sharded ones held whole, persistent ones summed in place.
         self._tied_sharded = {p: comm for p, comm in self.tied.items() if p in self.buckets.location}
         self._tied_persistent = {p: comm for p, comm in self.tied.items() if p not in self.buckets.location}
         self._unit_of = {p: unit for unit in self.units for group in unit.groups for p in group.params}

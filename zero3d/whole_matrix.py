@@ -1,22 +1,4 @@
-"""The whole-matrix step (Muon under ZeRO and TP): each matrix's update computed from the WHOLE matrix's direction.
-
-ZeRO's flat buckets cut a matrix into DP ranks' pieces (stages 1-3) and megatron cuts it into TP shards (column-
-parallel layers by rows, row-parallel ones by columns: `ParamSlot.partition_dim`). Per optimizer step:
-
-1. owners: every matrix of a sharded group has one owner among the DP ranks, fixed at start-up, balanced over the
-   group by cost (elements × the smaller side: Newton–Schulz's matmuls), largest first, each to the least loaded
-   rank (ties: the lowest); the same on every TP rank (their layouts are the same), so a matrix's TP shards are
-   owned by one TP group;
-2. one all-to-all over the DP group (tag "muon"): each rank sends every owner its pieces of the owner's matrices;
-   the owner assembles each TP-local matrix;
-3. one all-gather over the TP group (tag "muon_tp") of the TP-partitioned matrices the rank computes: each joined
-   along its partition dimension into the full matrix, which every rank of the TP group transforms alike (the
-   same inputs and kernels: the same result) and keeps its own shard of;
-4. one all-to-all back (tag "muon"): every rank receives the update of its pieces.
-
-A matrix of a replicated group (stage 0, stage 3's persistent parameters) is whole on every DP rank: each computes
-it itself (steps 3 only). Padding and elements of no matrix get a zero update.
-"""
+"""The whole-matrix step (Muon under ZeRO and TP): each matrix's update computed from the WHOLE matrix's direction."""
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -80,7 +62,8 @@ def layout_matrices(groups: list, dp_size: int, tp_size: int) -> list:
 
 class WholeMatrixStep:
     """The optimizer's `orthogonalize`: [(group, offset, direction piece)] -> [update piece], each matrix's update
-    `transform(whole matrix)` computed as the module docstring says, over `dp` (the shard group) and `tp`."""
+    `transform(whole matrix)` computed as docs/engine.md says ("Muon's whole-matrix step"), over `dp` (the shard
+    group) and `tp`."""
 
     def __init__(self, groups: list, dp: Comm, tp: Optional[Comm], transform: Callable, device: torch.device):
         self.dp, self.tp, self.transform, self.device = dp, tp, transform, device

@@ -1,12 +1,4 @@
-"""ZeRO's communication modes (hpZ, hybrid, qwZ, qgZ), each a card: its name, its config key and the values that
-switch it on, the stages that run it and its config checks; `CommModes`, the one vocabulary (config keys ↔ the
-analysis's names "+hpZ", "qwZ+hpZ+qgZ", ...) built from the cards.
-
-A mode's card has two halves because the engine never imports the analysis (tests/unit/test_structure_homes.py):
-this half, which the config, the engine's CommPlan and the probe read, sits in the engine; the other half, its
-collectives' α-β costs and its memory terms, is analysis/modes.py, keyed by the same name, beside the α-β model and
-the estimator that read it. A new mode is its card here, its costs there, and the engine code that runs it
-(zero3d/comm/plan.py), besides its key in ZeroConfig."""
+"""ZeRO's communication modes (hpZ, hybrid, qwZ, qgZ) as cards, and `CommModes`, the one vocabulary built from them."""
 from dataclasses import dataclass
 from typing import Optional
 

@@ -1,6 +1,4 @@
-"""`CommPlan`: how a ZeRO engine's data-parallel collectives run — over which group states are sharded, how a
-gradient bucket is reduced, how a parameter bucket is gathered, what is summed across replicas — decided once
-from the communication modes and the node topology, so the stages never read a mode themselves."""
+"""`CommPlan`: how an engine's data-parallel collectives run, decided once from the modes and the node topology."""
 from typing import Optional
 
 import torch

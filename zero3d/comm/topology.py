@@ -1,6 +1,4 @@
-"""Node topology of the data-parallel group: the one rank → node rule (`node_of_rank`), which DP ranks share a node,
-and the DP group's intra-/inter-node sub-groups. The rank arithmetic imports no torch: the memory check and the
-planner read it too (`dp_ranks_per_node`); building the sub-groups does."""
+"""Node topology of the data-parallel group: the one rank → node rule and the DP group's node sub-groups."""
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Sequence

@@ -1,10 +1,4 @@
-"""The torch optimizer the engine steps: a spec's update over flat fp32 master pieces, its states in
-`optimizer.state_dtype` (fp32 or bf16), its step count, and its matrix rule's whole-matrix step (Muon).
-
-bf16 states (Megatron's precision-aware optimizer, DeepSpeed's and torchtitan's bf16 moments): the update runs in
-fp32 over chunks of STATE_CHUNK elements — each chunk's states upcast, the spec's fp32 update run, the states
-rounded back to nearest — so the fp32 temporaries stay a chunk's, whatever the model size.
-"""
+"""The torch optimizer the engine steps: a spec's update over flat fp32 master pieces, with fp32 or bf16 states."""
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 

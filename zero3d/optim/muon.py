@@ -1,17 +1,4 @@
-"""Muon (K. Jordan 2024, "Muon: An optimizer for hidden layers in neural networks"; scale by Moonshot, Liu et al.
-2025, "Muon is Scalable for LLM Training"), AdamW for the parameters it does not take.
-
-Each hidden matrix W (every 2-D parameter but embeddings and output layers, `takes_matrix`), whole:
-    b ← μ·b + g                                   (the momentum buffer, elementwise, kept sharded like any state)
-    U = g + μ·b  (Nesterov; else U = b)
-    O = NS5(U)                                    (Newton–Schulz, 5 steps, fp32, on the WHOLE matrix)
-    W ← W·(1 − lr·λ) − lr · 0.2·√max(rows, cols) · O
-NS5: X = U / (‖U‖_F + 1e-7), transposed when rows > cols; ns_steps times A = X·Xᵀ, X ← a·X + (b·A + c·A·A)·X with
-(a, b, c) = (3.4445, −4.7750, 2.0315). The 0.2·√max(rows, cols) factor gives the update AdamW's RMS (Moonshot), so
-one lr and one weight decay serve both parts. A fused matrix (megatron's QKV, SwiGLU's gate/up fc1) is one matrix,
-orthogonalized as a whole: the TP shards joined along their partition dimension are that matrix up to a row
-permutation (SwiGLU's [gate; up] per rank), which NS commutes with.
-"""
+"""Muon (Jordan 2024; scaled as Moonshot's Liu et al. 2025) for the hidden matrices, AdamW for the rest."""
 import fnmatch
 
 from zero3d.config import MuonKeys

@@ -1,8 +1,4 @@
-"""What an optimizer is to the engine (`OptimizerSpec`): its own [optimizer] keys, its states per kind of group and
-its update, elementwise over flat fp32 master pieces; optionally a rule for the parameters it takes whole (Muon).
-
-Nothing here imports torch: the config, the planner and the estimator read a spec's keys and bytes without it.
-"""
+"""What an optimizer is to the engine (`OptimizerSpec`): its keys, its states per kind of group and its update."""
 from dataclasses import dataclass
 from typing import Callable, Optional
 
