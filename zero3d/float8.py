@@ -51,9 +51,11 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, power_of_two: bool =
 def cast(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     """Float8 codes of x · scale (in fp32), saturated to the format's range (torch's own cast does not saturate). The
     product is staged in one fp32 copy, in place; a 2-D x of more than CAST_CHUNK elements a block of rows at a time
-    (`scale`: one element, (1, n), or (m, 1) sliced with the rows)."""
+    (`scale`: one element, (1, n), or (m, 1) sliced with the rows). Compiled, the cast is one kernel that stages
+    nothing, so it is never blocked: the blocks' writes would put float8 constants in it (the fill of `out`, masked
+    zeros), which Triton cannot build (`no attribute 'get_fp8e5'` on an H200, docs/gpu-check.md)."""
     top = torch.finfo(dtype).max
-    if x.numel() <= CAST_CHUNK or x.dim() != 2:
+    if x.numel() <= CAST_CHUNK or x.dim() != 2 or torch.compiler.is_compiling():
         staged = x.to(torch.float32, copy=True)
         return staged.mul_(scale).clamp_(min=-top, max=top).to(dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)

@@ -112,12 +112,16 @@ def test_scaled_mm_on_cpu_dequantizes_then_multiplies_in_fp32():
 
 
 @pytest.mark.one_core
-def test_the_function_compiles_whole_and_computes_what_eager_does():
+def test_the_function_compiles_whole_and_computes_what_eager_does(monkeypatch):
     """model.compile: the FP8 linear function is torch ops in an autograd.Function, which torch.compile (inductor)
     traces into one graph (fullgraph: no break) whose forward and backward equal eager's to the bit (tensorwise here,
-    through the weight's gathered-or-cast path; rowwise measured equal too, docs/fp8.md). ~15 s of compilation."""
+    through the weight's gathered-or-cast path; rowwise measured equal too, docs/fp8.md), eager casting in row blocks
+    (operands over CAST_CHUNK) where the compiled casts never do. ~15 s of compilation."""
+    import zero3d.float8 as float8
     from pretrain.model.fp8 import Float8LinearFunction
     from zero3d.float8 import RECIPES
+    monkeypatch.setattr(float8, "CAST_CHUNK", 256)
+    torch._dynamo.reset()
     x, w, b, g = operands(4)
     weight, bias = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
 
@@ -134,3 +138,37 @@ def test_the_function_compiles_whole_and_computes_what_eager_does():
     compiled = run(torch.compile(linear, backend="inductor", fullgraph=True))
     for a, c in zip(eager, compiled):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_float8_values_come_only_from_casts(recipe, monkeypatch):
+    """model.compile: in the graphs inductor lowers, every float8 value is a cast's output or a layout op on one,
+    never a constant, an empty buffer or a scatter, even for operands eager casts in row blocks (over CAST_CHUNK).
+    Triton builds no float8 constant: the blocks' writes, compiled, made `tl.full(..., tl.float8e5)` and failed on
+    an H200 (docs/gpu-check.md)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.decomposition import select_decomp_table
+
+    import zero3d.float8 as float8
+    from pretrain.model.fp8 import Float8LinearFunction
+    monkeypatch.setattr(float8, "CAST_CHUNK", 256)  # every operand here is over it: eager casts them in row blocks
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, decompositions=select_decomp_table())
+    x, w, b, g = operands(5)
+    weight, bias = torch.nn.Parameter(w), torch.nn.Parameter(b)
+    inputs = x.clone().requires_grad_(True)
+    compiled = torch.compile(lambda t: Float8LinearFunction.apply(t, weight, bias, float8.RECIPES[recipe], False,
+                                                                  False, None), backend=backend, fullgraph=True)
+    compiled(inputs).backward(g)
+    made = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"
+            and isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dtype in (E4M3, E5M2)}
+    casts = {"prims.convert_element_type.default"}
+    layout = {"aten.t.default", "aten.permute.default", "aten.clone.default", "aten.view.default",
+              "aten._unsafe_view.default", "aten.reshape.default", "aten.transpose.int"}
+    assert casts <= made and made <= casts | layout, made
