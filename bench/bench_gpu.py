@@ -44,6 +44,8 @@ DRY_LLAMA_SHAPE = dict(kind="llama", layers=2, hidden=64, heads=4, query_groups=
                        micro=2, dtype="fp32", rope_base=500000)
 LR = 1e-4  # both sides' constant AdamW learning rate (the loss column compares like with like, up to the init)
 NAMES = {"gpt": "GPT", "llama": "Llama"}  # shape kind → the name its rows carry
+# Each row as it is measured, on stderr: tools/gpu_check.py keeps them when a time budget stops the table unprinted
+MEASURED = "measured row: "
 PROBES = [("8B", "configs/paper/fig2_8B_zero.toml"), ("60B", "configs/paper/fig2_60B_zero.toml"),
           ("100B", "configs/paper/fig2_100B_zero.toml")]
 FP8_RECIPES = ("tensorwise", "rowwise")  # precision.fp8's recipes, each a zero3d Llama row beside bf16's (--fp8)
@@ -384,11 +386,15 @@ def main(argv=None) -> int:
         plain = [(plain_label(shape, compiled), lambda compiled=compiled: plain_row(shape, device, compiled, dry,
                                                                                       args.steps))
                  for compiled in (False, True)]
-        for label, make in (*zero3d, *float8, *plain):
+        shown = [label for label, _ in (*zero3d, *float8, *plain)]  # the table's order
+        measured = []
+        for label, make in (*plain[::-1], *zero3d, *float8):  # the baseline first: a table cut short has its ratios
             release_cuda(device)  # each row's compiled graphs and cached blocks gone before the next row's peak
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            rows.append(contained(label, shape, make))
+            measured.append(contained(label, shape, make))
+            print(MEASURED + json.dumps(measured[-1], default=str), file=sys.stderr, flush=True)  # kept if cut short
+        rows += sorted(measured, key=lambda r: shown.index(r["row"]))
     if not args.no_probes:
         release_cuda(device)  # the probes: subprocesses capped at 32 GB that these blocks must not crowd
         rows += probe_rows(dry, timeout=300, quick=args.quick, fp8=fp8)

@@ -151,12 +151,45 @@ def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+MEASURED = "measured row: "  # bench/bench_gpu.py's line for each row as it is measured (on stderr)
+
+
+class BenchCut(Exception):
+    """bench_gpu.py stopped at the time budget: the table of the rows it had measured (`text`)."""
+
+    def __init__(self, rows: list, what: str):
+        super().__init__(what)
+        lines = [f"{what}: stopped at the time budget after {len(rows)} row(s); those measured:", "",
+                 "| row | tokens/s | ÷ compiled plain | TFLOP/s | MFU | peak GiB | step s | loss |",
+                 "|---|---|---|---|---|---|---|---|"]
+        plain = {r["shape"]: r["tokens_per_s"] for r in rows if r["row"].startswith("plain PyTorch")
+                 and r["row"].endswith("compiled") and "tokens_per_s" in r}
+        for r in rows:
+            if "tokens_per_s" not in r:
+                lines.append(f"| {r.get('row')} (rc {r.get('rc')}: {r.get('error')}) | — | — | — | — | — | — | — |")
+                continue
+            peak = r["peak_bytes"] / 2**30 if r.get("peak_bytes") else None
+            speed = r["tokens_per_s"] / plain[r["shape"]] if r.get("shape") in plain else None
+            lines.append(f"| {r['row']} | {r['tokens_per_s']:.0f} | {fmt(speed, '.3f')} | {fmt(r.get('tflops'), '.3g')} | "
+                         f"{fmt(r.get('mfu'), '.1%')} | {fmt(peak, '.2f')} | {r['step_s']:.4f} | {r['loss']:.4f} |")
+        self.text = "\n".join(lines) + "\n"
+
+
+def measured_rows(stderr) -> list:
+    """The rows bench_gpu.py printed as it measured them, from its captured stderr (bytes after a timeout)."""
+    text = stderr.decode(errors="replace") if isinstance(stderr, bytes) else (stderr or "")
+    return [json.loads(line[len(MEASURED):]) for line in text.splitlines() if line.startswith(MEASURED)]
+
+
 def bench_table(env: dict, dry: bool, quick: bool, timeout: float, extra: tuple = ()) -> str:
     """bench/bench_gpu.py's table (zero3d beside the plain-PyTorch models; the rank slices in bf16 and fp16), with
     bench_gpu's `extra` arguments."""
     cmd = ([sys.executable, "-W", "ignore", "bench/bench_gpu.py"] + (["--cpu-dry-run", "--steps", "1"] if dry else [])
            + (["--quick"] if quick else []) + list(extra))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # the rows measured before the budget ran out are kept
+        raise BenchCut(measured_rows(err.stderr), f"bench/bench_gpu.py {' '.join(extra)}") from None
     if proc.returncode != 0:
         return f"bench/bench_gpu.py {' '.join(extra)} failed (rc {proc.returncode}): " + error_line(proc)[0] + "\n"
     return proc.stdout
@@ -271,8 +304,9 @@ def main(argv=None) -> int:
     elif left >= 60:
         try:
             bench = bench_table(env, args.cpu_dry_run, args.quick, timeout=left)
-        except subprocess.TimeoutExpired:
-            skipped.append("bench/bench_gpu.py: did not finish inside the time budget")
+        except BenchCut as cut:
+            bench = cut.text
+            skipped.append("bench/bench_gpu.py: did not finish inside the time budget (the rows it measured: above)")
     else:
         skipped.append("bench/bench_gpu.py: time budget")
     write_report(Path(args.out), info, results, skipped, started, bench)
@@ -286,11 +320,18 @@ PARITY_PROBES = [("Llama-3 8B recipe", []),
                  ("Llama-3 8B selective compiled", ['model.recompute="selective"', "model.compile=true"]),
                  ("Llama-3 8B selective compiled FP8", ['model.recompute="selective"', "model.compile=true",
                                                         'precision.fp8="tensorwise"'])]
+# --parity's order, each part for what it alone measures: the recipe's probe (the estimate against the GPU's peak),
+# the Llama bench (zero3d at stages 2 and 3 and in FP8 beside the compiled plain model), the other probes (the
+# slice's MFU, bf16 and FP8), the GPT bench. A bench part may run until LATER_S seconds of the budget are left for
+# what follows it; stopped there, it keeps the rows it measured.
+PARITY_ORDER = ("probe Llama-3 8B recipe", "bench Llama", "probe Llama-3 8B selective compiled",
+                "probe Llama-3 8B selective compiled FP8", "bench GPT")
+LATER_S = 180
 
 
 def parity(args, started: float) -> int:
-    """--parity: bench_gpu's Llama rows (with FP8), the 8B slice's probes, then bench_gpu's GPT rows, while the
-    budget lasts -> the report."""
+    """--parity: the 8B slice's probes and bench_gpu's Llama (with FP8) and GPT rows in PARITY_ORDER, while the budget
+    lasts -> the report."""
     env = ensure_megatron()
     if args.cpu_dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -302,16 +343,23 @@ def parity(args, started: float) -> int:
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - started)
-    order = ([("bench Llama", ["--shapes", "llama", "--fp8", "--no-probes", *steps])]
-             + [(f"probe {name}", overrides) for name, overrides in PARITY_PROBES]
-             + [("bench GPT", ["--shapes", "gpt", "--no-probes", *steps])])
-    for name, extra in order:
+    parts_by_name = {"bench Llama": ["--shapes", "llama", "--fp8", "--no-probes", *steps],
+                     **{f"probe {name}": overrides for name, overrides in PARITY_PROBES},
+                     "bench GPT": ["--shapes", "gpt", "--no-probes", *steps]}
+    for name in PARITY_ORDER:
+        extra = parts_by_name[name]
         if left() < 60:
             skipped.append(f"{name}: time budget")
             continue
         try:
             if name.startswith("bench"):
-                parts.append(bench_table(env, args.cpu_dry_run, False, timeout=left(), extra=tuple(extra)))
+                last = name == PARITY_ORDER[-1]
+                timeout = left() if last else max(60.0, left() - LATER_S)
+                try:
+                    parts.append(bench_table(env, args.cpu_dry_run, False, timeout=timeout, extra=tuple(extra)))
+                except BenchCut as cut:
+                    parts.append(cut.text)
+                    skipped.append(f"{name}: stopped at the time budget (the rows it measured are in the report)")
             else:
                 results.append(probe_row(name[len("probe "):], LLAMA_PROBE[1], env, args.cpu_dry_run, timeout=left(),
                                          overrides=extra, memory_gb=LLAMA_PROBE[2]))

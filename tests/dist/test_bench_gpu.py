@@ -2,6 +2,7 @@
 Llama shape, the throughput arithmetic is each model's FLOPs over the measured step time (Llama: grouped-query K/V and
 the gated MLP's third matrix), and compiling a plain model changes no loss; the FP8 rows (`--fp8` on a GPU) run: the
 Llama shape in precision.fp8 tensorwise and rowwise, and the Llama-3 8B rank slice probed in FP8."""
+import importlib.util
 import json
 import math
 import subprocess
@@ -39,6 +40,20 @@ def test_bench_gpu_cpu_dry_run_rows():
                           *(f"zero3d Llama ({z})" for z in zero3d), "zero3d Llama FP8 tensorwise (compiled, stage 2)",
                           "zero3d Llama FP8 rowwise (compiled, stage 2)", "plain PyTorch Llama, eager",
                           "plain PyTorch Llama, compiled", PROBE, FP8_PROBE]
+    # each training row went to stderr as it was measured: what tools/gpu_check.py keeps of a table a time budget stops
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    measured = gpu_check.measured_rows(proc.stderr.encode())  # a timeout leaves the captured stderr as bytes
+    assert sorted(measured, key=lambda r: r["row"]) == sorted(out["rows"][:12], key=lambda r: r["row"])
+    # the compiled plain model (the ratios' baseline), then the eager one, first of each shape: a cut table has them
+    assert [r["row"] for r in measured[:2]] == ["plain PyTorch GPT, compiled", "plain PyTorch GPT, eager"]
+    assert [r["row"] for r in measured[5:7]] == ["plain PyTorch Llama, compiled", "plain PyTorch Llama, eager"]
+    kept = gpu_check.BenchCut(measured[:5], "bench/bench_gpu.py").text
+    assert "after 5 row(s)" in kept and all(f"| {r['row']} | {r['tokens_per_s']:.0f} |" in kept for r in measured[:5])
+    zero3d_eager = next(r for r in measured[:5] if r["row"] == "zero3d GPT (eager, stage 2)")
+    ratio = zero3d_eager["tokens_per_s"] / measured[0]["tokens_per_s"]
+    assert f"| zero3d GPT (eager, stage 2) | {zero3d_eager['tokens_per_s']:.0f} | {ratio:.3f} |" in kept
     v = 512  # both dry shapes' vocabulary: already a multiple of 128, so megatron pads nothing
     # the hand formula itself: 2 layers × 64 hidden, GPT-2's 72·B·s·L·h²·(1 + s/6h) + 6·B·s·h·V, and the Llama shape's
     # gated MLP (3 × 64 × 160) and its K, V of 2 heads × 16 wide (beside 4 query heads)
