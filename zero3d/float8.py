@@ -73,28 +73,3 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, power_of_two: bool = False,
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, keepdim=dim is not None)  # max |x|, no |x| copy
     scale = scale_from_amax(amax, dtype, power_of_two)
     return cast(x, dtype, scale), scale
-
-
-def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                  out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """a @ bᵀ dequantized, for float8 `a` [m, k] and `b` [n, k], each contiguous along k, cast with `a_scale`
-    (one element, or (m, 1)) and `b_scale` (one element, or (n, 1)); out_dtype [m, n]."""
-    if a_scale.numel() == 1:
-        return torch._scaled_mm(a, b.t(), a_scale.reciprocal().reshape(()), b_scale.reciprocal().reshape(()),
-                                out_dtype=out_dtype, use_fast_accum=fast_accum)
-    return torch._scaled_mm(a, b.t(), a_scale.reciprocal().reshape(-1, 1).contiguous(),
-                            b_scale.reciprocal().reshape(1, -1).contiguous(), out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
-
-
-def unavailable(device: torch.device) -> Optional[str]:
-    """Why float8 matmuls cannot run on `device` (None when they can): torch without float8 dtypes or
-    `_scaled_mm`, or a CUDA GPU below compute capability 8.9 (Ada, Hopper and newer have float8 tensor cores)."""
-    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
-        return f"torch {torch.__version__} has no float8 dtypes or torch._scaled_mm"
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            return (f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}; float8 "
-                    "matmuls need 8.9 or newer (Ada, Hopper, Blackwell)")
-    return None
