@@ -46,12 +46,16 @@ def keep_or_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def selective_contexts():
     """(forward context, recomputation context) of one layer call: the policy's, and the recomputation run with
-    megatron's RNG tracker as it was when the forward began (the tensor-parallel dropout's generator)."""
+    megatron's RNG tracker as it was when the forward began (the tensor-parallel dropout's generator). Compiled (the
+    checkpoint traced into the layer's graph: TP 1), torch's two modes as they are: it refuses any other context
+    there, and the compiled graph draws its random numbers its own way (tests/dist/test_recompute.py: no dropout)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
     # A kept GEMM output that a kept in-place collective then reduces (the row-parallel all-reduce) is cached as
     # reduced, and the collective's own entry is that same tensor: the recomputation reads the reduced value, as
     # the forward's next op did.
     forward, recomputation = create_selective_checkpoint_contexts(keep_or_recompute, allow_cache_entry_mutation=True)
+    if torch.compiler.is_compiling():  # traced into a compiled layer's graph, where torch takes its own two modes only
+        return forward, recomputation
     tracker = get_cuda_rng_tracker()
     return forward, _with_tracker_states(recomputation, tracker, tracker.get_states())
 
