@@ -4,7 +4,8 @@ compiled), plus the paper's rank slices.
     python bench/bench_gpu.py [--steps 10] [--shapes both] [--json]   # on one GPU (docs/gpu-check.md)
     python bench/bench_gpu.py --cpu-dry-run                           # tiny versions of every row on CPU (a suite test)
 
-Rows, for each shape `--shapes` picks, in bf16 at TP 1, trained through zero3d (`pretrain` model + ZeRO engine, one
+Rows, for each shape `--shapes` picks, in bf16 at TP 1, AdamW with the gradients clipped to norm 1 on both sides,
+trained through zero3d (`pretrain` model + ZeRO engine, one
 rank: stage 2 eager, and its layers compiled at stages 2 and 3) and through the plain-PyTorch model below, eager and
 `torch.compile`d; each row's tokens/s and peak memory also ÷ the compiled plain model's (the parity issue's ratios):
   gpt    the 1.3B GPT-2 shape (24 layers × 2048 hidden × 16 heads, seq 2048, vocab 50257): `PlainGPT`
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
 from model_shape.flops import gpt_step_flops  # noqa: E402
+from bench.kernel_profile import kernel_profile, profile_table  # noqa: E402
 
 SHAPE = dict(kind="gpt", layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
@@ -43,6 +45,7 @@ LLAMA_SHAPE = dict(kind="llama", layers=16, hidden=2048, heads=32, query_groups=
 DRY_LLAMA_SHAPE = dict(kind="llama", layers=2, hidden=64, heads=4, query_groups=2, ffn=160, seq=32, vocab=512,
                        micro=2, dtype="fp32", rope_base=500000)
 LR = 1e-4  # both sides' constant AdamW learning rate (the loss column compares like with like, up to the init)
+CLIP = 1.0  # both sides clip the gradients' global 2-norm to this (pretrain's default): the same work each step
 NAMES = {"gpt": "GPT", "llama": "Llama"}  # shape kind → the name its rows carry
 # Each row as it is measured, on stderr: tools/gpu_check.py keeps them when a time budget stops the table unprinted
 MEASURED = "measured row: "
@@ -156,8 +159,9 @@ def tokens_batch(shape: dict, device) -> torch.Tensor:
     return torch.randint(0, shape["vocab"], (shape["micro"], shape["seq"] + 1), generator=g).to(device)
 
 
-def timed(step, steps: int, warmup: int, device) -> float:
-    """Mean seconds per `step()` over `steps` after `warmup` (compilation, allocator, optimizer states)."""
+def timed(step, steps: int, warmup: int, device, profile=None) -> float:
+    """Mean seconds per `step()` over `steps` after `warmup` (compilation, allocator, optimizer states); `profile`,
+    when given, is called with `step` after the timed steps (--profile: where the device time goes)."""
     for _ in range(warmup):
         step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -166,7 +170,10 @@ def timed(step, steps: int, warmup: int, device) -> float:
     for _ in range(steps):
         step()
     sync()
-    return (time.perf_counter() - t0) / steps
+    seconds = (time.perf_counter() - t0) / steps
+    if profile is not None:
+        profile(step)
+    return seconds
 
 
 def row(label: str, step_s: float, shape: dict, device, loss: float, peak_dtype: str = "") -> dict:
@@ -208,7 +215,7 @@ def plain_model(shape: dict) -> torch.nn.Module:
     return PlainGPT(s["layers"], s["hidden"], s["heads"], s["seq"], vocab)
 
 
-def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dict:
+def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int, profile=None) -> dict:
     torch.manual_seed(0)
     model = plain_model(shape).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=device.type == "cuda")
@@ -220,11 +227,13 @@ def plain_row(shape: dict, device, compiled: bool, dry: bool, steps: int) -> dic
         with autocast:
             loss = forward(tokens)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    step_s = timed(step, steps, warmup=2, device=device)
-    return row(plain_label(shape, compiled), step_s, shape, device, losses[-1].item())
+    found = {}
+    step_s = timed(step, steps, warmup=2, device=device, profile=profile and (lambda s: found.update(profile(s))))
+    return dict(row(plain_label(shape, compiled), step_s, shape, device, losses[-1].item()), **found)
 
 
 def free_port() -> int:
@@ -249,7 +258,7 @@ def model_overrides(shape: dict) -> list:
 
 
 def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 2, compiled: bool = False,
-               dry: bool = False) -> dict:
+               dry: bool = False, profile=None) -> dict:
     """One rank of `pretrain`: megatron GPTModel (model.attention auto, the fused chunked loss) under the ZeRO engine
     at `stage`, its layers `compiled` (model.compile: inductor; the dry run aot_eager) or eager; `fp8`: precision.fp8's
     recipe (in bf16, whatever the shape's dtype)."""
@@ -266,7 +275,8 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 
     cfg = load_config(None, model_overrides(shape) + [
         f"train.micro_batch_size={shape['micro']}", f"train.global_batch_size={shape['micro']}",
         f"precision.dtype={'bf16' if fp8 != 'none' else shape['dtype']}", f"precision.fp8={fp8}", f"zero.stage={stage}",
-        f"model.compile={'true' if compiled else 'false'}", f"optimizer.lr={LR}", "logging.wandb=false"])
+        f"model.compile={'true' if compiled else 'false'}", f"optimizer.lr={LR}", f"optimizer.clip_grad={CLIP}",
+        "logging.wandb=false"])
     topo = init_layout(cfg)
     backend = gpt.COMPILE_BACKEND
     gpt.COMPILE_BACKEND = "aot_eager" if dry else backend  # the CPU dry run: no C++ build per row
@@ -282,9 +292,11 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 
         result = engine.step(cfg.optimizer.lr, sums=loss_share(micro, topo))  # the loop's one host read
         losses.append(step_mean_loss(result, topo))
     try:
-        step_s = timed(step, steps, warmup=2, device=topo.device)
-        return row(zero3d_label(shape, fp8, stage, compiled), step_s, shape, topo.device, losses[-1],
-                   peak_dtype="fp8" if fp8 != "none" else "")
+        found = {}
+        step_s = timed(step, steps, warmup=2, device=topo.device,
+                       profile=profile and (lambda s: found.update(profile(s))))
+        return dict(row(zero3d_label(shape, fp8, stage, compiled), step_s, shape, topo.device, losses[-1],
+                        peak_dtype="fp8" if fp8 != "none" else ""), **found)
     finally:
         engine.close()
         parallel_state.destroy_model_parallel()
@@ -359,6 +371,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-probes", action="store_true", help="skip the paper rank-slice probes")
     ap.add_argument("--quick", action="store_true", help="probe only the 100B slice, in bf16")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    ap.add_argument("--profile", metavar="DIR", default="",
+                    help="after each row's timed steps, 3 more under torch.profiler: where the device time goes (kernels "
+                         "by kind, idle share, top kernels) printed after the tables, each chrome trace gzipped in DIR")
     ap.add_argument("--fp8", action="store_true",
                     help="add the FP8 rows: the Llama shape in precision.fp8 tensorwise and rowwise beside bf16, and the "
                          "Llama-3 8B rank slice probed in bf16 and FP8 (needs compute capability 8.9; the dry run "
@@ -374,17 +389,28 @@ def main(argv=None) -> int:
     if args.shapes != "both":
         shapes = {args.shapes: shapes[args.shapes]}
     rows, fp8 = [], args.fp8 or dry
+
+    def profiler(label: str):
+        """--profile: each row's steps after the timed ones, under torch.profiler (its kernels' summary in the row)."""
+        if not args.profile:
+            return None
+        os.makedirs(args.profile, exist_ok=True)
+        trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in label) + ".json.gz")
+        return lambda step: {"profile": kernel_profile(step, device, trace_to=trace)}
     for shape in shapes.values():
         release_cuda(device)  # the previous shape's compiled model must not crowd this one's rows
         zero3d = [(zero3d_label(shape, "none", stage, compiled),
-                   lambda stage=stage, compiled=compiled: zero3d_row(shape, device, args.steps, stage=stage,
-                                                                     compiled=compiled, dry=dry))
+                   lambda stage=stage, compiled=compiled: zero3d_row(
+                       shape, device, args.steps, stage=stage, compiled=compiled, dry=dry,
+                       profile=profiler(zero3d_label(shape, "none", stage, compiled))))
                   for stage, compiled in ZERO3D_ROWS]
         float8 = [(zero3d_label(shape, recipe, 2, True),
-                   lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe, compiled=True, dry=dry))
+                   lambda recipe=recipe: zero3d_row(shape, device, args.steps, recipe, compiled=True, dry=dry,
+                                                    profile=profiler(zero3d_label(shape, recipe, 2, True))))
                   for recipe in (FP8_RECIPES if fp8 and shape["kind"] == "llama" else ())]
-        plain = [(plain_label(shape, compiled), lambda compiled=compiled: plain_row(shape, device, compiled, dry,
-                                                                                      args.steps))
+        plain = [(plain_label(shape, compiled),
+                  lambda compiled=compiled: plain_row(shape, device, compiled, dry, args.steps,
+                                                      profile=profiler(plain_label(shape, compiled))))
                  for compiled in (False, True)]
         shown = [label for label, _ in (*zero3d, *float8, *plain)]  # the table's order
         measured = []
@@ -407,6 +433,8 @@ def main(argv=None) -> int:
             print(table([r for r in rows if r.get("shape") == kind], f"{gpu}; {NAMES[kind]} shape: {spec}"))
         if not args.no_probes:
             print(table([r for r in rows if "shape" not in r], f"{gpu}; the paper's rank slices (probe --real)"))
+        if args.profile:
+            print(profile_table(rows))
     return 0 if all(r.get("rc", 0) in (0, 1) for r in rows) else 1
 
 

@@ -12,13 +12,13 @@ def test_a_failing_row_is_one_line_and_the_table_goes_on(monkeypatch, capsys):
     spec.loader.exec_module(bench)
     made = []
 
-    def zero3d_row(shape, device, steps, fp8="none", stage=2, compiled=False, dry=False):
+    def zero3d_row(shape, device, steps, fp8="none", stage=2, compiled=False, dry=False, profile=None):
         made.append(bench.zero3d_label(shape, fp8, stage, compiled))
         if fp8 == "rowwise":
             raise AttributeError("'triton.compiler.ir.builder' object has no attribute 'get_fp8e5'\nmore lines")
         return bench.row(made[-1], 0.5, shape, device, 9.0)
 
-    def plain_row(shape, device, compiled, dry, steps):
+    def plain_row(shape, device, compiled, dry, steps, profile=None):
         made.append(bench.plain_label(shape, compiled))
         return bench.row(made[-1], 0.25, shape, device, 9.0)
 
