@@ -118,7 +118,7 @@ def test_step_sums_ride_in_the_norm_read(world, stage, overflow):
     if overflow:
         assert result.grad_norm == float("inf")
     else:
-        assert result.grad_norm == pytest.approx(expected, rel=1e-12)
+        assert result.grad_norm == pytest.approx(expected, rel=1e-6)  # fp32 block norms (engine.sum_of_squares)
     assert engine.step(0.1).sums == ()  # no sums: the read is the squared norm alone
     assert reads[1].numel() == 1
 
