@@ -72,10 +72,13 @@ def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int
     logits = torch.matmul(hidden, weight.t())
     if bias is not None:
         logits = logits + bias
-    logits = mask_padded_columns(logits.float(), columns)
-    top = logits.amax(dim=-1)
+    mask_padded_columns(logits, columns)
+    top = logits.amax(dim=-1).float()  # the max of the model-dtype logits is that of their fp32 values
     _tp_all_reduce(top, dist.ReduceOp.MAX, tp_group)
-    logits -= top.unsqueeze(-1)
+    if logits.dtype == torch.float32:
+        logits -= top.unsqueeze(-1)
+    else:  # fp32 logits − max in one pass over the model-dtype ones (no separate fp32 copy pass)
+        logits = torch.sub(logits, top.unsqueeze(-1))
     width = logits.shape[-1]
     local = targets - first_id
     held = (local >= 0) & (local < width)
@@ -87,6 +90,32 @@ def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int
     _tp_all_reduce(stats, dist.ReduceOp.SUM, tp_group)
     sum_exp, picked = stats[0], stats[1]
     return torch.log(sum_exp) - picked, logits, sum_exp, local, held
+
+
+def _logits_gradient(exps, sum_exp, local, held, mask, dtype, d_bias):
+    """d loss / d logits of one chunk in `dtype` (the GEMMs' operand, as megatron's backward): (softmax − one-hot) ×
+    the token's mask, computed in fp32 from `exps` = exp(logits − max) (overwritten) and rounded once to `dtype`;
+    `d_bias` (fp32), when given, gets its column sums. In a model dtype the softmax is written in `dtype` straight from
+    the division (or the mask's product) and the targets' entries are set after, from their fp32 values: the same
+    numbers as rounding the fp32 gradient, in two passes over the chunk fewer."""
+    rows = torch.arange(exps.shape[0], device=exps.device)
+    if dtype == torch.float32 or d_bias is not None:
+        exps /= sum_exp.unsqueeze(-1)
+        exps[rows, local] -= held.float()  # softmax − one-hot: d loss / d logits, this rank's columns
+        if mask is not None:  # each token's share of the gradient backward will scale by one number
+            exps *= mask.unsqueeze(-1)
+        if d_bias is not None:
+            d_bias += exps.sum(dim=0)
+        return exps.to(dtype)
+    out = torch.empty(exps.shape, dtype=dtype, device=exps.device)
+    if mask is None:
+        torch.div(exps, sum_exp.unsqueeze(-1), out=out)
+        targets = exps[rows, local] / sum_exp - held.float()
+    else:
+        torch.mul(exps.div_(sum_exp.unsqueeze(-1)), mask.unsqueeze(-1), out=out)
+        targets = (exps[rows, local] - held.float()) * mask
+    out[rows, local] = targets.to(dtype)
+    return out
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -110,14 +139,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                                                                             first_id, tp_group)
             if not needs_grad:
                 continue
-            softmax /= sum_exp.unsqueeze(-1)
-            rows = torch.arange(softmax.shape[0], device=softmax.device)
-            softmax[rows, local] -= held.float()  # softmax − one-hot: d loss / d logits, this rank's columns
-            if loss_mask is not None:  # each token's share of the gradient backward will scale by one number
-                softmax *= loss_mask[part].unsqueeze(-1)
-            if d_bias is not None:
-                d_bias += softmax.sum(dim=0)
-            grad_logits = softmax.to(weight.dtype)  # the GEMMs' operand in the model dtype, as megatron's backward
+            grad_logits = _logits_gradient(softmax, sum_exp, local, held,
+                                           None if loss_mask is None else loss_mask[part], weight.dtype, d_bias)
             del softmax  # (fp32: the same tensor) no fp32 copy beside the model-dtype one
             torch.matmul(grad_logits, weight, out=d_hidden[part])
             if weight.dtype == torch.float32:  # (addmm with out=, not addmm_: what torch's FLOP counter sees)

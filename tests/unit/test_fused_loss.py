@@ -5,7 +5,7 @@ losses, and the model path: tests/dist/test_loss.py.)"""
 import pytest
 import torch
 
-from pretrain.model.loss import NOT_PROPORTIONAL, chunked_loss
+from pretrain.model.loss import NOT_PROPORTIONAL, _logits_gradient, chunked_loss
 
 S, B, H, WIDTH, VOCAB, CHUNK = 7, 3, 16, 40, 29, 4  # 21 tokens in chunks of 4 (the last 1); rows 29..39 padding
 
@@ -73,6 +73,41 @@ def test_half_precision_fused_loss_within_its_rounding_of_fp32(dtype):
     for name, a, b in zip(("loss", "hidden", "weight", "bias"), got, expected):
         assert a.dtype == (torch.float32 if name == "loss" else dtype), name
         assert (a.float() - b).abs().max() <= 4 * u * b.abs().max(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_without_a_bias_within_its_rounding_of_fp32(dtype):
+    """The output layer as GPT and Llama models have it (no bias): the model-dtype gradient written straight from the
+    softmax's division (the path a bias does not take), within the same 4 units of rounding as above."""
+    hidden, weight, _, labels, mask = inputs(dtype)
+    expected = reference(hidden, weight, torch.zeros(WIDTH), labels, mask)
+    per_token = chunked_loss(hidden, weight, None, labels, CHUNK, False, None, VOCAB, loss_mask=mask)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for name, a, b in (("loss", per_token.detach(), expected[0]), ("hidden", hidden.grad, expected[1]),
+                       ("weight", weight.grad, expected[2])):
+        assert (a.float() - b).abs().max() <= 4 * u * b.abs().max(), name
+    assert weight.grad[VOCAB:].abs().max() == 0  # padded rows: no gradient
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_model_dtype_logits_gradient_is_the_fp32_one_rounded_once(dtype, masked):
+    """d loss / d logits in the model dtype: bit for bit ((exp / Σexp) − one-hot) × mask computed in fp32, then
+    rounded once, for targets held on this rank or not (a TP shard)."""
+    g = torch.Generator().manual_seed(1)
+    n, width = 9, 33
+    exps = torch.rand(n, width, generator=g) * torch.rand(n, 1, generator=g)
+    sum_exp = exps.sum(dim=-1) * 1.3  # other TP ranks' exps too
+    local = torch.randint(0, width, (n,), generator=g)
+    held = torch.rand(n, generator=g) > 0.3
+    local = torch.where(held, local, 0)
+    mask = torch.linspace(0, 2, n) if masked else None
+    onehot = torch.zeros(n, width)
+    onehot[torch.arange(n), local] = held.float()
+    expected = (exps / sum_exp.unsqueeze(-1) - onehot) * (mask.unsqueeze(-1) if masked else 1.0)
+    got = _logits_gradient(exps.clone(), sum_exp, local, held, mask, dtype, None)
+    assert got.dtype == dtype and torch.equal(got, expected.to(dtype))
 
 
 def test_a_gradient_not_the_loss_mask_times_one_number_is_refused():
