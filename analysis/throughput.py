@@ -94,6 +94,7 @@ _LLAMA_8B = GPTShape(32, 4096, 32, 8192, 128256, ffn=14336, query_groups=8, mlp=
 _EAGER, _COMPILED = KernelPath("fused"), KernelPath("fused", compiled=True)
 _BENCH_26, _BENCH_27 = ("Throughput per rank: zero3d beside plain PyTorch", "Llama and GPT beside plain PyTorch")
 _SLICE_26, _PARITY_28 = "A Llama-shaped rank slice", "Parity and FP8 on an H200, measured"
+_PROFILE_28 = "Parity, FP8 and where the step's time goes"
 
 # zero3d's own rows of docs/gpu-check.md (tests/unit/test_throughput.py finds each there, with its step time). Before
 # the fused loss landed (2026-11-28) the 1,024-token loss chunks ran their output GEMM again in backward. The paper's
@@ -115,6 +116,12 @@ MEASURED_ROWS = (
     MeasuredRow("zero3d GPT (eager, stage 2)", _PARITY_28, "H200", _EAGER, _GPT_1P3B, 4, 0.1791),
     MeasuredRow("zero3d GPT (compiled, stage 2)", _PARITY_28, "H200", _COMPILED, _GPT_1P3B, 4, 0.1785),
     MeasuredRow("zero3d GPT (compiled, stage 3)", _PARITY_28, "H200", _COMPILED, _GPT_1P3B, 4, 0.1820),
+    MeasuredRow("as the recipe runs: full recomputation, eager", _PROFILE_28, "H200", _EAGER, _LLAMA_8B, 8, 14.18,
+                "full"),
+    MeasuredRow('`model.recompute = "selective"`, `model.compile = true`', _PROFILE_28, "H200", _COMPILED, _LLAMA_8B,
+                8, 8.46, "selective"),
+    MeasuredRow('the same in `precision.fp8 = "tensorwise"`', _PROFILE_28, "H200",
+                KernelPath("fused", True, "tensorwise"), _LLAMA_8B, 8, 11.92, "selective"),
     # Megatron-LM's single-V100 baseline (Shoeybi et al. 2019): 39 of 125 TFLOP/s, materialised attention, fp16
     PublishedShare("Megatron-LM, one V100 (Shoeybi et al. 2019)", "V100", KernelPath(), 39e12 / 125e12),
 )
@@ -141,7 +148,7 @@ FALLBACKS = (("attention", "compiled", "float8"), ("attention", "float8"), ("flo
 def efficiency(gpu: str, path: KernelPath, rows=MEASURED_ROWS) -> Efficiency:
     """The mean efficiency of the `rows` measured on `gpu` (a GPU_KINDS key) along `path`; where there are none, of the
     rows on any GPU alike in the first of FALLBACKS' fields that finds some (Efficiency.match says which). The rows do
-    not separate shape classes measurably (eager on the H200: GPT 1.3B 41–42%, Llama-3 8B 38–41% of peak), so a shape
+    not separate shape classes measurably (eager on the H200: GPT 1.3B 41–42%, Llama-3 8B 36–41% of peak), so a shape
     takes its GPU and path's mean."""
     if not rows:
         raise ValueError("no measured rows to take the efficiency from")

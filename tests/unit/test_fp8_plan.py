@@ -56,6 +56,7 @@ def test_no_float8_on_an_a100_and_fp8_gather_layouts_have_no_hpz_or_qwz():
     found = plan(H100, **args, float8="tensorwise", fp8_gather=True)
     modes = [CommModes.named(c.zero.zeropp) for c in found if c.zero.stage == 3]
     assert modes and not any(m.secondary_partition or m.weight_bits for m in modes)
-    # timed at the share of peak the float8 row measured (docs/gpu-check.md: 0.70× bf16 on the H200), not bf16's
-    share = next(r for r in MEASURED_ROWS if r.path.float8 == "tensorwise").efficiency
+    # timed at the share of peak the float8 rows measured (docs/gpu-check.md: 0.70× bf16 on the H200), not bf16's
+    rows = [r.efficiency for r in MEASURED_ROWS if r.path.float8 == "tensorwise"]
+    share = sum(rows) / len(rows)
     assert H100.efficiency_along(KernelPath.of(found[0].step)).value == share < 0.25
