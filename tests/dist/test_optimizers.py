@@ -1,6 +1,6 @@
 """Each named optimizer (optimizer.name) under ZeRO, on an odd shape at DP 3: one rank equals a plain single-process
 optimizer written here from its published rule; TP 2 × DP 3 at stages 1–3, offloaded (and Muon at stage 0 and
-PP 2 × DP 3) equals one rank within 1e-5 over 10 steps (fp32); Muon's exchange is counted by Comm."""
+PP 2 × DP 3) equals one rank within 1e-5 over 6 steps (fp32); Muon's exchange is counted by Comm."""
 import math
 
 import pytest
@@ -10,12 +10,12 @@ from checkpoint_harness import CKPT_BASE, train_segment
 from gpt_harness import SyntheticTokens, Unwrapped, init_by_global_name, run_gpt_steps
 from ranks import run_ranks
 
-STEPS = 10
+STEPS = 6  # a layout's mistake shows in the first steps; each optimizer's lr moves the loss far past the tolerance
 # hidden 36 over 6 heads (3 a TP rank), ffn 60: matrices of 108 × 36, 36 × 36, 60 × 36, 36 × 60 cut mid-row by DP 3's
 # pieces; 12 samples a step divide by DP 1, 3, 6; the vocabulary padded to 128 at TP 1 and TP 2 (layout_free_init).
 ODD = ["model.hidden_size=36", "model.num_attention_heads=6", "model.ffn_hidden_size=60", "train.global_batch_size=12",
        "model.make_vocab_size_divisible_by=64"]
-# each optimizer with an lr that moves the loss by far more than the tolerance in 10 steps
+# each optimizer with an lr that moves the loss by far more than the tolerance in 6 steps
 OPTIMIZERS = {
     "adamw": ["optimizer.name=adamw"],
     "lion": ["optimizer.name=lion", "optimizer.lr=3e-4", "optimizer.min_lr=3e-4", "optimizer.beta2=0.99"],
@@ -207,7 +207,7 @@ def one_rank():
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_one_rank_is_the_published_rule(one_rank, name):
     """zero3d at one rank (flat buffers, the spec's update; Muon's hidden matrices whole) = the plain optimizer, losses
-    and gradient norms within 1e-5 relative over 10 steps (fp32: the update's ulps compound through the steps), and the
+    and gradient norms within 1e-5 relative over 6 steps (fp32: the update's ulps compound through the steps), and the
     loss moves by far more than that."""
     engine, reference = one_rank[name]["engine"], one_rank[name]["reference"]
     assert abs(reference["loss"][-1] - reference["loss"][0]) > 100 * 1e-5 * reference["loss"][0]
