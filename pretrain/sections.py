@@ -84,8 +84,9 @@ class ModelConfig(Section):
     of the loss kept between forward and backward, any function of the per-token losses differentiable)."""
     compile: Literal["auto", True, False] = "auto"
     """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it: true, false, or
-    auto (the default) = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains). On an H200 the
-    compiled layers ran 1–5% faster than eager (docs/gpu-check.md: `tools/gpu_check.py --parity` measures both)."""
+    auto (the default) = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains) and with Transformer
+    Engine's layers (not measured compiled). On an H200 the compiled layers ran 1–5% faster than eager
+    (docs/gpu-check.md: `tools/gpu_check.py --parity` measures both)."""
     position_embedding: Literal["learned", "rope"] = "learned"
     """learned: GPT-2's absolute position table (seq_length × hidden); rope: rotary embeddings (Llama)."""
     rope_base: int = 10000

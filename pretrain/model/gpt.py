@@ -244,7 +244,8 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
         from pretrain.model.attention import shared_attention_bias
         model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)
-    if compiles(cfg.model.compile, on_cuda):  # each layer's forward through torch.compile; hooks (ZeRO's) stay eager
+    te_layers = any(type(module).__module__.startswith("transformer_engine") for module in model.modules())
+    if compiles(cfg.model.compile, on_cuda, te_layers):  # each layer's forward compiled; hooks (ZeRO's) stay eager
         from megatron_patches import no_warnings_inside_layers
         no_warnings_inside_layers()
         for layer in model.decoder.layers:
@@ -257,9 +258,11 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     return model.to(device=device, dtype=DTYPES[cfg.precision.dtype])
 
 
-def compiles(choice, on_cuda: bool) -> bool:
-    """Whether model.compile = `choice` compiles the layers: true, false, or "auto" = on CUDA only."""
-    return on_cuda if choice == "auto" else bool(choice)
+def compiles(choice, on_cuda: bool, te_layers: bool = False) -> bool:
+    """Whether model.compile = `choice` compiles the layers: true, false, or "auto" = on CUDA with megatron's local
+    layers (measured faster there: docs/gpu-check.md); Transformer Engine's layers (their own fused kernels, never
+    measured compiled) stay eager under auto."""
+    return (on_cuda and not te_layers) if choice == "auto" else bool(choice)
 
 
 def _has_sdpa(model) -> bool:
