@@ -96,6 +96,17 @@ _BENCH_26, _BENCH_27 = ("Throughput per rank: zero3d beside plain PyTorch", "Lla
 _SLICE_26, _PARITY_28 = "A Llama-shaped rank slice", "Parity and FP8 on an H200, measured"
 _PROFILE_28 = "Parity, FP8 and where the step's time goes"
 
+def _h200_slice_rows(section: str, full_s: float, selective_s: float, fp8_s: float) -> tuple:
+    """tools/gpu_check.py --parity's three probes of the Llama-3 8B slice on an H200 (8 samples a step): as the recipe
+    runs (full recomputation, eager), selective recomputation with compiled layers, and that in FP8 tensorwise."""
+    return (MeasuredRow("as the recipe runs: full recomputation, eager", section, "H200", _EAGER, _LLAMA_8B, 8, full_s,
+                        "full"),
+            MeasuredRow('`model.recompute = "selective"`, `model.compile = true`', section, "H200", _COMPILED, _LLAMA_8B,
+                        8, selective_s, "selective"),
+            MeasuredRow('the same in `precision.fp8 = "tensorwise"`', section, "H200",
+                        KernelPath("fused", True, "tensorwise"), _LLAMA_8B, 8, fp8_s, "selective"))
+
+
 # zero3d's own rows of docs/gpu-check.md (tests/unit/test_throughput.py finds each there, with its step time). Before
 # the fused loss landed (2026-11-28) the 1,024-token loss chunks ran their output GEMM again in backward. The paper's
 # rank slices (materialised attention, their TP peers faked by the probe) are not rows.
@@ -107,21 +118,11 @@ MEASURED_ROWS = (
     MeasuredRow("zero3d GPT 1.3B (as above)", _BENCH_27, "H200", _EAGER, _GPT_1P3B, 4, 0.1872, loss_recompute=True),
     MeasuredRow("compute per step (forward 5.52 s, backward 7.82 s, reduction + step + gather 0.03 s)", _SLICE_26,
                 "H200", _EAGER, _LLAMA_8B, 8, 13.37, "full", loss_recompute=True),
-    MeasuredRow("as the recipe runs: full recomputation, eager", _PARITY_28, "H200", _EAGER, _LLAMA_8B, 8, 12.42,
-                "full"),
-    MeasuredRow('`model.recompute = "selective"`, `model.compile = true`', _PARITY_28, "H200", _COMPILED, _LLAMA_8B,
-                8, 8.16, "selective"),
-    MeasuredRow('the same in `precision.fp8 = "tensorwise"`', _PARITY_28, "H200",
-                KernelPath("fused", True, "tensorwise"), _LLAMA_8B, 8, 11.64, "selective"),
+    *_h200_slice_rows(_PARITY_28, 12.42, 8.16, 11.64),
     MeasuredRow("zero3d GPT (eager, stage 2)", _PARITY_28, "H200", _EAGER, _GPT_1P3B, 4, 0.1791),
     MeasuredRow("zero3d GPT (compiled, stage 2)", _PARITY_28, "H200", _COMPILED, _GPT_1P3B, 4, 0.1785),
     MeasuredRow("zero3d GPT (compiled, stage 3)", _PARITY_28, "H200", _COMPILED, _GPT_1P3B, 4, 0.1820),
-    MeasuredRow("as the recipe runs: full recomputation, eager", _PROFILE_28, "H200", _EAGER, _LLAMA_8B, 8, 14.18,
-                "full"),
-    MeasuredRow('`model.recompute = "selective"`, `model.compile = true`', _PROFILE_28, "H200", _COMPILED, _LLAMA_8B,
-                8, 8.46, "selective"),
-    MeasuredRow('the same in `precision.fp8 = "tensorwise"`', _PROFILE_28, "H200",
-                KernelPath("fused", True, "tensorwise"), _LLAMA_8B, 8, 11.92, "selective"),
+    *_h200_slice_rows(_PROFILE_28, 14.18, 8.46, 11.92),
     # Megatron-LM's single-V100 baseline (Shoeybi et al. 2019): 39 of 125 TFLOP/s, materialised attention, fp16
     PublishedShare("Megatron-LM, one V100 (Shoeybi et al. 2019)", "V100", KernelPath(), 39e12 / 125e12),
 )
