@@ -32,13 +32,11 @@ def one_gloo_group_per_rank_set():
 
 
 def destroy_megatron_groups() -> None:
-    """End every group megatron built (their sockets and polling threads), the world group kept: 0.16.1's
-    destroy_model_parallel only forgets them and keeps _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP. The barrier
-    first: gloo's connectFullMesh returns on a rank once its side of each pair is up, so ending the groups
-    at once closed sockets a slower peer was still handshaking on ("Connection closed by peer")."""
+    """End every group megatron built, their sockets and polling threads with them; the world group stays.
+    megatron's destroy_model_parallel only forgets its groups, and 0.16.1's keeps one of them
+    (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP), so a process building layout after layout held them all."""
     from megatron.core import parallel_state
     groups = {id(g): g for g in parallel_state._global_process_group_list or [] if g is not None}
-    dist.barrier()
     parallel_state.destroy_model_parallel()
     parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None
     for group in groups.values():

@@ -187,6 +187,11 @@ def init_layout(cfg: Config, launch: Optional[dict] = None, device: Optional[tor
     model_parallel_cuda_manual_seed(cfg.train.seed)
     gpus_per_node = layout_gpus_per_node(cfg, launch)
     node = node_topology(cfg, launch["world_size"], gpus_per_node) if cfg.zero.node_aware() else None
+    if dist.get_backend() == "gloo":
+        # gloo's connectFullMesh returns on a rank once its own side of each pair is up: a rank that went on to end
+        # its groups (a layout rebuilt) closed sockets a slower peer was still handshaking on ("Connection closed
+        # by peer", once in CI). Past this barrier every rank has built every group.
+        dist.barrier()
     return Layout(node=node, gpus_per_node=gpus_per_node,
                   rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                   tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),
