@@ -96,6 +96,7 @@ _BENCH_26, _BENCH_27 = ("Throughput per rank: zero3d beside plain PyTorch", "Lla
 _SLICE_26, _PARITY_28 = "A Llama-shaped rank slice", "Parity and FP8 on an H200, measured"
 _PROFILE_28 = "Parity, FP8 and where the step's time goes"
 
+
 def _h200_slice_rows(section: str, full_s: float, selective_s: float, fp8_s: float) -> tuple:
     """tools/gpu_check.py --parity's three probes of the Llama-3 8B slice on an H200 (8 samples a step): as the recipe
     runs (full recomputation, eager), selective recomputation with compiled layers, and that in FP8 tensorwise."""

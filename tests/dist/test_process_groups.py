@@ -44,3 +44,33 @@ def test_one_gloo_group_per_rank_set_and_none_left_after_a_rebuild():
             assert sorted(built["member_sets"]) == expected, f"rank {rank}: {built['member_sets']}"
             assert built["polling_threads"] == len(expected)
         assert rounds[ROUNDS]["polling_threads"] == 1  # the world group's alone
+
+
+def _layout_times(rank, world_size, late_s):
+    """(when this rank's init_layout returned, when its last step before the closing barrier ended): rank 1 spends
+    `late_s` longer after building its groups, as a slow rank still in gloo's connectFullMesh would."""
+    import time
+
+    from pretrain.config import load_config
+    from pretrain.runtime import layout
+    resolve, done = layout.layout_gpus_per_node, {}
+
+    def slow_on_rank_1(cfg, launch):
+        time.sleep(late_s if rank == 1 else 0)
+        done["built"] = time.time()
+        return resolve(cfg, launch)
+
+    layout.layout_gpus_per_node = slow_on_rank_1
+    layout.init_layout(load_config(None, BASE + [f"parallel.tensor={TP}", "train.global_batch_size=12"]))
+    returned = time.time()
+    layout.destroy_model_parallel_groups()
+    return returned, done["built"]
+
+
+def test_no_rank_leaves_init_layout_before_every_rank_has_built_its_groups():
+    """A rank that left init_layout and ended its groups at once closed sockets a slower peer was still handshaking
+    on (CI: "Connection closed by peer" in connectFullMesh): with rank 1 two seconds slower after its groups, every
+    rank returns after rank 1 got there."""
+    times = run_ranks(_layout_times, TP * DP, 2.0, timeout=180)
+    slow_rank_done = times[1][1]
+    assert all(returned >= slow_rank_done for returned, _ in times), (slow_rank_done, times)
