@@ -11,6 +11,9 @@ from pretrain.runtime.layout import init_layout
 from pretrain.step import forward_backward, mean_loss
 from pretrain.train import Batches, engine_settings
 
+# Steps of every run compared across stages and layouts through the dist tier's cache (tests/dist/conftest.py's
+# gpt_run): test_zero, test_stage3, test_offload and test_comm_accumulation train the same runs once between them.
+REFERENCE_STEPS = 8
 BUCKET_ELEMENTS = 4000  # zero.bucket_elements of every run unless overridden
 BASE = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=16",
         "model.vocab_size=128", "train.micro_batch_size=2", "train.global_batch_size=8",

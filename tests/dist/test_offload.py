@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from checkpoint_harness import train_segment
-from gpt_harness import run_gpt_steps
+from gpt_harness import REFERENCE_STEPS, run_gpt_steps
 from ranks import run_ranks
 
-STEPS = 10
+STEPS = REFERENCE_STEPS  # the device references are test_zero.py's and test_stage3.py's runs
 
 
 def run(tp, stage, extra=(), steps=STEPS, inject_inf_at=None):

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from gpt_harness import assert_bucket_layout, assert_close_runs, run_gpt_steps
+from gpt_harness import REFERENCE_STEPS, assert_bucket_layout, assert_close_runs, run_gpt_steps
 
 LAYOUTS = [(1, 2), (1, 4), (2, 2), (2, 4)]  # (TP, DP)
 
 
-def run(gpt_run, tp, dp, stage, extra=(), steps=8):
-    """Cached: stage-0 references are shared between tests."""
+def run(gpt_run, tp, dp, stage, extra=(), steps=REFERENCE_STEPS):
+    """Cached: stage-0 references are shared between tests (and with test_zero.py's)."""
     overrides = [f"parallel.tensor={tp}", f"zero.stage={stage}", *extra]
     return gpt_run(tp * dp, overrides, steps)
 

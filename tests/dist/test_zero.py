@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from gpt_harness import assert_bucket_layout, assert_close_runs
+from gpt_harness import REFERENCE_STEPS, assert_bucket_layout, assert_close_runs
 
-STEPS = 10  # each step compared; the loss of one step is one batch's, so "it trains" compares 3-step means
+STEPS = REFERENCE_STEPS  # each step compared; the loss of one step is one batch's, so "it trains" compares 3-step means
 LAYOUTS = [(1, 2), (1, 4), (2, 2)]  # (TP, DP); TP 2 × DP 3, DP 6 on 2 nodes × 3 and 3 × 2: test_asymmetric.py
 
 
@@ -32,7 +32,7 @@ def test_stage1_bf16_is_bitwise_stage0(gpt_run):
     """Stage 1 reduces the same bf16 sums as stage 0 (one reduce-scatter of the same buffer instead of
     one all-reduce) and updates the same fp32 masters: today the runs are bit for bit the same."""
     extra = ["precision.dtype=bf16", "train.global_batch_size=8"]
-    ref, out = run(gpt_run, 2, 2, 0, extra, steps=8), run(gpt_run, 2, 2, 1, extra, steps=8)
+    ref, out = run(gpt_run, 2, 2, 0, extra), run(gpt_run, 2, 2, 1, extra)
     assert_close_runs(ref, out, rtol=0)
     assert_trains(out, tolerance=0)
 
@@ -42,7 +42,7 @@ def test_stage2_bf16_matches_stage0_within_bf16_rounding(gpt_run):
     reduces): one more bf16 rounding (u = 2^-9) of the gradient a step. Over S steps the loss, a mean
     over T tokens of independent per-token errors, moves by at most S·u/√T relative."""
     extra = ["precision.dtype=bf16", "train.global_batch_size=8"]
-    steps, tokens = 8, 8 * 16  # global batch × seq_length
+    steps, tokens = STEPS, 8 * 16  # global batch × seq_length
     ref, out = run(gpt_run, 2, 2, 0, extra, steps=steps), run(gpt_run, 2, 2, 2, extra, steps=steps)
     rtol = steps * 2.0 ** -9 / math.sqrt(tokens)
     for r_ref, r_out in zip(ref, out):
