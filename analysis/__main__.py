@@ -10,10 +10,10 @@ from analysis.estimate import (ATTENTION_KINDS, DEFAULT_MARGIN_FRACTION, GB, GIB
                                OptimizerStates, Parallelism, Step, ZeroChoice, estimate, format_breakdown,
                                model_state_bytes, padded_vocab)
 from analysis.float8 import FLOAT8_RECIPES
+from analysis.modes import ANALYSED
 from analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                        offload_breakdown)
 from model_shape.gpt import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
-from zero3d.comm.modes import ANALYSED
 from zero3d.config import ZeroConfig
 from zero3d.optim import SPECS, STATE_DTYPES
 

@@ -5,8 +5,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from analysis.link_collectives import DPPass, LinkCollective, ring_collective  # noqa: F401 (LinkCollective: readers)
-from analysis.modes import FLOAT8_REFUSED, mode_costs
-from zero3d.comm.modes import CommModes, stage_modes
+from analysis.modes import FLOAT8_REFUSED, mode_costs, named_modes, stage_modes
 from zero3d.comm.topology import node_of_rank
 
 
@@ -157,7 +156,7 @@ def context_bytes_per_step(*, seq: int, kv_width: int, layers: int, micro_batch:
 
 # The modes the engine runs at each stage ("" = plain): hybrid sharding (zero.hybrid = "node") at 1-3,
 # qgZ (zero.quantize_gradients) at 2-3, hpZ (zero.secondary_partition) and qwZ (zero.quantize_weights) at 3
-STAGE_MODES = {stage: stage_modes(stage) for stage in range(4)}  # names: zero3d/comm/modes.py
+STAGE_MODES = {stage: stage_modes(stage) for stage in range(4)}  # names: analysis/modes.py
 PLAIN_ROW = "stage 3"
 ZEROPP_MODES = (PLAIN_ROW,) + STAGE_MODES[3][1:]  # the --zeropp report's rows (PLAIN_ROW: plain stage 3)
 
@@ -228,7 +227,7 @@ def dp_collectives(stage: int, mode: str, psi: int, dp: int, per_node: int, valu
         buckets = len(pieces)
     n, m, k, a = dp, per_node, dp // per_node, accumulation
     full = Fraction(psi * value_bytes)
-    modes = CommModes.named(mode)
+    modes = named_modes(mode)
     if float8_elements and (stage != 3 or modes.gathers_own_format):
         raise ValueError(f"{FLOAT8_REFUSED}; got stage {stage}, mode {mode!r}")
     cards = mode_costs(modes)

@@ -2,8 +2,8 @@
 import dataclasses
 
 from analysis.activations import mlp_activation_bytes
+from analysis.modes import NODE_SPLITTING
 from model_shape.gpt import GPTShape
-from zero3d.comm.modes import NODE_SPLITTING
 
 
 def valid_context_sizes(seq: int, ranks: int) -> list:

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from analysis.modes import mode_name, named_modes
 from zero3d.comm.modes import CARDS, CommModes
 from zero3d.config import ZeroConfig
 
@@ -61,13 +62,13 @@ class ZeroChoice:
         """A run's `[zero]` section as the analysis reads it."""
         return cls(stage=zero.stage, pa=zero.partition_activations, pa_cpu=zero.cpu_checkpointing,
                    offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
-                   zeropp=zero.comm_modes().name, bucket_elements=zero.bucket_elements,
+                   zeropp=mode_name(zero.comm_modes()), bucket_elements=zero.bucket_elements,
                    prefetch_units=zero.prefetch_units, fp8_gather=zero.fp8_gather,
                    nvme_buffer_bytes=zero.nvme_buffer_bytes)
 
     @property
     def modes(self) -> CommModes:
-        return CommModes.named(self.zeropp)
+        return named_modes(self.zeropp)
 
     @property
     def offloaded(self) -> bool:
@@ -133,5 +134,5 @@ def job_of(**fields) -> tuple:
     given = {cls: {k: v for k, v in fields.items() if names[k] is cls} for cls in objects}
     given[ZeroChoice].setdefault("stage", ZeroConfig.stage)
     if modes.node_aware:
-        given[ZeroChoice]["zeropp"] = modes.name
+        given[ZeroChoice]["zeropp"] = mode_name(modes)
     return tuple(cls(**given[cls]) for cls in objects)

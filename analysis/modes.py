@@ -1,16 +1,59 @@
-"""Each communication mode's costs and memory terms: the analysis's half of the mode's card, keyed by its name.
+"""Each communication mode's name, costs and memory terms: the analysis's half of the mode's card, keyed by its name.
 
 The other half (its config key, checks and stages) is zero3d/comm/modes.py, in the engine, which the config and the
-engine's CommPlan read; the engine never imports the analysis, so a mode's collectives' α-β costs and its memory
-terms, which need the analysis's arithmetic (analysis/link_collectives.py, analysis/model_states.py), sit here, one
-class per mode, beside each other. The α-β model (comm_model.dp_collectives), the estimator (estimate.py) and the
---zeropp report ask every mode on (CommModes.cards, in name order) what it changes of plain ZeRO; `COSTS` registers
-each card by the name the engine's half gives it."""
+engine's CommPlan read; the engine never imports the analysis, so the names the analysis gives modes ("+hpZ",
+"qwZ+hpZ+qgZ": `named_modes`, `mode_name`), a mode's collectives' α-β costs and its memory terms, which need the
+analysis's arithmetic (analysis/link_collectives.py, analysis/model_states.py), sit here, one class per mode, beside
+each other. The α-β model (comm_model.dp_collectives), the estimator (estimate.py) and the --zeropp report ask every
+mode on (`mode_costs`, in name order) what it changes of plain ZeRO; `COSTS` registers each card by the name the
+engine's half gives it."""
 from fractions import Fraction
 
 from analysis.link_collectives import DPPass, LinkCollective, quantized_copy_bytes, ring_collective
 from analysis.model_states import ADAMW_FP32, PRECISIONS, OptimizerStates, model_state_bytes
-from zero3d.comm.modes import CommModes
+from zero3d.comm.modes import CARDS, CommModes
+
+BY_NAME = {card.name: card for card in CARDS}
+# A mode's short name, in the order names join ("qwZ+hpZ+qgZ"); one mode alone is "+" + its name.
+ORDER = ("qwZ", "hpZ", "qgZ", "hybrid")
+# The combinations the analysis models at each stage ("" = plain ZeRO), by name.
+ANALYSED = ("", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")
+# A quantizing mode's bits as the analysis models it: the paper's int8 weights and int4 gradients (the engine also
+# runs int8 gradients).
+ANALYSED_BITS = {"qwZ": 8, "qgZ": 4}
+# The modes that split the node, by name ("hpZ / hybrid").
+NODE_SPLITTING = " / ".join(card.name for card in CARDS if card.splits_node)
+
+
+def named_modes(name: str) -> CommModes:
+    """The modes a name switches on ("" plain, "+hpZ", "qwZ+hpZ+qgZ", ...), quantizing ones at ANALYSED_BITS."""
+    parts = [p for p in name.split("+") if p]
+    if any(p not in ORDER for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"mode {name!r} is invalid; valid: {', '.join(repr(n) for n in ANALYSED)} "
+                         f"(modes {', '.join(ORDER)} joined by '+')")
+    return CommModes(**{BY_NAME[p].field: ANALYSED_BITS.get(p, True) for p in parts})
+
+
+def mode_parts(modes: CommModes) -> tuple:
+    """The names of the modes on, in name order."""
+    return tuple(p for p in ORDER if BY_NAME[p].on(modes))
+
+
+def mode_name(modes: CommModes) -> str:
+    """"" (plain), "+hpZ" for one mode, "qwZ+hpZ+qgZ" for several."""
+    parts = mode_parts(modes)
+    return "+" + parts[0] if len(parts) == 1 else "+".join(parts)
+
+
+def stage_modes(stage: int) -> tuple:
+    """The analysed mode names that run at ZeRO `stage`."""
+    return tuple(name for name in ANALYSED if named_modes(name).min_stage <= stage)
+
+
+def zero_keys(modes: CommModes) -> dict:
+    """The ZeroConfig keys that switch these modes on."""
+    return {card.key: card.key_value(modes) for card in CARDS}
+
 
 FLOAT8_REFUSED = "float8 gathers run at stage 3 without hpZ or qwZ"
 
@@ -150,7 +193,7 @@ COSTS = {"hpZ": HpZ(), "hybrid": Hybrid(), "qwZ": QwZ(), "qgZ": QgZ()}
 
 def mode_costs(modes: CommModes) -> tuple:
     """The cost cards of the modes on, in name order."""
-    return tuple(COSTS[card.name] for card in modes.cards)
+    return tuple(COSTS[name] for name in mode_parts(modes))
 
 
 def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: str = "fp16", stage: int = 3,
@@ -161,4 +204,4 @@ def extra_state_bytes(mode: str, psi: int, dp: int, per_node: int, precision: st
     (b_g + K)Ψ(1/m − 1/N) at stage 2, KΨ(1/m − 1/N) at stage 1 (model_state_bytes' shards); the config refuses
     the two together."""
     return sum((costs.extra_state_bytes(psi, dp, per_node, precision, stage, optimizer)
-                for costs in mode_costs(CommModes.named(mode))), 0.0)
+                for costs in mode_costs(named_modes(mode))), 0.0)

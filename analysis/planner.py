@@ -15,7 +15,7 @@ from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from analysis.throughput import KernelPath, ideal_seconds
 from model_shape.flops import StepFlops
 from model_shape.gpt import GPTShape
-from zero3d.comm.modes import CommModes
+from analysis.modes import named_modes
 from zero3d.comm.topology import TopologyError, dp_ranks_per_node
 from zero3d.optim import spec_named
 
@@ -288,8 +288,8 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
                     m = node_split(cluster, gpus, tp)
                     if not zero.offloaded and zero.offload_params == "none" and cp == 1 and m is not None:
                         modes += [z for z in PLANNER_MODES[stage]
-                                  if (m >= 2 or not CommModes.named(z).needs_two_per_node)
-                                  and not (fp8_gather and CommModes.named(z).gathers_own_format)]
+                                  if (m >= 2 or not named_modes(z).needs_two_per_node)
+                                  and not (fp8_gather and named_modes(z).gathers_own_format)]
                     for mode in modes:
                         found += _micro_batches(cluster, dict(shape, recompute=policy), tp,
                                                 dataclasses.replace(zero, zeropp=mode), step_batch, dp,

@@ -14,13 +14,13 @@ from pathlib import Path
 from analysis.cluster import PRESET_OF_GPU, Cluster, ClusterSpec
 from analysis.estimate import GB, RECOMPUTE, estimate
 from analysis.gpus import GPU_KINDS
+from analysis.modes import zero_keys
 from analysis.offload_estimate import offload_breakdown
 from analysis.planner import Candidate, format_candidates, plan, step_time
 from analysis.throughput import MEASURED_ROWS, KernelPath, MeasuredRow
 from pretrain.config import RESOLVED_CONFIG, Config, ConfigError, _merge, validate
 from pretrain.memory_check import attention_kind, estimate_args, gpu_budget_bytes
 from pretrain.summary import read_records
-from zero3d.comm.modes import CARDS
 
 
 def config_cluster(cfg: Config, rows: tuple = MEASURED_ROWS) -> Cluster:
@@ -126,12 +126,11 @@ def plan_config(cfg: Config, rows: tuple = MEASURED_ROWS) -> list:
 def overrides_of(candidate: Candidate) -> list:
     """The `section.key=value` overrides that make the config the candidate's layout."""
     z, step = candidate.zero, candidate.step
-    modes = z.modes
     return ([f"parallel.tensor={candidate.tp}", f"parallel.context={candidate.cp}",
              f"parallel.sequence_parallel={str(step.sequence_parallel).lower()}", f"zero.stage={z.stage}",
              f"zero.partition_activations={str(z.pa).lower()}", f"zero.cpu_checkpointing={str(z.pa_cpu).lower()}",
              f'zero.offload_optimizer="{z.offload_optimizer}"', f'zero.offload_params="{z.offload_params}"']
-            + [f'zero.{card.key}="{card.key_value(modes)}"' for card in CARDS]
+            + [f'zero.{key}="{value}"' for key, value in zero_keys(z.modes).items()]
             + [f'model.recompute="{step.recompute}"', f"train.micro_batch_size={candidate.micro_batch}"])
 
 

@@ -32,7 +32,7 @@ def _ranks(rank, world):
     from pretrain.runtime.launch import launcher_gpus_per_node
     from zero3d.comm.core import Comm, CommStats, p2p_all_to_all, wait_all
     from zero3d.comm.hierarchical import quantized_reduce_scatter
-    from zero3d.comm.modes import CommModes
+    from analysis.modes import named_modes
     from zero3d.comm.plan import CommPlan
     from zero3d.comm.quantize import QuantSpec
     from zero3d.comm.topology import TopologyError, build_node_topology
@@ -87,7 +87,7 @@ def _ranks(rank, world):
     # one stage-3 step's collectives per mode, as the engine's CommPlan issues them, counted per link (fp32: 4 bytes)
     for mode in ZEROPP_MODES:
         stats = CommStats()
-        plan = CommPlan(CommModes.named("" if mode == "stage 3" else mode), None, stats, node=topo, quant_block=BLOCK)
+        plan = CommPlan(named_modes("" if mode == "stage 3" else mode), None, stats, node=topo, quant_block=BLOCK)
         shard = PSI // plan.shard.size  # hybrid: shards of the node
         full, piece, secondary = torch.randn(PSI), torch.randn(shard), torch.randn(PSI // GPN)
         for phase in ("params", "params_bwd"):

@@ -1,10 +1,11 @@
-"""One vocabulary for ZeRO's communication modes (zero3d/comm/modes.py): config keys and analysis names map both ways."""
+"""One vocabulary for ZeRO's communication modes (zero3d/comm/modes.py): config keys and analysis names
+(analysis/modes.py) map both ways."""
 import itertools
 
 import pytest
 
 from analysis.comm_model import STAGE_MODES
-from zero3d.comm.modes import CommModes
+from analysis.modes import mode_name, mode_parts, named_modes, zero_keys
 from zero3d.config import ZeroConfig, ZeroConfigError
 
 
@@ -24,10 +25,10 @@ def test_the_analysed_modes_per_stage_are_the_papers_and_the_engines():
 ])
 def test_a_name_is_the_config_keys_it_switches_on(name, keys):
     fields = ("secondary_partition", "hybrid", "quantize_weights", "quantize_gradients")
-    modes = CommModes.named(name)
-    assert modes.zero_keys() == dict(zip(fields, keys))
+    modes = named_modes(name)
+    assert zero_keys(modes) == dict(zip(fields, keys))
     zero = ZeroConfig(stage=3, **dict(zip(fields, keys)))
-    assert zero.comm_modes() == modes and modes.name == name
+    assert zero.comm_modes() == modes and mode_name(modes) == name
     assert zero.node_aware() == (name != "")
 
 
@@ -42,8 +43,8 @@ def test_every_valid_config_has_a_name_that_reads_back():
             continue
         modes = zero.comm_modes()
         assert modes.min_stage <= stage
-        back = CommModes.named(modes.name)  # the analysis models qgZ at int4: bits aside, the same modes
-        assert back.parts == modes.parts
+        back = named_modes(mode_name(modes))  # the analysis models qgZ at int4: bits aside, the same modes
+        assert mode_parts(back) == mode_parts(modes)
         seen += 1
     # by stage: plain; + hybrid; + hybrid, qgZ int8 / int4; stage 3: hpZ or not × qwZ or not × qgZ none / int8 / int4
     # (12), and hybrid × qwZ or not (2: hybrid refuses hpZ and qgZ)
@@ -53,4 +54,4 @@ def test_every_valid_config_has_a_name_that_reads_back():
 @pytest.mark.parametrize("bad", ["hpZ+hpZ", "+zpZ", "stage 3"])
 def test_an_unknown_name_is_refused_with_the_valid_ones(bad):
     with pytest.raises(ValueError, match=r"is invalid; valid: '', '\+hpZ', '\+hybrid', '\+qwZ', '\+qgZ', 'qwZ\+hpZ\+qgZ'"):
-        CommModes.named(bad)
+        named_modes(bad)

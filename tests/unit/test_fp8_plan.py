@@ -11,7 +11,7 @@ from model_shape.gpt import GPTShape
 from analysis.estimate import Step
 from analysis.planner import ZeroChoice, layout_on, plan, step_time
 from analysis.throughput import MEASURED_ROWS, KernelPath, PublishedShare
-from zero3d.comm.modes import CommModes
+from analysis.modes import named_modes
 
 LLAMA3_8B = GPTShape(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn=14336, query_groups=8,
                      mlp="swiglu", norm="rmsnorm", position_embedding="rope", bias=False)
@@ -54,7 +54,7 @@ def test_no_float8_on_an_a100_and_fp8_gather_layouts_have_no_hpz_or_qwz():
     with pytest.raises(ValueError, match="float8 = 'tensorwise' needs float8 tensor cores; 2 DGX A100"):
         plan(a100, **args, float8="tensorwise")
     found = plan(H100, **args, float8="tensorwise", fp8_gather=True)
-    modes = [CommModes.named(c.zero.zeropp) for c in found if c.zero.stage == 3]
+    modes = [named_modes(c.zero.zeropp) for c in found if c.zero.stage == 3]
     assert modes and not any(m.secondary_partition or m.weight_bits for m in modes)
     # timed at the share of peak the float8 rows measured (docs/gpu-check.md: 0.70× bf16 on the H200), not bf16's
     rows = [r.efficiency for r in MEASURED_ROWS if r.path.float8 == "tensorwise"]

@@ -147,7 +147,7 @@ def test_a_communication_mode_is_named_by_its_card_and_at_most_three_other_files
 
 def test_every_mode_card_has_its_costs():
     """The engine's half of each card and the analysis's half are keyed by the same names, in one registry each."""
-    from analysis.modes import COSTS
-    from zero3d.comm.modes import CARDS, ORDER
+    from analysis.modes import COSTS, ORDER
+    from zero3d.comm.modes import CARDS
     assert sorted(COSTS) == sorted(card.name for card in CARDS) == sorted(ORDER) == sorted(MODE_WORDS)
     assert {card.name: card.key for card in CARDS} == {mode: words[-1] for mode, words in MODE_WORDS.items()}

@@ -1,20 +1,18 @@
-"""ZeRO's communication modes (hpZ, hybrid, qwZ, qgZ) as cards, and `CommModes`, the one vocabulary built from them."""
+"""ZeRO's communication modes (hpZ, hybrid, qwZ, qgZ) as cards, and `CommModes`, the one vocabulary built from them;
+the modes' names, costs and memory terms in the analysis are the cards' other half (analysis/modes.py)."""
 from dataclasses import dataclass
 from typing import Optional
-
-QGZ_BITS = 4  # qgZ as the analysis models it (the paper's int4 gradients); the engine also runs int8
-QWZ_BITS = 8
 
 
 @dataclass(frozen=True)
 class ModeCard:
     """One communication mode: `name` (as the analysis writes it), `key` (its ZeroConfig key) and the key's
-    `values` ("none", off, first), `field` (CommModes' field it sets: True, or the bits of a quantizing mode) and
-    `analysed_bits` (a quantizing mode's bits in the analysis; None for a switch), `min_stage` (the lowest ZeRO
-    stage that runs it) and `stage_reason` (why, in the config check's words), `splits_node` (it splits the node:
-    >= 2 DP ranks on it), `gathers_own_format` (it gathers the parameters its own way: zero.fp8_gather is refused
-    beside it), `quantized` (its collectives carry quantization scales, which are data) and `refusals`: (another
-    ZeroConfig key, the message) for each setting it cannot run beside, the key's value being "none" where it can."""
+    `values` ("none", off, first), `field` (CommModes' field it sets: True, or the bits of a quantizing mode),
+    `min_stage` (the lowest ZeRO stage that runs it) and `stage_reason` (why, in the config check's words),
+    `splits_node` (it splits the node: >= 2 DP ranks on it), `gathers_own_format` (it gathers the parameters its own
+    way: zero.fp8_gather is refused beside it), `quantized` (it quantizes: its values name the bits, "int8"; its
+    collectives carry scales, which are data) and `refusals`: (another ZeroConfig key, the message) for each setting
+    it cannot run beside, the key's value being "none" where it can."""
 
     name: str
     key: str
@@ -22,7 +20,6 @@ class ModeCard:
     field: str
     min_stage: int
     stage_reason: str
-    analysed_bits: Optional[int] = None
     splits_node: bool = False
     gathers_own_format: bool = False
     quantized: bool = False
@@ -30,7 +27,7 @@ class ModeCard:
 
     def setting(self, value: str):
         """CommModes' field value for the config key's `value`: None / False off; the bits or True on."""
-        if self.analysed_bits is not None:
+        if self.quantized:
             return None if value == "none" else int(value.removeprefix("int"))
         return value == self.values[1]
 
@@ -42,7 +39,7 @@ class ModeCard:
         value = getattr(modes, self.field)
         if not self.on(modes):
             return "none"
-        return f"int{value}" if self.analysed_bits is not None else self.values[1]
+        return f"int{value}" if self.quantized else self.values[1]
 
     def value_check(self, zero) -> tuple:
         """(ok, message): the key's value is one of `values` (ZeroConfig raises the first failing check)."""
@@ -80,27 +77,20 @@ HYBRID_REFUSALS = (
 HYBRID = ModeCard("hybrid", "hybrid", ("none", "node"), "hybrid", 1, "stage 0 shards nothing", splits_node=True,
                   refusals=HYBRID_REFUSALS)
 QWZ = ModeCard("qwZ", "quantize_weights", ("none", "int8"), "weight_bits", 3,
-               "only stage 3 gathers parameters each step", analysed_bits=QWZ_BITS, gathers_own_format=True,
-               quantized=True)
+               "only stage 3 gathers parameters each step", gathers_own_format=True, quantized=True)
 QGZ = ModeCard("qgZ", "quantize_gradients", ("none", "int8", "int4"), "grad_bits", 2, "the bucket reduce-scatter",
-               analysed_bits=QGZ_BITS, quantized=True)
+               quantized=True)
 CARDS = (HPZ, HYBRID, QWZ, QGZ)
-BY_NAME = {card.name: card for card in CARDS}
-# A mode's short name, in the order names join ("qwZ+hpZ+qgZ"); one mode alone is "+" + its name.
-ORDER = ("qwZ", "hpZ", "qgZ", "hybrid")
-# The combinations the analysis models at each stage ("" = plain ZeRO), by name.
-ANALYSED = ("", "+hpZ", "+hybrid", "+qwZ", "+qgZ", "qwZ+hpZ+qgZ")
 # The keys of every node-aware mode, as the messages of the rules that read them all write them.
 NODE_AWARE_KEYS = "zero.secondary_partition / hybrid / quantize_*"
-# The modes that split the node, by name ("hpZ / hybrid"), and those that gather in their own formats.
-NODE_SPLITTING = " / ".join(card.name for card in CARDS if card.splits_node)
+# The keys of the modes that gather in their own formats.
 OWN_FORMAT_KEYS = " or ".join(f"zero.{card.key}" for card in CARDS if card.gathers_own_format)
 
 
 @dataclass(frozen=True)
 class CommModes:
     """Which of ZeRO's node-aware communication modes are on, whatever names them (a config's
-    zero.* keys, the analysis's "+hpZ", the planner's choice)."""
+    zero.* keys, the analysis's "+hpZ": analysis.modes.named_modes, the planner's choice)."""
 
     secondary_partition: bool = False  # hpZ: a node-local secondary copy of the parameters for backward gathers
     hybrid: bool = False  # states sharded inside the node, replicated across nodes
@@ -112,35 +102,15 @@ class CommModes:
         """From a ZeroConfig's keys (zero.secondary_partition, hybrid, quantize_weights, quantize_gradients)."""
         return cls(**{card.field: card.setting(getattr(zero, card.key)) for card in CARDS})
 
-    @classmethod
-    def named(cls, name: str) -> "CommModes":
-        """From a name as `name` writes it ("" plain, "+hpZ", "qwZ+hpZ+qgZ", ...)."""
-        parts = [p for p in name.split("+") if p]
-        unknown = [p for p in parts if p not in ORDER]
-        if unknown or len(set(parts)) != len(parts):
-            raise ValueError(f"mode {name!r} is invalid; valid: {', '.join(repr(n) for n in ANALYSED)} "
-                             f"(modes {', '.join(ORDER)} joined by '+')")
-        return cls(**{BY_NAME[p].field: BY_NAME[p].analysed_bits or True for p in parts})
-
-    @property
-    def parts(self) -> tuple:
-        return tuple(p for p in ORDER if BY_NAME[p].on(self))
-
     @property
     def cards(self) -> tuple:
-        """The cards of the modes on, in name order."""
-        return tuple(BY_NAME[p] for p in self.parts)
-
-    @property
-    def name(self) -> str:
-        """"" (plain), "+hpZ" for one mode, "qwZ+hpZ+qgZ" for several."""
-        parts = self.parts
-        return "+" + parts[0] if len(parts) == 1 else "+".join(parts)
+        """The cards of the modes on."""
+        return tuple(card for card in CARDS if card.on(self))
 
     @property
     def node_aware(self) -> bool:
         """Any mode on: the engine needs the DP group's node topology."""
-        return bool(self.parts)
+        return bool(self.cards)
 
     @property
     def needs_two_per_node(self) -> bool:
@@ -163,15 +133,6 @@ class CommModes:
         return (f"zero.hybrid / zero.secondary_partition = 'node' need >= 2 DP ranks per node; this layout has "
                 f"{per_node} (cluster.gpus_per_node = {gpus_per_node}, after tensor parallelism's share): use "
                 "zero.hybrid = zero.secondary_partition = 'none'")
-
-    def zero_keys(self) -> dict:
-        """The ZeroConfig keys that switch these modes on."""
-        return {card.key: card.key_value(self) for card in CARDS}
-
-
-def stage_modes(stage: int) -> tuple:
-    """The analysed mode names that run at ZeRO `stage`."""
-    return tuple(name for name in ANALYSED if CommModes.named(name).min_stage <= stage)
 
 
 def quantized_settings(zero) -> list:
