@@ -1,7 +1,7 @@
 """FP8 against bf16 over a 100-step run: configs/tiny_llama.toml (4 layers × 128, RoPE, SwiGLU, RMSNorm, GQA) on the
 shipped corpus, 4 CPU ranks at TP 2 × DP 2 with sequence parallelism, ZeRO stage 3, each run from the same seed.
 
-    python bench/bench_fp8.py [--steps 100] [--out runs/bench-fp8]
+    python bench/bench_fp8.py [--steps 100] [--out runs/bench-fp8] [--set KEY=VALUE ...]
     python bench/bench_fp8.py --report runs/bench-fp8     # the table again, from runs already made there
 
 Rows: bf16; fp32 (bf16's own distance from fp32, the floor the FP8 rows are read against); precision.fp8 "tensorwise"; "tensorwise" with zero.fp8_gather; "rowwise". Each FP8 row: its loss at a few
@@ -30,11 +30,12 @@ def run_dir_of(out: Path, name: str) -> Path:
     return out / name.replace(" ", "_").replace("+", "and")
 
 
-def run(name: str, overrides: list, steps: int, out: Path) -> list:
-    """One launcher run of 4 ranks; its metrics.jsonl records (the last record of each step)."""
+def run(name: str, overrides: list, steps: int, out: Path, common: tuple = ()) -> list:
+    """One launcher run of 4 ranks (`common`: overrides every run takes); its metrics.jsonl records (the last record
+    of each step)."""
     run_dir = run_dir_of(out, name)
     cmd = [sys.executable, "-m", "pretrain.launcher", "--nproc-per-node", "4", "--config", "configs/tiny_llama.toml",
-           *COMMON, f"train.steps={steps}", f'logging.run_dir="{run_dir}"', *overrides]
+           *COMMON, *common, f"train.steps={steps}", f'logging.run_dir="{run_dir}"', *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", default="runs/bench-fp8", help="where the runs' directories go")
     ap.add_argument("--report", metavar="DIR", help="no runs: the table of the runs an earlier --out DIR holds")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides every run takes (e.g. train.global_batch_size=64 optimizer.lr=1e-3)")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps {args.steps} is invalid; must be >= 1")
@@ -67,10 +70,12 @@ def main(argv=None) -> int:
         results = {name: records_of(run_dir_of(Path(args.report), name)) for name in RUNS}
         args.steps = len(results["bf16"])
     else:
-        results = {name: run(name, overrides, args.steps, Path(args.out)) for name, overrides in RUNS.items()}
+        results = {name: run(name, overrides, args.steps, Path(args.out), tuple(args.set))
+                   for name, overrides in RUNS.items()}
     bf16 = [r["train/loss"] for r in results["bf16"]]
     shown = [s for s in SHOWN if s <= args.steps]
-    print(f"configs/tiny_llama.toml, TP 2 × DP 2, SP, ZeRO stage 3, {args.steps} steps, 4 CPU ranks\n")
+    print(f"configs/tiny_llama.toml{' ' + ' '.join(args.set) if args.set else ''}, TP 2 × DP 2, SP, ZeRO stage 3, "
+          f"{args.steps} steps, 4 CPU ranks\n")
     print("| run | " + " | ".join(f"loss @{s}" for s in shown) + " | worst rel. diff vs bf16 | of 10-step means | "
           "all_gather B/step | fp8_all_gather B/step |")
     print("|---|" + "---|" * (len(shown) + 4))
