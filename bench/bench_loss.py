@@ -10,14 +10,11 @@ same on every path):
     megatron    model.loss_chunk_tokens = 0: the [tokens × vocab] logits, vocab_parallel_cross_entropy
     recomputed  model.loss_chunk_tokens = c, model.loss_recompute = true: chunks under torch's checkpoint
     fused       model.loss_chunk_tokens = c (the default): FusedLinearCrossEntropy, every gradient in forward
-    compiled    fused, its chunks' softmax compiled as model.compile has it (compile_loss: one pass over the
-                model-dtype logits for the sums, one for the gradient; no fp32 copy of a chunk)
 
 Each path runs once counted, then `steps` times timed (the paths interleaved; the median; on CPU the process's CPU
 seconds, all its threads: a shared machine's other work does not count, on CUDA wall seconds). Peak: the largest number
 of bytes alive at once above the inputs (the weight's and hidden states' gradients included): on CPU every storage an
-operator makes, counted until it is freed (a TorchDispatchMode, under which torch.compile runs eagerly: no CPU peak
-for the compiled path), on CUDA torch's allocator peak. Kept: the bytes
+operator makes, counted until it is freed (a TorchDispatchMode), on CUDA torch's allocator peak. Kept: the bytes
 autograd holds for backward at the end of forward (saved_tensors_hooks; the inputs and weight excluded).
 """
 import argparse
@@ -33,7 +30,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-PATHS = ("megatron", "recomputed", "fused", "compiled")
+PATHS = ("megatron", "recomputed", "fused")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -79,16 +76,11 @@ def loss_of(path, hidden, weight, labels, chunk, vocab):
     """Per-token loss [s, 1] on `path`, as LossOutputLayer computes it."""
     from megatron.core import tensor_parallel
 
-    from pretrain.model.loss import EAGER_MATH, chunked_loss, compiled_math, mask_padded_columns
+    from pretrain.model.loss import chunked_loss, mask_padded_columns
     if path == "megatron":
         logits = mask_padded_columns(torch.matmul(hidden, weight.t()), vocab)
         return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
-    chunk_math = COMPILED.setdefault("inductor", compiled_math("inductor")) if path == "compiled" else EAGER_MATH
-    return chunked_loss(hidden, weight, None, labels, chunk, False, None, vocab, recompute=path == "recomputed",
-                        chunk_math=chunk_math)
-
-
-COMPILED: dict = {}  # the compiled chunk math, made once (its kernels compile in the path's first, counted run)
+    return chunked_loss(hidden, weight, None, labels, chunk, False, None, vocab, recompute=path == "recomputed")
 
 
 def run_once(path, hidden, weight, labels, args, vocab, census=None):
@@ -117,8 +109,6 @@ def measure(vocab, args, device):
             loss = run_once(path, hidden, weight, labels, args, vocab, census)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
-        elif path == "compiled":  # under a dispatch mode torch.compile runs eagerly: no CPU peak for it
-            loss, peak = run_once(path, hidden, weight, labels, args, vocab, census), None
         else:
             with live:
                 loss = run_once(path, hidden, weight, labels, args, vocab, census)
@@ -159,9 +149,8 @@ def print_table(rows, args):
     print(f"{'vocab':>7} {'path':<10} {clock:>7} {'x fused':>7} {'peak MB':>8} {'kept MB':>8} {'loss':>9}")
     fused = {r["vocab"]: r for r in rows if r["path"] == "fused"}
     for r in rows:
-        peak = f"{r['peak'] / 1e6:8.1f}" if r["peak"] is not None else f"{'—':>8}"
         print(f"{r['vocab']:7d} {r['path']:<10} {r['time']:7.3f} {r['time'] / fused[r['vocab']]['time']:7.2f} "
-              f"{peak} {r['kept'] / 1e6:8.1f} {r['loss']:9.6f}")
+              f"{r['peak'] / 1e6:8.1f} {r['kept'] / 1e6:8.1f} {r['loss']:9.6f}")
 
 
 def main():

@@ -83,9 +83,8 @@ class ModelConfig(Section):
     """With loss_chunk_tokens > 0: each chunk recomputed in backward instead (one more output GEMM per step, nothing
     of the loss kept between forward and backward, any function of the per-token losses differentiable)."""
     compile: Literal["auto", True, False] = "auto"
-    """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it, and of the fused
-    loss's chunk softmax (one pass over the model-dtype logits each for its sums and its gradient, no fp32 chunk): true,
-    false, or auto (the default) = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains) and with Transformer
+    """torch.compile (inductor) of each transformer layer's forward, its ZeRO hooks eager around it: true, false, or
+    auto (the default) = on CUDA, eager on CPU (where inductor's C++ build costs more than it gains) and with Transformer
     Engine's layers (not measured compiled). On an H200 the compiled layers ran 1–5% faster than eager
     (docs/gpu-check.md: `tools/gpu_check.py --parity` measures both)."""
     position_embedding: Literal["learned", "rope"] = "learned"

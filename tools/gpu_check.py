@@ -195,21 +195,6 @@ def bench_table(env: dict, dry: bool, quick: bool, timeout: float, extra: tuple 
     return proc.stdout
 
 
-# The loss paths at the Llama-1B shape's output layer (vocabulary 128256, hidden 2048, 8192 tokens), bf16, one GPU:
-# the eager fused chunks beside their softmax compiled as model.compile has it (bench/bench_loss.py)
-LOSS_BENCH = ("--device", "cuda", "--dtype", "bf16", "--vocab", "128256", "--tokens", "8192", "--hidden", "2048")
-LOSS_DRY = ("--vocab", "4096", "--tokens", "256", "--chunk", "128", "--steps", "1")
-
-
-def loss_table(env: dict, dry: bool, timeout: float) -> str:
-    """bench/bench_loss.py's table (LOSS_BENCH; on CPU, `dry`: LOSS_DRY)."""
-    cmd = [sys.executable, "-W", "ignore", "bench/bench_loss.py", *(LOSS_DRY if dry else LOSS_BENCH)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        return f"bench/bench_loss.py failed (rc {proc.returncode}): " + error_line(proc)[0] + "\n"
-    return proc.stdout
-
-
 def write_report(path: Path, info: dict, rows: list, skipped: list, started: float, bench: str = "") -> None:
     lines = ["# GPU check", "",
              f"GPU: **{info['gpu']}** × {info['gpus']}; torch {info['torch']}, CUDA {info['cuda']}, "
@@ -337,11 +322,10 @@ PARITY_PROBES = [("Llama-3 8B recipe", []),
                                                         'precision.fp8="tensorwise"'])]
 # --parity's order, each part for what it alone measures: the recipe's probe (the estimate against the GPU's peak),
 # the Llama bench (zero3d at stages 2 and 3 and in FP8 beside the compiled plain model), the other probes (the
-# slice's MFU, bf16 and FP8), the loss paths (the compiled chunk softmax against the eager one), the GPT bench. A
-# bench part may run until LATER_S seconds of the budget are left for what follows it; stopped there, it keeps the
-# rows it measured.
+# slice's MFU, bf16 and FP8), the GPT bench. A bench part may run until LATER_S seconds of the budget are left for
+# what follows it; stopped there, it keeps the rows it measured.
 PARITY_ORDER = ("probe Llama-3 8B recipe", "bench Llama", "probe Llama-3 8B selective compiled",
-                "probe Llama-3 8B selective compiled FP8", "bench loss", "bench GPT")
+                "probe Llama-3 8B selective compiled FP8", "bench GPT")
 LATER_S = 180
 
 
@@ -361,16 +345,14 @@ def parity(args, started: float) -> int:
         return args.budget_s - (time.perf_counter() - started)
     parts_by_name = {"bench Llama": ["--shapes", "llama", "--fp8", "--no-probes", *steps],
                      **{f"probe {name}": overrides for name, overrides in PARITY_PROBES},
-                     "bench loss": [], "bench GPT": ["--shapes", "gpt", "--no-probes", *steps]}
+                     "bench GPT": ["--shapes", "gpt", "--no-probes", *steps]}
     for name in PARITY_ORDER:
         extra = parts_by_name[name]
         if left() < 60:
             skipped.append(f"{name}: time budget")
             continue
         try:
-            if name == "bench loss":
-                parts.append(loss_table(env, args.cpu_dry_run, timeout=max(60.0, left() - LATER_S)))
-            elif name.startswith("bench"):
+            if name.startswith("bench"):
                 last = name == PARITY_ORDER[-1]
                 timeout = left() if last else max(60.0, left() - LATER_S)
                 try:

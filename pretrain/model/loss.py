@@ -19,9 +19,6 @@ Loss paths (`model.loss_chunk_tokens` = c, `model.loss_recompute`):
   times one number, as `pretrain.data.batch.token_mean` makes it (a mean, or a masked sum over a count; the loss
   scale and the division by micro-batches are that one number too). Anything else is refused in backward (an
   asynchronous check: no host read), naming model.loss_recompute.
-  Each chunk's softmax (the exp-sums, then the logits gradient) is `ChunkMath`: eager, each op a pass over the
-  chunk with exp(logits − max) kept in fp32; under model.compile (`compile_loss`) each of the two a compiled kernel
-  reading the model-dtype logits, the exps computed again for the gradient, with no fp32 copy of the chunk.
 - c > 0, `model.loss_recompute = true`: each chunk's output layer and cross-entropy under torch's non-reentrant
   checkpoint: nothing of the loss kept between forward and backward, one more output GEMM per step, any gradient.
 
@@ -31,8 +28,7 @@ logits; megatron's `compute_language_model_loss` only transposes it. ZeRO stage 
 hold its weight through the whole computation (the fused forward, or the recomputation in backward, which they
 re-gather for); the weight's gradient reaches autograd once, in backward, as megatron's does.
 """
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -69,79 +65,31 @@ def _tp_all_reduce(tensor: torch.Tensor, op, tp_group) -> None:
         dist.all_reduce(tensor, op=op, group=tp_group)
 
 
-def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int, tp_group, chunk_math: "ChunkMath"):
+def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int, tp_group):
     """One chunk's vocab-parallel cross-entropy as megatron's `vocab_parallel_cross_entropy` computes it:
-    (per-token loss [n], what `chunk_math.gradient` starts from (`chunk_math.sums`' second value), the max [n] fp32, the
-    max-shifted sum of exps [n], the targets' local columns [n] and whether this rank holds them [n])."""
+    (per-token loss [n], exp(logits − max) [n, width] fp32 (padding 0), the max-shifted sum of exps [n], the
+    targets' local columns [n] and whether this rank holds them [n])."""
     logits = torch.matmul(hidden, weight.t())
     if bias is not None:
         logits = logits + bias
     mask_padded_columns(logits, columns)
     top = logits.amax(dim=-1).float()  # the max of the model-dtype logits is that of their fp32 values
     _tp_all_reduce(top, dist.ReduceOp.MAX, tp_group)
-    local = targets - first_id
-    held = (local >= 0) & (local < logits.shape[-1])
-    local = torch.where(held, local, 0)
-    stats, kept = chunk_math.sums(logits, top, local, held)  # [Σ exp, target − max]: one all-reduce for both
-    _tp_all_reduce(stats, dist.ReduceOp.SUM, tp_group)
-    sum_exp, picked = stats[0], stats[1]
-    return torch.log(sum_exp) - picked, kept, top, sum_exp, local, held
-
-
-def _shifted_exp_sums(logits, top, local, held) -> tuple:
-    """Eager: ([Σ exp(logits − max), the target's logits − max (0 where not held)] [2, n] fp32, exp(logits − max)
-    [n, width] fp32 (padding 0), which the gradient then overwrites in place)."""
     if logits.dtype == torch.float32:
         logits -= top.unsqueeze(-1)
     else:  # fp32 logits − max in one pass over the model-dtype ones (no separate fp32 copy pass)
         logits = torch.sub(logits, top.unsqueeze(-1))
+    width = logits.shape[-1]
+    local = targets - first_id
+    held = (local >= 0) & (local < width)
+    local = torch.where(held, local, 0)
     rows = torch.arange(logits.shape[0], device=logits.device)
     picked = torch.where(held, logits[rows, local], 0.0)
     logits.exp_()
-    return torch.stack([logits.sum(dim=-1), picked]), logits
-
-
-def _gradient_from_exps(exps, top, sum_exp, local, held, mask, dtype, d_bias):
-    """Eager: `_logits_gradient` of the fp32 exps `_shifted_exp_sums` kept."""
-    return _logits_gradient(exps, sum_exp, local, held, mask, dtype, d_bias)
-
-
-def _fused_exp_sums(logits, top, local, held) -> tuple:
-    """Compiled: `_shifted_exp_sums`' sums read from the model-dtype logits in one pass, with no fp32 copy of them:
-    the logits themselves are kept, for `_fused_gradient`."""
-    shifted = logits.float() - top.unsqueeze(-1)
-    picked = torch.where(held, shifted.gather(1, local.unsqueeze(1)).squeeze(1), 0.0)
-    return torch.stack([shifted.exp().sum(dim=-1), picked]), logits
-
-
-def _fused_gradient(logits, top, sum_exp, local, held, mask, dtype, d_bias=None):
-    """Compiled: `_logits_gradient`'s (softmax − one-hot) × mask, exp(logits − max) computed again from the
-    model-dtype logits, in fp32, and rounded once to `dtype`: one pass over the chunk (no bias: `d_bias` None)."""
-    columns = torch.arange(logits.shape[-1], device=logits.device)
-    onehot = (columns == local.unsqueeze(-1)) & held.unsqueeze(-1)
-    grad = (logits.float() - top.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1) - onehot.float()
-    if mask is not None:
-        grad = grad * mask.unsqueeze(-1)
-    return grad.to(dtype)
-
-
-@dataclass(frozen=True)
-class ChunkMath:
-    """How a chunk's softmax statistics and logits gradient are computed between the TP all-reduces: `sums`
-    (logits, max, local, held) → ([Σ exp, picked] [2, n], kept) and `gradient` (kept, max, Σ exp, local, held, mask,
-    dtype, d_bias) → d loss / d logits in dtype."""
-
-    sums: Callable
-    gradient: Callable
-
-
-# eager (the default): each op a pass over the chunk, exp(logits − max) kept in fp32 and overwritten in place
-EAGER_MATH = ChunkMath(_shifted_exp_sums, _gradient_from_exps)
-
-
-def compiled_math(backend: str) -> ChunkMath:
-    """model.compile's: the two steps each one compiled kernel over the model-dtype logits (no fp32 chunk)."""
-    return ChunkMath(torch.compile(_fused_exp_sums, backend=backend), torch.compile(_fused_gradient, backend=backend))
+    stats = torch.stack([logits.sum(dim=-1), picked])  # one all-reduce for both sums
+    _tp_all_reduce(stats, dist.ReduceOp.SUM, tp_group)
+    sum_exp, picked = stats[0], stats[1]
+    return torch.log(sum_exp) - picked, logits, sum_exp, local, held
 
 
 def _logits_gradient(exps, sum_exp, local, held, mask, dtype, d_bias):
@@ -177,7 +125,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, loss_mask, chunk: int, columns: int, first_id: int, tp_group,
-                needs_grad: bool, chunk_math: ChunkMath):
+                needs_grad: bool):
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -187,13 +135,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             part = slice(start, min(start + chunk, n))
             h = hidden[part]
-            losses[part], kept, top, sum_exp, local, held = _chunk_statistics(h, weight, bias, targets[part], columns,
-                                                                              first_id, tp_group, chunk_math)
+            losses[part], softmax, sum_exp, local, held = _chunk_statistics(h, weight, bias, targets[part], columns,
+                                                                            first_id, tp_group)
             if not needs_grad:
                 continue
-            grad_logits = chunk_math.gradient(kept, top, sum_exp, local, held,
-                                              None if loss_mask is None else loss_mask[part], weight.dtype, d_bias)
-            del kept  # eager: the fp32 exps (fp32: the gradient itself), compiled: the logits; no copy beside it
+            grad_logits = _logits_gradient(softmax, sum_exp, local, held,
+                                           None if loss_mask is None else loss_mask[part], weight.dtype, d_bias)
+            del softmax  # (fp32: the same tensor) no fp32 copy beside the model-dtype one
             torch.matmul(grad_logits, weight, out=d_hidden[part])
             if weight.dtype == torch.float32:  # (addmm with out=, not addmm_: what torch's FLOP counter sees)
                 torch.addmm(d_weight, grad_logits.t(), h, out=d_weight)
@@ -218,7 +166,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = d_hidden.float().mul_(scale).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.mul_(scale).to(weight_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.mul_(scale).to(weight_dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _scale_of(g: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -242,11 +190,11 @@ def _recomputed_chunk(hidden, weight, bias, targets, columns: int):
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, chunk_tokens: int,
                  sequence_parallel: bool, tp_group, real_vocab: int, loss_mask: Optional[torch.Tensor] = None,
-                 recompute: bool = False, chunk_math: ChunkMath = EAGER_MATH) -> torch.Tensor:
+                 recompute: bool = False) -> torch.Tensor:
     """Per-token loss [s, b] of hidden states [s (/TP under SP), b, h] through this TP rank's `weight`
     [vocab/TP, h] (and `bias`) against `labels` [s, b], over the first `real_vocab` token ids: fused
-    (FusedLinearCrossEntropy, its chunks' softmax by `chunk_math`, eager with a bias; `loss_mask` [s, b] the per-token
-    weights of its backward's gradient) or with each chunk recomputed in backward (`recompute`)."""
+    (FusedLinearCrossEntropy; `loss_mask` [s, b] the per-token weights of its backward's gradient) or with each
+    chunk recomputed in backward (`recompute`)."""
     tp = tp_group.size() if tp_group is not None else 1
     if sequence_parallel and tp > 1:  # every TP rank needs the whole sequence (its backward: reduce-scatter)
         hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
@@ -265,8 +213,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias))
     mask = None if loss_mask is None else loss_mask.reshape(s * b).float()
     return FusedLinearCrossEntropy.apply(flat, weight, bias, targets, mask, chunk_tokens, columns, first_id,
-                                         tp_group if tp > 1 else None, needs_grad,
-                                         EAGER_MATH if bias is not None else chunk_math).view(s, b)
+                                         tp_group if tp > 1 else None, needs_grad).view(s, b)
 
 
 class LossOutputLayer(ColumnParallelLinear):
@@ -277,7 +224,6 @@ class LossOutputLayer(ColumnParallelLinear):
     chunk_tokens = 0
     recompute = False
     real_vocab = 0
-    chunk_math = EAGER_MATH  # the fused loss's chunk softmax (compile_loss: compiled)
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
@@ -289,7 +235,7 @@ class LossOutputLayer(ColumnParallelLinear):
             return mask_padded_columns(logits, real_columns(self.real_vocab, width, tp_rank * width)), bias
         bias = self.bias if not self.skip_bias_add else None
         return chunked_loss(input_, weight, bias, self.labels, self.chunk_tokens, self.sequence_parallel,
-                            self.tp_group, self.real_vocab, self.loss_mask, self.recompute, self.chunk_math), None
+                            self.tp_group, self.real_vocab, self.loss_mask, self.recompute), None
 
 
 class LossGPTModel(GPTModel):
@@ -329,9 +275,3 @@ class LossGPTModel(GPTModel):
         if self.output_layer.labels is None:
             return super().compute_language_model_loss(labels, logits)
         return logits.transpose(0, 1).contiguous()
-
-
-def compile_loss(model: LossGPTModel, backend: str) -> None:
-    """model.compile: the fused loss's chunk softmax compiled (`compiled_math`), in the last pipeline stage."""
-    if model.post_process:
-        model.output_layer.chunk_math = compiled_math(backend)
