@@ -14,8 +14,8 @@ from analysis.modes import ANALYSED
 from analysis.offload_estimate import (OFFLOAD_PLACEMENTS, OFFLOAD_SHAPES, format_offload, largest_offload_gpt,
                                        offload_breakdown)
 from model_shape.gpt import MLPS, NORMS, POSITION_EMBEDDINGS, GPTShape
+from optim import SPECS, STATE_DTYPES
 from zero3d.config import ZeroConfig
-from zero3d.optim import SPECS, STATE_DTYPES
 
 # The engine's [zero] defaults are the CLI's; precision, micro-batch, GPU memory and the loss chunk live
 # only in pretrain's config (which zero3d never imports), so the flags below keep the paper's V100 set-up.

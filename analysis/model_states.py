@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from model_shape.gpt import GPTShape
-from zero3d.optim import MASTER_BYTES, STATE_DTYPES, spec_named
+from optim import MASTER_BYTES, STATE_DTYPES, spec_named
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION,
                                V100_MEMORY_BYTES, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step,
                                ZeroChoice, document_mask_bytes, estimate, estimate_from_shape, gpt_param_count,
                                largest_fitting_layers, paper_shape)
+from analysis.modes import named_modes
 from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
 from analysis.throughput import KernelPath, ideal_seconds
 from model_shape.flops import StepFlops
 from model_shape.gpt import GPTShape
-from analysis.modes import named_modes
+from optim import spec_named
 from zero3d.comm.topology import TopologyError, dp_ranks_per_node
-from zero3d.optim import spec_named
 
 GPT2_VOCAB = 50257
 PAPER_SEQ = 1024  # the only sequence length the paper uses

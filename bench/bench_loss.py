@@ -165,7 +165,7 @@ def main():
     os.environ.update({k: v for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                                              MASTER_ADDR="127.0.0.1").items() if k not in os.environ})
     if "MASTER_PORT" not in os.environ:
-        from pretrain.runtime.launch import free_port
+        from pretrain.runtime.rendezvous import free_port
         os.environ["MASTER_PORT"] = str(free_port())
     print_table(bench(args), args)
 

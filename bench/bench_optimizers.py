@@ -1,4 +1,4 @@
-"""The optimizers' step on one GPU: the kernels checked against torch's, then timed (zero3d/optim/, docs/optimizers.md).
+"""The optimizers' step on one GPU: the kernels checked against torch's, then timed (optim/, docs/optimizers.md).
 
     python bench/bench_optimizers.py [--elements 100000000] [--matrix 4096x14336] [--repeats 10]
 
@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from zero3d.config import OptimizerConfig  # noqa: E402
-from zero3d.optim import spec_named  # noqa: E402
-from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor  # noqa: E402
-from zero3d.optim.muon import newton_schulz  # noqa: E402
+from optim.config import OptimizerConfig  # noqa: E402
+from optim import spec_named  # noqa: E402
+from optim.flat_optimizer import FlatOptimizer, FlatTensor  # noqa: E402
+from optim.muon import newton_schulz  # noqa: E402
 
 SIZES = (1_000_003, 37, 65_536)
 DECAYS = (0.1, 0.0, 0.1)

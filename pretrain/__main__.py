@@ -16,7 +16,7 @@ if __name__ == "__main__":
     import warnings as _warnings
 
     from pretrain.runtime.kernels import MEGATRON_FALLBACK_WARNINGS
-    from pretrain.runtime.launch import env_rank as _env_rank
+    from pretrain.runtime.rendezvous import env_rank as _env_rank
     # megatron-core warns at import about absent Apex/Transformer Engine: rank 0's start-up summary
     # states each fallback once instead (pretrain/runtime/kernels.py).
     _warnings.filterwarnings("ignore", message=MEGATRON_FALLBACK_WARNINGS, module="megatron")
@@ -33,7 +33,7 @@ import sys  # noqa: E402
 from pretrain.atomic import write_atomically  # noqa: E402
 from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E402
 from pretrain.runtime.preflight import check_paths  # noqa: E402
-from pretrain.runtime.launch import check_master_resolves, env_rank, launcher_env  # noqa: E402
+from pretrain.runtime.rendezvous import check_master_resolves, env_rank, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
 from pretrain.runtime.status import report  # noqa: E402
 

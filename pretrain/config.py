@@ -1,6 +1,6 @@
 """One typed config tree from TOML and `section.key=value` overrides, the rules that read two sections or more, and
-[optimizer] / [precision]: zero3d's settings with this recipe's (pretrain's own sections: sections.py; [zero]:
-zero3d/config.py)."""
+[optimizer] / [precision]: the engine's settings (optim/config.py, zero3d/config.py) with this recipe's (pretrain's own
+sections: sections.py; [zero]: zero3d/config.py)."""
 import dataclasses
 import difflib
 import fnmatch
@@ -11,19 +11,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+from optim import config as optim_config  # [optimizer]: the engine's optimizer keys
+from optim.spec import OptimizerConfigError
 from pretrain.atomic import write_atomically
 from pretrain.errors import ConfigError
 from pretrain.sections import (ClusterConfig, DataConfig, LoggingConfig, ModelConfig, PaperConfig,  # noqa: F401
                                ParallelConfig, Section, TrainConfig, check_finite)
 from pretrain.sections import require as _require
-from zero3d import config as engine_config  # [zero], [optimizer], [precision]: zero3d's own dataclasses
+from zero3d import config as engine_config  # [zero], [precision]: zero3d's own dataclasses
 from zero3d.comm.modes import NODE_AWARE_KEYS
 from zero3d.config import FLOAT8_ALIGNMENT, ZeroConfig, ZeroConfigError
 
 
 @dataclass
-class OptimizerConfig(engine_config.OptimizerConfig):
-    """[optimizer]: zero3d's optimizer and its settings (validated there) with this recipe's defaults, plus the
+class OptimizerConfig(optim_config.OptimizerConfig):
+    """[optimizer]: the engine's optimizer and its settings (optim/config.py, validated there) with this recipe's defaults, plus the
     schedule. `name` picks the optimizer; each optimizer's own keys are marked with the optimizers that read them, and
     setting another optimizer's key is an error."""
 
@@ -246,7 +248,7 @@ def _rebuild_sections(cfg: Config) -> None:
     for f in dataclasses.fields(Config):
         try:
             setattr(cfg, f.name, dataclasses.replace(getattr(cfg, f.name)))
-        except ZeroConfigError as err:
+        except (ZeroConfigError, OptimizerConfigError) as err:
             raise ConfigError(str(err)) from None
         if not isinstance(getattr(cfg, f.name), Section):
             check_finite(f.name, getattr(cfg, f.name))

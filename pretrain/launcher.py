@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Optional
 
-from pretrain.runtime.launch import free_port
+from pretrain.runtime.rendezvous import free_port
 from pretrain.errors import (EXIT_CONFIG, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_NUMERICAL, EXIT_OK, EXIT_PEER,
                              EXIT_REQUEUE, EXIT_UNEXPECTED)
 

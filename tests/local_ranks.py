@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.runtime.launch import free_port  # noqa: F401 - the tests' rendezvous ports too
+from pretrain.runtime.rendezvous import free_port  # noqa: F401 - the tests' rendezvous ports too
 
 
 def _rank_main(fn, rank, world_size, port, args, queue, stacks_dir):

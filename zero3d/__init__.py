@@ -5,9 +5,9 @@ import importlib
 # without torch.
 HOMES = {"wrap_model": "zero3d.wrap", "STAGES": "zero3d.wrap", "DataParallelEngine": "zero3d.engine",
          "EngineSettings": "zero3d.engine", "ParallelGroups": "zero3d.engine", "StepResult": "zero3d.engine",
-         "LossScaleConfig": "zero3d.config", "OptimizerConfig": "zero3d.config", "ZeroConfig": "zero3d.config",
+         "LossScaleConfig": "zero3d.config", "OptimizerConfig": "optim.config", "ZeroConfig": "zero3d.config",
          "ZeroConfigError": "zero3d.config", "LossScaler": "zero3d.precision", "CommStats": "zero3d.comm.core",
-         "FlatLayout": "zero3d.flat", "OptimizerSpec": "zero3d.optim", "ADAMW": "zero3d.optim"}
+         "FlatLayout": "zero3d.flat", "OptimizerSpec": "optim", "ADAMW": "optim"}
 __all__ = list(HOMES)
 
 

@@ -6,18 +6,19 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
+from optim import OptimizerSpec, spec_named
+from optim.config import OptimizerConfig
+from optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.accounting import model_state_bytes
 from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.comm.plan import CommPlan
-from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfig
+from zero3d.comm.topology import NodeTopology
+from zero3d.config import LossScaleConfig, ZeroConfig
 from zero3d.flat import FlatLayout, flatten_grads, flatten_params, group_kind, param_groups
 from zero3d.nvme import NvmeOffload
 from zero3d.offload import Copier, GroupSpec, HostOffload
-from zero3d.optim import OptimizerSpec, spec_named
-from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.placement import DevicePlacement, Placement
 from zero3d.precision import make_scaler
-from zero3d.comm.topology import NodeTopology
 from zero3d.whole_matrix import whole_matrix_step
 
 
@@ -53,7 +54,7 @@ class EngineSettings:
     # Stage 3: model -> [(name, module)] gathered as units (pretrain passes megatron's layers);
     # None: the model's top-level children.
     units: Optional[Callable[[nn.Module], list]] = None
-    # The optimizer: its states, its update, the parameters it takes whole (zero3d/optim/); the checkpoint and the
+    # The optimizer: its states, its update, the parameters it takes whole (optim/); the checkpoint and the
     # accounting ask it too. None: the spec of `optimizer.name`.
     optimizer_spec: Optional[OptimizerSpec] = None
     # Seams for the rank-local probe (pretrain/probe/rank.py), which runs the engine on fake tensors

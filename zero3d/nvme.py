@@ -11,10 +11,10 @@ from typing import Optional
 
 import torch
 
-from zero3d.config import OptimizerConfig
+from optim import ADAMW, OptimizerSpec
+from optim.config import OptimizerConfig
+from optim.flat_optimizer import STATE_TORCH_DTYPES, FlatOptimizer, FlatTensor
 from zero3d.offload import Copier, GroupSpec, copy_into_pieces, pinned_empty, scale_
-from zero3d.optim import ADAMW, OptimizerSpec
-from zero3d.optim.flat_optimizer import STATE_TORCH_DTYPES, FlatOptimizer, FlatTensor
 from zero3d.placement import OffDevicePlacement
 
 CHUNK_ALIGN = 4096  # elements: chunk boundaries stay aligned for the vectorised optimizer kernel

@@ -5,10 +5,10 @@ from typing import Optional
 
 import torch
 
+from optim import ADAMW, OptimizerSpec
+from optim.config import OptimizerConfig
+from optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.accounting import nbytes, optimizer_state_bytes
-from zero3d.config import OptimizerConfig
-from zero3d.optim import ADAMW, OptimizerSpec
-from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.placement import OffDevicePlacement
 
 

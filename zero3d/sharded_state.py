@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-from zero3d.optim import OptimizerSpec
+from optim import OptimizerSpec
 
 
 class DPRank(Protocol):
@@ -23,7 +23,7 @@ class ShardedEngine(Protocol):
     groups: dict
     dp: DPRank
     settings: Settings
-    # Over the master pieces (zero3d/optim/flat_optimizer.py's FlatOptimizer): `state[piece]` holds the spec's
+    # Over the master pieces (optim/flat_optimizer.py's FlatOptimizer): `state[piece]` holds the spec's
     # states; it says which a piece keeps (`state_names`), makes a piece's first ones (`initial_state`) and
     # keeps the step count (`step_count`, `set_step_count`).
     optimizer: torch.optim.Optimizer

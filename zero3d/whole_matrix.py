@@ -4,9 +4,9 @@ from typing import Callable, Optional
 
 import torch
 
+from optim.flat_optimizer import hyper_of
 from zero3d.comm.core import Comm
 from zero3d.flat import ParamSlot
-from zero3d.optim.flat_optimizer import hyper_of
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from optim import ADAMW, OptimizerSpec
 from pretrain.atomic import fsync_path
 from pretrain.checkpoint.unpickler import DTYPES, unpickle_metadata
 from pretrain.errors import CheckpointError
-from zero3d.optim import ADAMW, OptimizerSpec
 
 MANIFEST = "checkpoint.json"
 DCP_METADATA = ".metadata"

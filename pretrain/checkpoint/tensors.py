@@ -1,7 +1,7 @@
 """A rank's pieces of each parameter as global tensors: megatron ShardedTensors that DCP writes and reads.
 
 Every parameter is one global tensor per state — "model/<key>" (model dtype), "optim/master/<key>" and
-"optim/<state>/<key>" for each of the optimizer's states (in its state dtype, zero3d/optim/'s OptimizerSpec.states) —
+"optim/<state>/<key>" for each of the optimizer's states (in its state dtype, optim/'s OptimizerSpec.states) —
 with the key, global shape and offsets of megatron's `model.sharded_state_dict()` (TP/PP-aware; decoder
 layers stacked on a leading axis).
 A rank's DP piece is a contiguous range of the flattened TP-local parameter; it is cut into the few

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import megatron_patches
 from pretrain.config import Config, ConfigError, validate_layout
 from pretrain.errors import InputError
-from pretrain.runtime.launch import NodeSizeError, host_line, launcher_env, node_name, resolve_gpus_per_node
-from pretrain.runtime.launch import expand_nodelist  # noqa: F401 - the launcher's view, re-exported
+from pretrain.runtime.rendezvous import NodeSizeError, host_line, launcher_env, node_name, resolve_gpus_per_node
+from pretrain.runtime.rendezvous import expand_nodelist  # noqa: F401 - the launcher's view, re-exported
 
 
 class LayoutError(ValueError):
@@ -108,7 +108,7 @@ def collective_timeout(cfg: Config) -> timedelta:
 def ranks_per_node(cfg: Config, env: Optional[dict] = None) -> int:
     """Ranks per node for the node-aware zero.* modes: cluster.gpus_per_node when the TOML or an override
     sets it (4 CPU ranks as 2 nodes × 2), else the launcher's count in `env` (default: this process's
-    environment; pretrain.runtime.launch), else a ConfigError."""
+    environment; pretrain.runtime.rendezvous), else a ConfigError."""
     explicit = cfg.cluster.gpus_per_node if cfg.is_set("cluster.gpus_per_node") else None
     try:
         return resolve_gpus_per_node(explicit, env)

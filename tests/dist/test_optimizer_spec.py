@@ -12,7 +12,7 @@ from checkpoint_harness import CKPT_BASE, train_segment
 from gpt_harness import SyntheticTokens, Unwrapped
 from pretrain.checkpoint.read import read_json
 from ranks import run_ranks
-from zero3d.optim import OptimizerSpec
+from optim import OptimizerSpec
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "adamw_dp2_stage2"
 

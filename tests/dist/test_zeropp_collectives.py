@@ -29,7 +29,7 @@ def representable(seed: int, n: int, levels: int) -> torch.Tensor:
 def _ranks(rank, world):
     import torch.distributed as dist
 
-    from pretrain.runtime.launch import launcher_gpus_per_node
+    from pretrain.runtime.rendezvous import launcher_gpus_per_node
     from zero3d.comm.core import Comm, CommStats, p2p_all_to_all, wait_all
     from zero3d.comm.hierarchical import quantized_reduce_scatter
     from analysis.modes import named_modes

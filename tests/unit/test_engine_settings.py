@@ -6,10 +6,12 @@ import torch
 import torch.nn as nn
 
 import zero3d
+from optim.config import OptimizerConfig
+from optim.spec import OptimizerConfigError
 from pretrain.config import OptimizerConfig as RecipeOptimizer
 from pretrain.config import PrecisionConfig, load_config
 from pretrain.train import engine_settings
-from zero3d.config import LossScaleConfig, OptimizerConfig, ZeroConfigError
+from zero3d.config import LossScaleConfig, ZeroConfigError
 from zero3d.precision import LossScaler
 
 
@@ -22,7 +24,7 @@ from zero3d.precision import LossScaler
     ({"weight_decay": -0.1}, "optimizer.weight_decay = -0.1 is invalid; must be >= 0"),
 ])
 def test_optimizer_config_names_the_bad_value(kwargs, message):
-    with pytest.raises(ZeroConfigError, match=re.escape(message)):
+    with pytest.raises(OptimizerConfigError, match=re.escape(message)):
         OptimizerConfig(**kwargs)
 
 

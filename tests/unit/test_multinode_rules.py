@@ -61,7 +61,7 @@ def test_the_launcher_starts_the_tasks_per_node_on_the_nodes_it_got(monkeypatch)
 
 
 def test_every_rank_names_its_host_and_node(monkeypatch):
-    from pretrain.runtime.launch import host_line
+    from pretrain.runtime.rendezvous import host_line
     monkeypatch.setenv("SLURMD_NODENAME", "z3node2")
     monkeypatch.setattr("socket.gethostname", lambda: "gpu17")
     launch = {"rank": 3, "world_size": 4, "local_rank": 1, "master_addr": "z3node1", "master_port": "25001"}

@@ -8,10 +8,11 @@ import torch
 
 from pretrain.config import ConfigError, load_config
 from zero3d.nvme import NvmeOffload, buffer_bytes_per_element, chunk_elements
-from zero3d.config import OptimizerConfig, ZeroConfig, ZeroConfigError
+from optim.config import OptimizerConfig
+from zero3d.config import ZeroConfig, ZeroConfigError
 from zero3d.offload import Copier, GroupSpec, HostOffload
-from zero3d.optim import ADAMW
-from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
+from optim import ADAMW
+from optim.flat_optimizer import FlatOptimizer, FlatTensor
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)  # torch's AdamW: the reference
 CONFIG = OptimizerConfig(lr=HYPER["lr"], beta2=0.95, eps=1e-8)  # the same, as the engine's [optimizer]

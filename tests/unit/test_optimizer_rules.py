@@ -1,4 +1,4 @@
-"""The named optimizers (zero3d/optim/): each one's update against its published rule written out here, bf16 states
+"""The named optimizers (optim/): each one's update against its published rule written out here, bf16 states
 (the update in fp32, the states rounded back), and the [optimizer] keys each one owns."""
 import math
 import re
@@ -6,10 +6,11 @@ import re
 import pytest
 import torch
 
+from optim import SPECS, spec_named
+from optim.config import OptimizerConfig
+from optim.flat_optimizer import STATE_CHUNK, FlatOptimizer, FlatTensor
+from optim.spec import OptimizerConfigError
 from pretrain.config import ConfigError, load_config
-from zero3d.config import OptimizerConfig, ZeroConfigError
-from zero3d.optim import SPECS, spec_named
-from zero3d.optim.flat_optimizer import STATE_CHUNK, FlatOptimizer, FlatTensor
 
 SIZES = (1000, 37, 4096)  # three pieces, two weight decays (as the engine's groups), odd sizes
 DECAYS = (0.1, 0.0, 0.1)
@@ -208,7 +209,7 @@ def test_state_bytes_per_parameter_of_each_spec():
                                      "belongs to muon)"),
 ])
 def test_each_optimizer_checks_its_keys_and_refuses_anothers(kwargs, message):
-    with pytest.raises(ZeroConfigError, match=re.escape(message)):
+    with pytest.raises(OptimizerConfigError, match=re.escape(message)):
         OptimizerConfig(**kwargs)
 
 

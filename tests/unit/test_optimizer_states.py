@@ -1,4 +1,4 @@
-"""zero3d/optim/'s OptimizerSpec and FlatOptimizer: a missing state is an error, never a zero tensor; the manifest's
+"""optim/'s OptimizerSpec and FlatOptimizer: a missing state is an error, never a zero tensor; the manifest's
 step count and state dtype."""
 from types import SimpleNamespace
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pretrain.checkpoint.read import optimizer_fields, saved_optimizer
-from zero3d.config import OptimizerConfig
-from zero3d.optim import ADAMW
-from zero3d.optim.flat_optimizer import FlatOptimizer, FlatTensor
+from optim.config import OptimizerConfig
+from optim import ADAMW
+from optim.flat_optimizer import FlatOptimizer, FlatTensor
 from zero3d.sharded_state import optimizer_states, optimizer_step_count, set_optimizer_step_count
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("zero3d", "analysis", "model_shape", "pretrain", "megatron_patches", "slurm", "configs")
+PACKAGES = ("zero3d", "optim", "analysis", "model_shape", "pretrain", "megatron_patches", "slurm", "configs")
 # megatron-core's public, documented entry points; everything else under megatron.core is internal.
 MEGATRON_PUBLIC = ("megatron.core.parallel_state", "megatron.core.tensor_parallel", "megatron.core.pipeline_parallel",
                    "megatron.core.datasets", "megatron.core.dist_checkpointing")
@@ -169,16 +169,25 @@ def test_wings_are_packages_with_a_one_line_docstring():
 def test_setuptools_ships_every_package():
     """A non-editable install copies only the packages pyproject.toml lists: every folder with an __init__.py."""
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    present = {".".join(p.parent.relative_to(REPO).parts) for top in ("zero3d", "analysis", "model_shape", "pretrain",
-                                                                      "megatron_patches")
+    present = {".".join(p.parent.relative_to(REPO).parts) for top in ("zero3d", "optim", "analysis", "model_shape",
+                                                                      "pretrain", "megatron_patches")
                for p in (REPO / top).rglob("__init__.py")}
     assert present - listed == set()
 
 
 def test_zero3d_and_the_analysis_import_no_pretrain():
     bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
-           if top_package(name) in ("zero3d", "analysis", "model_shape")
+           if top_package(name) in ("zero3d", "optim", "analysis", "model_shape")
            for m, _ in imports(path) if top_package(m) == "pretrain"]
+    assert bad == []
+
+
+def test_the_optimizers_sit_below_the_engine():
+    """optim/ (the update rules, their keys, OptimizerConfig) knows nothing of ZeRO: the engine imports it, it imports
+    nothing of the project but itself."""
+    project = ("zero3d", "analysis", "model_shape", "pretrain", "megatron_patches", "slurm", "configs", "megatron")
+    bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
+           if top_package(name) == "optim" for m, _ in imports(path) if top_package(m) in project]
     assert bad == []
 
 
@@ -381,7 +390,7 @@ def test_one_vocabulary_of_communication_modes():
 
 
 # Modules under zero3d/ that may read the environment, each with its stated reason (none: zero3d takes every
-# setting as an argument; the launcher's variables are read by pretrain/runtime/launch.py).
+# setting as an argument; the launcher's variables are read by pretrain/runtime/rendezvous.py).
 ZERO3D_ENVIRONMENT_READERS: dict[str, str] = {}
 
 
@@ -396,8 +405,8 @@ def _reads_environment(tree: ast.AST) -> bool:
 
 
 def test_zero3d_never_reads_the_environment():
-    """Issue #35: no module under zero3d/, analysis/ or model_shape/ reads os.environ / os.getenv."""
-    readers = [str(path.relative_to(REPO)) for top in ("zero3d", "analysis", "model_shape")
+    """Issue #35: no module under zero3d/, optim/, analysis/ or model_shape/ reads os.environ / os.getenv."""
+    readers = [str(path.relative_to(REPO)) for top in ("zero3d", "optim", "analysis", "model_shape")
                for path in sorted((REPO / top).rglob("*.py"))
                if _reads_environment(ast.parse(path.read_text()))]
     assert [r for r in readers if r not in ZERO3D_ENVIRONMENT_READERS] == []
@@ -418,7 +427,7 @@ GROUP_CALLS = ("initialize_model_parallel", "init_process_group", "new_group")
 def group_calls() -> list[tuple[str, str]]:
     """(file, function) of every call of GROUP_CALLS in the shipped packages, by the called name."""
     found = []
-    for package in ("pretrain", "zero3d", "megatron_patches", "slurm"):
+    for package in ("pretrain", "zero3d", "optim", "megatron_patches", "slurm"):
         for path in sorted((REPO / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call):
@@ -439,16 +448,16 @@ def test_one_layout_builder_for_real_and_fake_process_groups():
 
 def test_adam_is_named_in_its_spec_only():
     """Issue #35: AdamW's state names, its legacy manifest key and its 12 bytes per parameter (fp32 master + two
-    moments) live in zero3d/optim/adamw.py's ADAMW alone; everything else asks the engine's OptimizerSpec. A "12" (not
+    moments) live in optim/adamw.py's ADAMW alone; everything else asks the engine's OptimizerSpec. A "12" (not
     a format width) on a line that speaks of bytes, Ψ, K, masters, moments or the optimizer counts as the
     assumption. Excluded: analysis/paper_tables.py, which reproduces the paper's Tables I/II, whose
     captions say the paper's K = 12 (its numbers come from the estimator's PRECISIONS, derived from ADAMW)."""
     import re
     words = r"(?i:byte|Ψ|psi|\bK\b|master|moment|optimi[sz]er|adam)"
     twelve = re.compile(rf"(?<![<>^:])\b12\b.*{words}|{words}.*(?<![<>^:])\b12\b")  # not a format width (:>12)
-    found = [f"{path}:{n}: {line.strip()}" for prefix in ("zero3d", "analysis", "model_shape", "pretrain")
+    found = [f"{path}:{n}: {line.strip()}" for prefix in ("zero3d", "optim", "analysis", "model_shape", "pretrain")
              for path, n, line in _source_lines(prefix)
-             if path not in ("zero3d/optim/adamw.py", "analysis/paper_tables.py")
+             if path not in ("optim/adamw.py", "analysis/paper_tables.py")
              and ("exp_avg" in line or "adam_step" in line or twelve.search(line))]
     assert found == []
 

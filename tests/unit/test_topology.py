@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from pretrain.runtime.launch import NodeSizeError, resolve_gpus_per_node
+from pretrain.runtime.rendezvous import NodeSizeError, resolve_gpus_per_node
 from zero3d.comm.topology import TopologyError, node_layout, topology_of
 
 

@@ -6,6 +6,23 @@ MASTER_BYTES = 4  # the fp32 master copy of a parameter, whatever the optimizer
 STATE_DTYPES = {"fp32": 4, "bf16": 2}  # optimizer.state_dtype -> bytes per element of each state
 
 
+class OptimizerConfigError(ValueError):
+    """An [optimizer] setting is invalid; the message names the key, the value and what is valid."""
+
+
+def raise_first(checks) -> None:
+    """Raise the message of the first failed (ok, message) check."""
+    for ok, message in checks:
+        if not ok:
+            raise OptimizerConfigError(message)
+
+
+def beta_checks(keys) -> tuple:
+    """(ok, message) for an optimizer's beta1 and beta2: each in [0, 1)."""
+    return tuple((0 <= getattr(keys, k) < 1, f"optimizer.{k} = {getattr(keys, k)} is invalid; must be in [0, 1)")
+                 for k in ("beta1", "beta2"))
+
+
 @dataclass(frozen=True)
 class MatrixRule:
     """How a spec updates the 2-D parameters it takes whole (Muon's hidden matrices): a direction per element
@@ -51,7 +68,7 @@ class OptimizerSpec:
     """The parameters it takes whole, and how (None: every parameter elementwise)."""
 
     legacy_step_key: Optional[str] = None
-    """The manifest key its step count had before the spec-neutral `optimizer_step` (AdamW's, zero3d/optim/adamw.py):
+    """The manifest key its step count had before the spec-neutral `optimizer_step` (AdamW's, optim/adamw.py):
     read from checkpoints that lack `optimizer_step`, and still written beside it."""
 
     def states_of(self, matrix: bool) -> tuple:

@@ -1,6 +1,18 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2): one momentum, a sign update."""
-from zero3d.config import LionKeys
-from zero3d.optim.spec import OptimizerSpec
+from dataclasses import dataclass
+
+from optim.spec import OptimizerSpec, beta_checks, raise_first
+
+
+@dataclass(frozen=True)
+class LionKeys:
+    """Lion's own keys of [optimizer]: beta1 interpolates the update's sign, beta2 decays the momentum."""
+
+    beta1: float = 0.9
+    beta2: float = 0.99
+
+    def __post_init__(self):
+        raise_first(beta_checks(self))
 
 
 def lion_update(params, grads, states, steps, lr, weight_decay, hyper, fused) -> None:

@@ -1,9 +1,9 @@
 """The engine's optimizers as specs (`OptimizerSpec`), one module each, named by `optimizer.name`; `ADAMW` the default."""
-from zero3d.optim.adamw import ADAMW
-from zero3d.optim.lion import LION
-from zero3d.optim.muon import MUON
-from zero3d.optim.sgd import SGD
-from zero3d.optim.spec import MASTER_BYTES, STATE_DTYPES, MatrixRule, OptimizerSpec
+from optim.adamw import ADAMW
+from optim.lion import LION
+from optim.muon import MUON
+from optim.sgd import SGD
+from optim.spec import MASTER_BYTES, STATE_DTYPES, MatrixRule, OptimizerSpec
 
 SPECS = {spec.name: spec for spec in (ADAMW, LION, SGD, MUON)}
 

@@ -4,7 +4,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zero3d.optim.spec import OptimizerSpec
+from optim.spec import OptimizerSpec
 
 STATE_CHUNK = 1 << 22  # elements: 16 MiB of fp32 per state at most, upcast at once (bf16 states)
 STATE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

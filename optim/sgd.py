@@ -1,6 +1,18 @@
 """SGD with momentum as torch computes it (Sutskever et al. 2013; torch.optim.SGD, no dampening)."""
-from zero3d.config import SGDKeys
-from zero3d.optim.spec import OptimizerSpec
+from dataclasses import dataclass
+
+from optim.spec import OptimizerSpec, raise_first
+
+
+@dataclass(frozen=True)
+class SGDKeys:
+    """SGD's own keys of [optimizer]: torch's rule (momentum buffer μ·b + g, weight decay added to the gradient)."""
+
+    momentum: float = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self):
+        raise_first(((0 <= self.momentum < 1, f"optimizer.momentum = {self.momentum} is invalid; must be in [0, 1)"),))
 
 
 def sgd_update(params, grads, states, steps, lr, weight_decay, hyper, fused) -> None:

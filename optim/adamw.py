@@ -1,6 +1,20 @@
 """AdamW (Loshchilov & Hutter 2019) as torch computes it: its two moments, and the one home of their names."""
-from zero3d.config import AdamWKeys
-from zero3d.optim.spec import OptimizerSpec
+from dataclasses import dataclass
+
+from optim.spec import OptimizerSpec, beta_checks, raise_first
+
+
+@dataclass(frozen=True)
+class AdamWKeys:
+    """AdamW's own keys of [optimizer]: the moments' decays and the denominator's epsilon."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        raise_first(beta_checks(self) + ((self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0"),))
+
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")  # torch's AdamW's own names: 4 + 2 × 4 bytes a parameter with the master
 

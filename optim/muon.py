@@ -1,9 +1,30 @@
 """Muon (Jordan 2024; scaled as Moonshot's Liu et al. 2025) for the hidden matrices, AdamW for the rest."""
 import fnmatch
+from dataclasses import dataclass
 
-from zero3d.config import MuonKeys
-from zero3d.optim.adamw import ADAMW
-from zero3d.optim.spec import MatrixRule, OptimizerSpec
+from optim.adamw import ADAMW
+from optim.spec import MatrixRule, OptimizerSpec, beta_checks, raise_first
+
+
+@dataclass(frozen=True)
+class MuonKeys:
+    """Muon's own keys of [optimizer]: its momentum and Newton–Schulz steps, and AdamW's (beta1, beta2, eps) for the
+    parameters it does not take whole."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        raise_first(((0 <= self.momentum < 1, f"optimizer.momentum = {self.momentum} is invalid; must be in [0, 1)"),
+                     (type(self.ns_steps) is int and self.ns_steps >= 1,
+                      f"optimizer.ns_steps = {self.ns_steps!r} is invalid; must be an integer >= 1"),
+                     *beta_checks(self),
+                     (self.eps > 0, f"optimizer.eps = {self.eps} is invalid; must be > 0")))
+
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
