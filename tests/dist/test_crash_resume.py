@@ -106,8 +106,11 @@ def complete_saves(save_dir: Path, world: int = 2) -> list[int]:
 
 
 def records(run_dir: Path) -> list[dict]:
+    """The records of the lines written whole so far: a read while a rank appends may end in the middle of that
+    line's write (seen: '{"step": 42, "time": 1795947921'), which a later read has whole."""
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def wait_until(predicate, run: Run, timeout: float = 120.0, what: str = "") -> None:
