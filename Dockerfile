@@ -9,6 +9,7 @@ FROM nvcr.io/nvidia/pytorch:25.04-py3
 WORKDIR /workspace/zero3d
 COPY pyproject.toml README.md ./
 COPY zero3d ./zero3d
+COPY optim ./optim
 COPY analysis ./analysis
 COPY model_shape ./model_shape
 COPY megatron_patches ./megatron_patches
@@ -37,7 +38,7 @@ RUN python -c "import torch; print('torch==' + torch.__version__)" > /tmp/torch-
         "zstandard==0.25.0" \
         "transformers==5.24.0" \
  && pip install --no-cache-dir --no-deps -e . \
- && python -c "import torch, megatron.core, zero3d, pretrain; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
+ && python -c "import torch, megatron.core, zero3d, optim, pretrain; print('torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 
 # W&B writes offline into each run dir unless WANDB_API_KEY / WANDB_MODE say otherwise.
 ENV PYTHONUNBUFFERED=1 \

@@ -175,6 +175,14 @@ def test_setuptools_ships_every_package():
     assert present - listed == set()
 
 
+def test_the_image_copies_every_shipped_package():
+    """The Dockerfile copies the tree package by package: each top-level package pyproject.toml ships is one of its
+    COPY lines (optim/ once was not, and the image's `-e .` install would have lacked it)."""
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    copied = [line.split()[1] for line in (REPO / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    assert sorted({name.split(".")[0] for name in listed} - set(copied)) == []
+
+
 def test_zero3d_and_the_analysis_import_no_pretrain():
     bad = [f"{path.relative_to(REPO)} imports {m}" for name, path in modules().items()
            if top_package(name) in ("zero3d", "optim", "analysis", "model_shape")
