@@ -15,11 +15,11 @@ then `python -m pretrain.probe --real` of the 8B (TP 4), 60B and 100B (TP 16) ra
 under a 32 GB cap. With `--fp8` (and always in the dry run): the Llama shape through zero3d in FP8 beside its bf16
 row (precision.fp8 "tensorwise" and "rowwise", stage 2, the same process; MFU against the GPU's FP8 peak), and
 `probe --real` of the Llama-3 8B rank slice (configs/llama3_8b.toml: TP 1 × DP 16, stage 2) in bf16 and FP8
-under an 80 GB cap (the dry run: FP8 only, fake, 2 layers). Each row: tokens/s, TFLOP/s (the model FLOPs of model_shape/flops.py: Megatron's
-formula, with grouped-query K/V and the gated MLP's third matrix for Llama), MFU (against the GPU's dense
-peak), peak CUDA memory. The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
+under an 80 GB cap (the dry run: FP8 only, fake, 2 layers, 1 step). Each row: tokens/s, TFLOP/s (the model
+FLOPs of model_shape/flops.py: Megatron's formula, with grouped-query K/V and the gated MLP's third matrix for
+Llama), MFU (against the GPU's dense peak), peak CUDA memory. The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
 `aot_eager` backend (inductor's C++ codegen costs ~40 s on a CPU: the GPU run uses inductor), and runs the
-probes in fake mode with 2 layers.
+probes in fake mode with 2 layers for 1 step.
 """
 import argparse
 import importlib.util
@@ -308,8 +308,8 @@ ZERO3D_ROWS = ((2, False), (2, True), (3, True))
 
 
 def probe_rows(dry: bool, timeout: float, quick: bool = False, fp8: bool = False) -> list:
-    """`probe --real` (dry run: fake, 2 layers) of each paper rank slice in bf16 and fp16: tools/gpu_check.py's row;
-    with `fp8`, the Llama-3 8B slice in bf16 and FP8 tensorwise under an 80 GB cap (the dry run: FP8 only)."""
+    """`probe --real` (dry run: fake, 2 layers, 1 step) of each paper rank slice in bf16 and fp16: tools/gpu_check.py's
+    row; with `fp8`, the Llama-3 8B slice in bf16 and FP8 tensorwise under an 80 GB cap (the dry run: FP8 only)."""
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools/gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)

@@ -1,11 +1,11 @@
 """Start-up memory estimate of a config: printed, and a run that cannot fit is refused before it starts. The config is
-read once into the analysis's objects (`estimate_args`), which the estimator takes whole."""
+read once into one rank's job (`rank_job`), which the analysis (analysis/memory_report.py) estimates and tables."""
 import dataclasses
 from typing import Optional
 
 from analysis.estimate import (GB, GIB, PRECISIONS, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step,
-                               ZeroChoice, document_mask_bytes, estimate, format_breakdown)
-from analysis.offload_estimate import OffloadBreakdown, format_offload, offload_breakdown
+                               ZeroChoice, document_mask_bytes)
+from analysis.memory_report import RankJob, device_memory, device_report
 from pretrain.config import Config, ConfigError
 from pretrain.sections import ClusterConfig
 from zero3d.comm.topology import TopologyError, dp_ranks_per_node
@@ -17,11 +17,10 @@ def gpu_budget_bytes(cluster: ClusterConfig) -> float:
     return cluster.gpu_memory_gb * GIB
 
 
-def estimate_args(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_node: Optional[int] = None) -> tuple:
-    """(shape, layout, zero, step, budget, optimizer): a rank of this config as the estimator (analysis.estimate) takes
-    it. Pipeline stages: one stage's layers, with both the embeddings and the output layer counted (the first and last
-    stages hold one each: an upper bound for either). `gpus_per_node`: the ranks per node the run's Layout resolved
-    (default: cluster.gpus_per_node)."""
+def rank_job(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_node: Optional[int] = None) -> RankJob:
+    """A rank of this config as the estimator (analysis.memory_report) takes it. Pipeline stages: one stage's layers,
+    with both the embeddings and the output layer counted (the first and last stages hold one each: an upper bound for
+    either). `gpus_per_node`: the ranks per node the run's Layout resolved (default: cluster.gpus_per_node)."""
     m, p = cfg.model, cfg.parallel
     shape = dataclasses.replace(m.shape, layers=m.num_layers // p.pipeline)
     layout = Parallelism(world_size // p.pipeline, p.tensor, p.context, dp_per_node(cfg, world_size, gpus_per_node))
@@ -30,13 +29,14 @@ def estimate_args(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_pe
                 loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size),
                 sequence_parallel=p.sequence_parallel, compiled=m.compile in (True, "auto"))
     optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
-    return shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer
+    return RankJob(shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer,
+                   accumulation(cfg, world_size))
 
 
 def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float,
                     gpus_per_node: Optional[int] = None) -> MemoryBreakdown:
-    """The estimator for this config's model, layout and ZeRO settings (estimate_args)."""
-    return estimate(*estimate_args(cfg, world_size, gpu_memory_bytes, gpus_per_node))
+    """The estimator for this config's model, layout and ZeRO settings, nothing offloaded (rank_job)."""
+    return rank_job(cfg, world_size, gpu_memory_bytes, gpus_per_node).whole()
 
 
 def mask_bytes(cfg: Config, world_size: int) -> int:
@@ -80,21 +80,7 @@ def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float,
                     gpus_per_node: Optional[int] = None) -> tuple:
     """(what stays on the device, OffloadBreakdown or None): with zero.offload_* on, the check judges only
     the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes)."""
-    shape, layout, zero, step, budget, optimizer = estimate_args(cfg, world_size, gpu_memory_bytes, gpus_per_node)
-    whole = estimate(shape, layout, zero, step, budget, optimizer)
-    if zero.offload_optimizer == "none" and zero.offload_params == "none":
-        return whole, None
-    offload = offload_breakdown(whole, layout, zero, step.precision, accumulation(cfg, world_size), optimizer)
-    return offload.device, offload
-
-
-def _table(estimate: MemoryBreakdown, offload: Optional[OffloadBreakdown], header: str, device: str,
-           cpu_note: Optional[str] = None) -> str:
-    """The breakdown, its verdict (or, on CPU ranks, `cpu_note` last instead) and where offload put states."""
-    table = format_breakdown(estimate, header, device=device)
-    if cpu_note is not None:
-        table = table.rsplit("\n", 1)[0]
-    return "\n".join([table] + ([format_offload(offload)] if offload else []) + ([cpu_note] if cpu_note else []))
+    return device_memory(rank_job(cfg, world_size, gpu_memory_bytes, gpus_per_node))
 
 
 def describe(cfg: Config, world_size: int) -> str:
@@ -107,12 +93,16 @@ def describe(cfg: Config, world_size: int) -> str:
             f"{cfg.optimizer.name}, {cfg.optimizer.state_dtype} states")
 
 
+def config_device(cfg: Config) -> str:
+    """The device the config describes, as the table's verdict names it."""
+    return f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
+
+
 def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None,
                   gpus_per_node: Optional[int] = None) -> tuple:
     """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
-    estimate, offload = device_estimate(cfg, world_size, gpu_budget_bytes(cfg.cluster), gpus_per_node)
-    device = f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
-    return estimate, _table(estimate, offload, describe(cfg, world_size), device, cpu_note)
+    job = rank_job(cfg, world_size, gpu_budget_bytes(cfg.cluster), gpus_per_node)
+    return device_report(job, describe(cfg, world_size), config_device(cfg), cpu_note)
 
 
 def check_memory(cfg: Config, world_size: int, device, is_main: bool,
@@ -125,22 +115,21 @@ def check_memory(cfg: Config, world_size: int, device, is_main: bool,
     """
     import torch
     import torch.distributed as dist
-    if device.type != "cuda":
-        estimate, table = config_report(cfg, world_size, cpu_note=(
-            f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
-            f"{cfg.cluster.gpu_memory_gb:g} GiB)"), gpus_per_node=gpus_per_node)
-        if is_main:
-            print(table, flush=True)
-        return estimate
-    budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
-    dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-    gpu_memory = budget.item()
-    estimate, offload = device_estimate(cfg, world_size, gpu_memory, gpus_per_node)
-    name = torch.cuda.get_device_name(device)
-    table = _table(estimate, offload, describe(cfg, world_size), f"{name} (smallest over the ranks)")
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+        gpu_memory, cpu_note = budget.item(), None
+        judged = f"{torch.cuda.get_device_name(device)} (smallest over the ranks)"
+    else:
+        gpu_memory, judged = gpu_budget_bytes(cfg.cluster), config_device(cfg)
+        cpu_note = (f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
+                    f"{cfg.cluster.gpu_memory_gb:g} GiB)")
+    job = rank_job(cfg, world_size, gpu_memory, gpus_per_node)
+    estimate, table = device_report(job, describe(cfg, world_size), judged, cpu_note)
     if is_main:
         print(table, flush=True)
-    if not estimate.fits and not cfg.train.ignore_memory_estimate:
+    if on_cuda and not estimate.fits and not cfg.train.ignore_memory_estimate:
         raise ConfigError(f"the memory estimate exceeds the device memory "
                           f"({estimate.total_bytes / GB:.2f} GB > {gpu_memory / GB:.2f} GB); lower "
                           "train.micro_batch_size, raise zero.stage or parallel.tensor, enable "

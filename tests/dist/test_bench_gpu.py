@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = 'probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers)'
+PROBE = 'probe 100B precision.dtype="bf16" model.attention="auto" model.loss_chunk_tokens=1024 (dry run: fake, 2 layers, 1 step)'
 FP8_PROBE = ('probe Llama-3 8B precision.fp8="tensorwise" model.attention="auto" model.loss_chunk_tokens=1024 '
-             "(dry run: fake, 2 layers)")
+             "(dry run: fake, 2 layers, 1 step)")
 
 
 def model_flops(s: dict, vocab: int) -> float:

@@ -160,3 +160,34 @@ def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
     check_memory(cfg, 2, torch.device("cpu"), is_main=True)
     out = capsys.readouterr().out
     assert "host optimizer states" in out and out.rstrip().endswith("GiB)") and "CPU run: no device memory check" in out
+
+
+def test_on_cuda_the_smallest_card_over_the_ranks_is_the_budget_and_a_run_that_cannot_fit_is_refused(monkeypatch,
+                                                                                                    capsys):
+    """check_memory's GPU path, its device calls stood in for: this rank's card holds 80 GiB, another rank's 24 GiB
+    (the all-reduce's minimum); 8 layers × 4096 at stage 0 on 2 ranks need 27.2 GiB (the estimator's sum of its
+    terms), so the run is refused naming both figures, unless train.ignore_memory_estimate; 6 layers (21.0) run."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from pretrain.config import ConfigError, load_config
+    from pretrain.memory_check import check_memory
+
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, device=None, **kw: real_tensor(data, **kw))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op: t.fill_(min(t.item(), 24 * GIB)))
+    cuda = types.SimpleNamespace(type="cuda")
+    shape = ["zero.stage=0", "model.hidden_size=4096", "model.num_attention_heads=32"]
+    with pytest.raises(ConfigError) as refused:
+        check_memory(load_config(None, shape + ["model.num_layers=8"]), 2, cuda, is_main=True)
+    assert f"exceeds the device memory (29.18 GB > {24 * GIB / 1e9:.2f} GB)" in str(refused.value)
+    assert "NVIDIA H100 80GB HBM3 (smallest over the ranks)" in capsys.readouterr().out
+    kept = check_memory(load_config(None, shape + ["model.num_layers=8", "train.ignore_memory_estimate=true"]), 2,
+                        cuda, is_main=False)
+    assert not kept.fits and capsys.readouterr().out == ""  # rank 0 alone prints the table
+    assert check_memory(load_config(None, shape + ["model.num_layers=6"]), 2, cuda, is_main=True).fits
+    assert "CPU run" not in capsys.readouterr().out
