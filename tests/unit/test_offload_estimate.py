@@ -164,30 +164,41 @@ def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
 
 def test_on_cuda_the_smallest_card_over_the_ranks_is_the_budget_and_a_run_that_cannot_fit_is_refused(monkeypatch,
                                                                                                     capsys):
-    """check_memory's GPU path, its device calls stood in for: this rank's card holds 80 GiB, another rank's 24 GiB
-    (the all-reduce's minimum); 8 layers × 4096 at stage 0 on 2 ranks need 27.2 GiB (the estimator's sum of its
-    terms), so the run is refused naming both figures, unless train.ignore_memory_estimate; 6 layers (21.0) run."""
+    """check_memory's GPU path, its device calls stood in for: this rank's card holds 80 GiB, the other rank's 24 GiB,
+    reduced by the op the check asks for. 8 layers × 4096 at stage 0 on 2 ranks fit the 80 GiB card and not the 24 GiB
+    one (the estimator's verdicts, tests/unit/test_estimate.py's subject), so the run is refused naming the estimate
+    and the smaller card, unless train.ignore_memory_estimate; 6 layers fit both and run."""
     import types
 
     import torch
     import torch.distributed as dist
 
     from pretrain.config import ConfigError, load_config
-    from pretrain.memory_check import check_memory
+    from pretrain.memory_check import check_memory, estimate_config
 
+    other_rank = 24 * GIB
+    reduce = {dist.ReduceOp.MIN: min, dist.ReduceOp.MAX: max, dist.ReduceOp.SUM: lambda a, b: a + b}
     real_tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda data, device=None, **kw: real_tensor(data, **kw))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * GIB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op: t.fill_(min(t.item(), 24 * GIB)))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op: t.fill_(reduce[op](t.item(), other_rank)))
     cuda = types.SimpleNamespace(type="cuda")
     shape = ["zero.stage=0", "model.hidden_size=4096", "model.num_attention_heads=32"]
+    big, small = (load_config(None, shape + [f"model.num_layers={n}"]) for n in (8, 6))
+    assert estimate_config(big, 2, 80 * GIB).fits and not estimate_config(big, 2, other_rank).fits
+    assert estimate_config(small, 2, other_rank).fits
     with pytest.raises(ConfigError) as refused:
-        check_memory(load_config(None, shape + ["model.num_layers=8"]), 2, cuda, is_main=True)
-    assert f"exceeds the device memory (29.18 GB > {24 * GIB / 1e9:.2f} GB)" in str(refused.value)
+        check_memory(big, 2, cuda, is_main=True)
+    total = estimate_config(big, 2, other_rank).total_bytes
+    assert f"exceeds the device memory ({total / 1e9:.2f} GB > {other_rank / 1e9:.2f} GB)" in str(refused.value)
     assert "NVIDIA H100 80GB HBM3 (smallest over the ranks)" in capsys.readouterr().out
     kept = check_memory(load_config(None, shape + ["model.num_layers=8", "train.ignore_memory_estimate=true"]), 2,
                         cuda, is_main=False)
     assert not kept.fits and capsys.readouterr().out == ""  # rank 0 alone prints the table
-    assert check_memory(load_config(None, shape + ["model.num_layers=6"]), 2, cuda, is_main=True).fits
+    assert check_memory(small, 2, cuda, is_main=True).fits
     assert "CPU run" not in capsys.readouterr().out
+    # CPU ranks check nothing: the same run described on a 24 GiB card is estimated, printed and not refused
+    on_cpu = check_memory(load_config(None, shape + ["model.num_layers=8", "cluster.gpu_memory_gb=24"]), 2,
+                          torch.device("cpu"), is_main=True)
+    assert not on_cpu.fits and "CPU run: no device memory check" in capsys.readouterr().out
