@@ -32,6 +32,24 @@ def compute_lane_paths() -> list[str]:
     folders = sorted(p.name for p in (REPO / "tests").iterdir() if p.is_dir() and any(p.glob("test_*.py")))
     ordered = [f for f in ONE_PROCESS_TIERS if f in folders] + [f for f in folders if f not in ONE_PROCESS_TIERS]
     return [f"tests/{f}" for f in ordered]
+
+
+# The tree's Python folders (git's; not .venv, runs/ or data/): byte-compiled before the lanes start.
+SOURCE_FOLDERS = ("analysis", "bench", "examples", "megatron_patches", "model_shape", "optim", "pretrain", "slurm",
+                  "tests", "tools", "zero3d")
+
+
+def compile_bytecode() -> None:
+    """Write the tree's bytecode once, before the lanes start (into the __pycache__ folders git ignores). Where
+    PYTHONDONTWRITEBYTECODE is set (this project's machines set it) no import writes any, so every one of the suite's
+    Python processes (the lanes, torchrun jobs, Slurm ranks, CLI runs) and every forked rank compiled each project
+    module it imported from source; they read these instead."""
+    import compileall
+    for folder in SOURCE_FOLDERS:
+        if (REPO / folder).is_dir():
+            compileall.compile_dir(REPO / folder, quiet=1)
+
+
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
@@ -49,6 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--serial", action="store_true", help="one pytest run over the whole suite")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (put them after --)")
     args = parser.parse_args(argv)
+    compile_bytecode()
     if args.serial:
         return subprocess.call(BASE + ["tests"] + args.pytest_args, cwd=REPO)
     started = time.monotonic()
