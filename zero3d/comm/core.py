@@ -218,9 +218,12 @@ class Comm:
         """Sum `full` over the group; this rank's piece (len(full) / size) lands in `piece`, which
         may be a view of `full` (in place). Others' pieces of `full` are left as scratch.
 
-        gloo: issued as one reduce of each piece to its owner — the same n(N−1)/N elements, and
-        much faster there than gloo's reduce_scatter (median of 7 on this project's 2-core CI
-        machine, 500k fp32 elements: 2 ms against 25 ms on 2 ranks, 13 ms against 74 ms on 4).
+        gloo: issued as one reduce of each piece to its owner — the same n(N−1)/N elements. Under an
+        earlier torch that was much faster than gloo's reduce_scatter (500k fp32 elements: 2 ms against
+        25 ms on 2 ranks, 13 ms against 74 ms on 4). Under torch 2.13 (2-core CI machine, 2026-11-29) the
+        two are equal on 2 ranks; on 4, gloo's own is ~1.8× faster at 4k–400k elements and ~10% slower
+        at 4M. Swapped in, it left the dist tier's CPU time unchanged (four files, 255 CPU-s either
+        way) and moved 4-rank sums in the last bit, so the reduces stay.
         NCCL: one reduce_scatter, in place."""
         self._record("reduce_scatter", tag, full)
         if self.size == 1:
