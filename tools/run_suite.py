@@ -34,20 +34,15 @@ def compute_lane_paths() -> list[str]:
     return [f"tests/{f}" for f in ordered]
 
 
-# The tree's Python folders (git's; not .venv, runs/ or data/): byte-compiled before the lanes start.
-SOURCE_FOLDERS = ("analysis", "bench", "examples", "megatron_patches", "model_shape", "optim", "pretrain", "slurm",
-                  "tests", "tools", "zero3d")
-
-
 def compile_bytecode() -> None:
-    """Write the tree's bytecode once, before the lanes start (into the __pycache__ folders git ignores). Where
-    PYTHONDONTWRITEBYTECODE is set (this project's machines set it) no import writes any, so every one of the suite's
-    Python processes (the lanes, torchrun jobs, Slurm ranks, CLI runs) and every forked rank compiled each project
-    module it imported from source; they read these instead."""
+    """Write the bytecode of git's tracked modules once, before the lanes start (into the __pycache__ folders git
+    ignores). Where PYTHONDONTWRITEBYTECODE is set (this project's machines set it) no import writes any, so every one
+    of the suite's Python processes (the lanes, torchrun jobs, Slurm ranks, CLI runs) and every forked rank compiled
+    each project module it imported from source; they read these instead. Outside a git checkout: nothing to do."""
     import compileall
-    for folder in SOURCE_FOLDERS:
-        if (REPO / folder).is_dir():
-            compileall.compile_dir(REPO / folder, quiet=1)
+    listed = subprocess.run(["git", "ls-files", "-z", "*.py"], cwd=REPO, capture_output=True, text=True)
+    for path in filter(None, listed.stdout.split("\0") if listed.returncode == 0 else []):
+        compileall.compile_file(REPO / path, quiet=1)
 
 
 COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
