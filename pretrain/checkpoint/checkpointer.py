@@ -34,6 +34,7 @@ from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.layout import Layout, layout_text
 from pretrain.sections import ModelConfig
 from zero3d import sharded_state as engine_state
+from zero3d.comm.gloo import lower_gloo_poller_priority
 
 log = logging.getLogger("pretrain.checkpoint")
 
@@ -147,6 +148,7 @@ class Checkpointer:
     def _writer_group(self):
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+            lower_gloo_poller_priority()
         return self._group
 
     def _model_templates(self) -> dict:

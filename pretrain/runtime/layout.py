@@ -15,6 +15,7 @@ from pretrain.config import Config, ConfigError, validate_layout
 from pretrain.errors import InputError
 from pretrain.runtime.rendezvous import NodeSizeError, host_line, launcher_env, node_name, resolve_gpus_per_node
 from pretrain.runtime.rendezvous import expand_nodelist  # noqa: F401 - the launcher's view, re-exported
+from zero3d.comm.gloo import lower_gloo_poller_priority
 
 
 class LayoutError(ValueError):
@@ -192,6 +193,7 @@ def init_layout(cfg: Config, launch: Optional[dict] = None, device: Optional[tor
         # its groups (a layout rebuilt) closed sockets a slower peer was still handshaking on ("Connection closed
         # by peer", once in CI). Past this barrier every rank has built every group.
         dist.barrier()
+        lower_gloo_poller_priority()  # after every group this layout built
     return Layout(node=node, gpus_per_node=gpus_per_node,
                   rank=launch["rank"], world_size=launch["world_size"], local_rank=launch["local_rank"],
                   tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=ps.get_data_parallel_world_size(),

@@ -1,5 +1,6 @@
 """The gloo groups a CPU rank holds: one per distinct set of ranks, none left behind when a layout is rebuilt."""
 import os
+import threading
 
 import torch.distributed as dist
 
@@ -12,19 +13,30 @@ ROUNDS = 3
 
 def _gloo_polling_threads() -> int:
     """Threads gloo starts per group (a TCP device loop polling every 10 ms), counted by their names."""
-    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir("/proc/self/task"))
+    return len(_priorities()["gloo_tcp_loop"])
+
+
+def _priorities() -> dict:
+    """{thread name: [nice value of each thread of that name]} of this process."""
+    found = {}
+    for t in os.listdir("/proc/self/task"):
+        name = open(f"/proc/self/task/{t}/comm").read().strip()
+        found.setdefault(name, []).append(os.getpriority(os.PRIO_PROCESS, int(t)))
+    found.setdefault("gloo_tcp_loop", [])
+    return found
 
 
 def _build_layout_rounds(rank, world_size):
     from pretrain.config import load_config
     from pretrain.runtime.layout import destroy_model_parallel_groups, init_layout
     cfg = load_config(None, BASE + [f"parallel.tensor={TP}", "train.global_batch_size=12"])
-    rounds = []
+    rounds, started = [], os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # 0 unless run under `nice`
     for _ in range(ROUNDS):
         init_layout(cfg)
         rounds.append({"member_sets": [tuple(sorted(dist.get_process_group_ranks(g)))
                                        for g in dist.distributed_c10d._world.pg_map],
-                       "polling_threads": _gloo_polling_threads()})
+                       "polling_threads": _gloo_polling_threads(), "priorities": _priorities(), "started": started,
+                       "this_thread": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())})
         destroy_model_parallel_groups()
     rounds.append({"polling_threads": _gloo_polling_threads()})
     return rounds
@@ -33,7 +45,10 @@ def _build_layout_rounds(rank, world_size):
 def test_one_gloo_group_per_rank_set_and_none_left_after_a_rebuild():
     """megatron asks for ~17 groups a rank; on gloo the ones with the same ranks are one group: rank r holds
     the world group and the four sets of its layout (megatron's order: TP pairs, DP strided by TP), each with
-    one polling thread; rebuilding the layout three times leaves the same threads, and releasing it, one."""
+    one polling thread; rebuilding the layout three times leaves the same threads, and releasing it, one. Every
+    polling thread runs at nice 19 (where ranks outnumber cores a poller spun on a socket whose lock a descheduled
+    collective thread held: pretrain/runtime/layout.py lower_gloo_poller_priority), every other thread, the training
+    thread among them, at the nice it started with."""
     results = run_ranks(_build_layout_rounds, TP * DP, timeout=180)
     world = tuple(range(TP * DP))
     for rank, rounds in enumerate(results):
@@ -43,6 +58,9 @@ def test_one_gloo_group_per_rank_set_and_none_left_after_a_rebuild():
         for built in rounds[:ROUNDS]:
             assert sorted(built["member_sets"]) == expected, f"rank {rank}: {built['member_sets']}"
             assert built["polling_threads"] == len(expected)
+            assert built["priorities"].pop("gloo_tcp_loop") == [19] * len(expected), built["priorities"]
+            others = [n for nices in built["priorities"].values() for n in nices]
+            assert built["this_thread"] == built["started"] and others.count(built["started"]) == len(others), built
         assert rounds[ROUNDS]["polling_threads"] == 1  # the world group's alone
 
 
@@ -74,3 +92,30 @@ def test_no_rank_leaves_init_layout_before_every_rank_has_built_its_groups():
     times = run_ranks(_layout_times, TP * DP, 2.0, timeout=180)
     slow_rank_done = times[1][1]
     assert all(returned >= slow_rank_done for returned, _ in times), (slow_rank_done, times)
+
+
+def _groups_outside_a_layout(rank, world_size):
+    """The priorities of this rank's gloo pollers: the world group's alone, then after zero3d's node groups, then after
+    the checkpoint writers' group (the groups built outside init_layout)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from pretrain.checkpoint.checkpointer import Checkpointer
+    from zero3d.comm.topology import build_node_topology
+    dist.init_process_group("gloo")
+    seen = {"world": _priorities()["gloo_tcp_loop"],
+            "started": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}
+    build_node_topology(None, gpus_per_node=2)
+    seen["node groups"] = _priorities()["gloo_tcp_loop"]
+    Checkpointer._writer_group(SimpleNamespace(_group=None, _timeout=timedelta(minutes=1)))
+    seen["checkpoint writers"] = _priorities()["gloo_tcp_loop"]
+    dist.destroy_process_group()
+    return seen
+
+
+def test_gloo_pollers_of_node_groups_and_checkpoint_writers_run_at_nice_19():
+    """zero3d's node groups (2 nodes × 2: an intra- and an inter-node pair a rank) and the checkpoint writers' group,
+    each built outside init_layout, leave every polling thread at nice 19, the world group's (built first) included."""
+    for seen in run_ranks(_groups_outside_a_layout, 4, timeout=120):
+        assert seen["world"] == [seen["started"]], seen
+        assert seen["node groups"] == [19] * 3 and seen["checkpoint writers"] == [19] * 4, seen

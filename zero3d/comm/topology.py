@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Sequence
 
+from zero3d.comm.gloo import lower_gloo_poller_priority
+
 
 class TopologyError(ValueError):
     """The node layout is unknown or the DP group does not split evenly into nodes."""
@@ -151,4 +153,5 @@ def build_node_topology(dp_group, gpus_per_node: int, timeout: Optional[timedelt
             group = dist.new_group(ranks, **kwargs) if len(ranks) > 1 else None
             if dist.get_rank() in ranks:
                 setattr(topo, name, group)
+    lower_gloo_poller_priority()  # the new groups' threads, on gloo
     return topo
