@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
-import torch
 
 from pretrain.atomic import write_atomically
 from analysis.gpus import GPU_KINDS
@@ -60,6 +59,7 @@ def device_peak_tflops(device_type: str, dtype: str) -> Optional[float]:
     """Peak of the GPU this process runs on; None on CPU or on a GPU missing from the table."""
     if device_type != "cuda":
         return None
+    import torch
     return peak_tflops(detect_gpu(torch.cuda.get_device_name()), dtype)
 
 
@@ -86,6 +86,7 @@ def memory_report(device_type: str, state_bytes: dict[str, int]) -> dict:
     """`mem/<category>_bytes` for the engine's state, plus the CUDA peaks (on GPU) or process RSS (on CPU)."""
     record = {f"mem/{name}_bytes": int(size) for name, size in state_bytes.items()}
     if device_type == "cuda":
+        import torch
         # Peaks since process start: the step's high-water mark, which is what decides an OOM.
         record["mem/max_allocated_bytes"] = torch.cuda.max_memory_allocated()
         record["mem/max_reserved_bytes"] = torch.cuda.max_memory_reserved()

@@ -10,6 +10,10 @@ from gpt_harness import BASE, run_gpt_steps
 from ranks import run_ranks
 from analysis.comm_model import dp_collectives, link_bytes
 
+# ~35 s of 6-rank runs, most of it the module's shared fixture: beside the compute lane, to even the two lanes' wall
+# times (tools/run_suite.py; the compute lane ran 936 s beside the side lane's 877 on 2026-11-29)
+pytestmark = pytest.mark.side_lane
+
 WORLD, STEPS = 6, 3
 # 3 layers (PP 3 splits them one a stage); a padded vocabulary of 128 at TP 1 and TP 2, so every layout builds
 # the same model and `layout_free_init` gives it the same weights; micro-batch 2: 12 = 2 × DP 6 = 2 × 2 × DP 3.

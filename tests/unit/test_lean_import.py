@@ -1,6 +1,7 @@
 """Imports made lean: megatron-core without torch.compile set-up and wandb; zero3d's names on first use."""
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,19 @@ def test_the_config_planner_and_slurm_tools_load_without_torch():
     import zero3d
     with pytest.raises(AttributeError, match="module 'zero3d' has no attribute 'wrap_models'"):
         zero3d.wrap_models
+
+
+def test_a_submission_and_its_preflight_run_without_torch(tmp_path):
+    """What runs on a login node at `sbatch` time and on the batch host before the ranks start: a dry-run submission
+    and the job's preflight (which checks WANDB_MODE: logging.wandb is on in configs/tiny.toml) import no torch.
+    The preflight once did, through the W&B check's module: 2.6 CPU-s a job where it now takes 0.2."""
+    code = ("import sys, contextlib, io\n"
+            "from slurm import submit\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    codes = [submit.main(['--cpu', '--config', 'configs/tiny.toml', '--dry-run']),\n"
+            "             submit.main(['--preflight', '--world-size', '4', '--config', 'configs/tiny.toml'])]\n"
+            "print(codes, 'torch' in sys.modules, 'runs/tiny' in out.getvalue())\n")
+    env = dict(os.environ, WANDB_MODE="offline")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[0,", "0]", "False", "True"], proc.stdout
