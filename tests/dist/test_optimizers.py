@@ -10,10 +10,6 @@ from checkpoint_harness import CKPT_BASE, train_segment
 from gpt_harness import SyntheticTokens, Unwrapped, init_by_global_name, run_gpt_steps
 from ranks import run_ranks
 
-# ~70 s of CPU in 6-rank runs: beside the compute lane, to even the two lanes' wall times (tools/run_suite.py; the
-# compute lane ran 953 s beside the side lane's 869 on 2026-11-29)
-pytestmark = pytest.mark.side_lane
-
 STEPS = 6  # a layout's mistake shows in the first steps; each optimizer's lr moves the loss far past the tolerance
 # hidden 36 over 6 heads (3 a TP rank), ffn 60: matrices of 108 × 36, 36 × 36, 60 × 36, 36 × 60 cut mid-row by DP 3's
 # pieces; 12 samples a step divide by DP 1, 3, 6; the vocabulary padded to 128 at TP 1 and TP 2 (layout_free_init).
