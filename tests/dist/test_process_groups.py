@@ -47,7 +47,7 @@ def test_one_gloo_group_per_rank_set_and_none_left_after_a_rebuild():
     the world group and the four sets of its layout (megatron's order: TP pairs, DP strided by TP), each with
     one polling thread; rebuilding the layout three times leaves the same threads, and releasing it, one. Every
     polling thread runs at nice 19 (where ranks outnumber cores a poller spun on a socket whose lock a descheduled
-    collective thread held: pretrain/runtime/layout.py lower_gloo_poller_priority), every other thread, the training
+    collective thread held: zero3d/comm/gloo.py lower_gloo_poller_priority), every other thread, the training
     thread among them, at the nice it started with."""
     results = run_ranks(_build_layout_rounds, TP * DP, timeout=180)
     world = tuple(range(TP * DP))
@@ -105,7 +105,7 @@ def _groups_outside_a_layout(rank, world_size):
     dist.init_process_group("gloo")
     seen = {"world": _priorities()["gloo_tcp_loop"],
             "started": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}
-    build_node_topology(None, gpus_per_node=2)
+    build_node_topology(None, gpus_per_node=3)
     seen["node groups"] = _priorities()["gloo_tcp_loop"]
     Checkpointer._writer_group(SimpleNamespace(_group=None, _timeout=timedelta(minutes=1)))
     seen["checkpoint writers"] = _priorities()["gloo_tcp_loop"]
@@ -114,8 +114,9 @@ def _groups_outside_a_layout(rank, world_size):
 
 
 def test_gloo_pollers_of_node_groups_and_checkpoint_writers_run_at_nice_19():
-    """zero3d's node groups (2 nodes × 2: an intra- and an inter-node pair a rank) and the checkpoint writers' group,
-    each built outside init_layout, leave every polling thread at nice 19, the world group's (built first) included."""
-    for seen in run_ranks(_groups_outside_a_layout, 4, timeout=120):
+    """zero3d's node groups (2 nodes × 3: an intra-node group of 3 and an inter-node pair a rank) and the checkpoint
+    writers' group, each built outside init_layout, leave every polling thread at nice 19, the world group's (built
+    first) included."""
+    for seen in run_ranks(_groups_outside_a_layout, 6, timeout=120):
         assert seen["world"] == [seen["started"]], seen
         assert seen["node groups"] == [19] * 3 and seen["checkpoint writers"] == [19] * 4, seen
