@@ -128,3 +128,17 @@ def test_a_submission_and_its_preflight_run_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["[0,", "0]", "False", "True"], proc.stdout
+
+
+def test_the_installed_packages_import_from_bytecode():
+    """`make install` writes the bytecode of every installed module (pip --no-compile, then compileall on every core):
+    where PYTHONDONTWRITEBYTECODE is set (this project's machines) no import writes any, and every Python process the
+    suite starts (Slurm ranks, torchrun jobs, CLI runs) would compile what it imports of torch, megatron-core and
+    transformers from source."""
+    import importlib.util
+
+    import megatron.core
+    import transformers
+    for module in (torch, torch.distributed.checkpoint, megatron.core, transformers):
+        cached = importlib.util.cache_from_source(module.__file__)
+        assert os.path.exists(cached), f"{module.__name__}: no bytecode at {cached}"
