@@ -35,7 +35,7 @@ from pretrain.config import ConfigError, load_config, validate_layout  # noqa: E
 from pretrain.runtime.preflight import check_paths  # noqa: E402
 from pretrain.runtime.rendezvous import check_master_resolves, env_rank, launcher_env  # noqa: E402
 from pretrain.errors import EXIT_CONFIG, EXIT_OK, EXIT_PEER, EXIT_REQUEUE  # noqa: E402
-from pretrain.runtime.status import report  # noqa: E402
+from pretrain.runtime.status import report, sigterm_ignored  # noqa: E402
 
 # --estimate: the layout does not fit the GPU memory, as the start-up guard refuses it (a config error)
 EXIT_ESTIMATE_TOO_BIG = EXIT_CONFIG
@@ -120,11 +120,12 @@ def main(argv=None) -> int:
     except BaseException as err:  # noqa: BLE001 - every failure becomes one line and an exit code
         if isinstance(err, ConfigError) and (hint := config_hint(args)):
             err = ConfigError(err.what, err.where, (err.fix + hint) if err.fix else hint.lstrip("; "))
-        code = report(err, rank, timeout_s, debug, sys.stderr)
-        record_exit_code(code, rank)
-        if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
-            sys.stdout.flush()
-            os._exit(code)
+        with sigterm_ignored():  # the launcher's SIGTERM after a peer's exit: this rank's line is said first
+            code = report(err, rank, timeout_s, debug, sys.stderr)
+            record_exit_code(code, rank)
+            if code == EXIT_PEER:  # a stuck peer can block the process group's teardown: leave now
+                sys.stdout.flush()
+                os._exit(code)
         return code
     finally:
         if training:

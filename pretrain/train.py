@@ -22,7 +22,7 @@ from pretrain.data.loader import Batches  # noqa: F401 - also imported from here
 from pretrain.runtime.agreement import from_rank0
 from pretrain.runtime.kernels import fallbacks_line
 from pretrain.runtime.preflight import check_paths
-from pretrain.errors import EXIT_OK, EXIT_REQUEUE, ConfigError, NumericalError, peer_error
+from pretrain.errors import EXIT_OK, EXIT_REQUEUE, ConfigError, NumericalError
 from pretrain.memory_check import check_memory
 from pretrain.summary import read_records, summary_from_records
 from pretrain.model.fp8 import check_float8_device
@@ -31,9 +31,10 @@ from pretrain.model.gpt import (DTYPES, activation_checkpointing, build_model, g
 from pretrain.step import evaluate, train_step
 from pretrain.runtime.stopping import NonfiniteGuard, StopRequest
 from pretrain.runtime.stragglers import Stragglers, straggler_text
-from pretrain.runtime.status import record_failure, write_status
-from pretrain.runtime.layout import Layout, init_layout, launcher_env, lost_peers
-from pretrain.runtime.lifecycle import abort_now, resume_line, say, start_run, start_watchdog
+from pretrain.runtime.status import write_status
+from pretrain.runtime.layout import Layout, init_layout, launcher_env
+from pretrain.runtime.lifecycle import (abort_now, record_rank_failure, resume_line, say, start_run,
+                                        start_watchdog)
 from pretrain.runtime.phases import PhaseClock
 from pretrain.runtime.lock import acquire as acquire_lock, check_free, release as release_lock
 from pretrain.runtime.resume import finished_line, init_from_line, schedule_lines
@@ -92,9 +93,7 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
             result = run_training(cfg, topo, progress)
         except BaseException as err:
             if progress["started"]:
-                lost = lost_peers() if topo is not None and peer_error(err, topo.rank, timeout_s) else ""
-                record_failure(err, cfg.run_dir, launch and launch["rank"], launch["world_size"] if launch else 0,
-                               progress["step"], timeout_s, lost)
+                record_rank_failure(err, cfg.run_dir, launch, topo, progress["step"], timeout_s)
             raise
         if result.get("finished"):  # said by rank 0; the finished run's records stay as they are
             return result

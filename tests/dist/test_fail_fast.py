@@ -278,7 +278,8 @@ def test_stopped_peer_ends_the_job_with_a_timeout(tmp_path, data, victim):
     for rank in procs:
         if rank != victim:
             lines = error_lines(stderr[rank])
-            assert len(lines) == 1, (rank, stderr[rank][-3000:])  # once (load, 1 suite run in 3) a rank said none
+            # a rank still in lost_peers' settle when torchrun's SIGTERM came said none (pretrain/runtime/lifecycle.py)
+            assert len(lines) == 1, (rank, stderr[rank][-3000:])
             assert f"(rank {rank})" in lines[0] and "Traceback" not in stderr[rank]
     # A readable console: no rank warns about torch's older collective names (zero3d calls the ones the
     # installed torch offers), megatron's Apex/TE fallbacks, its CUDA-graph scope deprecation or its

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cli_fork import run_pretrain_cli, start_python
-from pretrain.errors import EXIT_REQUEUE
+from cli_fork import run_pretrain_cli, run_python, start_python
+from pretrain.errors import EXIT_PEER, EXIT_REQUEUE
 
 pytestmark = pytest.mark.one_core  # one process at a time, seconds each: the side lane (tools/run_suite.py)
 REPO = Path(__file__).resolve().parents[2]
@@ -59,3 +59,52 @@ def test_a_stop_signal_stops_after_the_step_with_a_checkpoint_and_exit_75(tmp_pa
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from step_{step:08d}" in resumed.stdout and f"continuing at step {step + 1}" in resumed.stdout
     assert logged_steps(run_dir)[-1] == step + 1
+
+
+# The launcher's SIGTERM reaching a failing rank (a peer that failed a moment earlier has exited): sent to itself at the
+# two places a rank's failure is said, lost_peers' settle and the line's report, where the default action ended it.
+RECORD_UNDER_SIGTERM = """import os, signal, sys
+from pathlib import Path
+from pretrain.runtime import lifecycle
+def lost_peers():
+    os.kill(os.getpid(), signal.SIGTERM)
+    return "rank 2 on z3node2"
+lifecycle.lost_peers = lost_peers
+class Rank3:
+    rank = 3
+err = RuntimeError("[pair.cc:598] Timed out waiting 15000ms for recv operation to complete")
+lifecycle.record_rank_failure(err, Path(sys.argv[1]), {"rank": 3, "world_size": 4}, Rank3(), 7, 15.0)
+print("recorded")
+"""
+REPORT_UNDER_SIGTERM = """import os, signal, sys
+import pretrain.__main__ as cli
+from pretrain.errors import PeerTimeoutError
+def load_config(*args):
+    raise PeerTimeoutError("a collective waited longer than train.timeout_minutes (15 s) for a peer rank", "rank 3",
+                           "see the other ranks' logs")
+said = cli.report
+def report(*args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return said(*args)
+cli.load_config, cli.report = load_config, report
+sys.exit(cli.main(["--config", "configs/tiny.toml"]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_rank_records_and_says_its_failure_through_the_launchers_sigterm(tmp_path):
+    """torchrun SIGTERMs every rank once the first failed one exits; the ranks whose collectives timed out with it are
+    then in lost_peers' 3-s settle or saying their line, and by SIGTERM's default action died silent and unrecorded
+    (test_fail_fast: a live rank without its error line, one loaded suite run in three)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    (tmp_path / "record.py").write_text(RECORD_UNDER_SIGTERM)
+    (tmp_path / "report.py").write_text(REPORT_UNDER_SIGTERM)
+    recorded = run_python([str(tmp_path / "record.py"), str(tmp_path)], env, REPO, timeout=60)
+    assert (recorded.returncode, recorded.stdout) == (0, "recorded\n"), recorded.stderr[-2000:]
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert (status["status"], status["exit_code"]) == ("failed", EXIT_PEER)
+    assert status["reason"].startswith("lost rank 2 on z3node2: RuntimeError: [pair.cc:598] Timed out"), status
+    said = run_python([str(tmp_path / "report.py")], env, REPO, timeout=60)
+    assert said.returncode == EXIT_PEER, (said.returncode, said.stderr[-2000:])
+    assert said.stderr.splitlines()[-1].startswith(
+        "error: a collective waited longer than train.timeout_minutes (15 s) for a peer rank (rank 3)"), said.stderr
