@@ -1,13 +1,14 @@
-"""`import megatron_patches.lean`: megatron-core imported without the import-time work zero3d never uses: torch.compile set-up and wandb.
+"""`import megatron_patches.lean`: megatron-core imported without import-time work zero3d never uses (torch.compile, wandb, TensorBoard).
 
 megatron-core 0.16 decorates its fused kernels with `torch.compile` when the module is imported (megatron.core.jit),
-which pulls in TorchDynamo and Inductor (≈3.5 s of CPU per process), and its inference engine imports wandb
-(≈1 s). zero3d calls none of those kernels on CPU and logs to wandb itself, yet every rank, test subprocess and
-CLI paid both at start-up. `import_megatron_lean()` imports megatron.core once with:
+which pulls in TorchDynamo and Inductor (≈3.5 s of CPU per process), its inference engine imports wandb (≈1 s) and
+its timers TensorBoard's SummaryWriter (≈0.2 s). zero3d calls none of those kernels on CPU and logs to wandb and
+TensorBoard itself, yet every rank, test subprocess and CLI paid all three at start-up. `import_megatron_lean()`
+imports megatron.core once with:
   - `torch.compile` deferred: a decorated function is compiled on its first call, with the same options, so a
     kernel megatron does call behaves exactly as before;
-  - wandb hidden from megatron's optional `try: import wandb` (inference and timer logging, unused here); zero3d's
-    own wandb logging imports it later as usual.
+  - wandb and tensorboard hidden from megatron's optional `try: import ...` (inference and timer logging, unused
+    here); zero3d's own sinks import them later as usual.
 Both are undone before it returns; a process that already imported megatron.core is left as it is.
 """
 import functools
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-HIDDEN = ("wandb",)
+HIDDEN = ("wandb", "tensorboard")
 
 
 def compile_on_first_call(compile_):
@@ -49,7 +50,7 @@ class HideModules(importlib.abc.MetaPathFinder):
 
 
 def import_megatron_lean() -> None:
-    """Import megatron.core (once per process) with torch.compile deferred and wandb hidden."""
+    """Import megatron.core (once per process) with torch.compile deferred and wandb and tensorboard hidden."""
     if "megatron.core" in sys.modules:
         return
     hidden = HideModules(name for name in HIDDEN if name not in sys.modules)

@@ -48,6 +48,10 @@ class FlatOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the {spec.name} optimizer got a group of whole matrices without "
                              + ("a matrix rule" if spec.matrix is None else "the engine's whole-matrix step"))
 
+    # torch's own add_param_group without its TorchDynamo guard, which imports TorchDynamo on first use (0.7 CPU-s a
+    # process); this optimizer is never traced
+    add_param_group = torch.optim.Optimizer.add_param_group.__wrapped__
+
     # ------------------------------------------------------------ states and step counts
 
     def state_names(self, piece) -> tuple:

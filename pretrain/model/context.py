@@ -1,7 +1,6 @@
 """Exact causal attention over a CP group: K and V all-gathered in sequence order, each local chunk over its key prefix."""
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.nn.attention.bias import causal_lower_right
 
 from pretrain.data.batch import context_chunk_indices
 from zero3d.comm.core import Comm
@@ -96,4 +95,5 @@ def causal_to_the_end(n: int, end: int, like: torch.Tensor) -> dict:
     bias in the query's dtype and keep it (n·end·e bytes a chunk: what a real CPU step holds, no GPU kernel)."""
     if isinstance(like, FakeTensor):
         return {"is_causal": True}
+    from torch.nn.attention.bias import causal_lower_right  # here: it imports TorchDynamo (0.7 CPU-s a process)
     return {"attn_mask": causal_lower_right(n, end)}

@@ -1,4 +1,4 @@
-"""Imports made lean: megatron-core without torch.compile set-up and wandb; zero3d's names on first use."""
+"""Imports made lean: megatron-core's unused set-up, TorchDynamo in ranks, zero3d's names until first used."""
 import importlib
 import json
 import os
@@ -54,24 +54,44 @@ def test_hidden_modules_import_as_if_absent_and_others_import():
     assert importlib.import_module(name).__name__ == name
 
 
-def test_training_modules_import_megatron_without_dynamo_inductor_or_wandb():
-    """A fresh process importing what a rank imports (the probe needs TorchDynamo for its fake tensors): megatron-core is in, the unused set-up is not, torch.compile
-    is torch's own again, and megatron's fused kernels are compiled on first call (the lazy decorator)."""
+def test_a_rank_imports_and_builds_its_optimizer_without_dynamo_inductor_wandb_or_tensorboard():
+    """A fresh process importing what a rank imports and building its optimizer, as every rank of a torchrun or Slurm
+    job does: megatron-core is in, the unused set-up is not (TorchDynamo and Inductor 0.7 CPU-s, wandb 1 s,
+    TensorBoard 0.2 s), torch.compile is torch's own again, megatron's fused kernels are compiled on first call (the
+    lazy decorator), and the optimizer keeps torch's own param-group checks. TorchDynamo came in through torch's
+    `Optimizer.add_param_group` (its guard imports TorchDynamo on first call) and `torch.nn.attention.bias`."""
     code = ("import sys, json, torch\n"
             "real = torch.compile\n"
             "import pretrain.train, pretrain.model.gpt, pretrain.preprocess, pretrain.export\n"
+            "import pretrain.model.attention, pretrain.model.context, pretrain.model.loss  # a model's build\n"
             "import megatron.core.jit as jit\n"
             "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+            "from optim import spec_named\n"
+            "from optim.config import OptimizerConfig\n"
+            "from optim.flat_optimizer import FlatOptimizer, FlatTensor\n"
+            "piece = torch.zeros(8)\n"
+            "opt = FlatOptimizer([FlatTensor(piece, 0.1, 'decay')], spec_named('adamw'), OptimizerConfig(lr=1e-3),\n"
+            "                    fused=False)\n"
+            "try:\n"
+            "    opt.add_param_group({'params': [piece]})\n"
+            "    duplicate = 'accepted'\n"
+            "except ValueError as e:\n"
+            "    duplicate = str(e)\n"
             "print(json.dumps({'megatron': 'megatron.core' in sys.modules,\n"
-            "  'loaded': sorted(m for m in ('torch._dynamo', 'torch._inductor', 'wandb') if m in sys.modules),\n"
+            "  'loaded': sorted(m for m in ('torch._dynamo', 'torch._inductor', 'wandb', 'tensorboard')\n"
+            "                   if m in sys.modules),\n"
             "  'compile_restored': torch.compile is real, 'jit_fuser': jit.jit_fuser.__qualname__,\n"
-            "  'bias_gelu_wrapped': bias_gelu.__wrapped__.__name__}))\n")
+            "  'bias_gelu_wrapped': bias_gelu.__wrapped__.__name__,\n"
+            "  'groups': [(g['weight_decay'], g['group'], g['lr']) for g in opt.param_groups],\n"
+            "  'duplicate': duplicate}))\n")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, cwd=REPO,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
     assert found == {"megatron": True, "loaded": [], "compile_restored": True,
-                     "jit_fuser": "compile_on_first_call.<locals>.lazy_compile", "bias_gelu_wrapped": "bias_gelu"}
+                     "jit_fuser": "compile_on_first_call.<locals>.lazy_compile", "bias_gelu_wrapped": "bias_gelu",
+                     "groups": [[0.1, "decay", 1e-3]],
+                     "duplicate": "some parameters appear in more than one parameter group"}
 
 
 def test_wandb_still_imports_for_zero3d_after_megatron():
