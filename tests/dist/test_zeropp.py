@@ -11,6 +11,8 @@ from ranks import run_ranks
 from analysis.comm_model import dp_collectives, link_bytes, zeropp_collectives
 from analysis.estimate import extra_state_bytes, model_state_bytes
 
+pytestmark = pytest.mark.side_lane  # ~50 CPU-s: in the side lane, to even the lanes (tools/run_suite.py)
+
 NODES = ("cluster.gpus_per_node=2",)  # 4 ranks: global ranks 0, 1 on node 0; 2, 3 on node 1
 FP32 = ("train.global_batch_size=8",)
 FP16 = ("train.global_batch_size=8", "precision.dtype=fp16", "precision.initial_loss_scale=1024")
