@@ -10,11 +10,14 @@ same on every path):
     megatron    model.loss_chunk_tokens = 0: the [tokens × vocab] logits, vocab_parallel_cross_entropy
     recomputed  model.loss_chunk_tokens = c, model.loss_recompute = true: chunks under torch's checkpoint
     fused       model.loss_chunk_tokens = c (the default): FusedLinearCrossEntropy, every gradient in forward
+    compiled    the same with model.compile's softmax kernels (inductor; compiled in the counted run): bf16 only, as
+                models use them (an fp32 model keeps the fused loss's in-place eager softmax)
 
 Each path runs once counted, then `steps` times timed (the paths interleaved; the median; on CPU the process's CPU
 seconds, all its threads: a shared machine's other work does not count, on CUDA wall seconds). Peak: the largest number
 of bytes alive at once above the inputs (the weight's and hidden states' gradients included): on CPU every storage an
-operator makes, counted until it is freed (a TorchDispatchMode), on CUDA torch's allocator peak. Kept: the bytes
+operator makes, counted until it is freed (a TorchDispatchMode; not for the compiled path, whose kernels allocate out of
+its sight: "—"), on CUDA torch's allocator peak. Kept: the bytes
 autograd holds for backward at the end of forward (saved_tensors_hooks; the inputs and weight excluded).
 """
 import argparse
@@ -30,7 +33,8 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-PATHS = ("megatron", "recomputed", "fused")
+PATHS = ("megatron", "recomputed", "fused", "compiled")
+KERNELS = []  # the compiled path's SoftmaxKernels, made once
 
 
 class LiveBytes(TorchDispatchMode):
@@ -76,11 +80,14 @@ def loss_of(path, hidden, weight, labels, chunk, vocab):
     """Per-token loss [s, 1] on `path`, as LossOutputLayer computes it."""
     from megatron.core import tensor_parallel
 
-    from pretrain.model.loss import chunked_loss, mask_padded_columns
+    from pretrain.model.loss import chunked_loss, compiled_softmax, mask_padded_columns
     if path == "megatron":
         logits = mask_padded_columns(torch.matmul(hidden, weight.t()), vocab)
         return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
-    return chunked_loss(hidden, weight, None, labels, chunk, False, None, vocab, recompute=path == "recomputed")
+    if path == "compiled" and not KERNELS:
+        KERNELS.append(compiled_softmax("inductor"))
+    return chunked_loss(hidden, weight, None, labels, chunk, False, None, vocab, recompute=path == "recomputed",
+                        kernels=KERNELS[0] if path == "compiled" else None)
 
 
 def run_once(path, hidden, weight, labels, args, vocab, census=None):
@@ -100,7 +107,8 @@ def measure(vocab, args, device):
     weight = (0.02 * torch.randn(vocab, args.hidden, generator=g)).to(device, dtype).requires_grad_()
     labels = torch.randint(0, vocab, (args.tokens, 1), generator=g).to(device)
     out = {}
-    for path in PATHS:  # an untimed run, counted: its peak and what it keeps for backward
+    paths = PATHS if dtype != torch.float32 else PATHS[:-1]
+    for path in paths:  # an untimed run, counted: its peak and what it keeps for backward
         census, live = Kept([hidden, weight]), LiveBytes()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -112,11 +120,11 @@ def measure(vocab, args, device):
         else:
             with live:
                 loss = run_once(path, hidden, weight, labels, args, vocab, census)
-            peak = live.peak
+            peak = None if path == "compiled" else live.peak  # inductor's kernels allocate out of the mode's sight
         out[path] = [[], peak, census.bytes, loss.item()]
     clock = time.perf_counter if device.type == "cuda" else time.process_time  # CPU: this process's CPU seconds
     for _ in range(args.steps):  # timed, the paths interleaved
-        for path in PATHS:
+        for path in paths:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = clock()
@@ -149,8 +157,9 @@ def print_table(rows, args):
     print(f"{'vocab':>7} {'path':<10} {clock:>7} {'x fused':>7} {'peak MB':>8} {'kept MB':>8} {'loss':>9}")
     fused = {r["vocab"]: r for r in rows if r["path"] == "fused"}
     for r in rows:
+        peak = "—" if r["peak"] is None else f"{r['peak'] / 1e6:.1f}"
         print(f"{r['vocab']:7d} {r['path']:<10} {r['time']:7.3f} {r['time'] / fused[r['vocab']]['time']:7.2f} "
-              f"{r['peak'] / 1e6:8.1f} {r['kept'] / 1e6:8.1f} {r['loss']:9.6f}")
+              f"{peak:>8} {r['kept'] / 1e6:8.1f} {r['loss']:9.6f}")
 
 
 def main():

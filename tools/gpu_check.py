@@ -325,8 +325,14 @@ PARITY_PROBES = [("Llama-3 8B recipe", []),
 # the Llama bench (zero3d at stages 2 and 3 and in FP8 beside the compiled plain model), the other probes (the
 # slice's MFU, bf16 and FP8), the GPT bench. A bench part may run until LATER_S seconds of the budget are left for
 # what follows it; stopped there, it keeps the rows it measured.
-PARITY_ORDER = ("probe Llama-3 8B recipe", "bench Llama", "probe Llama-3 8B selective compiled",
+PARITY_ORDER = ("probe Llama-3 8B recipe", "bench Llama", "bench loss", "probe Llama-3 8B selective compiled",
                 "probe Llama-3 8B selective compiled FP8", "bench GPT")
+# bench/bench_loss.py at the Llama shapes' output layer (8192 tokens, hidden 2048, the 128K vocabulary, bf16): the fused
+# loss eager and with model.compile's softmax kernels, time and CUDA peak, beside megatron's and the recomputed loss
+LOSS_BENCH = ["--device", "cuda", "--dtype", "bf16", "--vocab", "128256", "--tokens", "8192", "--hidden", "2048"]
+LOSS_DRY = ["--device", "cpu", "--dtype", "bf16", "--vocab", "512", "--tokens", "64", "--hidden", "16", "--chunk", "32",
+            "--steps", "1"]
+LOSS_S = 90
 LATER_S = 180
 
 
@@ -346,14 +352,21 @@ def parity(args, started: float) -> int:
         return args.budget_s - (time.perf_counter() - started)
     parts_by_name = {"bench Llama": ["--shapes", "llama", "--fp8", "--no-probes", *steps],
                      **{f"probe {name}": overrides for name, overrides in PARITY_PROBES},
-                     "bench GPT": ["--shapes", "gpt", "--no-probes", *steps]}
+                     "bench GPT": ["--shapes", "gpt", "--no-probes", *steps],
+                     "bench loss": LOSS_DRY if args.cpu_dry_run else LOSS_BENCH}
     for name in PARITY_ORDER:
         extra = parts_by_name[name]
         if left() < 60:
             skipped.append(f"{name}: time budget")
             continue
         try:
-            if name.startswith("bench"):
+            if name == "bench loss":
+                cmd = [sys.executable, "-W", "ignore", "bench/bench_loss.py", *extra]
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                                      timeout=min(LOSS_S, left()))
+                parts.append(proc.stdout if proc.returncode == 0 else
+                             f"bench/bench_loss.py failed (rc {proc.returncode}): {error_line(proc)[0]}\n")
+            elif name.startswith("bench"):
                 last = name == PARITY_ORDER[-1]
                 timeout = left() if last else max(60.0, left() - LATER_S)
                 try:

@@ -228,7 +228,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     from megatron.core import parallel_state
     from megatron_patches import tied_embeddings_stay_on_cpu
 
-    from pretrain.model.loss import LossGPTModel
+    from pretrain.model.loss import LossGPTModel, compiled_softmax
     on_cuda = device.type == "cuda"
     with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
         model = LossGPTModel(real_vocab=cfg.model.vocab_size, chunk_tokens=cfg.model.loss_chunk_tokens,
@@ -250,6 +250,8 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
         no_warnings_inside_layers()
         for layer in model.decoder.layers:
             layer.forward = torch.compile(layer.forward, backend=COMPILE_BACKEND)
+        if model.post_process and cfg.precision.dtype != "fp32":  # the fused loss's softmax (loss.SoftmaxKernels)
+            model.output_layer.kernels = compiled_softmax(COMPILE_BACKEND)
     if activations is not None:  # MD: the block's checkpoints get one buffer before its first layer runs
         model.decoder.register_forward_pre_hook(
             lambda block, args, kwargs: activations.reserve(len(block.layers), kwargs["hidden_states"]),

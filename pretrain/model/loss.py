@@ -28,7 +28,7 @@ logits; megatron's `compute_language_model_loss` only transposes it. ZeRO stage 
 hold its weight through the whole computation (the fused forward, or the recomputation in backward, which they
 re-gather for); the weight's gradient reaches autograd once, in backward, as megatron's does.
 """
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,13 @@ def _tp_all_reduce(tensor: torch.Tensor, op, tp_group) -> None:
         dist.all_reduce(tensor, op=op, group=tp_group)
 
 
+def _target_columns(targets: torch.Tensor, first_id: int, width: int) -> tuple:
+    """(each target's column in this rank's logits slice (0 where it is not there) [n], whether it is there [n])."""
+    local = targets - first_id
+    held = (local >= 0) & (local < width)
+    return torch.where(held, local, 0), held
+
+
 def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int, tp_group):
     """One chunk's vocab-parallel cross-entropy as megatron's `vocab_parallel_cross_entropy` computes it:
     (per-token loss [n], exp(logits − max) [n, width] fp32 (padding 0), the max-shifted sum of exps [n], the
@@ -79,10 +86,7 @@ def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int
         logits -= top.unsqueeze(-1)
     else:  # fp32 logits − max in one pass over the model-dtype ones (no separate fp32 copy pass)
         logits = torch.sub(logits, top.unsqueeze(-1))
-    width = logits.shape[-1]
-    local = targets - first_id
-    held = (local >= 0) & (local < width)
-    local = torch.where(held, local, 0)
+    local, held = _target_columns(targets, first_id, logits.shape[-1])
     rows = torch.arange(logits.shape[0], device=logits.device)
     picked = torch.where(held, logits[rows, local], 0.0)
     logits.exp_()
@@ -118,6 +122,56 @@ def _logits_gradient(exps, sum_exp, local, held, mask, dtype, d_bias):
     return out
 
 
+def _softmax_sums(logits, top, local, held):
+    """[Σ exp(logits − max), the target's logit − max (0 where another TP rank holds it)], fp32 [2, n], in one pass over
+    the model-dtype logits: the first of the compiled kernels (`SoftmaxKernels`)."""
+    shifted = logits.float() - top.unsqueeze(-1)
+    picked = torch.where(held, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
+    return torch.stack([shifted.exp().sum(dim=-1), picked])
+
+
+def _softmax_gradient(logits, top, sum_exp, local, held, mask):
+    """d loss / d logits = (softmax − one-hot) × the token's mask, in fp32 rounded once to the logits' dtype, from the
+    model-dtype logits (the exponentials recomputed, never stored): the second compiled kernel (`SoftmaxKernels`)."""
+    softmax = (logits.float() - top.unsqueeze(-1)).exp() / sum_exp.unsqueeze(-1)
+    target = (torch.arange(logits.shape[-1], device=logits.device) == local.unsqueeze(-1)) & held.unsqueeze(-1)
+    grad = softmax - target.float()
+    if mask is not None:
+        grad = grad * mask.unsqueeze(-1)
+    return grad.to(logits.dtype)
+
+
+class SoftmaxKernels(NamedTuple):
+    """The fused loss's elementwise work on a chunk's bf16 / fp16 logits, compiled (model.compile, which sets them on
+    the output layer): after the max, two passes over the logits (the sums; the gradient) where eager makes four (the
+    max-shifted fp32 copy, exp, sum, division into the model dtype), and no fp32 [chunk, vocab/TP] tensor: the chunk
+    holds its logits and their gradient, 4 bytes an element where eager holds 6. The TP all-reduces of the max and
+    the sums stay eager, between them. Not for fp32 models: their eager path works in place on the logits (4 bytes),
+    where these would hold a second fp32 tensor (8)."""
+    sums: Callable
+    gradient: Callable
+
+
+def compiled_softmax(backend: str) -> SoftmaxKernels:
+    return SoftmaxKernels(torch.compile(_softmax_sums, backend=backend),
+                          torch.compile(_softmax_gradient, backend=backend))
+
+
+def _compiled_chunk(hidden, weight, targets, columns: int, first_id: int, tp_group, mask, kernels: SoftmaxKernels,
+                    needs_grad: bool):
+    """(per-token loss [n], d loss / d logits in the model dtype or None) of one chunk without a bias, as
+    `_chunk_statistics` and `_logits_gradient` compute them, through `kernels`."""
+    logits = torch.matmul(hidden, weight.t())
+    mask_padded_columns(logits, columns)
+    top = logits.amax(dim=-1).float()
+    _tp_all_reduce(top, dist.ReduceOp.MAX, tp_group)
+    local, held = _target_columns(targets, first_id, logits.shape[-1])
+    sums = kernels.sums(logits, top, local, held)
+    _tp_all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+    sum_exp, picked = sums[0], sums[1]
+    return torch.log(sum_exp) - picked, kernels.gradient(logits, top, sum_exp, local, held, mask) if needs_grad else None
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-token loss [n] of hidden states [n, h] through `weight` [width, h] (and `bias`) against `targets` [n],
     `chunk` tokens at a time, with every gradient computed in forward (see the module docstring); the TP ranks'
@@ -125,7 +179,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, loss_mask, chunk: int, columns: int, first_id: int, tp_group,
-                needs_grad: bool):
+                needs_grad: bool, kernels: Optional[SoftmaxKernels] = None):
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         d_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -135,13 +189,18 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             part = slice(start, min(start + chunk, n))
             h = hidden[part]
-            losses[part], softmax, sum_exp, local, held = _chunk_statistics(h, weight, bias, targets[part], columns,
-                                                                            first_id, tp_group)
+            mask = None if loss_mask is None else loss_mask[part]
+            if kernels is not None and bias is None:
+                losses[part], grad_logits = _compiled_chunk(h, weight, targets[part], columns, first_id, tp_group,
+                                                            mask, kernels, needs_grad)
+            else:
+                losses[part], softmax, sum_exp, local, held = _chunk_statistics(h, weight, bias, targets[part],
+                                                                                columns, first_id, tp_group)
+                grad_logits = (_logits_gradient(softmax, sum_exp, local, held, mask, weight.dtype, d_bias)
+                               if needs_grad else None)
+                del softmax  # (fp32: the same tensor) no fp32 copy beside the model-dtype one
             if not needs_grad:
                 continue
-            grad_logits = _logits_gradient(softmax, sum_exp, local, held,
-                                           None if loss_mask is None else loss_mask[part], weight.dtype, d_bias)
-            del softmax  # (fp32: the same tensor) no fp32 copy beside the model-dtype one
             torch.matmul(grad_logits, weight, out=d_hidden[part])
             if weight.dtype == torch.float32:  # (addmm with out=, not addmm_: what torch's FLOP counter sees)
                 torch.addmm(d_weight, grad_logits.t(), h, out=d_weight)
@@ -166,7 +225,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = d_hidden.float().mul_(scale).to(hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = d_weight.mul_(scale).to(weight_dtype) if ctx.needs_input_grad[1] else None
         grad_bias = d_bias.mul_(scale).to(weight_dtype) if d_bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _scale_of(g: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -190,11 +249,11 @@ def _recomputed_chunk(hidden, weight, bias, targets, columns: int):
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch.Tensor, chunk_tokens: int,
                  sequence_parallel: bool, tp_group, real_vocab: int, loss_mask: Optional[torch.Tensor] = None,
-                 recompute: bool = False) -> torch.Tensor:
+                 recompute: bool = False, kernels: Optional[SoftmaxKernels] = None) -> torch.Tensor:
     """Per-token loss [s, b] of hidden states [s (/TP under SP), b, h] through this TP rank's `weight`
     [vocab/TP, h] (and `bias`) against `labels` [s, b], over the first `real_vocab` token ids: fused
-    (FusedLinearCrossEntropy; `loss_mask` [s, b] the per-token weights of its backward's gradient) or with each
-    chunk recomputed in backward (`recompute`)."""
+    (FusedLinearCrossEntropy; `loss_mask` [s, b] the per-token weights of its backward's gradient; `kernels` its
+    compiled softmax, used without a bias) or with each chunk recomputed in backward (`recompute`)."""
     tp = tp_group.size() if tp_group is not None else 1
     if sequence_parallel and tp > 1:  # every TP rank needs the whole sequence (its backward: reduce-scatter)
         hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
@@ -213,7 +272,7 @@ def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, bias, labels: torch
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (flat, weight, bias))
     mask = None if loss_mask is None else loss_mask.reshape(s * b).float()
     return FusedLinearCrossEntropy.apply(flat, weight, bias, targets, mask, chunk_tokens, columns, first_id,
-                                         tp_group if tp > 1 else None, needs_grad).view(s, b)
+                                         tp_group if tp > 1 else None, needs_grad, kernels).view(s, b)
 
 
 class LossOutputLayer(ColumnParallelLinear):
@@ -224,6 +283,7 @@ class LossOutputLayer(ColumnParallelLinear):
     chunk_tokens = 0
     recompute = False
     real_vocab = 0
+    kernels = None  # the fused loss's compiled softmax (SoftmaxKernels), set where model.compile compiles the layers
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
@@ -235,7 +295,7 @@ class LossOutputLayer(ColumnParallelLinear):
             return mask_padded_columns(logits, real_columns(self.real_vocab, width, tp_rank * width)), bias
         bias = self.bias if not self.skip_bias_add else None
         return chunked_loss(input_, weight, bias, self.labels, self.chunk_tokens, self.sequence_parallel,
-                            self.tp_group, self.real_vocab, self.loss_mask, self.recompute), None
+                            self.tp_group, self.real_vocab, self.loss_mask, self.recompute, self.kernels), None
 
 
 class LossGPTModel(GPTModel):

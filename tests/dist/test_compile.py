@@ -45,12 +45,14 @@ def test_compiled_layers_train_like_eager(gpt_run):
 
 
 def compiled_steps(rank, world_size, backend, overrides, steps):
-    """run_gpt_steps with the layers compiled by `backend` and every layout's weights drawn alike, and the graph
-    breaks TorchDynamo met on this rank."""
-    from torch._dynamo.utils import counters
+    """run_gpt_steps with the layers compiled by `backend` and every layout's weights drawn alike, the graph
+    breaks TorchDynamo met on this rank and the functions it compiled."""
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
+    clear_compilation_metrics()  # (a forked rank starts with its parent's)
     gpt.COMPILE_BACKEND = backend
     out = run_gpt_steps(rank, world_size, overrides + ["model.compile=true"], steps, None, True)
     out["graph_breaks"] = dict(counters["graph_break"])
+    out["compiled"] = sorted({m.co_name for m in get_compilation_metrics() if m.co_name})
     return out
 
 
@@ -87,4 +89,23 @@ def test_compiled_layouts_train_like_one_eager_rank(one_rank, layout):
     for rank in out:
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(rank[key]), torch.tensor(ref[key]), rtol=1e-5, atol=0)
+        assert not SOFTMAX & set(rank["compiled"]), rank["compiled"]  # fp32: the loss's in-place eager softmax
     assert ref["loss"][-1] < ref["loss"][0]  # it trained
+
+
+SOFTMAX = {"_softmax_sums", "_softmax_gradient"}  # pretrain/model/loss.py's SoftmaxKernels
+BF16 = ["precision.dtype=\"bf16\"", "model.attention=\"sdpa\"", "model.vocab_size=100",
+        "model.make_vocab_size_divisible_by=64", "parallel.tensor=2", "train.global_batch_size=4"]
+
+
+def test_a_compiled_bf16_model_computes_its_loss_through_the_compiled_softmax():
+    """bf16 at TP 2 (the second rank's vocabulary slice: 36 tokens, 28 padding), model.compile = true: every rank
+    compiles the fused loss's softmax kernels beside its layers, and its 3 steps' losses and gradient norms are the
+    eager run's to the bit (aot_eager runs the graphs' own aten operations, no inductor kernels: the kernels' fp32
+    operations are eager's, in eager's order; inductor's numbers: tests/unit/test_fused_loss.py)."""
+    compiled = run_ranks(compiled_steps, 2, "aot_eager", BF16, 3, timeout=600)
+    eager = run_ranks(run_gpt_steps, 2, BF16, 3, None, True, timeout=300)
+    for rank, ref in zip(compiled, eager):
+        assert SOFTMAX <= set(rank["compiled"]), rank["compiled"]
+        assert (rank["loss"], rank["grad_norm"]) == (ref["loss"], ref["grad_norm"])
+    assert eager[0]["loss"][-1] < eager[0]["loss"][0]  # it trained

@@ -5,9 +5,11 @@ losses, and the model path: tests/dist/test_loss.py.)"""
 import pytest
 import torch
 
-from pretrain.model.loss import NOT_PROPORTIONAL, _logits_gradient, chunked_loss
+from pretrain.model.loss import (NOT_PROPORTIONAL, SoftmaxKernels, _logits_gradient, _softmax_gradient,
+                                 _softmax_sums, chunked_loss, compiled_softmax)
 
 S, B, H, WIDTH, VOCAB, CHUNK = 7, 3, 16, 40, 29, 4  # 21 tokens in chunks of 4 (the last 1); rows 29..39 padding
+EAGER_SOFTMAX = SoftmaxKernels(_softmax_sums, _softmax_gradient)  # what model.compile compiles, run eagerly
 
 
 def inputs(dtype=torch.float32):
@@ -158,3 +160,66 @@ def test_the_weight_gradient_is_summed_without_a_whole_vocabulary_product():
             chunked_loss(hidden, weight, None, labels, chunk, False, None, width)
     assert seen.numel[torch.float32] == width * hidden_size  # the gradient's fp32 sum
     assert seen.numel[torch.bfloat16] == chunk * width  # the chunk's logits; no bf16 tensor larger
+
+
+def no_bias_run(dtype, masked: bool, kernels, chunk: int = CHUNK):
+    """(per-token loss, hidden-state gradient, weight gradient) of the output layer without a bias (GPT's and Llama's),
+    its loss the masked mean (or the mean), through `kernels` (None: the eager chunks)."""
+    hidden, weight, _, labels, mask = inputs(dtype)
+    weights = mask if masked else torch.ones(S, B)
+    per_token = chunked_loss(hidden, weight, None, labels, chunk, False, None, VOCAB,
+                             loss_mask=mask if masked else None, kernels=kernels)
+    ((per_token * weights).sum() / weights.sum()).backward()
+    return per_token.detach(), hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_softmax_functions_give_the_eager_loss_and_gradients_bit_for_bit(dtype, masked):
+    """SoftmaxKernels' two functions (what model.compile compiles for bf16 / fp16 models), run eagerly over the same
+    chunks (21 tokens in chunks of 4, the last 1; 11 padded columns): the per-token loss and the hidden-state and
+    weight gradients are the eager fused loss's to the bit, with and without a loss mask."""
+    eager, kernels = no_bias_run(dtype, masked, None), no_bias_run(dtype, masked, EAGER_SOFTMAX)
+    for name, a, b in zip(("loss", "hidden", "weight"), kernels, eager):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert eager[2][VOCAB:].abs().max() == 0 and eager[2][:VOCAB].abs().max() > 0  # padded rows: no gradient
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_compiled_softmax_on_a_tp_shard_is_the_fp32_formula_rounded_once(dtype, masked):
+    """On one TP rank's logits slice (some targets on other ranks; the max and Σexp over every rank's columns):
+    _softmax_sums is this slice's Σ exp(logits − max) and the held targets' logit − max (0 for the others), and
+    _softmax_gradient bit for bit ((exp(logits − max) / Σexp) − one-hot of the held targets) × mask computed in fp32
+    and rounded once to the logits' dtype."""
+    g = torch.Generator().manual_seed(2)
+    n, width = 9, 33
+    logits = (3 * torch.randn(n, width, generator=g)).to(dtype)
+    top = logits.float().amax(dim=-1) + torch.rand(n, generator=g)  # another rank's column may hold the max
+    local = torch.randint(0, width, (n,), generator=g)
+    held = torch.rand(n, generator=g) > 0.3
+    local = torch.where(held, local, 0)
+    mask = torch.linspace(0, 2, n) if masked else None
+    rows = torch.arange(n)
+    exps = torch.exp(logits.float() - top.view(n, 1))
+    sums = _softmax_sums(logits, top, local, held)
+    torch.testing.assert_close(sums[0], exps.sum(dim=-1), rtol=1e-6, atol=0)
+    assert torch.equal(sums[1], torch.where(held, logits.float()[rows, local] - top, 0.0))
+    assert bool((~held).any() and held.any())
+    sum_exp = 1.3 * sums[0]  # the other ranks' columns too
+    onehot = torch.zeros(n, width)
+    onehot[rows, local] = held.float()
+    expected = (exps / sum_exp.view(n, 1) - onehot) * (mask.view(n, 1) if masked else 1.0)
+    got = _softmax_gradient(logits, top, sum_exp, local, held, mask)
+    assert got.dtype == dtype and torch.equal(got, expected.to(dtype))
+
+
+def test_inductor_compiles_the_softmax_into_the_same_numbers():
+    """compiled_softmax("inductor"), as model.compile makes it (its C++ kernels here), bf16 with a loss mask in chunks
+    of 7 (one shape): the loss within 1e-6 of the eager fused loss's, relative, and the gradients within one bf16
+    rounding of its largest element (inductor's exp may round the last fp32 bit otherwise)."""
+    eager, compiled = no_bias_run(torch.bfloat16, True, None, 7), no_bias_run(torch.bfloat16, True,
+                                                                              compiled_softmax("inductor"), 7)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=0)
+    for name, a, b in zip(("hidden", "weight"), compiled[1:], eager[1:]):
+        assert a.dtype == torch.bfloat16 and (a.float() - b.float()).abs().max() <= 2.0 ** -8 * b.float().abs().max()
