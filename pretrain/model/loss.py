@@ -72,16 +72,23 @@ def _target_columns(targets: torch.Tensor, first_id: int, width: int) -> tuple:
     return torch.where(held, local, 0), held
 
 
-def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int, tp_group):
-    """One chunk's vocab-parallel cross-entropy as megatron's `vocab_parallel_cross_entropy` computes it:
-    (per-token loss [n], exp(logits − max) [n, width] fp32 (padding 0), the max-shifted sum of exps [n], the
-    targets' local columns [n] and whether this rank holds them [n])."""
+def _logits_and_max(hidden, weight, bias, columns: int, tp_group) -> tuple:
+    """(one chunk's logits [n, width] in the model dtype, the padding at −inf; their max over every TP rank's columns
+    [n], fp32)."""
     logits = torch.matmul(hidden, weight.t())
     if bias is not None:
         logits = logits + bias
     mask_padded_columns(logits, columns)
     top = logits.amax(dim=-1).float()  # the max of the model-dtype logits is that of their fp32 values
     _tp_all_reduce(top, dist.ReduceOp.MAX, tp_group)
+    return logits, top
+
+
+def _chunk_statistics(hidden, weight, bias, targets, columns: int, first_id: int, tp_group):
+    """One chunk's vocab-parallel cross-entropy as megatron's `vocab_parallel_cross_entropy` computes it:
+    (per-token loss [n], exp(logits − max) [n, width] fp32 (padding 0), the max-shifted sum of exps [n], the
+    targets' local columns [n] and whether this rank holds them [n])."""
+    logits, top = _logits_and_max(hidden, weight, bias, columns, tp_group)
     if logits.dtype == torch.float32:
         logits -= top.unsqueeze(-1)
     else:  # fp32 logits − max in one pass over the model-dtype ones (no separate fp32 copy pass)
@@ -161,10 +168,7 @@ def _compiled_chunk(hidden, weight, targets, columns: int, first_id: int, tp_gro
                     needs_grad: bool):
     """(per-token loss [n], d loss / d logits in the model dtype or None) of one chunk without a bias, as
     `_chunk_statistics` and `_logits_gradient` compute them, through `kernels`."""
-    logits = torch.matmul(hidden, weight.t())
-    mask_padded_columns(logits, columns)
-    top = logits.amax(dim=-1).float()
-    _tp_all_reduce(top, dist.ReduceOp.MAX, tp_group)
+    logits, top = _logits_and_max(hidden, weight, None, columns, tp_group)
     local, held = _target_columns(targets, first_id, logits.shape[-1])
     sums = kernels.sums(logits, top, local, held)
     _tp_all_reduce(sums, dist.ReduceOp.SUM, tp_group)

@@ -94,17 +94,19 @@ def test_compiled_layouts_train_like_one_eager_rank(one_rank, layout):
 
 
 SOFTMAX = {"_softmax_sums", "_softmax_gradient"}  # pretrain/model/loss.py's SoftmaxKernels
-BF16 = ["precision.dtype=\"bf16\"", "model.attention=\"sdpa\"", "model.vocab_size=100",
-        "model.make_vocab_size_divisible_by=64", "parallel.tensor=2", "train.global_batch_size=4"]
+BF16 = ["precision.dtype=\"bf16\"", "model.attention=\"sdpa\"", "model.hidden_size=48", "model.num_attention_heads=6",
+        "model.vocab_size=100", "model.make_vocab_size_divisible_by=64", "parallel.tensor=3",
+        "train.global_batch_size=4"]
 
 
 def test_a_compiled_bf16_model_computes_its_loss_through_the_compiled_softmax():
-    """bf16 at TP 2 (the second rank's vocabulary slice: 36 tokens, 28 padding), model.compile = true: every rank
-    compiles the fused loss's softmax kernels beside its layers, and its 3 steps' losses and gradient norms are the
-    eager run's to the bit (aot_eager runs the graphs' own aten operations, no inductor kernels: the kernels' fp32
-    operations are eager's, in eager's order; inductor's numbers: tests/unit/test_fused_loss.py)."""
-    compiled = run_ranks(compiled_steps, 2, "aot_eager", BF16, 3, timeout=600)
-    eager = run_ranks(run_gpt_steps, 2, BF16, 3, None, True, timeout=300)
+    """bf16 at TP 3 (the vocabulary of 100 padded to 192: the ranks' slices hold 64, 36 and no real tokens),
+    model.compile = true: every rank compiles the fused loss's softmax kernels beside its layers, and its 3 steps'
+    losses and gradient norms are the eager run's to the bit (aot_eager runs the graphs' own aten operations, no
+    inductor kernels: the kernels' fp32 operations are eager's, in eager's order; inductor's numbers:
+    tests/unit/test_fused_loss.py)."""
+    compiled = run_ranks(compiled_steps, 3, "aot_eager", BF16, 3, timeout=600)
+    eager = run_ranks(run_gpt_steps, 3, BF16, 3, None, True, timeout=300)
     for rank, ref in zip(compiled, eager):
         assert SOFTMAX <= set(rank["compiled"]), rank["compiled"]
         assert (rank["loss"], rank["grad_norm"]) == (ref["loss"], ref["grad_norm"])
