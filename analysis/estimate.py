@@ -315,7 +315,7 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
                          "and no pa (the layer inputs are sliced over TP already)")
     kept_by_layer = layer_bytes(local_shape(shape, cp), micro_batch, tp, e, attention_state_bytes(
         attention, seq, micro_batch, shape.heads, e), sp) + context_layer_bytes(shape, micro_batch, tp, cp, e)
-    # the loss is computed on fp32 logits of this rank's vocabulary slice, a chunk of tokens at a time
+    # the loss is computed on this rank's vocabulary slice of the logits, a chunk of tokens at a time (loss_bytes)
     if loss_chunk_tokens < 0:
         raise ValueError(f"loss_chunk_tokens = {loss_chunk_tokens} is invalid; must be >= 0 (0: all tokens)")
     host = 0.0
@@ -344,7 +344,7 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     # the fused loss's stored gradients live from its forward to its backward's first step: beside the layer
     # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak
     logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
-                        beside=buffers + (kept_by_layer if recompute != "none" else 0))
+                        beside=buffers + (kept_by_layer if recompute != "none" else 0), compiled=step.compiled)
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
@@ -353,18 +353,32 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
         mask_bytes=float(mask_bytes))
 
 
+def loss_logit_bytes(activation_bytes: int, fused: bool, compiled: bool) -> int:
+    """Bytes a logit of the loss holds at its peak (pretrain/model/loss.py; measured: tests/unit/test_fused_loss.py,
+    bench/bench_loss.py): an fp32 model's logits are worked on in place (4); a half-precision model's are held beside
+    their fp32 copy, the softmax's input, then its fp32 exps beside their gradient in the model dtype (e + 4) — on
+    every path but the `fused` one with `compiled` layers, whose softmax kernels (loss.SoftmaxKernels) hold only the
+    logits and their gradient (2e)."""
+    if activation_bytes == 4:
+        return 4
+    return 2 * activation_bytes if fused and compiled else activation_bytes + 4
+
+
 def loss_bytes(shape: GPTShape, tokens: int, tp: int, activation_bytes: int, chunk_tokens: int = 0,
-               recompute: bool = False, beside: float = 0.0) -> float:
-    """What the loss of `tokens` tokens adds to the rank's peak on one TP rank (pretrain/model/loss.py): fp32 logits
-    of the rank's padded vocabulary slice for all tokens (`chunk_tokens` 0, megatron's) or one chunk; the fused
-    chunked loss (not `recompute`) also keeps its fp32 output-weight gradient [V/t, h] and the hidden-state gradient
-    [tokens, h] (activation dtype) from its forward to its backward, a moment at which the `beside` bytes counted
-    elsewhere (the buffers, a recomputed layer) are not in use: only what it holds beyond them is added."""
+               recompute: bool = False, beside: float = 0.0, compiled: bool = False) -> float:
+    """What the loss of `tokens` tokens adds to the rank's peak on one TP rank (pretrain/model/loss.py): the logits of
+    the rank's padded vocabulary slice (loss_logit_bytes a logit) for all tokens (`chunk_tokens` 0, megatron's) or one
+    chunk; the fused chunked loss (not `recompute`) also keeps its fp32 output-weight gradient [V/t, h] and the
+    hidden-state gradient [tokens, h] (activation dtype) from its forward to its backward, a moment at which the
+    `beside` bytes counted elsewhere (the buffers, a recomputed layer) are not in use: only what it holds beyond them
+    is added. `compiled`: model.compile compiles the layers (and so the fused loss's softmax)."""
     width = shape.padded_vocab(tp) // tp
+    fused = bool(chunk_tokens) and not recompute
+    per_logit = loss_logit_bytes(activation_bytes, fused, compiled)
     if not chunk_tokens:
-        return float(tokens * width * 4)
-    stored = 0 if recompute else width * shape.hidden * 4 + tokens * shape.hidden * activation_bytes
-    return min(tokens, chunk_tokens) * width * 4 + max(0.0, stored - beside)
+        return float(tokens * width * per_logit)
+    stored = width * shape.hidden * 4 + tokens * shape.hidden * activation_bytes if fused else 0
+    return min(tokens, chunk_tokens) * width * per_logit + max(0.0, stored - beside)
 
 
 def largest_fitting_layers(fits) -> int:

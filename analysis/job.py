@@ -94,7 +94,8 @@ class Step:
     (estimate.ATTENTION_KINDS), the loss `loss_chunk_tokens` tokens at a time (0: all; `loss_recompute`: recomputed in
     backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes),
     `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)
-    and `compiled` layers (model.compile: the kernel path the planner's time reads, no memory term)."""
+    and `compiled` layers (model.compile: the kernel path the planner's time reads; the fused loss's softmax, compiled
+    too, holds fewer bytes a logit: estimate.loss_logit_bytes)."""
 
     micro_batch: int = 1
     recompute: str = "none"

@@ -17,17 +17,21 @@ def gpu_budget_bytes(cluster: ClusterConfig) -> float:
     return cluster.gpu_memory_gb * GIB
 
 
-def rank_job(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_node: Optional[int] = None) -> RankJob:
+def rank_job(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_node: Optional[int] = None,
+             compiled: Optional[bool] = None) -> RankJob:
     """A rank of this config as the estimator (analysis.memory_report) takes it. Pipeline stages: one stage's layers,
     with both the embeddings and the output layer counted (the first and last stages hold one each: an upper bound for
-    either). `gpus_per_node`: the ranks per node the run's Layout resolved (default: cluster.gpus_per_node)."""
+    either). `gpus_per_node`: the ranks per node the run's Layout resolved (default: cluster.gpus_per_node).
+    `compiled`: whether model.compile compiles the run's layers (pretrain/model/gpt.py's `compiles`); default, as on
+    the config's GPUs with megatron's local layers: model.compile true or "auto"."""
     m, p = cfg.model, cfg.parallel
     shape = dataclasses.replace(m.shape, layers=m.num_layers // p.pipeline)
     layout = Parallelism(world_size // p.pipeline, p.tensor, p.context, dp_per_node(cfg, world_size, gpus_per_node))
     step = Step(micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, precision=cfg.precision.dtype,
                 attention=attention_kind(m.attention), loss_chunk_tokens=m.loss_chunk_tokens,
                 loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size),
-                sequence_parallel=p.sequence_parallel, compiled=m.compile in (True, "auto"))
+                sequence_parallel=p.sequence_parallel,
+                compiled=m.compile in (True, "auto") if compiled is None else compiled)
     optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
     return RankJob(shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer,
                    accumulation(cfg, world_size))
@@ -111,10 +115,13 @@ def check_memory(cfg: Config, world_size: int, device, is_main: bool,
 
     The smallest device memory over all ranks is the budget, so every rank takes the same decision.
     On CPU ranks there is no device budget: the table is printed for the device the config
-    describes, and the verdict says that nothing was checked. `gpus_per_node`: the run's Layout's.
+    describes, and the verdict says that nothing was checked. `gpus_per_node`: the run's Layout's. The step is the
+    one this rank runs: its layers compiled or not as build_model compiles them (the fused loss's bytes a logit).
     """
     import torch
     import torch.distributed as dist
+
+    from pretrain.model.gpt import compiles_layers
     on_cuda = device.type == "cuda"
     if on_cuda:
         budget = torch.tensor([float(torch.cuda.get_device_properties(device).total_memory)], device=device)
@@ -125,7 +132,7 @@ def check_memory(cfg: Config, world_size: int, device, is_main: bool,
         gpu_memory, judged = gpu_budget_bytes(cfg.cluster), config_device(cfg)
         cpu_note = (f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
                     f"{cfg.cluster.gpu_memory_gb:g} GiB)")
-    job = rank_job(cfg, world_size, gpu_memory, gpus_per_node)
+    job = rank_job(cfg, world_size, gpu_memory, gpus_per_node, compiles_layers(cfg, on_cuda))
     estimate, table = device_report(job, describe(cfg, world_size), judged, cpu_note)
     if is_main:
         print(table, flush=True)

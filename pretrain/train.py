@@ -112,14 +112,12 @@ def train(cfg: Config, launch: Optional[dict] = None, job: Optional[dict] = None
 
 
 def check_attention_kernel(cfg: Config, topo: Layout) -> None:
-    """model.attention as it can run on this rank's device (pretrain/model/attention.py's `resolve`), before
-    anything is built: 'te' without Transformer Engine, off CUDA or under ZeRO-R is a config error in one line."""
-    from pretrain.model.attention import resolve
-    z = cfg.zero  # ZeRO-R's recomputed layers: activation_checkpointing builds them for these keys
+    """model.attention as it can run on this rank's device (pretrain/model/attention.py's `resolved_attention`, as
+    the layer spec resolves it), before anything is built: 'te' without Transformer Engine, off CUDA, under ZeRO-R
+    or selective recomputation is a config error in one line."""
+    from pretrain.model.attention import resolved_attention
     try:
-        resolve(cfg.model.attention, topo.device.type == "cuda",
-                zero_recompute=z.partition_activations or z.cpu_checkpointing or z.contiguous_checkpointing,
-                document_mask=cfg.data.reset_attention_mask)
+        resolved_attention(cfg, topo.device.type == "cuda")
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -134,8 +132,8 @@ def imported_model(directory: str, m) -> ImportedModel:
 def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
+    check_attention_kernel(cfg, topo)  # before the memory check, which resolves the attention too
     check_memory(cfg, topo.world_size, topo.device, topo.is_main, topo.gpus_per_node)
-    check_attention_kernel(cfg, topo)
     check_float8_device(cfg.precision.fp8, topo.device)  # precision.fp8 on a GPU without float8 matmuls: one line
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)

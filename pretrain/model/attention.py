@@ -177,6 +177,16 @@ def resolve(choice: str, on_cuda: bool, zero_recompute: bool, document_mask: boo
     return choice
 
 
+def resolved_attention(cfg, on_cuda: bool) -> str:
+    """`resolve` of the Config `cfg`'s model.attention as its layer spec resolves it on a CUDA (`on_cuda`) or CPU rank
+    (ZeRO-R's recomputed layers: zero.partition_activations / cpu_checkpointing / contiguous_checkpointing)."""
+    z = cfg.zero
+    return resolve(cfg.model.attention, on_cuda,
+                   zero_recompute=z.partition_activations or z.cpu_checkpointing or z.contiguous_checkpointing,
+                   document_mask=cfg.data.reset_attention_mask, selective=cfg.model.recompute == "selective",
+                   float8=cfg.precision.fp8 != "none")
+
+
 def _te_importable() -> bool:
     import importlib.util
     return importlib.util.find_spec("transformer_engine") is not None

@@ -136,10 +136,9 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from pretrain.model.attention import SDPAttention, resolve
+    from pretrain.model.attention import SDPAttention, resolved_attention
     documents = cfg.data.reset_attention_mask
-    attention = resolve(cfg.model.attention, on_cuda, zero_recompute=activations is not None, document_mask=documents,
-                        selective=cfg.model.recompute == "selective", float8=cfg.precision.fp8 != "none")
+    attention = resolved_attention(cfg, on_cuda)
     qk_norm = cfg.model.qk_layernorm
     if attention == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
@@ -244,8 +243,7 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     if cfg.data.reset_attention_mask and _has_sdpa(model):  # one [b, 1, s, s] bias for all layers, not one each
         from pretrain.model.attention import shared_attention_bias
         model.decoder.register_forward_pre_hook(shared_attention_bias, with_kwargs=True)
-    te_layers = any(type(module).__module__.startswith("transformer_engine") for module in model.modules())
-    if compiles(cfg.model.compile, on_cuda, te_layers):  # each layer's forward compiled; hooks (ZeRO's) stay eager
+    if compiles_layers(cfg, on_cuda):  # each layer's forward compiled; hooks (ZeRO's) stay eager
         from megatron_patches import no_warnings_inside_layers
         no_warnings_inside_layers()
         for layer in model.decoder.layers:
@@ -265,6 +263,13 @@ def compiles(choice, on_cuda: bool, te_layers: bool = False) -> bool:
     layers (measured faster there: docs/gpu-check.md); Transformer Engine's layers (their own fused kernels, never
     measured compiled) stay eager under auto."""
     return (on_cuda and not te_layers) if choice == "auto" else bool(choice)
+
+
+def compiles_layers(cfg: Config, on_cuda: bool) -> bool:
+    """Whether `build_model` compiles the layers of `cfg` on a CUDA (`on_cuda`) or CPU rank: `compiles`, with the
+    attention its layer spec resolves (pretrain/model/attention.py's `resolved_attention`)."""
+    from pretrain.model.attention import resolved_attention
+    return compiles(cfg.model.compile, on_cuda, te_layers=resolved_attention(cfg, on_cuda) == "te")
 
 
 def _has_sdpa(model) -> bool:

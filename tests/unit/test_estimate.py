@@ -131,8 +131,10 @@ def test_sequence_parallel_activations_are_korthikanti_equation_4():
 def test_cli_flags_give_the_step_the_run_holds(capsys):
     """python -m analysis's --sequence-parallel / --attention / --loss-chunk-tokens reach the estimate: at the shape
     above, L·(34·sbh + 5·a·s²·b)/t of activations with SP and local attention; fused attention keeps 4·a·s·b of
-    softmax statistics instead of the scores; a 1,024-token loss chunk holds 1,024 × V_pad/t fp32 logits (and the
-    fused loss's kept gradients beyond the buffers) instead of all s·b."""
+    softmax statistics instead of the scores; a 1,024-token loss chunk holds 1,024 × V_pad/t logits (and the
+    fused loss's kept gradients beyond the buffers) instead of all s·b, 2 + 4 bytes each in bf16 (the logits beside
+    their fp32 copy); --compile (model.compile) takes the fused loss's to 2 + 2 (its compiled softmax: the logits and
+    their gradient), not the recomputed loss's (eager)."""
     s, b, h, a, t, layers = 2048, 1, 4096, 32, 8, 4
     flags = ["--layers", str(layers), "--hidden", str(h), "--heads", str(a), "--vocab", "50257", "--seq", str(s),
              "--gpus", "8", "--tp", str(t), "--stage", "3", "--precision", "bf16", "--json"]
@@ -145,8 +147,11 @@ def test_cli_flags_give_the_step_the_run_holds(capsys):
     fused = run("--sequence-parallel", "--attention", "fused")["working_set_bytes"]
     assert fused == layers * (s * b * h * 34 + 4 * a * s * b) // t
     v_pad = 51200  # 50,257 padded to a multiple of 128·t = 1,024
-    assert run()["logits_bytes"] == s * b * v_pad // t * 4
-    assert run("--loss-chunk-tokens", "1024", "--loss-recompute")["logits_bytes"] == 1024 * v_pad // t * 4
+    assert run()["logits_bytes"] == s * b * v_pad // t * (2 + 4)
+    recomputed = ("--loss-chunk-tokens", "1024", "--loss-recompute")
+    assert run(*recomputed)["logits_bytes"] == run(*recomputed, "--compile")["logits_bytes"] == 1024 * v_pad // t * 6
+    eager, compiled = (run("--loss-chunk-tokens", "1024", *more)["logits_bytes"] for more in ((), ("--compile",)))
+    assert eager - compiled == 1024 * v_pad // t * 2
     with pytest.raises(SystemExit):
         cli.main(flags + ["--recompute", "any"])
     assert "--recompute any is the planner's choice" in capsys.readouterr().err
@@ -201,7 +206,7 @@ def test_breakdown_terms():
     assert m.optimizer_bytes == 12 * psi / 8 and m.buffer_bytes == 4000
     assert m.checkpoint_bytes == 10 * 2 * 1024 * 1024 * 2 / 4
     assert m.working_set_bytes == layer_activation_bytes(1024, 2, 1024, 16, 4)
-    assert m.logits_bytes == 2 * 1024 * padded_vocab(50257, 4) // 4 * 4
+    assert m.logits_bytes == 2 * 1024 * padded_vocab(50257, 4) // 4 * (2 + 4)  # fp16 logits beside their fp32 copy
     assert m.margin_bytes == est.DEFAULT_MARGIN_FRACTION * est.V100_MEMORY_BYTES
     cpu = estimate_from_shape(stage=2, recompute="full", pa=True, pa_cpu=True, bucket_elements=None, **shape)
     assert cpu.checkpoint_bytes == 0 and cpu.host_bytes == m.checkpoint_bytes and cpu.buffer_bytes == 4 * psi
@@ -215,25 +220,28 @@ def test_breakdown_terms():
     assert none.buffer_bytes == 4 * psi + 2 * unit * 2 + output_bucket + 25_165_824
     fp32 = estimate_from_shape(stage=0, precision="fp32", **shape)
     assert fp32.model_state_bytes == 16 * psi and fp32.working_set_bytes > none.working_set_bytes
-    # chunked loss (pretrain/model/loss.py): one chunk's fp32 logits (a chunk beyond the 2048 tokens holds them all);
+    # chunked loss (pretrain/model/loss.py): one chunk's fp16 logits beside their fp32 copy, 6 bytes each (a chunk
+    # beyond the 2048 tokens holds them all; model.compile's softmax: the logits and their fp16 gradient, 4 bytes);
     # fused (the default) also the fp32 output-weight gradient V_pad/t × h and the fp16 hidden gradient 2048 × h, kept
     # from the loss's forward to its backward: what they exceed the buffers by (none in use then; CB 1000: 4000 B)...
     stored = padded_vocab(50257, 4) // 4 * 1024 * 4 + 2048 * 1024 * 2
     for chunk, tokens in ((500, 500), (4096, 2 * 1024)):
         recomputed = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, loss_recompute=True, bucket_elements=1000,
                                          **shape)
-        assert recomputed.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 4
+        assert recomputed.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 6
         fused = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, bucket_elements=1000, **shape)
         assert fused.logits_bytes == recomputed.logits_bytes + stored - 4000
+        compiled = estimate_from_shape(stage=2, loss_chunk_tokens=chunk, bucket_elements=1000, compiled=True, **shape)
+        assert compiled.logits_bytes == tokens * padded_vocab(50257, 4) // 4 * 4 + stored - 4000
     # ... and the layer recomputed in backward, none yet (micro-batch 1: 37.7 MB, the stored ones 54.0 MB); a
     # 5e7-element bucket (200 MB fp32) holds them all
     one = {**shape, "micro_batch": 1}
     stored = padded_vocab(50257, 4) // 4 * 1024 * 4 + 1024 * 1024 * 2
     full = estimate_from_shape(stage=2, recompute="full", loss_chunk_tokens=500, bucket_elements=1000, **one)
     assert 0 < stored - 4000 - full.working_set_bytes
-    assert full.logits_bytes == 500 * padded_vocab(50257, 4) // 4 * 4 + stored - 4000 - full.working_set_bytes
+    assert full.logits_bytes == 500 * padded_vocab(50257, 4) // 4 * 6 + stored - 4000 - full.working_set_bytes
     large = estimate_from_shape(stage=2, loss_chunk_tokens=500, bucket_elements=50_000_000, **shape)
-    assert large.logits_bytes == 500 * padded_vocab(50257, 4) // 4 * 4
+    assert large.logits_bytes == 500 * padded_vocab(50257, 4) // 4 * 6
 
 
 def test_stage3_buffers_of_the_13b_h100_layout_by_hand():

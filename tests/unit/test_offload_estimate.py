@@ -85,10 +85,11 @@ def test_bad_offload_requests(kwargs, message):
 def one_v100_device_bytes(layers, hidden, heads, grads_on_device):
     """Stage 2 on one GPU with the optimizer offloaded, written out from docs/estimator.md: fp16 params 2Ψ
     (+ fp16 gradients 2Ψ unless streamed), one 1024-token checkpoint per layer, one layer's working set,
-    fp32 logits, the 5e7-element fp32 bucket, the 10% margin of 32 GiB."""
+    megatron's loss on the fp16 logits (each beside its fp32 copy: 2 + 4 bytes), the 5e7-element fp32 bucket, the 10%
+    margin of 32 GiB."""
     psi = gpt_param_count(layers, hidden, 50257, 1024)
     return ((2 + 2 * grads_on_device) * psi + layers * 1024 * hidden * 2
-            + layer_activation_bytes(1024, 1, hidden, heads, 1) + 1024 * padded_vocab(50257) * 4
+            + layer_activation_bytes(1024, 1, hidden, heads, 1) + 1024 * padded_vocab(50257) * (2 + 4)
             + 4 * min(50_000_000, psi) + 0.1 * 32 * GIB)
 
 
@@ -162,28 +163,36 @@ def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
     assert "host optimizer states" in out and out.rstrip().endswith("GiB)") and "CPU run: no device memory check" in out
 
 
-def test_on_cuda_the_smallest_card_over_the_ranks_is_the_budget_and_a_run_that_cannot_fit_is_refused(monkeypatch,
-                                                                                                    capsys):
-    """check_memory's GPU path, its device calls stood in for: this rank's card holds 80 GiB, the other rank's 24 GiB,
-    reduced by the op the check asks for. 8 layers × 4096 at stage 0 on 2 ranks fit the 80 GiB card and not the 24 GiB
-    one (the estimator's verdicts, tests/unit/test_estimate.py's subject), so the run is refused naming the estimate
-    and the smaller card, unless train.ignore_memory_estimate; 6 layers fit both and run."""
+def fake_cuda(monkeypatch, other_rank: float):
+    """check_memory's device calls stood in for: this rank's card holds 80 GiB, the other rank's `other_rank` bytes,
+    reduced by the op the check asks for; the device it is given."""
     import types
 
     import torch
     import torch.distributed as dist
 
-    from pretrain.config import ConfigError, load_config
-    from pretrain.memory_check import check_memory, estimate_config
-
-    other_rank = 24 * GIB
     reduce = {dist.ReduceOp.MIN: min, dist.ReduceOp.MAX: max, dist.ReduceOp.SUM: lambda a, b: a + b}
     real_tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda data, device=None, **kw: real_tensor(data, **kw))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80 * GIB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(dist, "all_reduce", lambda t, op: t.fill_(reduce[op](t.item(), other_rank)))
-    cuda = types.SimpleNamespace(type="cuda")
+    return types.SimpleNamespace(type="cuda")
+
+
+def test_on_cuda_the_smallest_card_over_the_ranks_is_the_budget_and_a_run_that_cannot_fit_is_refused(monkeypatch,
+                                                                                                    capsys):
+    """check_memory's GPU path (fake_cuda): this rank's card holds 80 GiB, the other rank's 24 GiB. 8 layers × 4096 at
+    stage 0 on 2 ranks fit the 80 GiB card and not the 24 GiB one (the estimator's verdicts,
+    tests/unit/test_estimate.py's subject), so the run is refused naming the estimate and the smaller card, unless
+    train.ignore_memory_estimate; 6 layers fit both and run."""
+    import torch
+
+    from pretrain.config import ConfigError, load_config
+    from pretrain.memory_check import check_memory, estimate_config
+
+    other_rank = 24 * GIB
+    cuda = fake_cuda(monkeypatch, other_rank)
     shape = ["zero.stage=0", "model.hidden_size=4096", "model.num_attention_heads=32"]
     big, small = (load_config(None, shape + [f"model.num_layers={n}"]) for n in (8, 6))
     assert estimate_config(big, 2, 80 * GIB).fits and not estimate_config(big, 2, other_rank).fits
@@ -202,3 +211,26 @@ def test_on_cuda_the_smallest_card_over_the_ranks_is_the_budget_and_a_run_that_c
     on_cpu = check_memory(load_config(None, shape + ["model.num_layers=8", "cluster.gpu_memory_gb=24"]), 2,
                           torch.device("cpu"), is_main=True)
     assert not on_cpu.fits and "CPU run: no device memory check" in capsys.readouterr().out
+
+
+def test_the_start_up_check_estimates_the_loss_this_rank_runs_compiled_or_eager(monkeypatch):
+    """A bf16 run with the fused loss (chunks of 1,024 tokens of a 50,304-column vocabulary) under model.compile =
+    "auto": on a CPU rank its layers and loss run eagerly, the logits beside their fp32 copy (2 + 4 bytes each); on a
+    CUDA rank (fake_cuda; no Transformer Engine here) they are compiled, the loss's softmax kernels holding the logits
+    and their gradient (2 + 2); model.compile = true compiles on CPU too, false nowhere."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.memory_check import check_memory
+
+    base = ["precision.dtype=\"bf16\"", "model.num_layers=2", "model.hidden_size=256", "model.num_attention_heads=4",
+            "model.vocab_size=50257", "model.seq_length=1024", "model.loss_chunk_tokens=1024",
+            "train.micro_batch_size=2", "train.global_batch_size=4"]
+    cpu, cuda = torch.device("cpu"), fake_cuda(monkeypatch, 80 * GIB)
+    loss = {(device.type, choice): check_memory(load_config(None, base + [f"model.compile={choice}"]), 2, device,
+                                                is_main=False).logits_bytes
+            for device in (cpu, cuda) for choice in ("\"auto\"", "true", "false")}
+    eager, compiled = loss["cpu", "\"auto\""], loss["cuda", "\"auto\""]
+    assert eager - compiled == 1024 * 50304 * (6 - 4)
+    assert loss["cpu", "true"] == loss["cuda", "true"] == compiled
+    assert loss["cpu", "false"] == loss["cuda", "false"] == eager
