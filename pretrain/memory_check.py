@@ -81,10 +81,11 @@ def dp_per_node(cfg: Config, world_size: int, gpus_per_node: Optional[int] = Non
 
 
 def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float,
-                    gpus_per_node: Optional[int] = None) -> tuple:
+                    gpus_per_node: Optional[int] = None, compiled: Optional[bool] = None) -> tuple:
     """(what stays on the device, OffloadBreakdown or None): with zero.offload_* on, the check judges only
-    the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes)."""
-    return device_memory(rank_job(cfg, world_size, gpu_memory_bytes, gpus_per_node))
+    the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes). `compiled`:
+    rank_job's."""
+    return device_memory(rank_job(cfg, world_size, gpu_memory_bytes, gpus_per_node, compiled))
 
 
 def describe(cfg: Config, world_size: int) -> str:

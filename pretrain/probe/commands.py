@@ -6,6 +6,7 @@ import time
 from pretrain import metrics
 from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, device_estimate
+from pretrain.model.gpt import compiles_layers
 from pretrain.probe.rank import probe_rank, rss_bytes
 from analysis.cluster import links_for_gpu
 from analysis.comm_model import comm_breakdown
@@ -48,10 +49,12 @@ def probe_command(cfg: Config, world: int, args) -> int:
         print(json.dumps(out, indent=2) if args.json else f"{out['config']}\n{verdict['text']}")
         return 1
     wall = time.perf_counter() - t0
-    estimate, _ = device_estimate(cfg, world, memory)  # with offload: what stays on the device
+    on_gpu = run.cuda_max_allocated is not None  # model states (the engine's count) and the allocator's peak only
+    # with offload: what stays on the device; the step as the probed rank ran it, its layers compiled or not (on
+    # fake and CPU ranks model.compile "auto" leaves them eager: the loss's logits beside their fp32 copy)
+    estimate, _ = device_estimate(cfg, world, memory, compiled=compiles_layers(cfg, on_gpu))
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
-    on_gpu = run.cuda_max_allocated is not None  # model states (the engine's count) and the allocator's peak only
     rows = estimate_rows(estimate, run.model_states, None if on_gpu else run.peak_by_category, peak,
                          run.host_peak_by_category.get("activations", 0))
     out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real" if args.real else "fake",

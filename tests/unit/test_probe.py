@@ -354,3 +354,21 @@ def test_sequence_parallel_estimate_is_what_a_probed_layer_keeps(capsys):
                                                            f"model.recompute=\"{recompute}\"") for n in (1, 2))
         assert two - one == per_layer
         assert est_two["checkpoint_bytes"] - est_one["checkpoint_bytes"] == per_layer
+
+
+def test_the_estimate_beside_a_probe_counts_the_loss_as_the_probed_rank_ran_it(capsys):
+    """A fake rank runs on CPU, where model.compile = "auto" leaves the layers and the fused loss eager: the bf16
+    logits of its 512-token chunk beside their fp32 copy, 6 bytes each of 512 × 32,000 / TP 2, the loss's 49.2 MB
+    the activation peak's bulk. The estimate beside it counts that loss, within 5% of the executed activations at the
+    peak, not the compiled loss (4 bytes a logit) a GPU rank of the config would run (-32% against it)."""
+    overrides = ["model.num_layers=1", "model.seq_length=256", "model.hidden_size=64", "model.num_attention_heads=4",
+                 "model.vocab_size=32000", "train.micro_batch_size=2", "train.global_batch_size=2",
+                 "precision.dtype=\"bf16\"", "model.loss_chunk_tokens=512"]
+    code = probe.main(["--config", "configs/tiny.toml", "--world", "2", "--steps", "1", "--json", *overrides])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {row["category"]: row for row in out["comparison"]}
+    activations = rows["activations at the peak"]
+    assert activations["estimate_bytes"] == pytest.approx(activations["executed_bytes"], rel=0.05)
+    on_gpus = estimate_config(load_config("configs/tiny.toml", overrides), 2, 80 * 2**30)  # model.compile "auto"
+    assert out["estimate"]["logits_bytes"] - on_gpus.logits_bytes == 512 * 32000 // 2 * (6 - 4)
