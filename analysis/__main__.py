@@ -62,12 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="local: megatron's materialised scores (the paper's); fused: SDPA / Transformer Engine, "
                          "the run's default (model.attention = auto / sdpa / te)")
     ap.add_argument("--loss-chunk-tokens", type=int, default=0,
-                    help="model.loss_chunk_tokens: the fused loss's tokens at a time (0: whole fp32 logits, the "
-                         "paper's; a run's default is 1024)")
+                    help="model.loss_chunk_tokens: the fused loss's tokens at a time (0: megatron's loss over all "
+                         "tokens' logits, the paper's; a run's default is 1024)")
     ap.add_argument("--loss-recompute", action="store_true", help="model.loss_recompute: each loss chunk recomputed")
     ap.add_argument("--compile", action="store_true",
                     help="model.compile: the compute at the share of peak measured with compiled layers "
-                         "(analysis/throughput.py)")
+                         "(analysis/throughput.py), and the fused loss's compiled softmax (in fp16 / bf16 2 + 2 "
+                         "bytes a logit, not eager's 2 + 4)")
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="parallel.sequence_parallel: activations sliced over TP's tokens (--plan rank: at tp > 1)")
     ap.add_argument("--pa", action="store_true", help="partition activation checkpoints over TP")

@@ -229,17 +229,22 @@ def test_inductor_compiles_the_softmax_into_the_same_numbers():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_estimators_loss_term_is_the_eager_fused_losss_measured_peak(dtype):
     """analysis/estimate.py's loss term against the bytes the eager fused loss makes and holds at once (torch's
-    MemTracker: its peak of every tensor made inside, the inputs tracked apart): one chunk's logits at 4 bytes each in
-    fp32 (in place), 2 + 4 in half precision (the logits beside their fp32 copy), and the fp32 weight gradient and the
-    hidden-state gradient kept from forward to backward."""
+    MemTracker: its peak of every tensor made inside, the inputs tracked apart), at a vocabulary of 8,000 that
+    megatron pads to 8,064 columns: one chunk's logits over every column at 4 bytes each in fp32 (in place), 2 + 4 in
+    half precision (the logits beside their fp32 copy), and the fp32 weight gradient and the hidden-state gradient
+    kept from forward to backward. What the term leaves out is per-token vectors only (the losses, the sums, the
+    targets' columns): under 48 bytes a token, whatever the vocabulary."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from analysis.estimate import loss_bytes
     from model_shape.gpt import GPTShape
-    tokens, hidden_size, vocab, chunk = 256, 8, 8192, 128
+    tokens, hidden_size, vocab, chunk = 256, 8, 8000, 128
+    shape = GPTShape(layers=1, hidden=hidden_size, heads=1, seq=tokens, vocab=vocab)
+    width = shape.padded_vocab(1)
+    assert width == 8064  # megatron's multiple of 128
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, 1, hidden_size, generator=g).to(dtype).requires_grad_()
-    weight = (0.02 * torch.randn(vocab, hidden_size, generator=g)).to(dtype).requires_grad_()
+    weight = (0.02 * torch.randn(width, hidden_size, generator=g)).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (tokens, 1), generator=g)
     tracker = MemTracker()
     tracker.track_external(hidden, weight)
@@ -247,6 +252,5 @@ def test_the_estimators_loss_term_is_the_eager_fused_losss_measured_peak(dtype):
         chunked_loss(hidden, weight, None, labels, chunk, False, None, vocab).mean().backward()
     measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     made = measured["Total"] - sum(t.untyped_storage().nbytes() for t in (hidden, weight))
-    shape = GPTShape(layers=1, hidden=hidden_size, heads=1, seq=tokens, vocab=vocab)
     estimated = loss_bytes(shape, tokens, 1, hidden.element_size(), chunk)
-    assert shape.padded_vocab(1) == vocab and made == pytest.approx(estimated, rel=0.005)
+    assert 0 <= made - estimated < 48 * tokens, (made, estimated)
