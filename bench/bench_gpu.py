@@ -374,6 +374,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="DIR", default="",
                     help="after each row's timed steps, 3 more under torch.profiler: where the device time goes (kernels "
                          "by kind, idle share, top kernels) printed after the tables, each chrome trace gzipped in DIR")
+    ap.add_argument("--profile-row", metavar="TEXT", action="append", default=[],
+                    help="with --profile, profile only the rows whose label holds TEXT (repeatable; default: every row)")
     ap.add_argument("--fp8", action="store_true",
                     help="add the FP8 rows: the Llama shape in precision.fp8 tensorwise and rowwise beside bf16, and the "
                          "Llama-3 8B rank slice probed in bf16 and FP8 (needs compute capability 8.9; the dry run "
@@ -381,6 +383,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps {args.steps} is invalid; must be >= 1")
+    if args.profile_row and not args.profile:
+        ap.error(f"--profile-row {args.profile_row[0]!r} chooses rows to profile: give --profile DIR too")
     dry = args.cpu_dry_run
     if not dry and not torch.cuda.is_available():
         ap.error("no CUDA device visible: run on a GPU machine, or use --cpu-dry-run")
@@ -392,7 +396,7 @@ def main(argv=None) -> int:
 
     def profiler(label: str):
         """--profile: each row's steps after the timed ones, under torch.profiler (its kernels' summary in the row)."""
-        if not args.profile:
+        if not args.profile or (args.profile_row and not any(text in label for text in args.profile_row)):
             return None
         os.makedirs(args.profile, exist_ok=True)
         trace = os.path.join(args.profile, "".join(c if c.isalnum() else "_" for c in label) + ".json.gz")
