@@ -13,8 +13,9 @@ def float8_copy_bytes(shape: GPTShape, micro_batch: int, tp: int, float8: str, f
     layers' activation gradients peak: with m = b·s/C tokens, h, f' = f/t, one byte a code,
 
     - tensorwise: the output gradient's codes and their transpose (2·m·h), the input's codes and their transpose
-      (2·m·f'), the weight's codes (h·f'; none under zero.fp8_gather, whose gathered codes are the unit's), and five
-      fp32 scalars (three scales, two inverses);
+      (2·m·f'), the weight's codes (h·f'; none under zero.fp8_gather, whose gathered codes are the unit's), and three
+      fp32 scalars (the output gradient's scale, two inverses; the input's and weight's scales are forward's, kept
+      with the layer's activations);
     - rowwise: the output gradient per row, per column and that transposed (3·m·h), the input per column and
       transposed (2·m·f'), the weight per column (h·f'), their scale vectors (m + h + 2·f' fp32) and the weight
       gradient GEMM's inverse scales (h + f').
@@ -27,7 +28,7 @@ def float8_copy_bytes(shape: GPTShape, micro_batch: int, tp: int, float8: str, f
         return 0
     m, h, f = micro_batch * shape.seq // cp, shape.hidden, shape.ffn_size // tp
     if float8 == "tensorwise":
-        return 2 * m * h + 2 * m * f + (0 if fp8_gather else h * f) + 5 * SCALE_BYTES
+        return 2 * m * h + 2 * m * f + (0 if fp8_gather else h * f) + 3 * SCALE_BYTES
     return 3 * m * h + 2 * m * f + h * f + SCALE_BYTES * (m + 2 * h + 3 * f)
 
 

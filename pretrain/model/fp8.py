@@ -12,7 +12,8 @@ reduce-scattered (or, column-parallel without SP, all-reduced) — with each mat
   weight grad  dW = dyᵀ · x       dy as above, x in e4m3
 
 each operand cast with its own current scale (tensorwise: the tensor's amax; rowwise: per row or column along the
-GEMM's contraction dimension, so the backward GEMMs re-quantize dy, W and x along their other axis). It keeps the
+GEMM's contraction dimension, so the backward GEMMs re-quantize dy, W and x along their other axis; tensorwise, x
+and W are cast again in backward with their forward scales, kept as two fp32 scalars). It keeps the
 bf16 input and the weight parameter for backward, as megatron's does (and torchao's recipes): activations cost
 what bf16 costs, and at ZeRO stage 3 the weight is gathered again in backward, not held in float8 between. Each TP
 rank scales its own slice (no amax collective over TP): a TP 2 run is not TP 1's to bf16 rounding, they differ by
@@ -55,30 +56,37 @@ def unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
-def weight_in_float8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def weight_in_float8(weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes, scale) of a weight, tensorwise: stage 3's float8 gather when it holds one (zero.fp8_gather: the
-    codes and scale every DP rank cast its shard with), else the weight cast here."""
+    codes and scale every DP rank cast its shard with), else the weight cast here, with `scale` when given (the
+    forward's, in backward: the same weight, so the same amax)."""
     gathered = getattr(weight, FLOAT8_GATHERED, None)
     if gathered is not None:
         return gathered.codes, gathered.scale
-    scale = scale_from_amax(torch.linalg.vector_norm(weight, ord=float("inf")), E4M3)  # its amax now, not a past step's
+    if scale is None:
+        scale = scale_from_amax(torch.linalg.vector_norm(weight, ord=float("inf")), E4M3)  # its amax now
     return cast(weight, E4M3, scale), scale
 
 
-def forward_gemm(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
-    """y = x · Wᵀ for x [m, k] and W [n, k], both in e4m3 (rowwise: x per row, W per output row)."""
+def forward_gemm(x: torch.Tensor, weight: torch.Tensor,
+                 recipe: Float8Recipe) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """(y = x · Wᵀ, tensorwise: the scales of x and W) for x [m, k] and W [n, k], both in e4m3 (rowwise: x per row,
+    W per output row; its backward scales other axes, so no scales are returned)."""
     if recipe.rowwise:
         pow2 = recipe.power_of_two_scales
         (x8, x_scale), (w8, w_scale) = quantize(x, E4M3, pow2, dim=1), quantize(weight, E4M3, pow2, dim=1)
     else:
         (x8, x_scale), (w8, w_scale) = quantize(x, E4M3), weight_in_float8(weight)
-    return scaled_matmul(x8, x_scale, w8, w_scale, x.dtype, fast_accum=True)
+    y = scaled_matmul(x8, x_scale, w8, w_scale, x.dtype, fast_accum=True)
+    return y, None if recipe.rowwise else (x_scale, w_scale)
 
 
-def backward_gemms(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                   recipe: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def backward_gemms(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe,
+                   scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx = dy · W, dW = dyᵀ · x) for dy [m, n], x [m, k], W [n, k]; each GEMM's operands contiguous along its
-    contraction dimension (n for dx, m for dW), so the float8 codes are transposed where needed (one byte each)."""
+    contraction dimension (n for dx, m for dW), so the float8 codes are transposed where needed (one byte each).
+    Tensorwise, `scales` are the forward's (x's and W's: the same tensors, so the same amax): x and W are cast with
+    them, with no second pass to find their amax; only dy's is taken here."""
     if recipe.rowwise:  # each operand re-quantized along the contraction dimension of the GEMM it enters
         fmt, pow2 = recipe.grad_dtype, recipe.power_of_two_scales
         g_rows, g_rows_scale = quantize(grad, fmt, pow2, dim=1)  # (m, 1)
@@ -90,8 +98,9 @@ def backward_gemms(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            weight.dtype)
         return dx, dw
     g8, g_scale = quantize(grad, recipe.grad_dtype)  # one scale: the transposed codes are the transpose's codes
-    w8, w_scale = weight_in_float8(weight)
-    x8, x_scale = quantize(x, E4M3)
+    x_scale, w_scale = scales if scales is not None else (None, None)
+    w8, w_scale = weight_in_float8(weight, w_scale)
+    x8, x_scale = quantize(x, E4M3) if x_scale is None else (cast(x, E4M3, x_scale), x_scale)
     dx = scaled_matmul(g8, g_scale, w8.t().contiguous(), w_scale, grad.dtype)
     dw = scaled_matmul(g8.t().contiguous(), g_scale, x8.t().contiguous(), x_scale, weight.dtype)
     return dx, dw
@@ -110,21 +119,21 @@ class Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, recipe: Float8Recipe, allreduce_dgrad: bool, sequence_parallel: bool,
                 tp_group):
-        ctx.save_for_backward(input, weight)
         ctx.recipe, ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = (recipe, allreduce_dgrad,
                                                                                  sequence_parallel, tp_group)
         ctx.use_bias = bias is not None
         total = _gather_sequence(input, tp_group) if sequence_parallel else input
-        out = forward_gemm(total.reshape(-1, total.shape[-1]), weight, recipe)
+        out, scales = forward_gemm(total.reshape(-1, total.shape[-1]), weight, recipe)
+        ctx.save_for_backward(input, weight, *(scales or ()))  # tensorwise: x's and W's scales, one element each
         out = out.view(*total.shape[:-1], out.shape[-1])
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
+        input, weight, *scales = ctx.saved_tensors
         total = _gather_sequence(input, ctx.tp_group) if ctx.sequence_parallel else input
         grad = grad_output.reshape(-1, grad_output.shape[-1])
-        dx, dw = backward_gemms(grad, total.reshape(-1, total.shape[-1]), weight, ctx.recipe)
+        dx, dw = backward_gemms(grad, total.reshape(-1, total.shape[-1]), weight, ctx.recipe, tuple(scales) or None)
         dx = dx.view(*total.shape[:-1], dx.shape[-1])
         if ctx.sequence_parallel:  # each TP rank keeps its sequence slice of the summed input gradient
             piece = torch.empty(input.shape, dtype=dx.dtype, device=dx.device)

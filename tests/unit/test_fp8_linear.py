@@ -64,6 +64,36 @@ def test_the_scales_are_the_current_tensors_amax(recipe):
     assert torch.equal(dx, ref_dx.reshape(dx.shape)) and torch.equal(dw, ref_dw)
 
 
+@pytest.mark.parametrize("recipe, reductions", [pytest.param("tensorwise", 1, id="tensorwise"),
+                                                 pytest.param("rowwise", 4, id="rowwise")])
+def test_backward_takes_the_amax_only_of_what_forward_did_not_scale(recipe, reductions):
+    """Tensorwise, backward casts x and W with the scales forward took (the same tensors: the same amax, so the same
+    codes, bit for bit the recipe: test_forward_and_backward_equal_the_recipe_to_the_bit) and reduces only dy for
+    its amax; rowwise scales x and W along other axes in backward, so it reduces dy per row and per column, W and
+    x. Counted as the amax reductions (torch.linalg.vector_norm at ord inf) backward runs, against forward's two."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from pretrain.model.fp8 import Float8LinearFunction
+    from zero3d.float8 import RECIPES
+
+    class Reductions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.amax = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.amax += func.overloadpacket == torch.ops.aten.linalg_vector_norm
+            return func(*args, **(kwargs or {}))
+
+    x, w, b, g = operands(7)
+    x.requires_grad_(True)
+    forward, backward = Reductions(), Reductions()
+    with forward:
+        y = Float8LinearFunction.apply(x, torch.nn.Parameter(w), None, RECIPES[recipe], False, False, None)
+    with backward:
+        y.backward(g)
+    assert (forward.amax, backward.amax) == (2, reductions)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_a_large_operand_cast_in_row_blocks_is_cast_alike(monkeypatch, recipe):
     """zero3d.float8.CAST_CHUNK bounds a cast's fp32 staging: an operand above it is cast a block of rows at a time
