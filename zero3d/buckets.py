@@ -5,7 +5,6 @@ from typing import Callable, Optional
 
 import torch
 
-from zero3d.comm.core import same_memory
 from zero3d.comm.plan import CommPlan
 from zero3d.engine import GroupState
 from zero3d.flat import Bucket
@@ -25,9 +24,10 @@ class BucketRun:
 
 
 class GradientBuckets:
-    """Gradients land in their bucket's buffer: once a bucket's buffer exists, the bucket's other
-    parameters get `param.grad` as views of it, so autograd accumulates there in place (only the
-    gradient that opens a bucket, and tied ones summed elsewhere, are copied in). A complete bucket
+    """Gradients land in their bucket's buffer: each parameter's gradient, as autograd hands it over, is copied
+    into its slot (added, when the slot already holds one of this bucket's run: a pipeline schedule's next
+    micro-batch while a partly used bucket waits), and the slots no gradient reached and the padding are zeroed
+    at launch — no buffer is zero-filled to be added into (a write and a read an element fewer). A complete bucket
     is pre-divided (× `pre_scale`), reduce-scattered in place as `plan` has it (asynchronously when
     `overlap`, on `stream` when given) and, on completion, this rank's piece is handed to
     `deliver(group, shard offset, piece)`, which adds it into the group's gradient shard, so
@@ -80,7 +80,9 @@ class GradientBuckets:
         name, slot_index, bucket_index = self.location[param]
         run = self.runs[name][bucket_index]
         view = self._slot_view(run, slot_index)
-        if not same_memory(grad, view):
+        if slot_index in run.missing:
+            view.copy_(grad.view(-1))
+        else:
             view += grad.view(-1)
         param.grad = None
         run.missing.discard(slot_index)
@@ -141,15 +143,10 @@ class GradientBuckets:
         return self._buffer(run)[slot.start - run.bucket.start:slot.end - run.bucket.start]
 
     def _buffer(self, run: BucketRun) -> torch.Tensor:
-        """The bucket's gradient buffer; on creation its waiting parameters' `.grad` become views of it."""
+        """The bucket's gradient buffer, unfilled: every slot is written by its gradient or zeroed at launch."""
         if run.grads is None:
-            group, bucket = run.group, run.bucket
             # The compute dtype on the device (the shard it lands in may be an fp32 host one: offload).
-            run.grads = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
-            for i in run.missing:
-                param, slot = group.params[i], group.layout.slots[i]
-                if param.grad is None and param not in self.held_elsewhere:
-                    param.grad = run.grads[slot.start - bucket.start:slot.end - bucket.start].view(slot.shape)
+            run.grads = torch.empty(run.bucket.numel, dtype=self.dtype, device=self.device)
             live = sum(open_run.grads.numel() * open_run.grads.element_size()
                        for runs in self.runs.values() for open_run in runs if open_run.grads is not None)
             live += sum(launched.grads.numel() * launched.grads.element_size() for launched in self.in_flight)
@@ -159,10 +156,9 @@ class GradientBuckets:
     def _launch(self, run: BucketRun) -> None:
         group, bucket = run.group, run.bucket
         buffer = self._buffer(run)
-        for i in bucket.slot_indices:  # views handed out but never filled (unused parameters)
-            param = group.params[i]
-            if param.grad is not None and param not in self.held_elsewhere:
-                param.grad = None
+        for i in run.missing:  # parameters no gradient reached (unused in this backward): zeros
+            self._slot_view(run, i).zero_()
+        buffer[max(group.layout.slots[i].end for i in bucket.slot_indices) - bucket.start:].zero_()  # padding
         lo, hi = bucket.piece(self.rank)
         with self._on_stream(buffer):
             if self.pre_scale != 1.0:

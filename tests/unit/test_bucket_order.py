@@ -95,3 +95,29 @@ def test_held_gradients_reduce_at_the_end_without_holding_the_rest_back():
     assert eager[-1] == 8  # parameter 3's bucket, last
     for order in itertools.permutations(range(6)):
         assert launches(order, held={3}) == eager, order
+
+
+def test_a_launched_buffer_holds_each_gradient_summed_and_zeros_where_none_arrived(monkeypatch):
+    """A bucket's buffer is allocated unfilled (here: NaN, standing in for whatever memory held): the gradient that
+    reaches a slot first is written into it, a second one for the same slot while the bucket is still open (a
+    pipeline schedule's next micro-batch) is added, and at launch the slot of a parameter that got no gradient and
+    the padding (3 + 2 elements padded to 6 for DP 2) are zeros: the reduce-scatter sees [3, 3, 3, 0, 0, 0]."""
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    group = GroupState("no_decay", FlatLayout([("a", a), ("b", b)], dp_size=2, bucket_elements=100), [a, b], False)
+    seen = []
+
+    class Plan(RecordingPlan):
+        def reduce_scatter(self, piece, buffer, overlap):
+            seen.append(buffer.clone())
+
+    buckets = GradientBuckets([group], Plan(), lambda *args: None, dtype=torch.float32, device=torch.device("cpu"),
+                              pre_scale=1.0, held_elsewhere=frozenset(), overlap=False, position={a: 0, b: 1})
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
+    for value in (1.0, 2.0):
+        a.grad = torch.full((3,), value)
+        buckets.add(a)
+        assert a.grad is None and b.grad is None
+    assert not seen  # b's gradient is still missing: the bucket waits for the end of backward
+    buckets.launch_remaining()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.tensor([3.0, 3.0, 3.0, 0.0, 0.0, 0.0]))
