@@ -101,9 +101,9 @@ def test_a_launched_buffer_holds_each_gradient_summed_and_zeros_where_none_arriv
     """A bucket's buffer is allocated unfilled (here: NaN, standing in for whatever memory held): the gradient that
     reaches a slot first is written into it, a second one for the same slot while the bucket is still open (a
     pipeline schedule's next micro-batch) is added, and at launch the slot of a parameter that got no gradient and
-    the padding (3 + 2 elements padded to 6 for DP 2) are zeros: the reduce-scatter sees [3, 3, 3, 0, 0, 0]."""
-    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
-    group = GroupState("no_decay", FlatLayout([("a", a), ("b", b)], dp_size=2, bucket_elements=100), [a, b], False)
+    the padding (4 + 3 elements padded to 9 for DP 3) are zeros: the reduce-scatter sees four 3s and five 0s."""
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))
+    group = GroupState("no_decay", FlatLayout([("a", a), ("b", b)], dp_size=3, bucket_elements=100), [a, b], False)
     seen = []
 
     class Plan(RecordingPlan):
@@ -115,9 +115,9 @@ def test_a_launched_buffer_holds_each_gradient_summed_and_zeros_where_none_arriv
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
     for value in (1.0, 2.0):
-        a.grad = torch.full((3,), value)
+        a.grad = torch.full((4,), value)
         buckets.add(a)
         assert a.grad is None and b.grad is None
     assert not seen  # b's gradient is still missing: the bucket waits for the end of backward
     buckets.launch_remaining()
-    assert len(seen) == 1 and torch.equal(seen[0], torch.tensor([3.0, 3.0, 3.0, 0.0, 0.0, 0.0]))
+    assert len(seen) == 1 and torch.equal(seen[0], torch.tensor([3.0] * 4 + [0.0] * 5))
