@@ -99,7 +99,9 @@ _PROFILE_28 = "Parity, FP8 and where the step's time goes"
 
 def _h200_slice_rows(section: str, full_s: float, selective_s: float, fp8_s: float) -> tuple:
     """tools/gpu_check.py --parity's three probes of the Llama-3 8B slice on an H200 (8 samples a step): as the recipe
-    runs (full recomputation, eager), selective recomputation with compiled layers, and that in FP8 tensorwise."""
+    runs (full recomputation, eager), selective recomputation with compiled layers, and that in FP8 tensorwise. Each
+    step time is the mean of 2 steps whose first was the warm-up (the probe timed it until 2026-11-30): with compiled
+    layers their compilation is in it, so those two rows' efficiencies are lower bounds."""
     return (MeasuredRow("as the recipe runs: full recomputation, eager", section, "H200", _EAGER, _LLAMA_8B, 8, full_s,
                         "full"),
             MeasuredRow('`model.recompute = "selective"`, `model.compile = true`', section, "H200", _COMPILED, _LLAMA_8B,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
 from model_shape.flops import gpt_step_flops  # noqa: E402
-from bench.kernel_profile import kernel_profile, profile_table  # noqa: E402
+from pretrain.probe.kernels import kernel_profile, profile_table  # noqa: E402
 
 SHAPE = dict(kind="gpt", layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")

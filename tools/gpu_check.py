@@ -118,13 +118,16 @@ def train_row(label: str, overrides: list, nproc: int, env: dict, index: int, st
     return row
 
 
-def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, overrides=(), memory_gb: int = 32) -> dict:
+def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, overrides=(), memory_gb: int = 32,
+              profile: str = "") -> dict:
     """`probe --real` of a rank slice under a `memory_gb` cap (the paper's V100s: 32), 2 steps (the second's peak
-    holds the optimizer states the first made); the dry run: fake tensors, 2 layers, 1 step (it shows the row runs:
-    the Llama-3 8B slice in FP8 took 24 s for 2 steps on CPU, 17 s for 1)."""
+    holds the optimizer states the first made; the second timed, the first the warm-up); the dry run: fake tensors,
+    2 layers, 1 step (it shows the row runs: the Llama-3 8B slice in FP8 took 24 s for 2 steps on CPU, 17 s for 1).
+    `profile` (a folder; not in the dry run, whose fake tensors run no kernels): then one more step under
+    torch.profiler (probe --profile), its kernels in the row and its trace in that folder."""
     cmd = [sys.executable, "-W", "ignore", "-m", "pretrain.probe", "--config", config, "--json",
            "--memory-gb", str(memory_gb), "--steps", "1" if dry else "2", *overrides]
-    cmd += ["model.num_layers=2"] if dry else ["--real"]
+    cmd += ["model.num_layers=2"] if dry else ["--real"] + (["--profile", profile] if profile else [])
     name = " ".join([name, *overrides])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -145,6 +148,7 @@ def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, over
     row["hfu"] = (out.get("timing") or {}).get("hfu")
     row["predicted_job_tflops"] = (out.get("timing") or {}).get("predicted_job_tflops_per_gpu")
     row["phase_s"] = (out.get("timing") or {}).get("phase_s_per_step")
+    row["profile"] = run.get("profile")
     return row
 
 
@@ -224,6 +228,12 @@ def write_report(path: Path, info: dict, rows: list, skipped: list, started: flo
                      f"{phases} | "
                      f"{r['wall_s']:.0f} |")
         lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} ||||||||||")
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        sys.path.insert(0, str(REPO))  # the project's own summary of a profile (bench_gpu's too)
+        from pretrain.probe.kernels import profile_table
+        lines += ["", "## Where the probed slices' step time goes (probe --profile: one step after the timed ones)", "",
+                  profile_table(profiled).rstrip()]
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped)]
     if bench:
@@ -317,7 +327,7 @@ def main(argv=None) -> int:
 
 # The 8B rank slice as the parity issue measures it: the planner's recompute policy (selective, which fits its 80 GB)
 # with compiled layers, in bf16 and FP8; the recipe as written (full recomputation, model.compile auto: compiled layers
-# on CUDA) beside them.
+# on CUDA) beside them. The selective pair is profiled (PROFILED_PROBES): FP8 ran that slice at 0.71x bf16's speed.
 PARITY_PROBES = [("Llama-3 8B recipe", []),
                  ("Llama-3 8B selective compiled", ['model.recompute="selective"', "model.compile=true"]),
                  ("Llama-3 8B selective compiled FP8", ['model.recompute="selective"', "model.compile=true",
@@ -338,6 +348,7 @@ LOSS_S = 90
 # model's GEMMs, attention and compiled code by the op that launched them): FP8 against its bf16 row and the compiled
 # plain model, where #58's time goes (the FP8 rows at 1.08x bf16, not 1.3x)
 PROFILED_ROWS = ("(compiled, stage 2)", "PyTorch Llama, compiled")
+PROFILED_PROBES = ("Llama-3 8B selective compiled", "Llama-3 8B selective compiled FP8")
 LATER_S = 180
 
 
@@ -382,8 +393,11 @@ def parity(args, started: float) -> int:
                     parts.append(cut.text)
                     skipped.append(f"{name}: stopped at the time budget (the rows it measured are in the report)")
             else:
-                results.append(probe_row(name[len("probe "):], LLAMA_PROBE[1], env, args.cpu_dry_run, timeout=left(),
-                                         overrides=extra, memory_gb=LLAMA_PROBE[2]))
+                probe = name[len("probe "):]
+                profile = "" if args.cpu_dry_run or probe not in PROFILED_PROBES else str(
+                    Path(args.out).parent / "profiles" / "".join(c if c.isalnum() else "_" for c in probe))
+                results.append(probe_row(probe, LLAMA_PROBE[1], env, args.cpu_dry_run, timeout=left(),
+                                         overrides=extra, memory_gb=LLAMA_PROBE[2], profile=profile))
                 print(json.dumps(results[-1], default=str), flush=True)
         except subprocess.TimeoutExpired:
             skipped.append(f"{name}: did not finish inside the time budget")

@@ -3,7 +3,8 @@ fake tensors and a fake process group (or, with --real, on real tensors of the l
 reports its memory peak per category and phase beside zero3d's estimate.
 
     python -m pretrain.probe --config configs/paper/fig2_100B_zero.toml [section.key=value ...]
-        [--world 400] [--rank 17] [--steps 2] [--memory-gb GiB (default cluster.gpu_memory_gb)] [--real] [--json]
+        [--world 400] [--rank 17] [--steps 2] [--memory-gb GiB (default cluster.gpu_memory_gb)] [--real]
+        [--profile DIR] [--json]
     python -m pretrain.probe --max-model [--verify] [--memory-gb 32] [--json]
 
 Device semantics (fake mode): tensors are CPU fake tensors that hold no data; every storage the rank
@@ -12,6 +13,7 @@ reported apart. Collectives run on torch's `fake` backend: they do nothing but k
 """
 import argparse
 import sys
+from pathlib import Path
 
 from pretrain.config import ConfigError, load_config, validate_layout
 from pretrain.probe.commands import max_model_command, probe_command
@@ -34,6 +36,9 @@ def parse_args(argv=None):
                          f"cluster.gpu_memory_gb (--max-model: {MAX_MODEL_MEMORY_GB:g}, the paper's V100)")
     ap.add_argument("--real", action="store_true", help="real tensors on the local device (collectives "
                     "still fake): CUDA peak, phase times, TFLOP/s, predicted job step time")
+    ap.add_argument("--profile", metavar="DIR", help="with --real: one more step after the measured ones under "
+                    "torch.profiler, its kernels by kind and by launching op in the report, its chrome trace gzipped "
+                    "in DIR")
     ap.add_argument("--max-model", action="store_true",
                     help="largest model of the paper's C1-C5 study that fits, by probe and by estimator")
     ap.add_argument("--verify", action="store_true",
@@ -50,6 +55,16 @@ def main(argv=None) -> int:
     if args.memory_gb is not None and args.memory_gb <= 0:
         print(f"probe error: --memory-gb {args.memory_gb} is invalid; must be > 0", file=sys.stderr)
         return 2
+    if args.profile is not None and (args.max_model or not args.real):
+        print(f"probe error: --profile {args.profile} needs --real (fake tensors run no kernels) and no --max-model",
+              file=sys.stderr)
+        return 2
+    if args.profile is not None:
+        try:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            print(f"probe error: --profile {args.profile}: cannot make that folder ({err.strerror})", file=sys.stderr)
+            return 2
     if args.max_model:
         args.memory_gb = MAX_MODEL_MEMORY_GB if args.memory_gb is None else args.memory_gb
         return max_model_command(args)

@@ -2,11 +2,13 @@
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 from pretrain import metrics
 from pretrain.config import Config, load_config
 from pretrain.memory_check import describe, device_estimate
 from pretrain.model.gpt import compiles_layers
+from pretrain.probe.kernels import profile_table
 from pretrain.probe.rank import probe_rank, rss_bytes
 from analysis.cluster import links_for_gpu
 from analysis.comm_model import comm_breakdown
@@ -18,9 +20,10 @@ from analysis.paper_configs import PAPER_TARGETS_B
 
 
 def timing_report(cfg: Config, world: int, run) -> dict:
-    """--real: per-rank compute time, TFLOP/s, MFU and the α-β prediction of the whole job's step."""
+    """--real: per-rank compute time (the timed steps': all but the warm-up's first of two or more), TFLOP/s, MFU and
+    the α-β prediction of the whole job's step."""
     m = cfg.model
-    compute = sum(run.phase_seconds.values()) / run.steps
+    compute = sum(run.phase_seconds.values()) / run.timed_steps
     flops = m.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
     # the config's GPU's node (cluster.gpu: DGX-2 for V100, DGX A100/H100/H200) at its GPUs per node
     per_step_comm = comm_breakdown(run.collectives, links_for_gpu(cfg.cluster.gpu, cfg.cluster.gpus_per_node))
@@ -29,7 +32,8 @@ def timing_report(cfg: Config, world: int, run) -> dict:
     peak = metrics.device_peak_tflops("cuda" if run.cuda_max_allocated is not None else "cpu",
                                       metrics.peak_dtype(cfg.precision.dtype, cfg.precision.fp8))
     tflops, model_tflops = flops.hardware / world / compute / 1e12, flops.model / world / compute / 1e12
-    return {"compute_s_per_step": compute, "phase_s_per_step": {k: v / run.steps for k, v in run.phase_seconds.items()},
+    return {"compute_s_per_step": compute, "timed_steps": run.timed_steps, "warmup_timed": run.timed_steps == run.steps,
+            "phase_s_per_step": {k: v / run.timed_steps for k, v in run.phase_seconds.items()},
             "tflops_per_rank_measured": tflops, "mfu": model_tflops / peak if peak else None,
             "hfu": tflops / peak if peak else None, "comm_s_per_step": per_step_comm, "predicted_job_step_s": predicted,
             "predicted_job_tflops_per_gpu": flops.hardware / world / predicted / 1e12}
@@ -40,7 +44,8 @@ def probe_command(cfg: Config, world: int, args) -> int:
     t0 = time.perf_counter()
     memory = device_bytes(args.memory_gb)
     try:
-        run = probe_rank(cfg, world, args.rank, args.steps, real=args.real, cap_bytes=memory)
+        trace = str(Path(args.profile) / f"probe_rank{args.rank}.json.gz") if args.profile else None
+        run = probe_rank(cfg, world, args.rank, args.steps, real=args.real, cap_bytes=memory, profile_to=trace)
     except torch.OutOfMemoryError as err:  # --real on a GPU capped at --memory-gb: the verdict itself
         verdict = {"fits": False, "text": f"verdict: does NOT fit — out of memory on the GPU capped at "
                    f"{memory / GB:.2f} GB ({args.memory_gb:g} GiB): {str(err).splitlines()[0]}"}
@@ -97,7 +102,12 @@ def format_probe(out: dict, run, rows: list) -> str:
     lines.append(out["verdict"]["text"])
     if "timing" in out:
         t = out["timing"]
-        lines += ["", "timing per step (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t["phase_s_per_step"].items()),
+        timed = ("the one step, its warm-up included (compilation, allocator growth): time the steps after it with "
+                 "--steps 2 or more" if t["warmup_timed"] else
+                 ("step 2" if run.steps == 2 else f"steps 2-{run.steps}")
+                 + ", the first (the warm-up: compilation, allocator growth) not timed")
+        lines += ["", f"timing per step (s), {timed}: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in t["phase_s_per_step"].items()),
                   f"measured compute {t['compute_s_per_step']:.3f} s/step = {t['tflops_per_rank_measured']:.3g} "
                   f"TFLOP/s on this rank" + (f", MFU {t['mfu']:.1%}, HFU {t['hfu']:.1%}" if t["mfu"] else " (no peak known: CPU)"),
                   "α-β collectives per step: " + (", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
@@ -106,6 +116,9 @@ def format_probe(out: dict, run, rows: list) -> str:
                   f"{t['predicted_job_tflops_per_gpu']:.3g} TFLOP/s per GPU (no overlap: an upper bound on time)"]
         if out["config"].startswith(("125 layers × hidden 8192",)):
             lines.append(f"paper Figure 2, 100B: {PAPER_FIG2_TFLOPS['100B']}")
+    if run.profile:
+        lines += ["", "--profile: one step after the measured ones, under torch.profiler", "",
+                  profile_table([{"row": f"rank {out['rank']}", "profile": run.profile}])]
     return "\n".join(lines)
 
 

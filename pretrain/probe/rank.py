@@ -14,6 +14,7 @@ from pretrain.data.loader import Batches
 from pretrain.runtime.layout import Layout, destroy_layout, init_layout, start_fake
 from pretrain.step import train_step
 from pretrain.train import build_and_wrap
+from pretrain.probe.kernels import kernel_profile
 from pretrain.probe.rank_memory import PHASES, PhaseMemTracker, StepPhases, register_engine_state
 from zero3d.accounting import step_counter_bytes
 from zero3d.comm.modes import quantized_settings
@@ -74,10 +75,12 @@ def release_layout() -> None:
 
 
 class PhaseClock:
-    """Wall time per phase, summed over steps (the device is synchronised at every phase change)."""
+    """Wall time per phase, summed over the steps run while `timing` is on (the device is synchronised at every
+    phase change)."""
 
     def __init__(self, phases: StepPhases, device: torch.device):
         self.device, self.seconds = device, dict.fromkeys(PHASES, 0.0)
+        self.timing = True
         self._since = time.perf_counter()
         phases.listeners.append(self._on_change)
 
@@ -85,9 +88,16 @@ class PhaseClock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        if previous in self.seconds:
+        if self.timing and previous in self.seconds:
             self.seconds[previous] += now - self._since
         self._since = now
+
+
+def timed_steps(steps: int) -> range:
+    """The steps whose phases the probe times: all but the first of two or more. The first step is the warm-up: it
+    compiles the layers (model.compile), grows the caching allocator and picks the GEMM and attention kernels, which
+    the rank's steady steps do not; with one step, that step."""
+    return range(1 if steps > 1 else 0, steps)
 
 
 class CudaPhasePeaks:
@@ -125,10 +135,12 @@ class RankRun:
     host_peak_bytes: int
     activation_report: dict
     collectives: list
-    phase_seconds: dict
-    step_seconds: list = field(default_factory=list)
+    phase_seconds: dict  # summed over the timed steps (timed_steps)
+    timed_steps: int  # how many steps phase_seconds covers: all but the warm-up's first of two or more
+    step_seconds: list = field(default_factory=list)  # every step's, the warm-up's first included
     cuda_max_allocated: Optional[int] = None
     bucket_staging_peak_bytes: Optional[int] = None  # stages 2-3: the engine's own count of its buckets
+    profile: Optional[dict] = None  # --profile: one more step's kernels (pretrain.probe.kernels.summarize)
     # ZeRO-Offload: device -> host and host -> device bytes per step
     host_traffic_per_step: dict = field(default_factory=dict)
     host_peak_by_category: dict = field(default_factory=dict)  # activations (Pa+cpu), optimizer, params, untracked
@@ -175,8 +187,10 @@ def read_fake_step_floats(values: torch.Tensor) -> list[float]:
     return [FAKE_SQUARED_GRAD_NORM] + [0.0] * (values.numel() - 1)
 
 
-def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun:
-    """Build, wrap and train `steps` steps on this rank with the loop's own step (pretrain.step), under the tracker."""
+def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool, profile_to: Optional[str] = None) -> RankRun:
+    """Build, wrap and train `steps` steps on this rank with the loop's own step (pretrain.step), under the tracker.
+    `profile_to` (real tensors): then one more step under torch.profiler, its chrome trace gzipped there; the
+    measurements above are the `steps`' alone."""
     refuse_what_fake_tensors_cannot_run(cfg, fake)
     fake_mode = torch._subclasses.fake_tensor.FakeTensorMode() if fake else contextlib.nullcontext()
     seams = {}
@@ -207,7 +221,9 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun
         # allocator statistics measure there instead.
         copied_before = dict(engine.copier.bytes)  # the offload's set-up copies are not a step's
         with contextlib.nullcontext() if on_gpu else tracker:
+            timed = timed_steps(steps)
             for step in range(steps):
+                clock.timing = step in timed
                 if acts:
                     acts.reset_step()
                 t0 = time.perf_counter()
@@ -222,7 +238,7 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun
             for p in PHASES:
                 tracker.phase_peaks[p].device_bytes = cuda_peaks.peaks[p]
         phase, peak = tracker.peak()
-        return RankRun(
+        run = RankRun(
             steps=steps, micro_batches=topo.grad_accum, peak_phase=phase, peak_bytes=peak.device_bytes,
             peak_by_category=peak.by_category, category_peaks=dict(tracker.category_peaks),
             phase_peaks={p: tracker.phase_peaks[p].device_bytes for p in PHASES},
@@ -230,11 +246,18 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool) -> RankRun
             engine_state_bytes=dict(engine.state_bytes()), optimizer_step_counter_bytes=counters,
             host_peak_bytes=tracker.host_peak, activation_report=acts.report() if acts else {},
             collectives=[asdict(c) for c in tracker.collectives],
-            phase_seconds=dict(clock.seconds), step_seconds=step_seconds,
+            phase_seconds=dict(clock.seconds), timed_steps=len(timed), step_seconds=step_seconds,
             cuda_max_allocated=cuda_peaks.overall if on_gpu else None,
             host_traffic_per_step={k: (v - copied_before[k]) // steps for k, v in engine.copier.bytes.items()},
             host_peak_by_category=dict(tracker.host_category_peaks),
             bucket_staging_peak_bytes=getattr(engine, "staging_bytes_peak", None))
+        if profile_to:  # after every measurement above was taken: the profiler's step changes none of them
+            def profiled_step():
+                if acts:
+                    acts.reset_step()
+                train_step(engine, batches, steps, cfg, topo, on_phase=phases.enter)
+            run.profile = kernel_profile(profiled_step, topo.device, steps=1, trace_to=profile_to)
+        return run
 
 
 def cap_device_memory(device: torch.device, cap_bytes: int) -> float:
@@ -247,10 +270,11 @@ def cap_device_memory(device: torch.device, cap_bytes: int) -> float:
 
 
 def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool = False,
-               cap_bytes: Optional[int] = None) -> RankRun:
+               cap_bytes: Optional[int] = None, profile_to: Optional[str] = None) -> RankRun:
     """One rank of the job, set up, probed and torn down (the process can probe again afterwards).
     With `real` on a GPU and `cap_bytes`, the device is capped to the simulated GPU's memory; a rank
-    that does not fit raises torch.OutOfMemoryError (the caller reports it as the verdict)."""
+    that does not fit raises torch.OutOfMemoryError (the caller reports it as the verdict). `profile_to`:
+    run_rank_steps'."""
     device = (torch.device("cuda", torch.cuda.current_device()) if real and torch.cuda.is_available()
               else torch.device("cpu"))
     if device.type == "cuda" and cap_bytes:
@@ -261,7 +285,7 @@ def probe_rank(cfg: Config, world_size: int, rank: int, steps: int, real: bool =
                   env={"LOCAL_WORLD_SIZE": str(cfg.cluster.gpus_per_node)})
     topo = init_layout(cfg, launch, device=device, start=start_fake)
     try:
-        return run_rank_steps(cfg, topo, steps, fake=not real)
+        return run_rank_steps(cfg, topo, steps, fake=not real, profile_to=profile_to)
     finally:
         release_layout()
 

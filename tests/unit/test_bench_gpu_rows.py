@@ -2,6 +2,7 @@
 line of the table, and the other rows are still measured and printed; the exit code says a row failed. --profile-row
 chooses the rows --profile measures."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,51 @@ def test_the_parity_command_profiles_the_llama_benchs_chosen_rows(monkeypatch, t
                                                 "--profile-row", "(compiled, stage 2)",
                                                 "--profile-row", "PyTorch Llama, compiled")
     assert "--profile" not in gpt
+
+
+def test_the_parity_command_profiles_the_8b_slices_selective_probes_on_a_gpu(monkeypatch, tmp_path):
+    """On a GPU (not the dry run, whose probes run fake tensors), --parity hands the two selective 8B probes (bf16 and
+    FP8: the pair #58 compares) a --profile folder each beside the report, the recipe's probe none; probe_row puts
+    --profile on the probe's command line, the probe's kernels in the row, and the report carries their table."""
+    import argparse
+    import subprocess
+    tool = load("tools/gpu_check.py", "gpu_check_probe_profiles")
+    calls, reports = {}, []
+    monkeypatch.setattr(tool, "ensure_megatron", lambda: {})
+    monkeypatch.setattr(tool, "versions", lambda env: {"gpus": 1})
+    monkeypatch.setattr(tool, "bench_table", lambda *args, **kwargs: "")
+
+    def probe_row(name, *args, **kwargs):
+        calls[name] = kwargs
+        return {"row": f"probe {name}", "rc": 0}
+    monkeypatch.setattr(tool, "probe_row", probe_row)
+    monkeypatch.setattr(tool, "write_report", lambda *args: reports.append(args))
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, "", ""))
+    out = tmp_path / "gpu-check" / "report.md"
+    assert tool.parity(argparse.Namespace(cpu_dry_run=False, budget_s=3600.0, out=str(out)),
+                       started=tool.time.perf_counter()) == 0
+    profiles = tmp_path / "gpu-check" / "profiles"
+    assert {name: kwargs["profile"] for name, kwargs in calls.items()} == {
+        "Llama-3 8B recipe": "",
+        "Llama-3 8B selective compiled": str(profiles / "Llama_3_8B_selective_compiled"),
+        "Llama-3 8B selective compiled FP8": str(profiles / "Llama_3_8B_selective_compiled_FP8")}
+
+    tool = load("tools/gpu_check.py", "gpu_check_probe_row")
+    kernels = {"step_s": 9.5, "device_busy_s": 9.0, "device_idle": 0.05, "kernels_per_step": 1234,
+               "kinds_s": {"gemm": 5.0, "compiled (triton)": 3.0}, "top": [("sm90_xmma_gemm_e4m3", 4.0, 64)],
+               "by_op": [("aten::copy_", 0.5, 32)]}
+    printed = {"verdict": {"text": "verdict: FITS"}, "run": {"cuda_max_allocated": 5e10, "peak_phase": "backward",
+                                                            "profile": kernels},
+               "timing": {"compute_s_per_step": 9.0}}
+    commands = []
+    monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, json.dumps(printed), ""))
+    row = tool.probe_row("slice", "configs/llama3_8b.toml", {}, False, 60, overrides=["model.compile=true"],
+                         memory_gb=80, profile="/tmp/p")
+    assert commands[0][commands[0].index("--real"):] == ["--real", "--profile", "/tmp/p"]
+    assert row["profile"] == json.loads(json.dumps(kernels))  # as the probe printed it: JSON lists
+    tool.write_report(out, {"gpu": "H200", "gpus": 1, "torch": "t", "cuda": "c", "nccl": "n", "megatron_core": "m",
+                            "transformer_engine": False}, [row], [], tool.time.perf_counter())
+    report = out.read_text()
+    assert "| probe slice model.compile=true --real, 80 GB cap | 9.5000 | 9.0000 | 5.0% | 1234 |" in report
+    assert "    4.0000     64  sm90_xmma_gemm_e4m3" in report and "    0.5000     32  aten::copy_" in report

@@ -1,15 +1,9 @@
-"""bench/kernel_profile.py on a synthetic chrome trace: the device's busy time is the union of its kernels' intervals
+"""pretrain/probe/kernels.py on a synthetic chrome trace: the device's busy time is the union of its kernels' intervals
 (overlaps counted once), kernels sum by kind per step, and a kernel outside the model's GEMMs / attention / compiled
 code is charged to the CPU op that launched it, with the innermost enclosing non-aten frame."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("kernel_profile", REPO / "bench/kernel_profile.py")
-kp = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kp)
+import pretrain.probe.kernels as kp
 
 
 def test_busy_time_counts_overlaps_once():

@@ -78,6 +78,31 @@ def test_real_mode_on_cpu_times_phases_and_models_the_collectives(capsys):
     assert timing["predicted_job_step_s"] == pytest.approx(
         timing["compute_s_per_step"] + sum(timing["comm_s_per_step"].values()))
     assert timing["mfu"] is None  # no peak for a CPU
+    assert timing["timed_steps"] == 1 and timing["warmup_timed"]  # one step: the warm-up is all there is to time
+
+
+def test_real_mode_times_the_steps_after_the_warm_up(capsys, monkeypatch):
+    """The first of two or more steps compiles the layers and warms the allocator (on an H200 the compiled FP8 8B
+    slice's compilation landed in its 2-step mean): the timing is the later steps'. Here the first step's forward
+    is made 2 s slower: with it timed, the mean would exceed the second step's whole wall time."""
+    import time
+    import pretrain.probe.rank as rank
+    real_step = rank.train_step
+
+    def slow_first_step(engine, batches, step, cfg, topo, on_phase):
+        if step == 0:
+            on_phase("forward")
+            time.sleep(2.0)
+        return real_step(engine, batches, step, cfg, topo, on_phase=on_phase)
+
+    monkeypatch.setattr(rank, "train_step", slow_first_step)
+    code = probe.main(["--config", "configs/tiny.toml", "--world", "4", "--steps", "2", "--real", "--json",
+                       "model.num_layers=2", "train.global_batch_size=8"])
+    out = json.loads(capsys.readouterr().out)
+    timing, seconds = out["timing"], out["run"]["step_seconds"]
+    assert code == 0 and timing["timed_steps"] == 1 and not timing["warmup_timed"]
+    assert seconds[0] > 2.0  # the warm-up ran, slowed
+    assert 0 < timing["compute_s_per_step"] <= seconds[1]  # the second step's phases, inside its wall time
 
 
 def test_phase_lines_pick_the_phase_that_limits_first():
@@ -372,3 +397,36 @@ def test_the_estimate_beside_a_probe_counts_the_loss_as_the_probed_rank_ran_it(c
     assert activations["estimate_bytes"] == pytest.approx(activations["executed_bytes"], rel=0.05)
     on_gpus = estimate_config(load_config("configs/tiny.toml", overrides), 2, 80 * 2**30)  # model.compile "auto"
     assert out["estimate"]["logits_bytes"] - on_gpus.logits_bytes == 512 * 32000 // 2 * (6 - 4)
+
+
+def test_profile_is_one_more_step_that_changes_no_measurement(capsys, tmp_path):
+    """--profile runs one step after the measured ones under torch.profiler: the kernels' summary is in the run and
+    its trace in the folder, and every measurement is the run's without it — the same steps' phases timed, the same
+    collectives modelled, the same bytes (CPU's tracker is exact from run to run)."""
+    import gzip
+    argv = ["--config", "configs/tiny.toml", "--world", "4", "--steps", "2", "--real", "--json", "model.num_layers=2",
+            "train.global_batch_size=8"]
+    assert probe.main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert probe.main(argv + ["--profile", str(tmp_path / "prof")]) == 0
+    profiled = json.loads(capsys.readouterr().out)
+    assert plain["run"]["profile"] is None
+    kernels = profiled["run"]["profile"]
+    assert kernels["kernels_per_step"] > 0 and kernels["kinds_s"]["gemm"] > 0  # CPU ops stand in for kernels
+    with gzip.open(tmp_path / "prof" / "probe_rank0.json.gz") as f:
+        assert json.load(f)["traceEvents"]
+    assert len(profiled["run"]["step_seconds"]) == 2 and profiled["timing"]["timed_steps"] == 1
+    assert profiled["timing"]["compute_s_per_step"] <= profiled["run"]["step_seconds"][1]  # step 2's phases alone
+    assert profiled["timing"]["comm_s_per_step"] == plain["timing"]["comm_s_per_step"]
+    for key in ("peak_bytes", "phase_peaks", "model_states", "engine_state_bytes", "host_traffic_per_step",
+                "category_peaks"):
+        assert profiled["run"][key] == plain["run"][key], key
+
+
+def test_profile_needs_real_tensors(capsys, tmp_path):
+    assert probe.main(["--config", "configs/tiny.toml", "--profile", str(tmp_path)]) == 2
+    assert "--profile " + str(tmp_path) + " needs --real (fake tensors run no kernels)" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert probe.main(["--config", "configs/tiny.toml", "--real", "--profile", str(blocker / "sub")]) == 2
+    assert "cannot make that folder" in capsys.readouterr().err

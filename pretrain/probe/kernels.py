@@ -1,4 +1,4 @@
-"""Where a training step's device time goes: kernels by kind, the device's idle share and the top kernels (bench_gpu --profile)."""
+"""A step's device time: kernels by kind, the device's idle share, the top kernels (probe and bench_gpu --profile)."""
 import gzip
 import json
 import os
