@@ -25,18 +25,21 @@ def timing_report(cfg: Config, world: int, run) -> dict:
     m = cfg.model
     compute = sum(run.phase_seconds.values()) / run.timed_steps
     flops = m.flops_per_step(cfg.parallel.tensor, cfg.train.global_batch_size)
-    # the config's GPU's node (cluster.gpu: DGX-2 for V100, DGX A100/H100/H200) at its GPUs per node
-    per_step_comm = comm_breakdown(run.collectives, links_for_gpu(cfg.cluster.gpu, cfg.cluster.gpus_per_node))
-    per_step_comm = {k: v / run.steps for k, v in per_step_comm.items()}
-    predicted = compute + sum(per_step_comm.values())
-    peak = metrics.device_peak_tflops("cuda" if run.cuda_max_allocated is not None else "cpu",
+    on_gpu = run.cuda_max_allocated is not None
+    per_step_comm = predicted = None
+    if not (on_gpu and world > 1):  # a GPU rank runs without the dispatch tracker, which logs the collectives
+        # the config's GPU's node (cluster.gpu: DGX-2 for V100, DGX A100/H100/H200) at its GPUs per node
+        per_step_comm = comm_breakdown(run.collectives, links_for_gpu(cfg.cluster.gpu, cfg.cluster.gpus_per_node))
+        per_step_comm = {k: v / run.steps for k, v in per_step_comm.items()}
+        predicted = compute + sum(per_step_comm.values())
+    peak = metrics.device_peak_tflops("cuda" if on_gpu else "cpu",
                                       metrics.peak_dtype(cfg.precision.dtype, cfg.precision.fp8))
     tflops, model_tflops = flops.hardware / world / compute / 1e12, flops.model / world / compute / 1e12
     return {"compute_s_per_step": compute, "timed_steps": run.timed_steps, "warmup_timed": run.timed_steps == run.steps,
             "phase_s_per_step": {k: v / run.timed_steps for k, v in run.phase_seconds.items()},
             "tflops_per_rank_measured": tflops, "mfu": model_tflops / peak if peak else None,
             "hfu": tflops / peak if peak else None, "comm_s_per_step": per_step_comm, "predicted_job_step_s": predicted,
-            "predicted_job_tflops_per_gpu": flops.hardware / world / predicted / 1e12}
+            "predicted_job_tflops_per_gpu": flops.hardware / world / predicted / 1e12 if predicted else None}
 
 
 def probe_command(cfg: Config, world: int, args) -> int:
@@ -110,10 +113,13 @@ def format_probe(out: dict, run, rows: list) -> str:
                   + ", ".join(f"{k} {v:.3f}" for k, v in t["phase_s_per_step"].items()),
                   f"measured compute {t['compute_s_per_step']:.3f} s/step = {t['tflops_per_rank_measured']:.3g} "
                   f"TFLOP/s on this rank" + (f", MFU {t['mfu']:.1%}, HFU {t['hfu']:.1%}" if t["mfu"] else " (no peak known: CPU)"),
-                  "α-β collectives per step: " + (", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
-                                                             t["comm_s_per_step"].items()) or "none"),
-                  f"predicted job step {t['predicted_job_step_s']:.3f} s = "
-                  f"{t['predicted_job_tflops_per_gpu']:.3g} TFLOP/s per GPU (no overlap: an upper bound on time)"]
+                  *(["α-β collectives per step: not logged on a GPU (the tracker that logs them would slow every "
+                     "kernel), so no job step is predicted: the probe without --real gives them"]
+                    if t["comm_s_per_step"] is None else
+                    ["α-β collectives per step: " + (", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in
+                                                               t["comm_s_per_step"].items()) or "none"),
+                     f"predicted job step {t['predicted_job_step_s']:.3f} s = "
+                     f"{t['predicted_job_tflops_per_gpu']:.3g} TFLOP/s per GPU (no overlap: an upper bound on time)"])]
         if out["config"].startswith(("125 layers × hidden 8192",)):
             lines.append(f"paper Figure 2, 100B: {PAPER_FIG2_TFLOPS['100B']}")
     if run.profile:

@@ -430,3 +430,28 @@ def test_profile_needs_real_tensors(capsys, tmp_path):
     blocker.write_text("")
     assert probe.main(["--config", "configs/tiny.toml", "--real", "--profile", str(blocker / "sub")]) == 2
     assert "cannot make that folder" in capsys.readouterr().err
+
+
+def test_a_gpu_rank_predicts_no_job_step_without_its_collectives(monkeypatch):
+    """--real on a GPU runs without the dispatch tracker that logs collectives: with DP or TP peers it reports no
+    communication terms and predicts no job step (compute alone would pass for one), and says so; one rank has no
+    peers, so its prediction is its compute. MFU is against the GPU's peak (an H200's 989 TFLOP/s in bf16)."""
+    import types
+    import torch
+    from pretrain.probe.commands import format_probe, timing_report
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    cfg = load_config("configs/llama3_8b.toml", [])
+    run = types.SimpleNamespace(phase_seconds={"forward": 3.0, "backward": 5.0}, timed_steps=1, steps=2,
+                                collectives=[], cuda_max_allocated=50 * 10**9, micro_batches=8, peak_bytes=0,
+                                peak_phase="backward", peak_by_category={}, phase_peaks={}, host_peak_bytes=0,
+                                host_peak_by_category={}, host_traffic_per_step={}, profile=None)
+    job = timing_report(cfg, 16, run)
+    assert job["comm_s_per_step"] is None and job["predicted_job_step_s"] is None
+    assert job["predicted_job_tflops_per_gpu"] is None and job["compute_s_per_step"] == 8.0
+    flops = cfg.model.flops_per_step(1, cfg.train.global_batch_size)
+    assert job["mfu"] == pytest.approx(flops.model / 16 / 8.0 / 989e12)
+    out = {"config": "c", "mode": "real", "rank": 0, "probe_wall_s": 1.0, "probe_rss_bytes": 0,
+           "verdict": {"text": "v"}, "timing": job}
+    assert "not logged on a GPU" in format_probe(out, run, [])
+    alone = timing_report(cfg, 1, run)
+    assert alone["comm_s_per_step"] == {} and alone["predicted_job_step_s"] == 8.0
