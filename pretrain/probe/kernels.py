@@ -2,9 +2,12 @@
 import gzip
 import json
 import os
+import shutil
 import tempfile
 
 import torch
+
+from pretrain.atomic import replacing
 
 # A kernel's kind, by the first of these fragments its (lower-cased) name holds; the rest is "other"
 KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "scaled_mm", "matmul", "addmm", "mm_")),
@@ -102,9 +105,9 @@ def kernel_profile(step, device, steps: int = 3, trace_to: str = "") -> dict:
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)
-        if trace_to:
-            with open(path, "rb") as src, gzip.open(trace_to, "wb") as dst:
-                dst.write(src.read())
+        if trace_to:  # under its name only once complete (an earlier trace there stays whole until then)
+            with replacing(trace_to) as part, open(path, "rb") as src, gzip.open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst)
     events = trace.get("traceEvents", [])
     if device.type != "cuda":  # the dry run: top-level CPU ops stand in for kernels
         events = events + [dict(e, cat="kernel") for e in events if e.get("cat") == "cpu_op"]
