@@ -106,7 +106,7 @@ def kernel_profile(step, device, steps: int = 3, trace_to: str = "") -> dict:
         with open(path) as f:
             trace = json.load(f)
         if trace_to:  # under its name only once complete (an earlier trace there stays whole until then)
-            with replacing(trace_to) as part, open(path, "rb") as src, gzip.open(part, "wb") as dst:
+            with replacing(trace_to) as part, open(path, "rb") as src, gzip.open(part, "wb", compresslevel=6) as dst:
                 shutil.copyfileobj(src, dst)
     events = trace.get("traceEvents", [])
     if device.type != "cuda":  # the dry run: top-level CPU ops stand in for kernels
