@@ -149,6 +149,7 @@ def probe_row(name: str, config: str, env: dict, dry: bool, timeout: float, over
     row["predicted_job_tflops"] = (out.get("timing") or {}).get("predicted_job_tflops_per_gpu")
     row["phase_s"] = (out.get("timing") or {}).get("phase_s_per_step")
     row["profile"] = run.get("profile")
+    row["step_walls"] = run.get("step_seconds")  # every step's, the warm-up's included: what timing leaves out
     return row
 
 
@@ -217,7 +218,8 @@ def write_report(path: Path, info: dict, rows: list, skipped: list, started: flo
                      f"{fmt(r['max_allocated'] / 2**30 if r.get('max_allocated') else None, '.2f')} | "
                      f"{r['wall_s']:.0f} |" + (f" error: {r['error'][0]}" if "error" in r else ""))
     lines += ["", "| probe | rc | peak GB | peak phase | compute s/step | TFLOP/s rank | MFU | HFU | predicted job TFLOP/s/GPU | "
-              "phase s | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "phase s | steps' wall s (the first: the warm-up) | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["row"].startswith("probe"):
             continue
@@ -225,9 +227,9 @@ def write_report(path: Path, info: dict, rows: list, skipped: list, started: flo
         lines.append(f"| {r['row']} | {r['rc']} | {fmt(r['peak_bytes'] / 1e9 if r.get('peak_bytes') else None, '.2f')} | "
                      f"{r.get('peak_phase') or '—'} | {fmt(r.get('step_s'), '.3f')} | {fmt(r.get('tflops'), '.1f')} | "
                      f"{fmt(r.get('mfu'), '.1%')} | {fmt(r.get('hfu'), '.1%')} | {fmt(r.get('predicted_job_tflops'), '.1f')} | "
-                     f"{phases} | "
+                     f"{phases} | {', '.join(f'{s:.2f}' for s in r.get('step_walls') or ()) or '—'} | "
                      f"{r['wall_s']:.0f} |")
-        lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} ||||||||||")
+        lines.append(f"|  | {r.get('verdict') or ('error: ' + r.get('error', ['?'])[0])} |||||||||||")
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
         sys.path.insert(0, str(REPO))  # the project's own summary of a profile (bench_gpu's too)

@@ -144,7 +144,7 @@ def test_the_parity_command_profiles_the_8b_slices_selective_probes_on_a_gpu(mon
                "kinds_s": {"gemm": 5.0, "compiled (triton)": 3.0}, "top": [("sm90_xmma_gemm_e4m3", 4.0, 64)],
                "by_op": [("aten::copy_", 0.5, 32)]}
     printed = {"verdict": {"text": "verdict: FITS"}, "run": {"cuda_max_allocated": 5e10, "peak_phase": "backward",
-                                                            "profile": kernels},
+                                                            "profile": kernels, "step_seconds": [21.5, 9.25]},
                "timing": {"compute_s_per_step": 9.0}}
     commands = []
     monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd) or
@@ -158,3 +158,4 @@ def test_the_parity_command_profiles_the_8b_slices_selective_probes_on_a_gpu(mon
     report = out.read_text()
     assert "| probe slice model.compile=true --real, 80 GB cap | 9.5000 | 9.0000 | 5.0% | 1234 |" in report
     assert "    4.0000     64  sm90_xmma_gemm_e4m3" in report and "    0.5000     32  aten::copy_" in report
+    assert "| — | 21.50, 9.25 |" in report  # every step's wall: the warm-up's beside the timed one's
