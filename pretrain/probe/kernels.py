@@ -86,7 +86,7 @@ def summarize(events: list, steps: int, wall_s: float, top: int = 12) -> dict:
             "by_op": [(op, s, n // steps) for op, (s, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
-def kernel_profile(step, device, steps: int = 3, trace_to: str = "") -> dict:
+def kernel_profile(step, device, steps: int = 3, trace_to: str = "", top: int = 12) -> dict:
     """Run `step()` `steps` times under torch.profiler (after the caller's warm-up) and summarize its device kernels;
     `trace_to`: also keep the chrome trace there, gzipped. On CPU (the dry run) there are no kernels: CPU ops stand in."""
     import time
@@ -111,7 +111,7 @@ def kernel_profile(step, device, steps: int = 3, trace_to: str = "") -> dict:
     events = trace.get("traceEvents", [])
     if device.type != "cuda":  # the dry run: top-level CPU ops stand in for kernels
         events = events + [dict(e, cat="kernel") for e in events if e.get("cat") == "cpu_op"]
-    return summarize(events, steps, wall)
+    return summarize(events, steps, wall, top)
 
 
 def profile_table(rows: list) -> str:

@@ -256,7 +256,8 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool, profile_to
                 if acts:
                     acts.reset_step()
                 train_step(engine, batches, steps, cfg, topo, on_phase=phases.enter)
-            run.profile = kernel_profile(profiled_step, topo.device, steps=1, trace_to=profile_to)
+            # a whole layer stack's kernels: the top 25 (a compiled layer's casts and norms are kernels of their own)
+            run.profile = kernel_profile(profiled_step, topo.device, steps=1, trace_to=profile_to, top=25)
         return run
 
 

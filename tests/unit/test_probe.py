@@ -413,6 +413,7 @@ def test_profile_is_one_more_step_that_changes_no_measurement(capsys, tmp_path):
     assert plain["run"]["profile"] is None
     kernels = profiled["run"]["profile"]
     assert kernels["kernels_per_step"] > 0 and kernels["kinds_s"]["gemm"] > 0  # CPU ops stand in for kernels
+    assert len(kernels["top"]) == 25  # a layer stack's kernels: more of them than a bench row's 12
     with gzip.open(tmp_path / "prof" / "probe_rank0.json.gz") as f:
         assert json.load(f)["traceEvents"]
     assert len(profiled["run"]["step_seconds"]) == 2 and profiled["timing"]["timed_steps"] == 1
