@@ -80,6 +80,7 @@ def apply_cpu_patches() -> None:
     """Idempotent. Each patch names the public API that would let it go (none exists in megatron-core 0.16)."""
     if _originals:
         return
+    import megatron.core.fusions.fused_bias_swiglu as fused_swiglu
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mrandom
@@ -96,6 +97,9 @@ def apply_cpu_patches() -> None:
     _patch(schedules, "torch", _TorchWithCpuFactories())
     # 5. RoPE under context parallelism picks this rank's chunks of the frequencies with a pinned host index.
     _patch(rotary, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank)
+    # 6. A rank standing in for CUDA (gpt.py's cuda_kernels) runs the fused SwiGLU's torch.compile'd kernels eagerly.
+    for name in ("swiglu", "swiglu_back", "bias_swiglu", "bias_swiglu_back"):
+        _patch(fused_swiglu, name, getattr(fused_swiglu, name).__wrapped__)
 
 
 def undo_cpu_patches() -> None:

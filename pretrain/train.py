@@ -49,13 +49,14 @@ def engine_settings(cfg: Config, **seams) -> zero3d.EngineSettings:
                                  loss_scale=cfg.precision if fp16 else None, units=gather_units, **seams)
 
 
-def build_and_wrap(cfg: Config, topo: Layout, initial=None, **seams):
+def build_and_wrap(cfg: Config, topo: Layout, initial=None, cuda_kernels: bool = False, **seams):
     """config → (GPTModel, ZeRO engine, ZeRO-R activation checkpoints or None), counted in one CommStats (the
     checkpoints' and context parallelism's collectives too);
-    `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them."""
+    `initial` (train.init_from's ImportedModel): its weights, split onto this rank, before the engine takes them;
+    `cuda_kernels`: build_model's (the probe's stand-ins for a CUDA rank); `seams`: engine_settings'."""
     check_float8_device(cfg.precision.fp8, topo.device)  # the probe's --real builds here too, not via run_training
     activations = activation_checkpointing(cfg.zero, topo.tp_group)
-    model = build_model(cfg, topo.device, activations)
+    model = build_model(cfg, topo.device, activations, cuda_kernels)
     if initial is not None:
         load_into(model, initial)
     engine = zero3d.wrap_model(model, engine_settings(cfg, **seams), parallel_groups(model, topo))

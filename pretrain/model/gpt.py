@@ -13,6 +13,7 @@ import torch
 
 from pretrain.config import Config
 from pretrain.data.batch import context_chunks, field, token_mean, tokens_of
+from pretrain.model.norm import CudaKeepingTorchNorm, TorchNorm
 from pretrain.model.rope import scale_rope_frequencies
 from zero3d.activations import ActivationCheckpointing, checkpoint
 from zero3d.comm.core import Comm, CommStats
@@ -35,23 +36,6 @@ COMPILE_BACKEND = "inductor"  # model.compile's torch.compile backend
 def _importable(module: str) -> bool:
     import importlib.util
     return importlib.util.find_spec(module) is not None
-
-
-class TorchNorm:
-    """megatron's WrappedTorchNorm (the norm without apex: torch's LayerNorm or RMSNorm, as
-    `config.normalization` says) for sequence parallelism and fused configs: under SP each TP rank
-    normalises a slice of the sequence, so its weights carry megatron's `sequence_parallel` tag (as apex's
-    FusedLayerNorm sets it) and their gradients are summed over TP."""
-
-    KINDS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused_fused_options):
-        if config.normalization not in cls.KINDS:
-            raise ValueError(f"TorchNorm implements {', '.join(cls.KINDS)}, not {config.normalization!r}")
-        norm = cls.KINDS[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
-        for p in norm.parameters():
-            p.sequence_parallel = config.sequence_parallel
-        return norm
 
 
 def _row_parallel_linear_class():
@@ -126,11 +110,11 @@ def record_context_into(model, stats: CommStats) -> None:
 
 
 def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheckpointing] = None,
-               cp_comm: Optional[Comm] = None):
+               cp_comm: Optional[Comm] = None, cuda_kernels: bool = False):
     """The decoder's spec: Transformer Engine's layers when `model.attention` resolves to "te", else
     megatron's local layers (with `TorchNorm` where apex is missing or the norm is RMSNorm) whose core attention is
     `SDPAttention` ("sdpa", given `cp_comm` at context > 1) or megatron's DotProductAttention ("local"); ZeRO-R
-    layers when `activations`."""
+    layers when `activations`. `cuda_kernels` off CUDA: norms keeping for backward what CUDA's keep (build_model)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.enums import AttnMaskType
@@ -143,7 +127,8 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     if attention == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     layer = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm)
-    norm = specs.LNImpl if specs.HAVE_APEX and cfg.model.norm == "layernorm" else TorchNorm
+    norm = (specs.LNImpl if specs.HAVE_APEX and cfg.model.norm == "layernorm"
+            else CudaKeepingTorchNorm if cuda_kernels and not on_cuda else TorchNorm)
     self_attention = layer.submodules.self_attention
     if qk_norm:  # megatron sums these weights' gradients over TP (each rank normalises its own heads)
         self_attention = dataclasses.replace(self_attention, submodules=dataclasses.replace(
@@ -170,12 +155,13 @@ def layer_spec(cfg: Config, on_cuda: bool, activations: Optional[ActivationCheck
     elif cfg.model.recompute == "selective":
         from pretrain.model.recompute import selective_recompute_layer_class
         layer = dataclasses.replace(layer, module=selective_recompute_layer_class())
-    config = transformer_config(cfg, on_cuda, zero_recompute=activations is not None)
+    config = transformer_config(cfg, on_cuda, zero_recompute=activations is not None, cuda_kernels=cuda_kernels)
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
 
 
-def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False):
-    """megatron's TransformerConfig; with `zero_recompute` its own recomputation is off (ZeroRecomputeLayer)."""
+def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False, cuda_kernels: bool = False):
+    """megatron's TransformerConfig; with `zero_recompute` its own recomputation is off (ZeroRecomputeLayer);
+    `cuda_kernels`: CUDA's fused SwiGLU on any device (build_model)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     m, dtype = cfg.model, cfg.precision.dtype
     recompute = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -200,7 +186,7 @@ def transformer_config(cfg: Config, on_cuda: bool, zero_recompute: bool = False)
         # extensions (apex / megatron's fused kernels) used only where importable.
         # SwiGLU only: megatron's fused bias-GELU is GELU's tanh approximation (fused_bias_gelu.py), so an exact
         # GELU fused would compute another function, and it fuses no other activation
-        bias_activation_fusion=on_cuda and m.mlp == "swiglu", masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
+        bias_activation_fusion=(on_cuda or cuda_kernels) and m.mlp == "swiglu", masked_softmax_fusion=on_cuda and _importable("scaled_masked_softmax_cuda"),
         persist_layer_norm=on_cuda and _importable("apex"),
         bias_dropout_fusion=on_cuda, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # The pipeline's batched p2p synchronises the CUDA device afterwards; there is none on CPU.
@@ -217,11 +203,15 @@ def position_embedding(m) -> dict:
     return {"position_embedding_type": "rope", "rotary_base": m.rope_base}
 
 
-def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None):
+def build_model(cfg: Config, device: torch.device, activations: Optional[ActivationCheckpointing] = None,
+                cuda_kernels: bool = False):
     """This rank's piece of the GPTModel (its TP slice of its pipeline stage) on `device`; with
     `activations` (ZeRO-R), every layer is recomputed from a checkpoint stored through it; its loss and logits over
     the real vocabulary (pretrain/model/loss.py: padding at −inf; model.loss_chunk_tokens: in chunks); at parallel.context > 1
-    its attention layers share one `context_comm` (`record_context_into` counts it in the engine's CommStats)."""
+    its attention layers share one `context_comm` (`record_context_into` counts it in the engine's CommStats).
+    `cuda_kernels` (a CPU or fake rank standing in for a CUDA one: the probe): its layers keep for backward what a
+    CUDA rank's keep — megatron's fused SwiGLU (its input alone, where the CPU's composite also keeps the gate's
+    activation) and an RMSNorm keeping x and an fp32 rstd (pretrain/model/norm.py) — so its activations are a GPU's."""
     import contextlib
 
     from megatron.core import parallel_state
@@ -232,8 +222,9 @@ def build_model(cfg: Config, device: torch.device, activations: Optional[Activat
     with contextlib.nullcontext() if on_cuda else tied_embeddings_stay_on_cpu():
         model = LossGPTModel(real_vocab=cfg.model.vocab_size, chunk_tokens=cfg.model.loss_chunk_tokens,
                          loss_recompute=cfg.model.loss_recompute,
-                         config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None),
-                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations, context_comm(cfg)),
+                         config=transformer_config(cfg, on_cuda, zero_recompute=activations is not None,
+                                                   cuda_kernels=cuda_kernels),
+                         transformer_layer_spec=layer_spec(cfg, on_cuda, activations, context_comm(cfg), cuda_kernels),
                          vocab_size=cfg.model.padded_vocab_size(cfg.parallel.tensor),
                          max_sequence_length=cfg.model.seq_length, **position_embedding(cfg.model),
                          share_embeddings_and_output_weights=cfg.model.tie_embeddings,

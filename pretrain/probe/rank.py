@@ -198,8 +198,10 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool, profile_to
         seams["read_host_floats"] = read_fake_step_floats
     if topo.device.type == "cpu":
         # Fake and CPU ranks stand in for a CUDA rank: the optimizer's fused kernels (AdamW's), not the CPU's
-        # foreach ones, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds.
-        seams["fused_optimizer"] = True
+        # foreach ones, whose sqrt/div temporaries (2 × 4 bytes per element of the shard) a GPU never holds; the
+        # layers' CUDA kernels (fused SwiGLU, RMSNorm), not the CPU's composites, which keep fp32 copies and the
+        # gate's activation for backward (+75-86% of a Llama layer's activations, where a GPU keeps the estimator's).
+        seams["fused_optimizer"] = seams["cuda_kernels"] = True
     with fake_mode:
         with casts_by_set_data() if fake else contextlib.nullcontext():
             model, engine, acts = build_and_wrap(cfg, topo, **seams)

@@ -224,11 +224,12 @@ def test_megatron_internals_only_in_patches_and_model():
 
 
 def test_megatron_patches_stay_small():
-    """The CPU patches, the gloo groups, the version check and the compile seam (compile.py: megatron's one warning
-    inside its layers counted as given) within 215 lines; the lean import (lean.py) within 70 more."""
+    """The CPU patches (the fused SwiGLU run eagerly for the probe's CUDA stand-ins: 4 lines), the gloo groups, the
+    version check and the compile seam (compile.py: megatron's one warning inside its layers counted as given) within
+    220 lines; the lean import (lean.py) within 70 more."""
     files = {p.name: len(p.read_text().splitlines()) for p in (REPO / "megatron_patches").glob("*.py")}
     lean = files.pop("lean.py")
-    assert sum(files.values()) <= 215 and lean <= 70, f"megatron_patches/: {files}, lean.py {lean} lines"
+    assert sum(files.values()) <= 220 and lean <= 70, f"megatron_patches/: {files}, lean.py {lean} lines"
 
 
 def test_cuda_mode_patches_nothing_and_cpu_mode_is_undone():
