@@ -255,6 +255,30 @@ def test_a_probed_llama_layer_keeps_what_a_cuda_layer_keeps(capsys):
     assert two - one == 675_840 - 2 * s * b * h + 2 * 4 * s * b + 4 * s * (h // a) * 2
 
 
+# bench/bench_gpu.py's zero3d rows, eager at ZeRO stage 2 on one H200: torch.cuda.max_memory_allocated in GiB
+# (docs/gpu-check.md: the GPT 1.3B row of the first 2026-11-28 session, the Llama row of both the second's calls)
+H200_EAGER_STAGE2_PEAK_GIB = {"gpt": 33.99, "llama": 33.50}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_the_probe_gives_the_peak_an_h200_measured_for_the_benchs_eager_rows(capsys, kind):
+    """A fake probe of bench_gpu's zero3d row (its GPT 1.3B or Llama-3.2-1B-like shape, bf16, eager, ZeRO stage 2, one
+    rank) peaks within 1% of what the H200 measured for that row: 36.43 and 35.92 GB probed (2026-11-30) against
+    36.50 and 35.97. With the CPU's own layers the Llama row probed 43.57 GB (+21%)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_gpu_shapes", Path(__file__).parents[2] / "bench/bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = {"gpt": bench.SHAPE, "llama": bench.LLAMA_SHAPE}[kind]
+    code = probe.main(["--world", "1", "--steps", "2", "--json", *bench.model_overrides(shape),
+                       f"train.micro_batch_size={shape['micro']}", f"train.global_batch_size={shape['micro']}",
+                       'precision.dtype="bf16"', "zero.stage=2", "model.compile=false", "cluster.nodes=1",
+                       "cluster.gpus_per_node=1", 'cluster.gpu="H200"', "cluster.gpu_memory_gb=141"])
+    peak = json.loads(capsys.readouterr().out)["run"]["peak_bytes"]
+    assert code == 0 and abs(peak / (H200_EAGER_STAGE2_PEAK_GIB[kind] * GIB) - 1) < 0.01, peak
+
+
 @pytest.mark.parametrize("attention,bias", [("sdpa", 2), ("local", 0)])
 def test_document_mask_estimate_is_what_the_probed_step_holds_more(capsys, attention, bias):
     """data.reset_attention_mask, 3 micro-batches of b = 2, s = 256 (bf16): the step's three [2, 1, 256, 256] bool
