@@ -59,12 +59,6 @@ def main(argv=None) -> int:
         print(f"probe error: --profile {args.profile} needs --real (fake tensors run no kernels) and no --max-model",
               file=sys.stderr)
         return 2
-    if args.profile is not None:
-        try:
-            Path(args.profile).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            print(f"probe error: --profile {args.profile}: cannot make that folder ({err.strerror})", file=sys.stderr)
-            return 2
     if args.max_model:
         args.memory_gb = MAX_MODEL_MEMORY_GB if args.memory_gb is None else args.memory_gb
         return max_model_command(args)
@@ -80,5 +74,11 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    if args.profile is not None:  # made only once everything else was accepted: a refused probe writes nothing
+        try:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            print(f"probe error: --profile {args.profile}: cannot make that folder ({err.strerror})", file=sys.stderr)
+            return 2
     return probe_command(cfg, world, args)
 

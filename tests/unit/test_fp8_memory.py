@@ -24,8 +24,8 @@ def test_float8_codes_at_the_peak_are_the_estimators_and_fp8_gather_saves_what_i
     scalars, rowwise 3·m·h + 2·m·f + h·f codes and m + 2h + 3f fp32 scales (by hand below); the activations are
     bf16's (the FP8 linear keeps bf16 inputs), tensorwise with its forward's two fp32 scales a linear beside.
     zero.fp8_gather (a vocabulary of 8192, so that a layer stays the largest unit): two gathered layers hold their
-    12h² linear weights at one byte, plus the 1/32 shard each cast, and fc2's backward casts no weight; the probe holds one of those cast shards among its activations, so the two
-    categories together are compared."""
+    12h² linear weights at one byte, plus the 1/32 shard each cast, and fc2's backward casts no weight; the probe
+    holds one of those cast shards among its activations, so the two categories together are compared."""
     bf16 = estimate_config(load_config(None, H100_13B + ["model.num_layers=2"]), 32, 80 * GIB)
     bf16_activations = 3_023_839_376  # the 13B rank's, probed (test_probe.py)
     runs = {recipe: _probe([f"precision.fp8={recipe}"]) for recipe in ("tensorwise", "rowwise")}

@@ -471,6 +471,9 @@ def test_profile_needs_real_tensors(capsys, tmp_path):
     blocker.write_text("")
     assert probe.main(["--config", "configs/tiny.toml", "--real", "--profile", str(blocker / "sub")]) == 2
     assert "cannot make that folder" in capsys.readouterr().err
+    # a probe refused for its config makes no profile folder
+    assert probe.main(["--config", "configs/tiny.toml", "--real", "--rank", "9", "--profile", str(tmp_path / "p")]) == 2
+    assert "--rank 9 is invalid; valid ranks: 0 .. 3" in capsys.readouterr().err and not (tmp_path / "p").exists()
 
 
 def test_a_gpu_rank_predicts_no_job_step_without_its_collectives(monkeypatch):
