@@ -79,10 +79,10 @@ def test_sdpa_module_matches_megatron_dot_product_attention():
         "model.attention = 'sdpa' does not take packed sequences", "model.attention = 'sdpa' does not take an attention_bias"]
 
 
-def _attention_saves(rank, world_size, position_embedding, groups):
-    """The 4-D tensors one Llama-shaped layer (`groups` key/value heads of 4) saves for backward, Q, K, V and the
-    attention output as SDPA keeps them ([b, heads, s, d]): (shape, the address of its storage, that storage's bytes)
-    each, and the layer's sizes."""
+def _attention_saves(rank, world_size, position_embedding, groups, compiled):
+    """The 4-D tensors one Llama-shaped layer (`groups` key/value heads of 4; `compiled`: model.compile) saves for
+    backward, Q, K, V and the attention output as SDPA keeps them ([b, heads, s, d]): (shape, the address of its
+    storage, that storage's bytes) each, and the layer's sizes."""
     import torch
 
     from gpt_harness import BASE
@@ -91,7 +91,7 @@ def _attention_saves(rank, world_size, position_embedding, groups):
     from pretrain.runtime.layout import init_layout
     cfg = load_config(None, BASE + [f'model.position_embedding="{position_embedding}"', 'model.mlp="swiglu"',
                                     'model.norm="rmsnorm"', "model.bias=false", f"model.num_query_groups={groups}",
-                                    "model.num_layers=1", 'model.attention="sdpa"'])
+                                    "model.num_layers=1", 'model.attention="sdpa"', f"model.compile={str(compiled).lower()}"])
     topo = init_layout(cfg)
     layer = build_model(cfg, topo.device).decoder.layers[0]
     s, b, h = cfg.model.seq_length, 2, cfg.model.hidden_size
@@ -110,14 +110,17 @@ def _attention_saves(rank, world_size, position_embedding, groups):
     return saved, dict(s=s, b=b, a=cfg.model.num_attention_heads, d=h // cfg.model.num_attention_heads)
 
 
-@pytest.mark.parametrize("position_embedding,groups", [("rope", 2), ("learned", 2), ("rope", 4), ("learned", 4)])
-def test_attention_keeps_its_own_k_and_v_not_the_fused_qkv_output(position_embedding, groups):
+@pytest.mark.parametrize("position_embedding,groups,compiled", [("rope", 2, False), ("learned", 2, False),
+                                                                ("rope", 4, False), ("learned", 4, False),
+                                                                ("rope", 2, True), ("learned", 2, True)])
+def test_attention_keeps_its_own_k_and_v_not_the_fused_qkv_output(position_embedding, groups, compiled):
     """megatron cuts Q, K and V out of the fused QKV GEMM's output as views (Q reshaped into a copy under GQA, Q and
     K rotated into new tensors under RoPE); K or V saved as a view kept the whole output alive ((a + g)·d·s·b·e a
     layer under GQA, 80 MiB in a Llama-3 8B layer at 8K tokens), copies where Q is a view too (multi-head attention,
     learned positions) would add 2·a·d·s·b·e. Either way the storages SDPA keeps for backward come to the fused
-    output's size plus the attention output's, (a + 2g)·d·s·b·e + a·d·s·b·e, e = 4 (fp32)."""
-    saved, n = run_ranks(_attention_saves, 1, position_embedding, groups, timeout=120)[0]
+    output's size plus the attention output's, (a + 2g)·d·s·b·e + a·d·s·b·e, e = 4 (fp32) — in a compiled layer too,
+    whose graph saved V as a view of the fused output (18,432 and 16,384 B here, against 12,288)."""
+    saved, n = run_ranks(_attention_saves, 1, position_embedding, groups, compiled, timeout=240)[0]
     assert len(saved) >= 3  # Q, K, V (and the output)
     storages = {address: nbytes for _, address, nbytes in saved}
     assert sum(storages.values()) == (n["a"] + 2 * groups + n["a"]) * n["d"] * n["s"] * n["b"] * 4, saved
