@@ -11,7 +11,7 @@ from analysis.float8 import float8_copy_bytes, gathered_unit_bytes
 from analysis.job import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GIB, V100_MEMORY_BYTES,  # noqa: F401
                           Budget, Parallelism, Step, ZeroChoice, job_of)
 from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
-                                   Precision, model_state_bytes)
+                                   Precision, late_shard_room, model_state_bytes)
 from analysis.modes import extra_state_bytes, mode_costs  # noqa: F401 (extra_state_bytes: its readers)
 from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 
@@ -179,6 +179,7 @@ class MemoryBreakdown:
     margin_fraction: float = DEFAULT_MARGIN_FRACTION
     host_bytes: float = 0.0  # Pa+cpu: checkpoints moved to host memory
     mask_bytes: float = 0.0  # per-sample attention masks of document boundaries (document_mask_bytes)
+    grads_not_at_peak: float = 0.0  # of the gradient shard a step allocates late: what the peak does not hold
 
     @property
     def model_state_bytes(self) -> float:
@@ -190,7 +191,8 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> float:
-        return self.model_state_bytes + self.activation_bytes + self.buffer_bytes + self.margin_bytes
+        return (self.model_state_bytes - self.grads_not_at_peak + self.activation_bytes + self.buffer_bytes
+                + self.margin_bytes)
 
     @property
     def fits(self) -> bool:
@@ -345,12 +347,20 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak
     logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
                         beside=buffers + (kept_by_layer if recompute != "none" else 0), compiled=step.compiled)
+    # One micro-batch a step (`step.grad_shard_per_step`): the stage 2/3 shard on the device is not all held at the
+    # activations' peak (late_shard_room), down to the step's own moment, which holds it and (mixed precision) the fp32
+    # copy the optimizer updates from (zero3d/engine.py: _as_fp32).
+    not_at_peak = 0.0
+    if step.grad_shard_per_step and stage >= 2 and zero.offload_optimizer != "cpu":
+        step_copy = 4 * grad / prec.grad_bytes if precision != "fp32" else 0.0
+        room = late_shard_room(shape, stage, tp, bucket_elements, grad, logits, kept_by_layer)
+        not_at_peak = max(0.0, min(room, checkpoints + working + logits + mask_bytes + buffers - step_copy))
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),
-        mask_bytes=float(mask_bytes))
+        mask_bytes=float(mask_bytes), grads_not_at_peak=float(not_at_peak))
 
 
 def loss_logit_bytes(activation_bytes: int, fused: bool, compiled: bool) -> int:
@@ -405,7 +415,10 @@ def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> st
             ("loss (logits, fused kept grads)", m.logits_bytes)]
     if m.mask_bytes:
         rows.append(("attention masks (documents)", m.mask_bytes))
-    rows += [("  = activations", m.activation_bytes), ("temporary buffers", m.buffer_bytes),
+    rows.append(("  = activations", m.activation_bytes))
+    if m.grads_not_at_peak:
+        rows.append(("gradients backward made room for", -m.grads_not_at_peak))
+    rows += [("temporary buffers", m.buffer_bytes),
              (f"margin ({m.margin_fraction:.0%} of GPU)", m.margin_bytes), ("total", m.total_bytes)]
     if m.host_bytes:
         rows.append(("host memory (Pa+cpu checkpoints)", m.host_bytes))

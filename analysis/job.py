@@ -95,7 +95,9 @@ class Step:
     backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes),
     `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)
     and `compiled` layers (model.compile: the kernel path the planner's time reads; the fused loss's softmax, compiled
-    too, holds fewer bytes a logit: estimate.loss_logit_bytes)."""
+    too, holds fewer bytes a logit: estimate.loss_logit_bytes). `grad_shard_per_step`: the step is this engine's with
+    one micro-batch on the rank and no pipeline, so its stage 2/3 gradient shard exists only from the first reduced
+    bucket piece of backward on (model_states.late_shard_room)."""
 
     micro_batch: int = 1
     recompute: str = "none"
@@ -107,6 +109,7 @@ class Step:
     mask_bytes: float = 0.0
     sequence_parallel: bool = False
     compiled: bool = False
+    grad_shard_per_step: bool = False
 
 
 @dataclass(frozen=True)

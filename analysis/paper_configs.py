@@ -105,11 +105,12 @@ def load_paper_runs(path: str | Path) -> list:
 
 
 def run_memory(run: PaperRun, zero: ZeroChoice, bucket, cluster: Cluster) -> MemoryBreakdown:
-    """Per-GPU memory of a run: GPT-2 vocabulary, s = 1024, full recomputation."""
+    """Per-GPU memory of a run: GPT-2 vocabulary, s = 1024, full recomputation, one micro-batch a step (its batch per
+    GPU: configs/paper/ runs it as this engine's step, whose gradient shard takes room backward made)."""
     return estimate_from_shape(
         layers=run.layers, hidden=run.hidden, heads=run.heads, vocab=GPT2_VOCAB, seq=PAPER_SEQ, gpus=run.gpus,
         tp=run.mp, stage=zero.stage, micro_batch=run.batch_per_gpu, recompute="full", pa=zero.pa,
-        pa_cpu=zero.pa_cpu, bucket_elements=bucket, gpu_memory_bytes=cluster.gpu_memory_bytes)
+        pa_cpu=zero.pa_cpu, bucket_elements=bucket, gpu_memory_bytes=cluster.gpu_memory_bytes, grad_shard_per_step=True)
 
 
 @dataclass(frozen=True)

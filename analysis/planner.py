@@ -351,7 +351,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
     masks = (document_mask_bytes(model.seq, micro_batch, accumulation, 1, PRECISIONS[base.precision].activation_bytes,
                                  base.attention) if shape.get("document_masks") else 0)
     step = dataclasses.replace(base, micro_batch=micro_batch, recompute=shape["recompute"], mask_bytes=masks,
-                               sequence_parallel=base.sequence_parallel and tp > 1)
+                               sequence_parallel=base.sequence_parallel and tp > 1, grad_shard_per_step=accumulation == 1)
     optimizer = OptimizerStates.of_shape(model, tp, shape.get("optimizer", "adamw"), shape.get("state_dtype", "fp32"))
     memory = estimate(model, layout, zero, step, Budget(cluster.gpu_memory_bytes, margin_fraction), optimizer)
     offload = None

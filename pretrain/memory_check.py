@@ -31,7 +31,8 @@ def rank_job(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_nod
                 attention=attention_kind(m.attention), loss_chunk_tokens=m.loss_chunk_tokens,
                 loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size),
                 sequence_parallel=p.sequence_parallel,
-                compiled=m.compile in (True, "auto") if compiled is None else compiled)
+                compiled=m.compile in (True, "auto") if compiled is None else compiled,
+                grad_shard_per_step=accumulation(cfg, world_size) == 1 and p.pipeline == 1)
     optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
     return RankJob(shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer,
                    accumulation(cfg, world_size))

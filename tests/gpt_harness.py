@@ -118,7 +118,7 @@ def run_gpt_steps(rank, world_size, overrides, steps, inject_inf_at=None, layout
     out["state_bytes"] = engine.state_bytes()
     out["tp_rank"], out["pp_rank"], out["dp_rank"] = topo.tp_rank, topo.pp_rank, topo.dp_rank
     out["psi"], out["group_numels"] = psi, group_numels
-    out["value_bytes"] = next(iter(engine.groups.values())).grads.element_size()  # b: model-dtype bytes
+    out["value_bytes"] = next(iter(engine.groups.values())).param_flat.element_size()  # b: model-dtype bytes
     # Flat buffer sizes with each bucket padded to a multiple of N_d, and buckets per group.
     out["padded_numels"] = {name: g.layout.padded_numel for name, g in engine.groups.items()}
     out["buckets"] = {name: len(g.layout.buckets) for name, g in engine.groups.items()}
@@ -211,8 +211,7 @@ def full_params(engine):
 
 def poison_gradients(engine):
     """Put an inf in this rank's local gradient storage (whatever the stage keeps)."""
-    g = next(iter(engine.groups.values()))
-    g.grads.view(-1)[0] = float("inf")
+    engine.grad_shard(next(iter(engine.groups.values()))).view(-1)[0] = float("inf")
 
 
 def assert_close_runs(ref: list, out: list, rtol: float) -> None:

@@ -22,6 +22,13 @@ def step_counter_bytes(optimizer) -> int:
                if torch.is_tensor(v) and v.dim() == 0)
 
 
+def grad_bytes(group) -> int:
+    """Bytes of the group's gradients, as a step holds them (a shard allocated per step: its size, also between steps)."""
+    if group.grads is not None:
+        return nbytes(group.grads)
+    return group.layout.shard_numel * group.param_flat.element_size()
+
+
 def master_bytes(groups) -> int:
     """fp32 master bytes of `groups` that are not shared with the model's own parameter storage."""
     total = 0
@@ -34,10 +41,11 @@ def master_bytes(groups) -> int:
 
 
 def model_state_bytes(groups, optimizer) -> dict:
-    """Bytes per category that this rank keeps between steps for `groups` (the paper's model states)."""
+    """Bytes per category that this rank keeps for a step for `groups` (the paper's model states; a gradient shard
+    allocated per step counts whole: grad_bytes)."""
     groups = list(groups)
     return {"params": sum(nbytes(group.param_flat) for group in groups),
-            "grads": sum(nbytes(group.grads) for group in groups),
+            "grads": sum(grad_bytes(group) for group in groups),
             "master_params": master_bytes(groups),
             "optimizer_states": optimizer_state_bytes(optimizer, [piece for group in groups
                                                                   for _, piece in group.master_pieces])}

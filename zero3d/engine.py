@@ -112,6 +112,9 @@ class GroupState:
     bucketed: bool = False
     param_flat: Optional[torch.Tensor] = None  # model dtype: full (stages 0-2) or shard (stage 3)
     grads: Optional[torch.Tensor] = None  # model dtype: full buffer (stages 0-1) or shard (2-3)
+    # The shard on the device (stages 2/3) exists from the step's first reduced piece to the end of the step: `grads`
+    # is None between steps, so the forward of a step's first micro-batch does not hold it.
+    grads_per_step: bool = False
     # fp32 tensors the optimizer updates, as (offset in master coordinates, tensor): one contiguous
     # tensor, or — fp32 stages 1/2, whose shard is one piece per bucket of the parameter buffer —
     # views of those pieces, so the parameters stay the master copy.
@@ -199,6 +202,8 @@ class DataParallelEngine:
         whether or not the step is skipped. Every rank passes the same number of values (or None on all).
         """
         self.finish_param_sync()
+        for group in self.groups.values():  # a step without a backward steps on zero gradients
+            self.grad_shard(group)
         self._reduce_grads()
         self.placement.finish_grads()  # e.g. the last gradient pieces copied to the host are added there
         master_grads = {name: self._master_grad(group) for name, group in self.groups.items()}
@@ -257,7 +262,7 @@ class DataParallelEngine:
             group = self.groups[spec.name]
             group.master_pieces = ((0, placement.master(spec.name)),)
             if spec.holds_grad:  # the device gradient shard is freed: the host one replaces it
-                group.grads = placement.grad(spec.name)
+                group.grads, group.grads_per_step = placement.grad(spec.name), False
         return placement
 
     def _param_pieces(self, group: GroupState) -> tuple:
@@ -272,7 +277,15 @@ class DataParallelEngine:
         """Stages 2/3 (zero3d/buckets.py): a reduced bucket piece for shard elements [lo, lo + n),
         added (× post-scale) into the gradient shard wherever the placement keeps it (hybrid: the
         node's sum; summed across the nodes once per step, `_all_reduce_shards_across_nodes`)."""
+        self.grad_shard(group)
         self.placement.accumulate_grad(group, lo, piece, self.post_scale)
+
+    def grad_shard(self, group: GroupState) -> torch.Tensor:
+        """The group's gradients; a shard allocated per step (`grads_per_step`) is allocated here, zeros, at the step's
+        first reduced piece (or at the step, after a step without backward)."""
+        if group.grads is None:
+            group.grads = torch.zeros(group.layout.shard_numel, dtype=self.settings.dtype, device=self.device)
+        return group.grads
 
     def _all_reduce_shards_across_nodes(self, groups: list) -> None:
         """Hybrid, stages 2/3: each bucketed group's gradient shard, accumulated over the step's
@@ -399,7 +412,10 @@ class DataParallelEngine:
 
     def zero_grad(self) -> None:
         for group in self.groups.values():
-            group.grads.zero_()
+            if group.grads_per_step:
+                group.grads = None
+            else:
+                group.grads.zero_()
 
 
 __all__ = ["DataParallelEngine", "EngineSettings", "GroupState", "ParallelGroups", "StepResult", "read_host_floats"]

@@ -87,10 +87,9 @@ class ParameterShardedEngine(DataParallelEngine):
     def _sharded_group(self, name, named, decays, matrix=False):
         layout = self._layout(named)
         params = [p for _, p in named]
-        group = GroupState(name, layout, params, decays, bucketed=True, matrix=matrix)
+        group = GroupState(name, layout, params, decays, bucketed=True, grads_per_step=True, matrix=matrix)
         full = flatten_params(layout, params, self.settings.dtype, self.device)
         group.param_flat = layout.shard_of(full, self.dp.rank)
-        group.grads = torch.zeros(layout.shard_numel, dtype=self.settings.dtype, device=self.device)
         master = group.param_flat if group.param_flat.dtype == torch.float32 else group.param_flat.float()
         group.master_pieces = ((0, master),)
         group.norm_ranges = self._norm_ranges(layout, flat=False)

@@ -30,10 +30,11 @@ class WholeParamsEngine(DataParallelEngine):
         layout = self._layout(named_params)
         params = [p for _, p in named_params]
         dtype = self.settings.dtype
-        group = GroupState(name, layout, params, decays, bucketed=not self.full_grads, matrix=matrix)
+        group = GroupState(name, layout, params, decays, bucketed=not self.full_grads, grads_per_step=not self.full_grads,
+                           matrix=matrix)
         group.param_flat = flat = flatten_params(layout, params, dtype, self.device)
-        group.grads = (flatten_grads(layout, params, dtype, self.device) if self.full_grads
-                       else torch.zeros(layout.shard_numel, dtype=dtype, device=self.device))
+        if self.full_grads:
+            group.grads = flatten_grads(layout, params, dtype, self.device)
         # fp32 parameters: views of this rank's pieces (the parameters are the master); else one fp32
         # copy of the rank's shard.
         if flat.dtype == torch.float32:

@@ -232,6 +232,8 @@ def run_rank_steps(cfg: Config, topo: Layout, steps: int, fake: bool, profile_to
                 train_step(engine, batches, step, cfg, topo, on_phase=phases.enter)
                 step_seconds.append(time.perf_counter() - t0)
             model_states = tracker.now_by_category()
+            # the gradient shards a step allocates (stages 2/3) are model states too, though freed between steps
+            model_states["grads"] += sum(tracker.per_step_grad_bytes.values())
         counters = step_counter_bytes(engine.optimizer)
         if on_gpu:
             state = engine.state_bytes()

@@ -63,6 +63,7 @@ class PhaseMemTracker(MemTracker):
     """MemTracker whose peaks are kept per step phase, with device and host memory apart.
 
     - Tensors first allocated during reduction, optimizer step or gather count as temporaries.
+    - The gradient shards the engine allocates for a step (stages 2/3: `grad_shard`) count as grads.
     - Stage 3's gathered parameters (`gathered_now()`: the units' full buffers) count as temporaries whenever
       they were gathered (MemTracker would call a unit params, or activations when a recomputation gathered
       it): the estimator's "gathered units" buffer term.
@@ -79,6 +80,8 @@ class PhaseMemTracker(MemTracker):
         self.phases, self.device = phases, device
         self.host_bytes_now = host_bytes_now or dict
         self.gathered_now: Callable[[], list] = list  # register_engine_state: stage 3's gathered buffers
+        self.allocating_as: Optional[_MemRefType] = None  # register_engine_state: the category of what is allocated
+        self.per_step_grad_bytes: dict = {}  # {group name: bytes of the gradient shard a step allocated, as tracked}
         self.phase_peaks = {p: PhasePeak() for p in PHASES}
         self.category_peaks = dict.fromkeys(CATEGORIES, 0)
         self.host_peak = 0
@@ -115,6 +118,8 @@ class PhaseMemTracker(MemTracker):
         pass
 
     def _track(self, reftype, t):
+        if self.allocating_as is not None:
+            reftype = self.allocating_as
         # Inside optimizer.step MemTracker calls every new tensor optimizer state; the states proper
         # are re-tagged by its post-step hook, so the rest (the update's scratch) is temporary.
         if (self.phases.current in STEP_PHASES and reftype == _MemRefType.ACT) or reftype == _MemRefType.OPT:
@@ -199,9 +204,23 @@ def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
     tracker.track_external(engine.model)
     units = getattr(engine, "units", ())  # stage 3: gather units, `full` while gathered
     tracker.gathered_now = lambda: [full for unit in units if unit.full for full in unit.full]
+    allocate = engine.grad_shard
+
+    def grad_shard(group):
+        fresh = group.grads is None
+        tracker.allocating_as = _MemRefType.GRAD
+        try:
+            shard = allocate(group)
+        finally:
+            tracker.allocating_as = None
+        winfo, _ = tracker._WINFO.get(shard.untyped_storage(), (None, None))
+        if fresh and winfo is not None:
+            tracker.per_step_grad_bytes[group.name] = winfo.mem_consumed
+        return shard
+    engine.grad_shard = grad_shard
     for g in engine.groups.values():
         tracker.register(_MemRefType.PARAM, g.param_flat)
-        tracker.register(_MemRefType.GRAD, g.grads)
+        tracker.register(_MemRefType.GRAD, g.grads)  # None: allocated per step, by grad_shard
         if g.secondary is not None:  # stage 3 hpZ: the node-local copy of the parameters
             tracker.register(_MemRefType.PARAM, g.secondary)
         for _, piece in g.master_pieces:  # one tensor, or per-bucket views of the fp32 parameters

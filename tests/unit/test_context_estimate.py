@@ -156,7 +156,8 @@ def test_memory_check_passes_the_context():
                                              recompute=m.recompute, bucket_elements=cfg.zero.bucket_elements,
                                              precision=cfg.precision.dtype, prefetch_units=cfg.zero.prefetch_units,
                                              gpu_memory_bytes=80 * est.GIB, loss_chunk_tokens=m.loss_chunk_tokens,
-                                             attention=attention_kind(m.attention)))
+                                             attention=attention_kind(m.attention),
+                                             grad_shard_per_step=accumulation(cfg, 8) == 1))
     assert got == want
     e = est.PRECISIONS[cfg.precision.dtype].activation_bytes
     assert got.checkpoint_bytes == 2 * cfg.train.micro_batch_size * 128 * 128 * e  # L·b·(S/C)·h·e: 128 of 256 tokens
