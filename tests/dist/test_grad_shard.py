@@ -35,11 +35,11 @@ def _shard_lifetime(rank, world, stage, micro_batches):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_steps_gradient_shard_lives_from_its_first_reduced_piece_to_the_step(stage):
-    """No shard exists before a step's first forward ends or after its step; with two micro-batches every shard exists
-    in the second forward (stage 2 delivers the first's reductions before it, so it sums into them). The accounting
-    counts a shard's bytes as the step holds them."""
+    """Three ranks (buckets padded to a multiple of 3). No shard exists before a step's first forward ends or after its
+    step; with two micro-batches every shard exists in the second forward (stage 2 delivers the first's reductions
+    before it, so it sums into them). The accounting counts a shard's bytes as the step holds them."""
     for micro_batches in (1, 2):
-        for out in run_ranks(_shard_lifetime, 2, stage, micro_batches, timeout=120):
+        for out in run_ranks(_shard_lifetime, 3, stage, micro_batches, timeout=120):
             held, groups = out["held"], out["groups"]
             assert groups and held["built"] == [], held
             for step in range(2):
