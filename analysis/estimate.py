@@ -13,6 +13,7 @@ from analysis.job import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GIB,
 from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
                                    Precision, late_shard_room, model_state_bytes)
 from analysis.modes import extra_state_bytes, mode_costs  # noqa: F401 (extra_state_bytes: its readers)
+from analysis.step_moment import gradient_copy_bytes, whole_matrix_step_bytes
 from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
@@ -180,6 +181,8 @@ class MemoryBreakdown:
     host_bytes: float = 0.0  # Pa+cpu: checkpoints moved to host memory
     mask_bytes: float = 0.0  # per-sample attention masks of document boundaries (document_mask_bytes)
     grads_not_at_peak: float = 0.0  # of the gradient shard a step allocates late: what the peak does not hold
+    step_bytes: float = 0.0  # the optimizer step's moment beside the model states (analysis/step_moment.py)
+    matrix_step_bytes: float = 0.0  # of step_bytes: Muon's whole-matrix step, on the device wherever its optimizer runs
 
     @property
     def model_state_bytes(self) -> float:
@@ -190,9 +193,18 @@ class MemoryBreakdown:
         return self.checkpoint_bytes + self.working_set_bytes + self.logits_bytes + self.mask_bytes
 
     @property
+    def backward_bytes(self) -> float:
+        """Beside the model states at the backward's peak: activations and buffers, less the late shard's room."""
+        return self.activation_bytes + self.buffer_bytes - self.grads_not_at_peak
+
+    @property
+    def peaks_at_step(self) -> bool:
+        """Whether the optimizer step's moment, not the backward, is the peak (activations and buffers freed)."""
+        return self.step_bytes > self.backward_bytes
+
+    @property
     def total_bytes(self) -> float:
-        return (self.model_state_bytes - self.grads_not_at_peak + self.activation_bytes + self.buffer_bytes
-                + self.margin_bytes)
+        return self.model_state_bytes + max(self.backward_bytes, self.step_bytes) + self.margin_bytes
 
     @property
     def fits(self) -> bool:
@@ -347,20 +359,25 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak
     logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
                         beside=buffers + (kept_by_layer if recompute != "none" else 0), compiled=step.compiled)
+    # What the optimizer step holds beside the model states (analysis/step_moment.py): the fp32 copy of this rank's
+    # gradient it updates from (with the optimizer on the device; offload_breakdown says where else), Muon's exchange.
+    on_device = zero.offload_optimizer != "cpu"
+    matrix_step = float(whole_matrix_step_bytes(shape, tp, stage, state_ranks)) if states.matrix_share else 0.0
+    step_moment = matrix_step + (float(gradient_copy_bytes(psi, stage, state_ranks, prec.master_bytes))
+                                 if on_device else 0.0)
     # One micro-batch a step (`step.grad_shard_per_step`): the stage 2/3 shard on the device is not all held at the
-    # activations' peak (late_shard_room), down to the step's own moment, which holds it and (mixed precision) the fp32
-    # copy the optimizer updates from (zero3d/engine.py: _as_fp32).
+    # activations' peak (late_shard_room); the step's moment holds it whole (MemoryBreakdown.total_bytes).
     not_at_peak = 0.0
-    if step.grad_shard_per_step and stage >= 2 and zero.offload_optimizer != "cpu":
-        step_copy = 4 * grad / prec.grad_bytes if precision != "fp32" else 0.0
+    if step.grad_shard_per_step and stage >= 2 and on_device:
         room = late_shard_room(shape, stage, tp, bucket_elements, grad, logits, kept_by_layer)
-        not_at_peak = max(0.0, min(room, checkpoints + working + logits + mask_bytes + buffers - step_copy))
+        not_at_peak = min(room, checkpoints + working + logits + mask_bytes + buffers)
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
         checkpoint_bytes=float(checkpoints), working_set_bytes=working, logits_bytes=float(logits),
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),
-        mask_bytes=float(mask_bytes), grads_not_at_peak=float(not_at_peak))
+        mask_bytes=float(mask_bytes), grads_not_at_peak=float(not_at_peak), step_bytes=step_moment,
+        matrix_step_bytes=matrix_step)
 
 
 def loss_logit_bytes(activation_bytes: int, fused: bool, compiled: bool) -> int:
@@ -418,8 +435,10 @@ def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> st
     rows.append(("  = activations", m.activation_bytes))
     if m.grads_not_at_peak:
         rows.append(("gradients backward made room for", -m.grads_not_at_peak))
-    rows += [("temporary buffers", m.buffer_bytes),
-             (f"margin ({m.margin_fraction:.0%} of GPU)", m.margin_bytes), ("total", m.total_bytes)]
+    rows.append(("temporary buffers", m.buffer_bytes))
+    if m.peaks_at_step:  # the step's fp32 gradient copy outweighs what backward holds beside the model states
+        rows.append(("optimizer step over backward", m.step_bytes - m.backward_bytes))
+    rows += [(f"margin ({m.margin_fraction:.0%} of GPU)", m.margin_bytes), ("total", m.total_bytes)]
     if m.host_bytes:
         rows.append(("host memory (Pa+cpu checkpoints)", m.host_bytes))
     verdict = "fits" if m.fits else "does NOT fit"

@@ -143,8 +143,10 @@ class FlatOptimizer(torch.optim.Optimizer):
                 directions.append(self._direction(piece, {k: state[k] for k in rule.states}))
                 entries.append((piece, group, weight_decay, lr))
                 state["step"] += 1
-        updates = self.orthogonalize([(group["group"], group["offset"], direction)
-                                      for (_, group, _, _), direction in zip(entries, directions)])
+        pieces = [(group["group"], group["offset"], direction)
+                  for (_, group, _, _), direction in zip(entries, directions)]
+        del directions  # `orthogonalize` takes `pieces` over: it frees each direction once it has sent it
+        updates = self.orthogonalize(pieces)
         for (piece, _, weight_decay, lr), update in zip(entries, updates):
             rule.apply([piece], [update], lr, weight_decay)
 

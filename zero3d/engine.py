@@ -29,18 +29,30 @@ def read_host_floats(values: torch.Tensor) -> list[float]:
 
 
 NORM_BLOCK = 1 << 22  # the most elements whose squares one norm sums in fp32; those sums are added in fp64
+NORM_BATCH = 8  # blocks of compute-dtype gradients cast to fp32 at once (so no fp32 copy of a whole shard exists)
 
 
-def sum_of_squares(pieces: list) -> torch.Tensor:
+def sum_of_squares(pieces: list, unscale: float = 1.0) -> torch.Tensor:
     """Σ x² over 1-D tensors, a 0-d fp64 tensor: each piece's blocks of NORM_BLOCK elements (counted from the piece's
     start, so a shard's pieces give the same sums whatever coordinates they are cut from) 2-normed in fp32 by one
     multi-tensor kernel, in one read and no copy of the gradients (relative error ~1e-7; a `.double()` copy squared
     and summed in fp64 moves three times the bytes in three kernels a piece: on a GPU it was the step's largest cost
-    beyond the model); the blocks' squares added in fp64. A block norm past 1.8e19 is inf: an overflow, skipped."""
+    beyond the model); the blocks' squares added in fp64. A block norm past 1.8e19 is inf: an overflow, skipped.
+    Pieces in a compute dtype (the gradients NVMe's step reads so): each block cast to fp32 and multiplied by `unscale`
+    first, as fp32 gradients were before they came here, NORM_BATCH blocks at a time: the same norms."""
     blocks = [piece[lo:lo + NORM_BLOCK] for piece in pieces for lo in range(0, piece.numel(), NORM_BLOCK)]
     if not blocks:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(blocks, 2, dtype=torch.float32)).double().square().sum()
+    if all(block.dtype == torch.float32 for block in blocks):
+        norms = torch._foreach_norm(blocks, 2, dtype=torch.float32)
+    else:
+        norms = []
+        for i in range(0, len(blocks), NORM_BATCH):
+            batch = [block.to(torch.float32, copy=True) for block in blocks[i:i + NORM_BATCH]]
+            if unscale != 1.0:
+                torch._foreach_mul_(batch, unscale)
+            norms += torch._foreach_norm(batch, 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
 
 
 @dataclass
@@ -207,15 +219,17 @@ class DataParallelEngine:
         self._reduce_grads()
         self.placement.finish_grads()  # e.g. the last gradient pieces copied to the host are added there
         master_grads = {name: self._master_grad(group) for name, group in self.groups.items()}
-        if self.scaler.scale != 1.0:
+        unscale = 1.0 / self.scaler.scale  # fp32 gradients unscaled here; those kept in the compute dtype, where read
+        if unscale != 1.0:
             for grad in master_grads.values():
-                grad.mul_(1.0 / self.scaler.scale)
-        norm, totals = self._global_grad_norm(master_grads, sums)
+                if grad.dtype == torch.float32:
+                    grad.mul_(unscale)
+        norm, totals = self._global_grad_norm(master_grads, sums, unscale)
         overflow = not math.isfinite(norm)
         self.scaler.update(overflow)
         if not overflow:
             clip = self.settings.optimizer.clip_grad
-            self.placement.step(master_grads, min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0, lr)
+            self.placement.step(master_grads, min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0, lr, unscale)
             self._publish_params()
         self.zero_grad()
         self.placement.zero_grad()
@@ -327,12 +341,14 @@ class DataParallelEngine:
                      for slot, flat_lo, flat_hi, shard_lo in layout.owned_slot_ranges(self.dp.rank)
                      if (slot.tp_partitioned or self.tp_rank == 0) and slot.name not in self._norm_excluded)
 
-    def _global_grad_norm(self, master_grads: dict, sums: Optional[torch.Tensor]) -> tuple[float, tuple]:
-        """(global gradient norm, `sums` summed over the world group): one all-reduce, one host read."""
+    def _global_grad_norm(self, master_grads: dict, sums: Optional[torch.Tensor], unscale: float = 1.0
+                          ) -> tuple[float, tuple]:
+        """(global gradient norm, `sums` summed over the world group): one all-reduce, one host read. `unscale`: the
+        factor gradients kept in the compute dtype still need."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for name, group in self.groups.items():
             grad = master_grads[name]  # (on the host for gradient shards held there)
-            squares += sum_of_squares([grad[lo:hi] for lo, hi in group.norm_ranges]).to(squares.device)
+            squares += sum_of_squares([grad[lo:hi] for lo, hi in group.norm_ranges], unscale).to(squares.device)
         if self.plan.replica_count > 1:  # hybrid: every node holds the same shards; count them once
             squares /= self.plan.replica_count
         local = (squares if sums is None
@@ -340,10 +356,6 @@ class DataParallelEngine:
         self.world.all_reduce(local, tag="grad_norm")
         total, *totals = self.settings.read_host_floats(local)
         return (math.sqrt(total) if math.isfinite(total) else float("inf")), tuple(totals)
-
-    def _as_fp32(self, grad: torch.Tensor) -> torch.Tensor:
-        """The optimizer works in fp32: a view when grads already are, else a temporary copy."""
-        return grad if grad.dtype == torch.float32 else grad.float()
 
     def state_bytes(self) -> dict:
         """Model-state bytes per category on the device; with offload also host_* / nvme_* keys."""
@@ -404,8 +416,9 @@ class DataParallelEngine:
         raise NotImplementedError
 
     def _master_grad(self, group: GroupState) -> torch.Tensor:
-        """The group's reduced gradient in master coordinates, fp32 (default: its whole gradient tensor)."""
-        return self._as_fp32(group.grads)
+        """The group's reduced gradient in master coordinates, fp32, where the placement keeps it for the step
+        (default: from its whole gradient tensor)."""
+        return self.placement.master_grad(group.name, [group.grads])
 
     def _publish_params(self) -> None:
         raise NotImplementedError

@@ -181,6 +181,11 @@ class NvmeOffload(OffDevicePlacement):
 
     # Gradients stay on the device (the Placement defaults) until the step fetches them chunk by chunk.
 
+    def master_grad(self, name: str, pieces: list) -> torch.Tensor:
+        """A shard in one piece (stages 2/3) as it is, in the compute dtype: the step casts it to fp32 a chunk at a
+        time on its way to the host (a whole fp32 copy on the device would be 4Ψ/N_d at the step's peak)."""
+        return pieces[0] if len(pieces) == 1 else super().master_grad(name, pieces)
+
     # ------------------------------------------------------------ step
 
     def _chunks(self) -> list[Chunk]:
@@ -196,9 +201,9 @@ class NvmeOffload(OffDevicePlacement):
         for state, t in buf.states.items():
             self.files.write(c.name, state, c.lo, t[:c.hi - c.lo])
 
-    def step(self, master_grads: dict, coef: float, lr: float) -> None:
+    def step(self, master_grads: dict, coef: float, lr: float, unscale: float = 1.0) -> None:
         """The spec's host step chunk by chunk; the I/O thread reads chunk i+1 (after writing chunk i-1 back) while
-        the CPU updates chunk i. `master_grads` are the engine's, already unscaled."""
+        the CPU updates chunk i. `master_grads`: `master_grad`'s (compute-dtype ones unscaled here)."""
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
         chunks = self._chunks()
@@ -209,7 +214,7 @@ class NvmeOffload(OffDevicePlacement):
                 reads[i + 1] = self.io.submit(self._read, chunks[i + 1], self.buffers[(i + 1) % 2])
             reads.pop(i).result()
             buf = self.buffers[i % 2]
-            self._update(c, buf, master_grads[c.name], coef)
+            self._update(c, buf, master_grads[c.name], coef, unscale)
             writes.append(self.io.submit(self._write, c, buf))
         for w in writes:
             w.result()
@@ -217,11 +222,13 @@ class NvmeOffload(OffDevicePlacement):
             self.steps[name] += 1
         self.written.update(self.steps)
 
-    def _update(self, c: Chunk, buf: ChunkBuffer, device_grad: torch.Tensor, coef: float) -> None:
+    def _update(self, c: Chunk, buf: ChunkBuffer, device_grad: torch.Tensor, coef: float, unscale: float) -> None:
         n = c.hi - c.lo
         grad = buf.grad[:n]
-        self.copier.to_host(grad, device_grad[c.lo:c.hi])
+        self.copier.to_host(grad, device_grad[c.lo:c.hi])  # fp32 (buf.grad's dtype) on the way
         self.copier.wait_host()
+        if device_grad.dtype != torch.float32:  # the engine unscaled fp32 gradients only
+            scale_(grad, unscale)
         scale_(grad, coef)
         step = torch.tensor(float(self.steps[c.name]), dtype=torch.float32)  # the step adds one
         master = buf.states["master"][:n]

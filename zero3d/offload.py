@@ -175,14 +175,27 @@ class HostOffload(OffDevicePlacement):
             group.grad[lo:hi].add_(group.staging[lo:hi], alpha=alpha)
         self._landing = []
 
+    def master_grad(self, name: str, pieces: list) -> torch.Tensor:
+        """The host fp32 gradient shard: held groups' is the engine's own; the others' device pieces are copied down
+        into it (cast on the way, a piece at a time), so no fp32 copy of the shard is made on the device."""
+        group = self.groups[name]
+        if group.spec.holds_grad:
+            return super().master_grad(name, pieces)
+        lo = 0
+        for piece in pieces:
+            self.copier.to_host(group.grad[lo:lo + piece.numel()], piece)
+            lo += piece.numel()
+        self.copier.wait_host()
+        return group.grad
+
     # ------------------------------------------------------------ step
 
-    def step(self, master_grads: dict, coef: float, lr: float) -> None:
-        """The engine's unscaled gradients (held groups: the host shards themselves; the others
-        copied down now), clipped, the optimizer step on the CPU, updated parameters into the device pieces in
-        the compute dtype."""
+    def step(self, master_grads: dict, coef: float, lr: float, unscale: float = 1.0) -> None:
+        """The engine's unscaled gradients (the host shards `master_grad` gave; any other tensor is copied down into
+        them), clipped, the optimizer step on the CPU, updated parameters into the device pieces in the compute
+        dtype."""
         for name, group in self.groups.items():
-            if not group.spec.holds_grad:
+            if master_grads.get(name, group.grad) is not group.grad:
                 self.copier.to_host(group.grad, master_grads[name])
         self.copier.wait_host()
         for group in self.groups.values():
@@ -205,11 +218,8 @@ class HostOffload(OffDevicePlacement):
         self.copier.wait_host()
 
     def zero_grad(self) -> None:
-        """The gradients the step copied down (the held shards are the engine's: it zeroes them)."""
+        """Nothing to clear: held shards are the engine's (it zeroes them); `master_grad` overwrites the others."""
         self.finish_grads()  # pieces of a skipped step may still be landing
-        for group in self.groups.values():
-            if not group.spec.holds_grad:
-                group.grad.zero_()
 
     # ------------------------------------------------------------ checkpoints and accounting
 
@@ -221,6 +231,13 @@ class HostOffload(OffDevicePlacement):
         return {"host_master_params": sum(nbytes(g.master) for g in self.groups.values()),
                 "host_optimizer_states": optimizer_state_bytes(self.optimizer),
                 "host_grads": sum(nbytes(g.grad) + nbytes(g.staging) for g in self.groups.values())}
+
+    def host_tensors(self) -> dict:
+        groups = self.groups.values()
+        states = [t for state in self.optimizer.state.values() for t in state.values()
+                  if torch.is_tensor(t) and t.dim()]
+        return {"optimizer": [g.master for g in groups] + states, "grads": [g.grad for g in groups],
+                "temporaries": [g.staging for g in groups if g.staging is not None]}
 
     def held_grad_bytes(self) -> int:
         """Bytes of the gradient shards kept only here (the stage counts them as its `grads`)."""

@@ -23,8 +23,19 @@ class Placement:
     def finish_grads(self) -> None:
         """Before the step: every gradient piece handed over has arrived."""
 
-    def step(self, master_grads: dict, coef: float, lr: float) -> None:
-        """Clip by `coef`, the optimizer step at `lr`; {group name: fp32 unscaled gradient in master coordinates}."""
+    def master_grad(self, name: str, pieces: list) -> torch.Tensor:
+        """The group's reduced gradient in master coordinates, fp32, for the step: its `pieces` (in order) themselves
+        when they are one fp32 tensor, else cast straight into one new fp32 tensor beside them (never first joined in
+        their own dtype: that copy would sit beside the fp32 one at the step's peak)."""
+        if len(pieces) == 1 and pieces[0].dtype == torch.float32:
+            return pieces[0]
+        out = torch.empty(sum(piece.numel() for piece in pieces), dtype=torch.float32, device=pieces[0].device)
+        return torch.cat(pieces, out=out)
+
+    def step(self, master_grads: dict, coef: float, lr: float, unscale: float = 1.0) -> None:
+        """Clip by `coef`, the optimizer step at `lr`; {group name: gradient in master coordinates, as `master_grad`
+        gave it}: fp32 ones unscaled, compute-dtype ones still to be multiplied by `unscale` (in fp32, before
+        `coef`)."""
         raise NotImplementedError
 
     @property
@@ -46,6 +57,10 @@ class Placement:
         """Bytes of gradient shards that live here instead of on the device."""
         return 0
 
+    def host_tensors(self) -> dict:
+        """{model-state category ("optimizer", "grads", "temporaries"): [host tensors this placement holds]}."""
+        return {}
+
     def state_bytes(self, stage_bytes: dict) -> dict:
         """The stage's per-category accounting, with what lives here moved to its own keys."""
         return stage_bytes
@@ -61,7 +76,7 @@ class DevicePlacement(Placement):
     def __init__(self, groups: dict, optimizer: torch.optim.Optimizer):
         self.groups, self.optimizer = groups, optimizer
 
-    def step(self, master_grads: dict, coef: float, lr: float) -> None:
+    def step(self, master_grads: dict, coef: float, lr: float, unscale: float = 1.0) -> None:
         for name, group in self.groups.items():
             grad = master_grads[name]
             if coef < 1.0:

@@ -32,4 +32,6 @@ class OptimizerShardedEngine(WholeParamsEngine):
                     group.grads[lo:hi].mul_(self.post_scale)
 
     def _master_grad(self, group):
-        return self._as_fp32(group.layout.shard_of(group.grads, self.dp.rank))
+        """This rank's shard of the reduced gradient: its pieces of the whole buffer, in shard order."""
+        return self.placement.master_grad(group.name, [group.grads[lo:hi]
+                                                       for _, lo, hi in group.layout.pieces(self.dp.rank)])

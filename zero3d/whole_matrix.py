@@ -7,6 +7,7 @@ import torch
 from optim.flat_optimizer import hyper_of
 from zero3d.comm.core import Comm
 from zero3d.flat import ParamSlot
+from zero3d.matrix_owners import assign_owners, newton_schulz_cost
 
 
 @dataclass(frozen=True)
@@ -23,20 +24,11 @@ class Matrix:
 
 
 def matrix_cost(slot: ParamSlot, tp_size: int) -> int:
-    """Newton–Schulz's work on the whole matrix: its elements × its smaller side."""
+    """Newton–Schulz's work on the whole matrix (its TP shards joined)."""
     shape = list(slot.shape)
     if slot.tp_partitioned:
         shape[slot.partition_dim] *= tp_size
-    return shape[0] * shape[1] * min(shape)
-
-
-def assign_owners(costs: list, ranks: int) -> list:
-    """Each cost to a rank, largest first, to the least loaded (ties: the lowest rank)."""
-    load, owners = [0] * ranks, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
-        load[owners[i]] += costs[i]
-    return owners
+    return newton_schulz_cost(*shape)
 
 
 def layout_matrices(groups: list, dp_size: int, tp_size: int) -> list:
@@ -83,36 +75,44 @@ class WholeMatrixStep:
                    if m.owner == owner and m.parts[rank] is not None)
 
     def __call__(self, pieces: list) -> list:
-        view = _viewer([(group, offset, tensor) for group, offset, tensor in pieces])
-
+        """`pieces` [(group, offset, direction)] is taken over and emptied: each direction is freed once it is sent
+        (its caller keeps none), so about two fp32 copies of the larger of this rank's part of the matrices and the
+        matrices it computes exist at once (docs/estimator.md, The optimizer step's moment). The updates come back
+        where the directions were (the host, for ZeRO-Offload's step)."""
+        templates = [(group, offset, (tensor.shape, tensor.device)) for group, offset, tensor in pieces]
         me, size = self.dp.rank, self.dp.size
-        local = self._gather_owned(view, me, size)
-        updates = self._transform(local)
-        out = [torch.zeros_like(tensor) for _, _, tensor in pieces]
-        out_view = _viewer([(group, offset, tensor) for (group, offset, _), tensor in zip(pieces, out)])
-
+        updates = self._transform(self._gather_owned(pieces, me, size))
+        received, starts = self._send_back(updates, me, size)
+        out = [torch.zeros(shape, dtype=torch.float32, device=device) for _, _, (shape, device) in templates]
+        out_view = _viewer([(group, offset, tensor) for (group, offset, _), tensor in zip(templates, out)])
         for m in self.matrices:
             if m.owner == -1:
-                out_view(m.group, m.slot.start, m.slot.numel).copy_(updates[id(m)])
-        self._scatter_back(updates, out_view, me, size)
+                out_view(m.group, m.slot.start, m.slot.numel).copy_(updates.pop(id(m)))
+        self._place_received(received, starts, out_view, me)
         return out
 
-    def _gather_owned(self, view: Callable, me: int, size: int) -> dict:
-        """{id(matrix): its TP-local direction, flat fp32 on the device} of every matrix this rank computes."""
+    def _gather_owned(self, pieces: list, me: int, size: int) -> dict:
+        """{id(matrix): its TP-local direction, flat fp32 on the device} of every matrix this rank computes; `pieces`
+        emptied once sent."""
+        view = _viewer(pieces)
         local = {}
         for m in self.matrices:
             if m.owner == -1:
                 local[id(m)] = view(m.group, m.slot.start, m.slot.numel).to(self.device, torch.float32)
         if not self.exchanged:
+            pieces.clear()
             return local
         sends = [[view(m.group, m.parts[me][2], m.parts[me][1] - m.parts[me][0]) for m in self.exchanged
                   if m.owner == owner and m.parts[me] is not None] for owner in range(size)]
         send = torch.cat([t.reshape(-1) for chunk in sends for t in chunk] or [torch.zeros(0)]).to(
             self.device, torch.float32)
         in_splits = [sum(t.numel() for t in chunk) for chunk in sends]
+        del sends, view
+        pieces.clear()  # the directions now live in `send` only (and the replicated matrices' in `local`)
         out_splits = [self._part_sizes(rank, me) for rank in range(size)]
         received = torch.empty(sum(out_splits), dtype=torch.float32, device=self.device)
         self.dp.all_to_all_v(received, send, out_splits, in_splits, tag="muon")
+        del send
         starts = [sum(out_splits[:r]) for r in range(size)]
         for m in self.exchanged:
             if m.owner != me:
@@ -128,12 +128,13 @@ class WholeMatrixStep:
         return local
 
     def _transform(self, local: dict) -> dict:
-        """{id(matrix): this TP rank's shard of transform(whole matrix), flat} for every matrix this rank computes;
-        the TP shards joined by one all-gather over the TP group."""
+        """{id(matrix): this TP rank's shard of transform(whole matrix), flat} for every matrix this rank computes,
+        each replacing its direction in `local` (emptied) as it is made; the TP shards joined by one all-gather over
+        the TP group."""
         joined = [m for m in self.computed if m.slot.tp_partitioned and self.tp_size > 1]
         gathered, at = None, {}
         if joined:
-            mine = torch.cat([local[id(m)] for m in joined])
+            mine = torch.cat([local.pop(id(m)) for m in joined])
             gathered = torch.empty(self.tp_size * mine.numel(), dtype=torch.float32, device=self.device)
             self.tp.all_gather(gathered, mine, tag="muon_tp")
             gathered = gathered.view(self.tp_size, -1)
@@ -148,23 +149,33 @@ class WholeMatrixStep:
                 lo = at[id(m)]
                 shards = [gathered[r, lo:lo + m.slot.numel].view(shape) for r in range(self.tp_size)]
                 whole = self.transform(torch.cat(shards, dim=dim))
-                out[id(m)] = whole.chunk(self.tp_size, dim=dim)[self.tp.rank].reshape(-1)
+                out[id(m)] = whole.chunk(self.tp_size, dim=dim)[self.tp.rank].reshape(-1).clone()  # not a view of whole
             else:
-                out[id(m)] = self.transform(local[id(m)].view(shape)).reshape(-1)
+                out[id(m)] = self.transform(local.pop(id(m)).view(shape)).reshape(-1)
         return out
 
-    def _scatter_back(self, updates: dict, out_view: Callable, me: int, size: int) -> None:
-        """Every owner sends each rank the update of that rank's pieces of its matrices (the reverse all-to-all)."""
+    def _send_back(self, updates: dict, me: int, size: int) -> tuple:
+        """Every owner sends each rank the update of that rank's pieces of its matrices (the reverse all-to-all); the
+        exchanged updates leave `updates` once sent. (what this rank received, where each owner's part starts)."""
         if not self.exchanged:
-            return
+            return None, None
         sends = [[updates[id(m)][m.parts[rank][0]:m.parts[rank][1]] for m in self.exchanged
                   if m.owner == me and m.parts[rank] is not None] for rank in range(size)]
         send = torch.cat([t for chunk in sends for t in chunk] or [torch.zeros(0, device=self.device)])
         in_splits = [sum(t.numel() for t in chunk) for chunk in sends]
+        del sends
+        for m in self.exchanged:
+            updates.pop(id(m), None)
         out_splits = [self._part_sizes(me, owner) for owner in range(size)]
         received = torch.empty(sum(out_splits), dtype=torch.float32, device=self.device)
         self.dp.all_to_all_v(received, send, out_splits, in_splits, tag="muon")
-        starts = [sum(out_splits[:r]) for r in range(size)]
+        return received, [sum(out_splits[:r]) for r in range(size)]
+
+    def _place_received(self, received: Optional[torch.Tensor], starts: Optional[list], out_view: Callable,
+                        me: int) -> None:
+        """Each of this rank's parts of the exchanged matrices' updates, from `received`, into its output piece."""
+        if received is None:
+            return
         for m in self.exchanged:
             part = m.parts[me]
             if part is None:

@@ -82,7 +82,8 @@ def probe_command(cfg: Config, world: int, args) -> int:
 
 HOST_PARTS = {"activations": "Pa+cpu checkpoints", "optimizer": "offloaded master + Adam moments",
               "grads": "offloaded gradient shards",
-              "params": "offloaded parameter shards", "untracked": "offload staging buffers"}
+              "params": "offloaded parameter shards", "temporaries": "offload staging buffers",
+              "untracked": "NVMe stream buffers"}
 
 
 def format_probe(out: dict, run, rows: list) -> str:

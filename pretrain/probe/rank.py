@@ -147,9 +147,9 @@ class RankRun:
 
 
 def host_bytes(acts, engine):
-    """Host memory now, by the tracker category it would otherwise count under: the Pa+cpu
-    checkpoints (the MD buffer when there is one, else the slices) and ZeRO-Offload's host master,
-    Adam moments, gradient shards and stage 3 parameter shards; its staging buffers were never tracked."""
+    """Host memory now that is not the placement's own tensors (`Placement.host_tensors`, which the tracker reads
+    itself), by the tracker category it would otherwise count under: the Pa+cpu checkpoints (the MD buffer when there
+    is one, else the slices) and stage 3's offloaded parameter shards; NVMe's stream buffers, never tracked."""
     # asked at every dispatched op: the engine's accounting (a walk over every buffer) only where states are on the host
     offloaded = any(key.startswith("host_") for key in engine.state_bytes())
 
@@ -157,12 +157,10 @@ def host_bytes(acts, engine):
         out = {"activations": 0}
         if acts is not None and acts.cpu:
             out["activations"] = acts.buffer.nbytes if acts.contiguous and acts.buffer is not None else acts.host_bytes
-        if offloaded:  # the placement keeps states in host memory
+        if offloaded:  # the placement keeps states in host memory (its own tensors: tracker.host_tensors_now)
             state = engine.state_bytes()
-            out["optimizer"] = state.get("host_master_params", 0) + state.get("host_optimizer_states", 0)
             out["params"] = state.get("host_params", 0)
-            out["grads"] = engine.placement.held_grad_bytes()  # stages 2/3 "cpu": the shard lives there only
-            out["untracked"] = state.get("host_grads", 0) - out["grads"] + state.get("host_buffers", 0)
+            out["untracked"] = state.get("host_buffers", 0)
         return out
     return now
 

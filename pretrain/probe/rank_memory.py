@@ -17,6 +17,16 @@ CATEGORY_OF = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "params", _MemRe
                _MemRefType.TEMP: "temporaries", _MemRefType.OTH: "temporaries"}
 
 
+def _storages(tensors: list) -> list:
+    """The storages of `tensors`, each once."""
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if not any(storage is seen for seen in out):
+            out.append(storage)
+    return out
+
+
 class StepPhases:
     """Which phase of a training step is running; the probe moves it, the tracker and clock read it."""
 
@@ -80,6 +90,7 @@ class PhaseMemTracker(MemTracker):
         self.phases, self.device = phases, device
         self.host_bytes_now = host_bytes_now or dict
         self.gathered_now: Callable[[], list] = list  # register_engine_state: stage 3's gathered buffers
+        self.host_tensors_now: Callable[[], dict] = dict  # register_engine_state: {category: placement's host tensors}
         self.allocating_as: Optional[_MemRefType] = None  # register_engine_state: the category of what is allocated
         self.per_step_grad_bytes: dict = {}  # {group name: bytes of the gradient shard a step allocated, as tracked}
         self.phase_peaks = {p: PhasePeak() for p in PHASES}
@@ -128,8 +139,9 @@ class PhaseMemTracker(MemTracker):
 
     def _update_peak_stats(self, peak_state) -> None:
         # Replaces MemTracker's per-module bookkeeping (quadratic in modules × ops) by per-phase peaks.
-        host_now = self._host_now()
-        by_category = self.now_by_category(host_now)
+        loose = self.host_bytes_now() if self.device.type == "cpu" else None
+        host_now = self._host_now(loose)
+        by_category = self.now_by_category(loose)
         host = sum(host_now.values())
         for name, nbytes in host_now.items():
             self.host_category_peaks[name] = max(self.host_category_peaks.get(name, 0), nbytes)
@@ -142,11 +154,15 @@ class PhaseMemTracker(MemTracker):
         if peak is not None and total > peak.device_bytes:
             peak.device_bytes, peak.by_category = total, by_category
 
-    def _host_now(self) -> dict:
-        """{category: host bytes}; "untracked": host bytes outside the tracker's snapshot."""
-        if self.device.type == "cpu":
-            return self.host_bytes_now()
-        return {"untracked": self._curr_mem_snap.get(torch.device("cpu"), {}).get(_TOTAL_KEY, 0)}
+    def _host_now(self, loose: Optional[dict] = None) -> dict:
+        """{category: host bytes}; "untracked": host bytes outside the tracker's snapshot. `loose`: host_bytes_now()
+        when the caller has it."""
+        if self.device.type != "cpu":
+            return {"untracked": self._curr_mem_snap.get(torch.device("cpu"), {}).get(_TOTAL_KEY, 0)}
+        out = dict(self.host_bytes_now() if loose is None else loose)
+        for category, tensors in self.host_tensors_now().items():
+            out[category] = out.get(category, 0) + sum(storage.nbytes() for storage in _storages(tensors))
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -167,9 +183,9 @@ class PhaseMemTracker(MemTracker):
 
     # ------------------------------------------------------------ results
 
-    def now_by_category(self, host_now: Optional[dict] = None) -> dict:
-        """Device bytes per category right now (model states between steps, when called then); `host_now`:
-        _host_now() when the caller has it."""
+    def now_by_category(self, loose: Optional[dict] = None) -> dict:
+        """Device bytes per category right now (model states between steps, when called then); `loose`:
+        host_bytes_now() when the caller has it."""
         snap = self._curr_mem_snap.get(self.device, {})
         out = dict.fromkeys(CATEGORIES, 0)
         for ref, nbytes in snap.items():
@@ -178,10 +194,16 @@ class PhaseMemTracker(MemTracker):
         for category, nbytes in self._gathered_by_category():
             out[category] -= nbytes
             out["temporaries"] += nbytes
-        if self.device.type == "cpu":
-            for category, nbytes in (self._host_now() if host_now is None else host_now).items():
+        if self.device.type == "cpu":  # host memory sits in the same snapshot: taken out
+            for category, nbytes in (self.host_bytes_now() if loose is None else loose).items():
                 if category in out:
                     out[category] -= nbytes
+            # the placement's host tensors out of whichever category they were tracked under (the moments a first
+            # step creates, say, are its temporaries until the step ends)
+            for storage in _storages([t for ts in self.host_tensors_now().values() for t in ts]):
+                winfo, _ = self._WINFO.get(storage, (None, None))
+                if winfo is not None and winfo.device == self.device:
+                    out[CATEGORY_OF[winfo.reftype]] -= winfo.mem_consumed
         return out
 
     def _gathered_by_category(self) -> list:
@@ -225,3 +247,13 @@ def register_engine_state(tracker: PhaseMemTracker, engine) -> None:
             tracker.register(_MemRefType.PARAM, g.secondary)
         for _, piece in g.master_pieces:  # one tensor, or per-bucket views of the fp32 parameters
             tracker.register(_MemRefType.OPT, piece)
+    tracker.host_tensors_now = engine.placement.host_tensors  # ZeRO-Offload's host tensors
+    if engine.placement.name != "nvme":  # (whose states are in its files)
+        # the optimizer's states made now, as its first step would (zeros, step 0): made inside that step they would be
+        # its temporaries there (and the host optimizer's device memory until listed as the placement's), where the
+        # second step's peak, as high, holds them as optimizer states
+        optimizer = engine.placement.optimizer
+        for group in optimizer.param_groups:
+            for piece in group["params"]:
+                if not optimizer.state[piece]:
+                    optimizer.state[piece].update(optimizer.initial_state(piece))

@@ -27,8 +27,11 @@ def estimate_rows(estimate: MemoryBreakdown, model_states: dict, at_peak: Option
     peak = ("peak (without margin)", estimate.total_bytes - estimate.margin_bytes, peak_bytes)
     if at_peak is None:
         return [*states, peak]
-    return [*states, ("activations at the peak", estimate.activation_bytes, at_peak["activations"]),
-            ("temporaries (buffers) at the peak", estimate.buffer_bytes, at_peak["temporaries"]),
+    # at the optimizer step's peak the activations are freed and its fp32 gradient copy is the temporary
+    at_step = estimate.peaks_at_step
+    return [*states, ("activations at the peak", 0.0 if at_step else estimate.activation_bytes, at_peak["activations"]),
+            ("temporaries (buffers) at the peak", estimate.step_bytes if at_step else estimate.buffer_bytes,
+             at_peak["temporaries"]),
             peak, ("host (Pa+cpu)", estimate.host_bytes, host_bytes)]
 
 

@@ -125,3 +125,20 @@ def test_stage3_param_offload_matches(tp, tmp_path, gpt_run):
             assert moved["params"] == 0
             assert moved[f"{'host' if placement == 'cpu' else 'nvme'}_params"] == r_opt["state_bytes"]["params"] > 0
     assert list(tmp_path.iterdir()) == []  # the mapped files are unlinked
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_unscales_the_fp16_gradient_shard_it_reads(stage, tmp_path):
+    """fp16 at loss scale 1024 with SGD (its update is the gradient's own size, where Adam's would hide a scale): NVMe's
+    step reads the fp16 shard itself, no fp32 copy of it on the device, and unscales it a chunk at a time (its norm
+    a few blocks at a time); it trains as the device placement, whose step unscales an fp32 copy."""
+    extra = ['precision.dtype="fp16"', "precision.initial_loss_scale=1024", 'optimizer.name="sgd"']
+    ref = run(1, stage, extra, steps=4)
+    out = run(1, stage, extra + offload("nvme", tmp_path), steps=4)
+    assert not any(ref[0]["skipped"]) and ref[0]["loss_scale"][0] == 1024
+    for r_ref, r_out in zip(ref, out):
+        torch.testing.assert_close(torch.tensor(r_out["grad_norm"]), torch.tensor(r_ref["grad_norm"]), rtol=1e-6,
+                                   atol=0)
+        torch.testing.assert_close(torch.tensor(r_out["loss"]), torch.tensor(r_ref["loss"]), rtol=1e-3, atol=0)
+        for name, p in r_ref["params"].items():
+            torch.testing.assert_close(r_out["params"][name], p, rtol=0, atol=1e-3, msg=name)

@@ -104,9 +104,14 @@ def test_fake_probe_equals_real_cpu_ranks(overrides):
         transients = logits + tokens * cfg.model.hidden_size * e + 128 * tokens
         assert (measured.saved_tensor_peak <= probed.category_peaks["activations"]
                 <= measured.saved_tensor_peak + transients), (probed.category_peaks["activations"], measured.saved_tensor_peak)
+        # At stages 1/2 gloo's all-gather of the updated parameters stages one shard of them on the real ranks
+        # (68,928 B here, in the gather phase), where the fake group stages nothing: a CPU collective's bytes, not
+        # a GPU's. (It was hidden while the first step's new optimizer states counted as temporaries on both sides.)
+        gather_staging = states["params"] // DP if cfg.zero.stage in (1, 2) else 0
         for category in ("activations", "temporaries"):
+            slack = GLOO_STAGING_SLACK + (gather_staging if category == "temporaries" else 0)
             assert probed.category_peaks[category] == pytest.approx(measured.category_peaks[category], rel=0.05,
-                                                                    abs=GLOO_STAGING_SLACK), category
+                                                                    abs=slack), category
         assert probed.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
         # Per phase within 10%: gloo stages a parameter all-gather through a temporary the fake process
         # group does not allocate (stage 2 fp16 here: 843,528 B real vs 774,600 B probed in the gather

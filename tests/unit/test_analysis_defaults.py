@@ -36,15 +36,17 @@ def stage3_device_bytes(layers, hidden, heads, gpus):
     """Stage 3, fp16, s = 1024, V = 50257 (padded 50304), micro-batch 1, full recompute, CB 5e7, 32 GiB; megatron's
     loss on the fp16 logits, each beside its fp32 copy (2 + 4 bytes). Buffers
     (estimate.buffer_terms): the fp16 bucket fc2's weight gradient lands in, two gathered units, the output layer's
-    bucket in flight, and the larger of fc2's activation gradients and local attention's score gradients."""
+    bucket in flight, and the larger of fc2's activation gradients and local attention's score gradients. The step's
+    moment, when larger: the fp32 copy of the gradient shard it updates from, 4Ψ/N_d, with activations and buffers
+    freed."""
     psi = gpt_param_count(layers, hidden, 50257, 1024)
     layer = 12 * hidden**2 + 13 * hidden
     embedding = 50304 * hidden + 1024 * hidden
     bucket = max(4 * hidden**2, min(50_000_000, layer))
     gradients = max(1024 * hidden * 2 + 1024 * 4 * hidden * 2, 2 * heads * 1024**2 * 2 - 2 * 1024 * 4 * hidden * 2)
-    return (16 * psi / gpus + layers * 1024 * hidden * 2 + layer_activation_bytes(1024, 1, hidden, heads, 1)
-            + 1024 * 50304 * (2 + 4) + 2 * bucket + 2 * max(layer, embedding) * 2 + 50304 * hidden * 2 + gradients
-            + 0.1 * 32 * GIB)
+    backward = (layers * 1024 * hidden * 2 + layer_activation_bytes(1024, 1, hidden, heads, 1)
+                + 1024 * 50304 * (2 + 4) + 2 * bucket + 2 * max(layer, embedding) * 2 + 50304 * hidden * 2 + gradients)
+    return 16 * psi / gpus + max(backward, 4 * psi / gpus) + 0.1 * 32 * GIB
 
 
 def largest_stage3_by_formula(gpus):

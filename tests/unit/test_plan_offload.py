@@ -2,7 +2,8 @@
 import pytest
 
 from analysis import planner
-from analysis.estimate import GIB, estimate_from_shape, gpt_param_count, paper_shape
+from analysis.estimate import GIB, Parallelism, ZeroChoice, estimate_from_shape, gpt_param_count, paper_shape
+from analysis.offload_estimate import offload_breakdown
 
 CLUSTER = planner.PAPER_CLUSTER
 NODE_HOST = 0.9 * 24 * 64 * GIB  # paper §4.1: 24 × 64 GB DIMMs per DGX-2, less the 10% margin
@@ -50,7 +51,8 @@ def test_host_memory_short_moves_the_optimizer_to_nvme():
     assert 18 * psi > NODE_HOST and 12 * psi < NODE_NVME
     device = estimate_from_shape(layers=110, hidden=8192, heads=64, vocab=50257, seq=1024, gpus=16, stage=3,
                                  recompute="full", bucket_elements=50_000_000)
-    assert device.total_bytes - device.optimizer_bytes <= 32 * GIB < device.total_bytes
+    on_host = offload_breakdown(device, Parallelism(16), ZeroChoice(3, offload_optimizer="cpu"))
+    assert on_host.fits and not device.fits
     found = planner.plan(layers=110, hidden=8192, heads=64, gpus=16, global_batch=16)
     assert found and all((c.zero.offload_optimizer, c.zero.offload_params) == ("nvme", "none") for c in found)
     assert all(c.offload.host == {"buffers": 64 * 2**20} for c in found if not c.zero.pa_cpu)
