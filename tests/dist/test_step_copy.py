@@ -58,17 +58,18 @@ def _fp32_allocations_in_step(rank, world, stage, placement, nvme_dir):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_only_the_device_placement_makes_an_fp32_gradient_copy_for_its_step(stage, tmp_path):
-    """Three ranks, bf16. The device placement allocates each group's fp32 shard (at least the largest group's); "cpu"
-    and (stages 2/3, whose shard is one piece) NVMe allocate no fp32 tensor as large as the largest shard."""
+    """Three ranks, bf16, the norm's blocks at 64 elements. The device placement allocates an fp32 tensor of exactly
+    each group's shard size; "cpu" and (stages 2/3, whose shard is one piece) NVMe allocate no fp32 tensor larger than
+    one norm block (NVMe's cast blocks; the groups' shards here are up to 1,793 elements)."""
     found = {}
     for placement in ("none", "cpu", "nvme"):
         nvme_dir = tmp_path / placement
         nvme_dir.mkdir()
         found[placement] = run_ranks(_fp32_allocations_in_step, 3, stage, placement, nvme_dir, timeout=180)
     for rank in range(3):
-        largest = max(found["none"][rank]["shards"].values())
-        assert largest > 8 * 64  # larger than the norm's casts
-        assert max(found["none"][rank]["made"]) >= largest, found["none"][rank]
-        assert max(found["cpu"][rank]["made"], default=0) < largest, found["cpu"][rank]
+        shards = found["none"][rank]["shards"]
+        assert max(shards.values()) > 8 * 64  # larger than the norm's casts of 8 blocks at once
+        assert all(n in found["none"][rank]["made"] for n in shards.values() if n > 64), found["none"][rank]
+        assert max(found["cpu"][rank]["made"], default=0) <= 64, found["cpu"][rank]
         if stage >= 2:
-            assert max(found["nvme"][rank]["made"], default=0) < largest, found["nvme"][rank]
+            assert max(found["nvme"][rank]["made"], default=0) <= 64, found["nvme"][rank]

@@ -7,9 +7,9 @@ import pytest
 
 from pretrain.probe import cli as probe
 
-# configs/tiny.toml in bf16, full recomputation, one sequence a micro-batch: 0.13 MB of checkpoints and
-# a layer's 1.6 MB against 4 MB of fp32 gradient on one rank
-TINY = ['precision.dtype="bf16"', 'model.recompute="full"', "train.micro_batch_size=1"]
+# configs/tiny.toml in bf16 with a vocabulary megatron pads (1000 -> 1024), full recomputation, one sequence a
+# micro-batch: 0.13 MB of checkpoints and a layer's 1.6 MB against 4 MB of fp32 gradient on one rank
+TINY = ['model.vocab_size=1000', 'precision.dtype="bf16"', 'model.recompute="full"', "train.micro_batch_size=1"]
 
 
 def _probe(capsys, world: int, stage: int, *extra: str, tp: int = 1) -> dict:
