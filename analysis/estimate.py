@@ -3,6 +3,7 @@ budget, optimizer)`, each argument one of analysis/job.py's objects (or the mode
 OptimizerStates)."""
 import dataclasses
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 from analysis.activations import layer_bytes, mlp_activation_bytes, selective_layer_bytes
@@ -13,7 +14,7 @@ from analysis.job import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GIB,
 from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
                                    Precision, late_shard_room, model_state_bytes)
 from analysis.modes import extra_state_bytes, mode_costs  # noqa: F401 (extra_state_bytes: its readers)
-from analysis.step_moment import gradient_copy_bytes, whole_matrix_step_bytes
+from analysis.step_moment import gradient_join_bytes, step_moment_bytes, whole_matrix_step_bytes
 from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 
 GB = 10**9  # the paper's unit: 7.5B params × 16 bytes = 120 GB exactly
@@ -183,6 +184,7 @@ class MemoryBreakdown:
     grads_not_at_peak: float = 0.0  # of the gradient shard a step allocates late: what the peak does not hold
     step_bytes: float = 0.0  # the optimizer step's moment beside the model states (analysis/step_moment.py)
     matrix_step_bytes: float = 0.0  # of step_bytes: Muon's whole-matrix step, on the device wherever its optimizer runs
+    step_join_bytes: float = 0.0  # of step_bytes: stage 1's shard joined for the step, wherever the update runs
 
     @property
     def model_state_bytes(self) -> float:
@@ -359,17 +361,23 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     # recomputed then (none yet) and the buffers (none in use), so only what exceeds those raises the peak
     logits = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute,
                         beside=buffers + (kept_by_layer if recompute != "none" else 0), compiled=step.compiled)
-    # What the optimizer step holds beside the model states (analysis/step_moment.py): the fp32 copy of this rank's
-    # gradient it updates from (with the optimizer on the device; offload_breakdown says where else), Muon's exchange.
+    # What the optimizer step holds beside the model states (analysis/step_moment.py): stage 1's joined shard, the
+    # larger of Muon's exchange and the chunks it casts to fp32 (none on the device with "cpu")
     on_device = zero.offload_optimizer != "cpu"
     matrix_step = float(whole_matrix_step_bytes(shape, tp, stage, state_ranks)) if states.matrix_share else 0.0
-    step_moment = matrix_step + (float(gradient_copy_bytes(psi, stage, state_ranks, prec.master_bytes))
-                                 if on_device else 0.0)
+    joined = float(gradient_join_bytes(shape, tp, stage, state_ranks, bucket_elements, prec.grad_bytes,
+                                       states.matrix_share))
+    step_moment = step_moment_bytes(zero.offload_optimizer, Fraction(psi, state_ranks if stage else 1),
+                                    prec.master_bytes > 0, states.elementwise_states if states.state_dtype == "bf16"
+                                    else 0, joined, matrix_step)
     # One micro-batch a step (`step.grad_shard_per_step`): the stage 2/3 shard on the device is not all held at the
     # activations' peak (late_shard_room); the step's moment holds it whole (MemoryBreakdown.total_bytes).
     not_at_peak = 0.0
     if step.grad_shard_per_step and stage >= 2 and on_device:
-        room = late_shard_room(shape, stage, tp, bucket_elements, grad, logits, kept_by_layer)
+        # a layer's backward frees for good its activations (none) or its checkpoint (a recomputed layer's working
+        # set is made again by the next)
+        freed_by_layer = kept_by_layer if recompute == "none" else checkpoints / shape.layers
+        room = late_shard_room(shape, stage, tp, bucket_elements, grad, logits, freed_by_layer)
         not_at_peak = min(room, checkpoints + working + logits + mask_bytes + buffers)
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
@@ -377,7 +385,7 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),
         mask_bytes=float(mask_bytes), grads_not_at_peak=float(not_at_peak), step_bytes=step_moment,
-        matrix_step_bytes=matrix_step)
+        matrix_step_bytes=matrix_step, step_join_bytes=joined)
 
 
 def loss_logit_bytes(activation_bytes: int, fused: bool, compiled: bool) -> int:

@@ -53,6 +53,11 @@ class OptimizerStates:
                   else Fraction(spec.state_bytes(False, self.state_dtype)))
         return PRECISIONS[precision].master_bytes + states
 
+    @property
+    def elementwise_states(self) -> int:
+        """States per element of the groups its spec updates elementwise (AdamW's two moments; Muon's too)."""
+        return len(spec_named(self.name).states)
+
     @classmethod
     def of_shape(cls, shape: GPTShape, tp: int = 1, name: str = "adamw", state_dtype: str = "fp32") -> "OptimizerStates":
         """The optimizer's K for a GPT shape on one TP rank: Muon's matrix share is its hidden matrices' Ψ."""
@@ -82,8 +87,8 @@ def late_shard_room(shape: GPTShape, stage: int, tp: int, bucket_elements: Optio
     it after the step.
     - Stage 2: each parameter group's shard whole, at the first piece, when a third bucket launches with two in flight
       (zero3d/buckets.py): after the loss's backward, and after the last layer's when a layer's parameters fit in two
-      buckets (without CB the one bucket launches after backward). What those free, `loss` and `layer` bytes (at least),
-      makes room for it, up to `grad`.
+      buckets (without CB the one bucket launches after backward). What those free for good, `loss` and `layer` bytes
+      (at least: a layer's activations, or a recomputed layer's checkpoint), makes room for it, up to `grad`.
     - Stage 3: a shard per gather unit, each at its own unit's first piece: at the peak (the last layer's backward)
       at most the output layer's and the last layer's are allocated, grad·(V·h/t + layer)/Ψ; the rest is not held."""
     if stage == 3:

@@ -7,6 +7,7 @@ from typing import Iterator, Optional
 from analysis.estimate import (ADAMW_FP32, DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GB, MASTER_BYTES,
                                PRECISIONS, V100_MEMORY_BYTES, MemoryBreakdown, OptimizerStates, Parallelism,
                                ZeroChoice, estimate_from_shape, gpt_param_count, largest_fitting_layers)
+from analysis.step_moment import step_moment_bytes
 from zero3d.config import PLACEMENTS as OFFLOAD_PLACEMENTS
 from zero3d.config import ZeroConfig
 
@@ -96,7 +97,7 @@ def offload_breakdown(m: MemoryBreakdown, layout: Parallelism, zero: ZeroChoice,
     (Ren et al. 2021): the device keeps just the bucket buffers. "nvme" holds them in files and only
     `nvme_buffer_bytes` of host buffers, and its gradient shard stays on the device (host memory stays
     bounded); its step casts it to fp32 a chunk at a time, so neither keeps an fp32 gradient on the device for the
-    step (`MemoryBreakdown.step_bytes`), but for NVMe at stage 1, whose shard is pieces of the whole gradient.
+    step (`MemoryBreakdown.step_bytes`: NVMe's chunks, at stage 1 its pieces of the whole gradient joined).
     Parameter offload (stage 3) moves the compute-dtype parameter shard, 2Ψ/N_d, too.
     PCIe per step: at stages 2-3 each micro-batch's reduced gradient shard goes down as it lands
     (stage 1: the fp32 shard once, at the step), the updated compute-dtype shard comes up once; with
@@ -130,9 +131,8 @@ def offload_breakdown(m: MemoryBreakdown, layout: Parallelism, zero: ZeroChoice,
             pcie += p.param_bytes * shard  # the updated shard back to the device
         if grads_on_host:
             device["grad_bytes"] = 0.0
-        if offload_optimizer == "cpu" or stage >= 2:  # no fp32 gradient on the device for the step: "cpu" reads the
-            # host shard, NVMe the compute-dtype shard chunk by chunk (master_grad); Muon's exchange stays on the device
-            device["step_bytes"] = m.matrix_step_bytes
+        device["step_bytes"] = step_moment_bytes(offload_optimizer, shard, mixed, 0, m.step_join_bytes,
+                                                 m.matrix_step_bytes)
     if offload_params != "none":
         moved = p.param_bytes * shard
         device["param_bytes"] = 0.0

@@ -1,19 +1,43 @@
 """The optimizer step's moment: what a rank holds beside its model states while its optimizer steps (the estimator's
-`step_bytes`) — the fp32 gradient a mixed-precision step updates from, and, for an optimizer that takes the hidden
-matrices whole (Muon), the whole-matrix step's exchange and Newton–Schulz iteration (zero3d/whole_matrix.py)."""
+`step_bytes`) — stage 1's joined gradient shard, the chunks a mixed-precision step casts to fp32, and, for an optimizer
+that takes the hidden matrices whole (Muon), the whole-matrix step's exchange and Newton–Schulz iteration
+(zero3d/whole_matrix.py)."""
 from fractions import Fraction
 
 from model_shape.gpt import GPTShape
+from optim.spec import STEP_CHUNK
 from zero3d.matrix_owners import assign_owners, newton_schulz_cost
 
 FP32 = 4
 
 
-def gradient_copy_bytes(psi: int, stage: int, ranks: int, master_bytes: int) -> Fraction:
-    """The fp32 copy of this rank's gradient in master coordinates that a mixed-precision step updates from
-    (zero3d/placement.py: master_grad): 4Ψ/N_d, stage 0's the whole 4Ψ; none in fp32 (`master_bytes` 0), where the
-    gradient is its own fp32 copy."""
-    return Fraction(psi * master_bytes, ranks if stage >= 1 else 1)
+def gradient_join_bytes(shape: GPTShape, tp: int, stage: int, ranks: int, bucket_elements, grad_bytes: int,
+                        matrix_share: Fraction = Fraction(0)) -> Fraction:
+    """The shard stage 1 joins for its step over more than one rank: a group's pieces of the whole gradient, one a
+    bucket, apart in memory, joined into one tensor in their own dtype (zero3d/placement.py: master_grad) where the
+    group spans more than one bucket (taken as more than `bucket_elements`; None: one bucket). The groups
+    (zero3d/flat.py: param_groups): the 1-D parameters, the matrices the optimizer takes whole (`matrix_share` of Ψ),
+    the other matrices. Every other layout steps from its shard as it is."""
+    if stage != 1 or ranks == 1 or bucket_elements is None:
+        return Fraction(0)
+    psi = shape.params(tp)
+    vectors = sum(dims[0] for dims in shape.parameter_shapes().values() if len(dims) == 1)
+    matrices = psi * Fraction(matrix_share)
+    joined = sum(n for n in (vectors, matrices, psi - vectors - matrices) if n > bucket_elements)
+    return grad_bytes * Fraction(joined) / ranks
+
+
+def step_moment_bytes(placement: str, shard, mixed: bool, upcast_states: int, joined=0, matrix=0) -> float:
+    """What the step holds beside the model states with the optimizer at `placement` (zero.offload_optimizer) over a
+    gradient shard of `shard` elements: `joined` (gradient_join_bytes) and the larger of Muon's whole-matrix step
+    (`matrix`) and what it casts to fp32 at once — at most STEP_CHUNK elements (optim/spec.py) of a `mixed`-precision
+    gradient (4 bytes each: the norm's blocks, the update's chunks), with the chunk's `upcast_states` bf16 states
+    (4 bytes each) where the update runs on the device. No fp32 copy of the whole shard is made. "cpu": the shard
+    goes down to the host before the norm; only Muon's exchange stays on the device."""
+    if placement == "cpu":
+        return float(matrix)
+    per_element = FP32 * ((1 if mixed else 0) + (upcast_states if placement == "none" else 0))
+    return float(joined + max(per_element * min(Fraction(shard), Fraction(STEP_CHUNK)), Fraction(matrix)))
 
 
 def hidden_matrices(shape: GPTShape) -> list:

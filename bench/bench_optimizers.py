@@ -8,7 +8,8 @@ states = the fp32 update from the rounded states, rounded back, bit for bit; Lio
 (an MLP, zero3d's whole-matrix step) = the same on the CPU within rounding. Timings (CUDA events, median of
 --repeats): one step of AdamW, Lion and SGD over --elements fp32 master elements with fp32 and with bf16 states (the
 bytes each step reads and writes over its time), and Muon's Newton–Schulz
-on one --matrix in fp32 and in bf16 (the planner models the fp32 one at the GPU's plain fp32 rate).
+on one --matrix in fp32 and in bf16 (the planner models the fp32 one at the GPU's plain fp32 rate); AdamW's step from
+a bf16 gradient, the whole shard cast first against the engine's chunked casts (time, memory beside, bit for bit).
 Needs only torch (no megatron): zero3d's engine runs on a one-rank process group.
 """
 import argparse
@@ -164,6 +165,7 @@ def timings(elements: int, matrix: tuple, repeats: int) -> None:
                   f"({moved / seconds / 1e9:7.1f} GB/s of master, gradient and states)")
             del opt, master
             torch.cuda.empty_cache()
+    step_from_compute_dtype(elements, repeats)
     rows, cols = matrix
     u = torch.randn(rows, cols, device=cuda)
     r, c = min(rows, cols), max(rows, cols)
@@ -172,6 +174,45 @@ def timings(elements: int, matrix: tuple, repeats: int) -> None:
         seconds = timed(lambda: newton_schulz(u.to(dtype), 5) if dtype == torch.float32 else ns_bf16(u, 5), repeats)
         print(f"Newton–Schulz ×5 on {rows}×{cols} in {str(dtype).split('.')[1]}: {seconds * 1e3:8.2f} ms "
               f"({flops / seconds / 1e12:6.1f} TFLOP/s)")
+
+
+def step_from_compute_dtype(elements: int, repeats: int) -> None:
+    """AdamW's step from a bf16 gradient shard unscaled and clipped (the device placement's): the whole shard cast to
+    fp32 and scaled first (the step before 2026-12-01) against `FlatOptimizer.step(grads=...)`, which casts and scales
+    a STEP_CHUNK at a time; bit for bit the same masters, each one's time and the memory it allocates beyond the
+    master, gradient and states."""
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    low = torch.randn(elements, device=cuda, generator=g).bfloat16()
+    scales = (1 / 1024, 0.37)
+    results = {}
+    for kind in ("whole", "chunked"):
+        master = torch.randn(elements, device=cuda, generator=torch.Generator(device=cuda).manual_seed(1))
+        opt = FlatOptimizer([FlatTensor(master, 0.1)], spec_named("adamw"), OptimizerConfig(), fused=True)
+
+        def step():
+            if kind == "chunked":
+                opt.step(grads={master: (low, scales)})
+                return
+            grad = low.float()
+            for scale in scales:
+                grad.mul_(scale)
+            master.grad = grad
+            opt.step()
+            master.grad = None
+        step()  # the states exist from here on
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        extra = torch.cuda.max_memory_allocated() - before
+        results[kind] = (timed(step, repeats), extra, master.clone())
+        del opt, master
+        torch.cuda.empty_cache()
+    (whole_s, whole_mem, whole_m), (chunk_s, chunk_mem, chunk_m) = results["whole"], results["chunked"]
+    print(f"adamw from a bf16 gradient of {elements:,} elements: whole fp32 copy {whole_s * 1e3:.2f} ms, "
+          f"{whole_mem / 2**20:.0f} MiB beside; chunked {chunk_s * 1e3:.2f} ms ({whole_s / chunk_s:.2f}x), "
+          f"{chunk_mem / 2**20:.0f} MiB beside; same masters bit for bit: {torch.equal(whole_m, chunk_m)}")
 
 
 def ns_bf16(matrix, steps):

@@ -4,9 +4,8 @@ from typing import Callable, Optional
 
 import torch
 
-from optim.spec import OptimizerSpec
+from optim.spec import STEP_CHUNK, OptimizerSpec, step_batches
 
-STATE_CHUNK = 1 << 22  # elements: 16 MiB of fp32 per state at most, upcast at once (bf16 states)
 STATE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -93,54 +92,71 @@ class FlatOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grads: Optional[dict] = None):
         """Each piece with a gradient: the elementwise groups by weight decay in one update each; the whole
-        matrices' directions, their updates from the engine (whole), applied."""
+        matrices' directions, their updates from the engine (whole), applied.
+
+        `grads`: {piece: (gradient, scales)} in place of the pieces' `.grad` (the device placement's): a gradient in
+        any dtype, cast to fp32 and multiplied by each of `scales` in turn a STEP_CHUNK at a time on its way into the
+        update, so no fp32 copy of a whole compute-dtype shard is made (its elements as that copy's would be)."""
+        grads = {group["params"][0]: (group["params"][0].grad, ()) for group in self.param_groups
+                 if group["params"][0].grad is not None} if grads is None else grads
         buckets: dict = {}
         for group in self.param_groups:
             piece = group["params"][0]
-            if piece.grad is not None:
+            if piece in grads:
                 buckets.setdefault((group["matrix"], group["weight_decay"], group["lr"]), []).append((piece, group))
         for (matrix, weight_decay, lr), members in buckets.items():
             if not matrix:
-                self._elementwise([p for p, _ in members], lr, weight_decay)
+                self._elementwise([p for p, _ in members], [grads[p] for p, _ in members], lr, weight_decay)
         matrices = [(key, members) for key, members in buckets.items() if key[0]]
         if matrices:
-            self._matrices(matrices)
+            self._matrices(matrices, grads)
 
-    def _elementwise(self, pieces: list, lr: float, weight_decay: float) -> None:
+    def _elementwise(self, pieces: list, grads: list, lr: float, weight_decay: float) -> None:
         states = [self._states(p) for p in pieces]
         names = self.spec.states
-        if self.state_dtype == torch.float32:
-            self.spec.update(pieces, [p.grad for p in pieces], {k: [s[k] for s in states] for k in names},
+        if self.state_dtype == torch.float32 and all(g.dtype == torch.float32 and not k for g, k in grads):
+            self.spec.update(pieces, [g for g, _ in grads], {k: [s[k] for s in states] for k in names},
                              [s["step"] for s in states], lr, weight_decay, self.hyper, self.fused)
         else:
-            for piece, state in zip(pieces, states):
-                self.update_piece(piece, piece.grad, {k: state[k] for k in names}, state["step"],
-                                  {"lr": lr, "weight_decay": weight_decay})
+            slices = [(i, lo, min(lo + STEP_CHUNK, p.numel())) for i, p in enumerate(pieces)
+                      for lo in range(0, p.numel(), STEP_CHUNK)]
+            for run in step_batches([hi - lo for _, lo, hi in slices], STEP_CHUNK):
+                part = [slices[j] for j in run]
+                self._update_slices([pieces[i][lo:hi] for i, lo, hi in part],
+                                    [as_fp32(grads[i][0][lo:hi], grads[i][1]) for i, lo, hi in part],
+                                    {k: [states[i][k][lo:hi] for i, lo, hi in part] for k in names},
+                                    [states[i]["step"] for i, _, _ in part], lr, weight_decay)
         for state in states:
             state["step"] += 1
 
-    def update_piece(self, master, grad, states: dict, step, group: dict) -> None:
-        """The spec's elementwise update of one piece (an NVMe chunk, a bf16 piece): the states in any dtype,
-        computed in fp32 a STATE_CHUNK at a time. `step`: the count before this step (the caller counts)."""
-        for lo in range(0, master.numel(), STATE_CHUNK):
-            hi = min(lo + STATE_CHUNK, master.numel())
-            upcast = {k: [s[lo:hi] if s.dtype == torch.float32 else s[lo:hi].float()] for k, s in states.items()}
-            self.spec.update([master[lo:hi]], [grad[lo:hi]], upcast, [step], group["lr"],
-                             group["weight_decay"], self.hyper, self.fused)
-            for key, state in states.items():
+    def _update_slices(self, masters: list, grads: list, states: dict, steps: list, lr: float,
+                       weight_decay: float) -> None:
+        """The spec's update of fp32 slices, their states in any dtype (upcast to fp32 for it and written back)."""
+        upcast = {k: [s if s.dtype == torch.float32 else s.float() for s in ss] for k, ss in states.items()}
+        self.spec.update(masters, grads, upcast, steps, lr, weight_decay, self.hyper, self.fused)
+        for key, ss in states.items():
+            for state, value in zip(ss, upcast[key]):
                 if state.dtype != torch.float32:
-                    state[lo:hi].copy_(upcast[key][0])
+                    state.copy_(value)
 
-    def _matrices(self, matrices: list) -> None:
+    def update_piece(self, master, grad, states: dict, step, group: dict) -> None:
+        """The spec's elementwise update of one piece (an NVMe chunk): the states in any dtype, computed in fp32 a
+        STEP_CHUNK at a time. `step`: the count before this step (the caller counts)."""
+        for lo in range(0, master.numel(), STEP_CHUNK):
+            hi = min(lo + STEP_CHUNK, master.numel())
+            self._update_slices([master[lo:hi]], [grad[lo:hi]], {k: [s[lo:hi]] for k, s in states.items()}, [step],
+                                group["lr"], group["weight_decay"])
+
+    def _matrices(self, matrices: list, grads: dict) -> None:
         """Each piece's direction (its states updated), every whole matrix's update from `orthogonalize` at once
         (one exchange for the step), each applied with its group's lr and weight decay."""
         rule, entries, directions = self.spec.matrix, [], []
         for (_, weight_decay, lr), members in matrices:
             for piece, group in members:
                 state = self._states(piece)
-                directions.append(self._direction(piece, {k: state[k] for k in rule.states}))
+                directions.append(self._direction(piece, *grads[piece], {k: state[k] for k in rule.states}))
                 entries.append((piece, group, weight_decay, lr))
                 state["step"] += 1
         pieces = [(group["group"], group["offset"], direction)
@@ -150,16 +166,32 @@ class FlatOptimizer(torch.optim.Optimizer):
         for (piece, _, weight_decay, lr), update in zip(entries, updates):
             rule.apply([piece], [update], lr, weight_decay)
 
-    def _direction(self, piece, states: dict) -> torch.Tensor:
-        """The matrix rule's fp32 direction of one piece, its states updated (bf16: a chunk at a time)."""
+    def _direction(self, piece, grad, scales: tuple, states: dict) -> torch.Tensor:
+        """The matrix rule's fp32 direction of one piece, its states updated (a compute-dtype gradient or bf16
+        states: a STEP_CHUNK at a time, each chunk's gradient cast into the direction's own place, so the piece's
+        direction and one chunk's are all the step holds)."""
         rule = self.spec.matrix
-        if all(s.dtype == torch.float32 for s in states.values()):
-            return rule.direction([piece.grad], {k: [s] for k, s in states.items()}, self.hyper)[0]
+        if grad.dtype == torch.float32 and not scales and all(s.dtype == torch.float32 for s in states.values()):
+            return rule.direction([grad], {k: [s] for k, s in states.items()}, self.hyper)[0]
         out = torch.empty_like(piece)
-        for lo in range(0, piece.numel(), STATE_CHUNK):
-            hi = min(lo + STATE_CHUNK, piece.numel())
-            upcast = {k: [s[lo:hi].float()] for k, s in states.items()}
-            out[lo:hi] = rule.direction([piece.grad[lo:hi]], upcast, self.hyper)[0]
+        for lo in range(0, piece.numel(), STEP_CHUNK):
+            hi = min(lo + STEP_CHUNK, piece.numel())
+            chunk = out[lo:hi].copy_(grad[lo:hi])
+            for scale in scales:
+                chunk.mul_(scale)
+            upcast = {k: [s[lo:hi] if s.dtype == torch.float32 else s[lo:hi].float()] for k, s in states.items()}
+            chunk.copy_(rule.direction([chunk], upcast, self.hyper)[0])
             for key, state in states.items():
-                state[lo:hi].copy_(upcast[key][0])
+                if state.dtype != torch.float32:
+                    state[lo:hi].copy_(upcast[key][0])
         return out
+
+
+def as_fp32(grad: torch.Tensor, scales: tuple = ()) -> torch.Tensor:
+    """`grad` in fp32 multiplied by each of `scales` in turn (a new tensor unless it is fp32 and there are none)."""
+    if grad.dtype == torch.float32 and not scales:
+        return grad
+    out = grad.to(torch.float32, copy=True)
+    for scale in scales:
+        out.mul_(scale)
+    return out

@@ -4,6 +4,20 @@ from typing import Callable, Optional
 
 MASTER_BYTES = 4  # the fp32 master copy of a parameter, whatever the optimizer
 STATE_DTYPES = {"fp32": 4, "bf16": 2}  # optimizer.state_dtype -> bytes per element of each state
+STEP_CHUNK = 1 << 22  # the most gradient elements a step casts to fp32 at once (with their bf16 states): 16 MiB each
+
+
+def step_batches(sizes: list, limit: int) -> list:
+    """Indices of `sizes` in order, in consecutive runs of total size <= `limit` (an item larger than `limit`: alone):
+    what a step casts to fp32 at once (`limit`: STEP_CHUNK) — one kernel launch a run, never the whole shard."""
+    runs, run, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if run and total + size > limit:
+            runs.append(run)
+            run, total = [], 0
+        run.append(i)
+        total += size
+    return runs + [run] if run else runs
 
 
 class OptimizerConfigError(ValueError):

@@ -9,6 +9,7 @@ import torch.nn as nn
 from optim import OptimizerSpec, spec_named
 from optim.config import OptimizerConfig
 from optim.flat_optimizer import FlatOptimizer, FlatTensor
+from optim.spec import STEP_CHUNK, step_batches
 from zero3d.accounting import model_state_bytes
 from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.comm.plan import CommPlan
@@ -29,7 +30,6 @@ def read_host_floats(values: torch.Tensor) -> list[float]:
 
 
 NORM_BLOCK = 1 << 22  # the most elements whose squares one norm sums in fp32; those sums are added in fp64
-NORM_BATCH = 8  # blocks of compute-dtype gradients cast to fp32 at once (so no fp32 copy of a whole shard exists)
 
 
 def sum_of_squares(pieces: list, unscale: float = 1.0) -> torch.Tensor:
@@ -38,8 +38,9 @@ def sum_of_squares(pieces: list, unscale: float = 1.0) -> torch.Tensor:
     multi-tensor kernel, in one read and no copy of the gradients (relative error ~1e-7; a `.double()` copy squared
     and summed in fp64 moves three times the bytes in three kernels a piece: on a GPU it was the step's largest cost
     beyond the model); the blocks' squares added in fp64. A block norm past 1.8e19 is inf: an overflow, skipped.
-    Pieces in a compute dtype (the gradients NVMe's step reads so): each block cast to fp32 and multiplied by `unscale`
-    first, as fp32 gradients were before they came here, NORM_BATCH blocks at a time: the same norms."""
+    Pieces in a compute dtype (the gradients a mixed-precision step reads so): each block cast to fp32 and multiplied
+    by `unscale` first, as fp32 gradients would be, runs of blocks of at most STEP_CHUNK elements at a time (a block
+    larger: alone), so no fp32 copy of a whole shard exists: the same norms."""
     blocks = [piece[lo:lo + NORM_BLOCK] for piece in pieces for lo in range(0, piece.numel(), NORM_BLOCK)]
     if not blocks:
         return torch.zeros((), dtype=torch.float64)
@@ -47,8 +48,8 @@ def sum_of_squares(pieces: list, unscale: float = 1.0) -> torch.Tensor:
         norms = torch._foreach_norm(blocks, 2, dtype=torch.float32)
     else:
         norms = []
-        for i in range(0, len(blocks), NORM_BATCH):
-            batch = [block.to(torch.float32, copy=True) for block in blocks[i:i + NORM_BATCH]]
+        for run in step_batches([block.numel() for block in blocks], STEP_CHUNK):
+            batch = [blocks[i].to(torch.float32, copy=True) for i in run]
             if unscale != 1.0:
                 torch._foreach_mul_(batch, unscale)
             norms += torch._foreach_norm(batch, 2, dtype=torch.float32)
@@ -416,8 +417,8 @@ class DataParallelEngine:
         raise NotImplementedError
 
     def _master_grad(self, group: GroupState) -> torch.Tensor:
-        """The group's reduced gradient in master coordinates, fp32, where the placement keeps it for the step
-        (default: from its whole gradient tensor)."""
+        """The group's reduced gradient in master coordinates, where the placement keeps it for the step (the compute
+        dtype on the device; default: from its whole gradient tensor)."""
         return self.placement.master_grad(group.name, [group.grads])
 
     def _publish_params(self) -> None:

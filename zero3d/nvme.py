@@ -179,12 +179,8 @@ class NvmeOffload(OffDevicePlacement):
             self.copier.wait_host()
             self.files.write(spec.name, "master", lo, buf[:hi - lo])
 
-    # Gradients stay on the device (the Placement defaults) until the step fetches them chunk by chunk.
-
-    def master_grad(self, name: str, pieces: list) -> torch.Tensor:
-        """A shard in one piece (stages 2/3) as it is, in the compute dtype: the step casts it to fp32 a chunk at a
-        time on its way to the host (a whole fp32 copy on the device would be 4Ψ/N_d at the step's peak)."""
-        return pieces[0] if len(pieces) == 1 else super().master_grad(name, pieces)
+    # Gradients stay on the device (the Placement defaults, in the compute dtype) until the step fetches them chunk by
+    # chunk, cast to fp32 on their way to the host.
 
     # ------------------------------------------------------------ step
 

@@ -24,13 +24,11 @@ class Placement:
         """Before the step: every gradient piece handed over has arrived."""
 
     def master_grad(self, name: str, pieces: list) -> torch.Tensor:
-        """The group's reduced gradient in master coordinates, fp32, for the step: its `pieces` (in order) themselves
-        when they are one fp32 tensor, else cast straight into one new fp32 tensor beside them (never first joined in
-        their own dtype: that copy would sit beside the fp32 one at the step's peak)."""
-        if len(pieces) == 1 and pieces[0].dtype == torch.float32:
-            return pieces[0]
-        out = torch.empty(sum(piece.numel() for piece in pieces), dtype=torch.float32, device=pieces[0].device)
-        return torch.cat(pieces, out=out)
+        """The group's reduced gradient in master coordinates for the step, in its own dtype: its `pieces` (in order)
+        themselves when they are one tensor, else joined (stage 1's pieces of the whole gradient). The step casts a
+        compute-dtype gradient to fp32 a chunk at a time (optim/spec.py: STEP_CHUNK), never whole: an fp32 copy of
+        the shard would sit beside it at the step's peak."""
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def step(self, master_grads: dict, coef: float, lr: float, unscale: float = 1.0) -> None:
         """Clip by `coef`, the optimizer step at `lr`; {group name: gradient in master coordinates, as `master_grad`
@@ -77,18 +75,21 @@ class DevicePlacement(Placement):
         self.groups, self.optimizer = groups, optimizer
 
     def step(self, master_grads: dict, coef: float, lr: float, unscale: float = 1.0) -> None:
+        """fp32 gradients clipped in place; compute-dtype ones handed to the optimizer with their scales (`unscale`,
+        then `coef`), which it applies a chunk at a time as it casts them (optim/flat_optimizer.py)."""
+        grads = {}
         for name, group in self.groups.items():
-            grad = master_grads[name]
-            if coef < 1.0:
-                grad.mul_(coef)
+            grad, scales = master_grads[name], ()
+            if grad.dtype == torch.float32:
+                if coef < 1.0:
+                    grad.mul_(coef)
+            else:
+                scales = tuple(s for s, needed in ((unscale, unscale != 1.0), (coef, coef < 1.0)) if needed)
             for offset, piece in group.master_pieces:
-                piece.grad = grad[offset:offset + piece.numel()]
+                grads[piece] = (grad[offset:offset + piece.numel()], scales)
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
-        self.optimizer.step()
-        for group in self.groups.values():
-            for _, piece in group.master_pieces:
-                piece.grad = None
+        self.optimizer.step(grads=grads)
 
 
 class OffDevicePlacement(Placement):

@@ -32,6 +32,12 @@ class OptimizerShardedEngine(WholeParamsEngine):
                     group.grads[lo:hi].mul_(self.post_scale)
 
     def _master_grad(self, group):
-        """This rank's shard of the reduced gradient: its pieces of the whole buffer, in shard order."""
-        return self.placement.master_grad(group.name, [group.grads[lo:hi]
-                                                       for _, lo, hi in group.layout.pieces(self.dp.rank)])
+        """This rank's shard of the reduced gradient: its pieces of the whole buffer, in shard order, those adjacent
+        there as one (a single rank's are the whole buffer)."""
+        ranges = []
+        for _, start, end in group.layout.pieces(self.dp.rank):
+            if ranges and ranges[-1][1] == start:
+                ranges[-1][1] = end
+            else:
+                ranges.append([start, end])
+        return self.placement.master_grad(group.name, [group.grads[lo:hi] for lo, hi in ranges])

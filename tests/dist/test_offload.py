@@ -127,11 +127,12 @@ def test_stage3_param_offload_matches(tp, tmp_path, gpt_run):
     assert list(tmp_path.iterdir()) == []  # the mapped files are unlinked
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nvme_unscales_the_fp16_gradient_shard_it_reads(stage, tmp_path):
     """fp16 at loss scale 1024 with SGD (its update is the gradient's own size, where Adam's would hide a scale): NVMe's
-    step reads the fp16 shard itself, no fp32 copy of it on the device, and unscales it a chunk at a time (its norm
-    a few blocks at a time); it trains as the device placement, whose step unscales an fp32 copy."""
+    step reads the fp16 shard itself (stage 1's pieces joined in fp16), no fp32 copy of it on the device, and
+    unscales it a chunk at a time on the host (its norm a few blocks at a time on the device); it trains as the device
+    placement, whose step unscales each chunk as it casts it into its update."""
     extra = ['precision.dtype="fp16"', "precision.initial_loss_scale=1024", 'optimizer.name="sgd"']
     ref = run(1, stage, extra, steps=4)
     out = run(1, stage, extra + offload("nvme", tmp_path), steps=4)

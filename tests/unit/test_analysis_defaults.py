@@ -37,8 +37,8 @@ def stage3_device_bytes(layers, hidden, heads, gpus):
     loss on the fp16 logits, each beside its fp32 copy (2 + 4 bytes). Buffers
     (estimate.buffer_terms): the fp16 bucket fc2's weight gradient lands in, two gathered units, the output layer's
     bucket in flight, and the larger of fc2's activation gradients and local attention's score gradients. The step's
-    moment, when larger: the fp32 copy of the gradient shard it updates from, 4Ψ/N_d, with activations and buffers
-    freed."""
+    moment, when larger: the chunk of the fp16 gradient shard it casts to fp32 at once, at most 2²² elements of 4
+    bytes (never the whole shard), with activations and buffers freed."""
     psi = gpt_param_count(layers, hidden, 50257, 1024)
     layer = 12 * hidden**2 + 13 * hidden
     embedding = 50304 * hidden + 1024 * hidden
@@ -46,7 +46,7 @@ def stage3_device_bytes(layers, hidden, heads, gpus):
     gradients = max(1024 * hidden * 2 + 1024 * 4 * hidden * 2, 2 * heads * 1024**2 * 2 - 2 * 1024 * 4 * hidden * 2)
     backward = (layers * 1024 * hidden * 2 + layer_activation_bytes(1024, 1, hidden, heads, 1)
                 + 1024 * 50304 * (2 + 4) + 2 * bucket + 2 * max(layer, embedding) * 2 + 50304 * hidden * 2 + gradients)
-    return 16 * psi / gpus + max(backward, 4 * psi / gpus) + 0.1 * 32 * GIB
+    return 16 * psi / gpus + max(backward, 4 * min(psi / gpus, 2**22)) + 0.1 * 32 * GIB
 
 
 def largest_stage3_by_formula(gpus):

@@ -44,11 +44,11 @@ def test_a_sum_past_fp32s_range_stays_finite(small_blocks):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_compute_dtype_pieces_give_the_norm_of_their_unscaled_fp32_copy(small_blocks, monkeypatch, dtype):
-    """Gradients NVMe's step reads in the compute dtype: each block cast to fp32 and unscaled, NORM_BATCH blocks at a
-    time (here 2 of 7 elements, over 6 blocks), give bit for bit the sum of the fp32 copy unscaled whole, as the
+    """Gradients a mixed-precision step reads in the compute dtype: each block cast to fp32 and unscaled, runs of at most
+    STEP_CHUNK elements at a time (here 14: 2 blocks of 7, over 6 blocks), give bit for bit the sum of the fp32 copy unscaled whole, as the
     engine makes it for the other placements; values from 1e-3 to 1e3, so unscaled in fp16 the small ones would fall
     below its normal range (6.1e-5) and lose bits."""
-    monkeypatch.setattr(engine, "NORM_BATCH", 2)
+    monkeypatch.setattr(engine, "STEP_CHUNK", 14)
     g = torch.Generator().manual_seed(0)
     pieces = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)).to(dtype)
               for n in (15, 3, 22)]

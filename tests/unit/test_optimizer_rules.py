@@ -8,7 +8,9 @@ import torch
 
 from optim import SPECS, spec_named
 from optim.config import OptimizerConfig
-from optim.flat_optimizer import STATE_CHUNK, FlatOptimizer, FlatTensor
+import optim.flat_optimizer
+from optim.flat_optimizer import FlatOptimizer, FlatTensor
+from optim.spec import STEP_CHUNK
 from optim.spec import OptimizerConfigError
 from pretrain.config import ConfigError, load_config
 
@@ -162,8 +164,8 @@ def test_bf16_states_are_bf16_and_the_update_is_the_fp32_one_rounded_back(name):
 
 
 def test_bf16_states_are_upcast_a_chunk_at_a_time():
-    """A piece longer than STATE_CHUNK steps as the same piece stepped whole (the chunks are elementwise slices)."""
-    n = STATE_CHUNK + 5
+    """A piece longer than STEP_CHUNK steps as the same piece stepped whole (the chunks are elementwise slices)."""
+    n = STEP_CHUNK + 5
     g = torch.Generator().manual_seed(1)
     master, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
     config = OptimizerConfig(lr=LR, state_dtype="bf16")
@@ -177,6 +179,55 @@ def test_bf16_states_are_upcast_a_chunk_at_a_time():
     opt.step()
     assert torch.equal(master, whole)
     assert torch.equal(opt.state[master]["exp_avg_sq"], states["exp_avg_sq"].bfloat16())
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd", "muon"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_dtype_gradients_step_as_their_scaled_fp32_copies(monkeypatch, dtype, name, state_dtype):
+    """The device placement's step: gradients handed in the compute dtype with their scales (fp16's unscale, then the
+    clip coefficient), cast a STEP_CHUNK at a time (here 300 elements: the 1000- and 4096-element pieces in chunks,
+    the 37-element one in a run with its neighbours' chunks), step bit for bit as the fp32 copies the engine made
+    before, scaled whole in the same order; Muon's matrix (a 24 × 50 piece) through its direction too."""
+    monkeypatch.setattr(optim.flat_optimizer, "STEP_CHUNK", 300)
+    g = torch.Generator().manual_seed(5)
+    shapes = [(1000,), (37,), (4096,)] + ([(24, 50)] if name == "muon" else [])
+    unscale, coef = (1 / 1024, 0.37)
+    config = OptimizerConfig(name=name, lr=LR, state_dtype=state_dtype, weight_decay=0.1)
+
+    def whole(items):
+        return [spec_named(name).matrix.transform(d.view(24, 50), config.hyper).view(-1) for _, _, d in items]
+
+    runs = []
+    for handed in (False, True):
+        masters = [torch.randn(shape, generator=torch.Generator().manual_seed(i)).view(-1)
+                   for i, shape in enumerate(shapes)]
+        opt = FlatOptimizer([FlatTensor(m, wd, matrix=len(shape) == 2) for m, shape, wd
+                             in zip(masters, shapes, (0.1, 0.0, 0.1, 0.1))], spec_named(name), config, fused=False,
+                            orthogonalize=whole if name == "muon" else None)
+        draws = torch.Generator().manual_seed(7)
+        for _ in range(3):
+            low = [(torch.randn(m.numel(), generator=draws) * 1024).to(dtype) for m in masters]
+            if handed:
+                opt.step(grads={m: (x, (unscale, coef)) for m, x in zip(masters, low)})
+            else:
+                for m, x in zip(masters, low):
+                    m.grad = x.float().mul_(unscale).mul_(coef)
+                opt.step()
+        runs.append((masters, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    for r, m in zip(ref, got):
+        assert torch.equal(m, r)
+        for key, value in ref_opt.state[r].items():
+            assert torch.equal(got_opt.state[m][key], value), key
+    assert not torch.equal(got[0], torch.randn(1000, generator=torch.Generator().manual_seed(0)))  # it stepped
+
+
+def test_step_batches_cut_runs_at_the_limit():
+    """Consecutive runs of at most the limit; an item past it alone; none empty."""
+    from optim.spec import step_batches
+    assert step_batches([3, 3, 3, 5, 1, 9, 2], 6) == [[0, 1], [2], [3, 4], [5], [6]]
+    assert step_batches([], 6) == []
 
 
 # ------------------------------------------------------------ the keys each optimizer owns

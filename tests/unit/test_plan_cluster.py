@@ -37,10 +37,10 @@ def test_h100_layout_by_hand():
     assert c.memory.params_per_rank == psi
     # memory: 16Ψ, checkpoints L·b·s·h·2, one layer's activations, the slice's bf16 logits beside their fp32 copy
     # (megatron's loss, eager: 2 + 4 bytes each), one 5e7 bucket, 10%; or, when larger, the step's moment: beside the
-    # 16Ψ the fp32 copy of the whole gradient (stage 0) it updates from, 4Ψ
+    # 16Ψ the chunk of the bf16 gradient it casts to fp32 at once, 2²² elements of 4 bytes (no copy of the whole, 4Ψ)
     layer = S * b * H * 10 + (S * b * (8 * H + 4 * 4 * H) + A * S * S * b * 5) // t
     backward = L * b * S * H * 2 + layer + b * S * v_pad // t * (2 + 4) + 4 * 50_000_000
-    total = 16 * psi + max(backward, 4 * psi) + 0.1 * 80 * GIB
+    total = 16 * psi + max(backward, 4 * 2**22) + 0.1 * 80 * GIB
     assert c.memory.total_bytes == pytest.approx(total, rel=1e-12)
     # time: FLOPs = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) at 31.2% of 989 TFLOP/s on 32 GPUs, V the logit GEMM's
     # width: the vocabulary padded at this TP size (as the training loop's metrics count it)

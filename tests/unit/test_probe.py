@@ -312,17 +312,19 @@ def test_the_benchs_rows_peak_below_the_compiled_plain_models(capsys, kind, stag
 
 
 @pytest.mark.parametrize("loss", ["model.loss_chunk_tokens=0", "model.loss_chunk_tokens=1024"])
-def test_what_the_late_shard_leaves_out_never_takes_the_estimate_below_the_optimizer_step(capsys, loss):
-    """One micro-batch a step: the estimate leaves out the share of the gradient shard the peak does not hold, but
-    never goes below the optimizer step, which holds the shard and its fp32 copy (MemoryBreakdown.total_bytes).
-    bench_gpu's Llama row with full recomputation peaks in the step, 29.97 GB probed, with megatron's whole-vocabulary
-    loss and with the chunked one, and the estimate is that to 0.1%; without the step's moment they were 28.68 and
-    26.39 GB."""
+def test_the_late_shard_has_room_only_where_memory_is_freed_for_good(capsys, loss):
+    """One micro-batch a step: the estimate leaves out the share of the gradient shard the peak does not hold (it is
+    allocated at its first reduced bucket piece), the room of what is freed for good before then: the loss's memory
+    and the last layer's checkpoint — not, under full recomputation, the layer's working set, which the next layer's
+    recomputation makes again while the shard is held. bench_gpu's Llama row with full recomputation at stage 2 peaks
+    in its forward or backward (27.91 and 26.00 GB probed with megatron's whole-vocabulary loss and the chunked one),
+    and the estimate is within 3% (+2.8% and -2.6%; the paper's accounting leaves stage 2's activation gradients to
+    the margin); with the working set as room it was 4.96% under with the chunked loss."""
     out = _bench_row_probe(capsys, "llama", 2, 1, 'model.recompute="full"', loss)
     peak = out["run"]["peak_bytes"]
     estimate = next(r["estimate_bytes"] for r in out["comparison"] if r["category"] == "peak (without margin)")
-    assert out["run"]["peak_phase"] in ("reduction", "optimizer step") and out["estimate"]["grads_not_at_peak"] > 0
-    assert abs(estimate / peak - 1) < 1e-3, (estimate, peak)
+    assert out["run"]["peak_phase"] in ("forward", "backward") and out["estimate"]["grads_not_at_peak"] > 0
+    assert abs(estimate / peak - 1) < 0.03, (estimate, peak)
 
 
 @pytest.mark.parametrize("attention,bias", [("sdpa", 2), ("local", 0)])
