@@ -365,8 +365,8 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     # larger of Muon's exchange and the chunks it casts to fp32 (none on the device with "cpu")
     on_device = zero.offload_optimizer != "cpu"
     matrix_step = float(whole_matrix_step_bytes(shape, tp, stage, state_ranks)) if states.matrix_share else 0.0
-    joined = float(gradient_join_bytes(shape, tp, stage, state_ranks, bucket_elements, prec.grad_bytes,
-                                       states.matrix_share))
+    joined = float(gradient_join_bytes(stage, state_ranks, bucket_elements, prec.grad_bytes, psi,
+                                       shape.vector_params, psi * states.matrix_share))
     step_moment = step_moment_bytes(zero.offload_optimizer, Fraction(psi, state_ranks if stage else 1),
                                     prec.master_bytes > 0, states.elementwise_states if states.state_dtype == "bf16"
                                     else 0, joined, matrix_step)

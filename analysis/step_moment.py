@@ -11,18 +11,15 @@ from zero3d.matrix_owners import assign_owners, newton_schulz_cost
 FP32 = 4
 
 
-def gradient_join_bytes(shape: GPTShape, tp: int, stage: int, ranks: int, bucket_elements, grad_bytes: int,
-                        matrix_share: Fraction = Fraction(0)) -> Fraction:
+def gradient_join_bytes(stage: int, ranks: int, bucket_elements, grad_bytes: int, psi: int, vectors: int,
+                        matrices=0) -> Fraction:
     """The shard stage 1 joins for its step over more than one rank: a group's pieces of the whole gradient, one a
     bucket, apart in memory, joined into one tensor in their own dtype (zero3d/placement.py: master_grad) where the
-    group spans more than one bucket (taken as more than `bucket_elements`; None: one bucket). The groups
-    (zero3d/flat.py: param_groups): the 1-D parameters, the matrices the optimizer takes whole (`matrix_share` of Ψ),
-    the other matrices. Every other layout steps from its shard as it is."""
+    group spans more than one bucket (taken as more than `bucket_elements`; None: one bucket). The groups of Ψ
+    (zero3d/flat.py: param_groups): the `vectors` (1-D parameters), the `matrices` the optimizer takes whole, the
+    other matrices. Every other layout steps from its shard as it is."""
     if stage != 1 or ranks == 1 or bucket_elements is None:
         return Fraction(0)
-    psi = shape.params(tp)
-    vectors = sum(dims[0] for dims in shape.parameter_shapes().values() if len(dims) == 1)
-    matrices = psi * Fraction(matrix_share)
     joined = sum(n for n in (vectors, matrices, psi - vectors - matrices) if n > bucket_elements)
     return grad_bytes * Fraction(joined) / ranks
 

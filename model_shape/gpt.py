@@ -152,6 +152,11 @@ class GPTShape:
         return (self.layers * self.layer_params(tp) + self.norm_params(self.hidden) + self.output_params(tp)
                 + self.embedding_params(tp))
 
+    @property
+    def vector_params(self) -> int:
+        """The 1-D parameters (norms, biases) at TP 1: a group of their own in the engine (no weight decay)."""
+        return sum(dims[0] for dims in self.parameter_shapes().values() if len(dims) == 1)
+
     def parameter_shapes(self) -> dict:
         """{name: shape} of megatron-core GPTModel's parameters at TP 1 (local layer spec, one pipeline stage holding
         every layer; the vocabulary padded as for TP 1): what optimizer.no_weight_decay's patterns are checked
