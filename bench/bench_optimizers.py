@@ -1,6 +1,7 @@
 """The optimizers' step on one GPU: the kernels checked against torch's, then timed (optim/, docs/optimizers.md).
 
     python bench/bench_optimizers.py [--elements 100000000] [--matrix 4096x14336] [--repeats 10]
+    python bench/bench_optimizers.py --cpu-step [--elements N]   # the step from a bf16 gradient only, on the CPU
 
 Checks (CUDA; each prints its largest difference): the engine's AdamW (FlatOptimizer, fused) = torch.optim.AdamW(
 fused=True) bit for bit and torch's single-tensor loop within rounding (and apex's FusedAdam where importable); bf16
@@ -17,6 +18,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -176,19 +178,18 @@ def timings(elements: int, matrix: tuple, repeats: int) -> None:
               f"({flops / seconds / 1e12:6.1f} TFLOP/s)")
 
 
-def step_from_compute_dtype(elements: int, repeats: int) -> None:
+def step_from_compute_dtype(elements: int, repeats: int, device: str = "cuda") -> None:
     """AdamW's step from a bf16 gradient shard unscaled and clipped (the device placement's): the whole shard cast to
     fp32 and scaled first (the step before 2026-12-01) against `FlatOptimizer.step(grads=...)`, which casts and scales
-    a STEP_CHUNK at a time; bit for bit the same masters, each one's time and the memory it allocates beyond the
-    master, gradient and states."""
-    cuda = torch.device("cuda")
-    g = torch.Generator(device=cuda).manual_seed(0)
-    low = torch.randn(elements, device=cuda, generator=g).bfloat16()
+    a STEP_CHUNK at a time; bit for bit the same masters, each one's time and (CUDA) the memory it allocates beyond
+    the master, gradient and states. On the CPU: the foreach kernels, wall-clock time."""
+    dev = torch.device(device)
+    low = torch.randn(elements, generator=torch.Generator().manual_seed(0)).bfloat16().to(dev)
     scales = (1 / 1024, 0.37)
     results = {}
     for kind in ("whole", "chunked"):
-        master = torch.randn(elements, device=cuda, generator=torch.Generator(device=cuda).manual_seed(1))
-        opt = FlatOptimizer([FlatTensor(master, 0.1)], spec_named("adamw"), OptimizerConfig(), fused=True)
+        master = torch.randn(elements, generator=torch.Generator().manual_seed(1)).to(dev)
+        opt = FlatOptimizer([FlatTensor(master, 0.1)], spec_named("adamw"), OptimizerConfig(), fused=dev.type == "cuda")
 
         def step():
             if kind == "chunked":
@@ -201,18 +202,33 @@ def step_from_compute_dtype(elements: int, repeats: int) -> None:
             opt.step()
             master.grad = None
         step()  # the states exist from here on
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step()
-        extra = torch.cuda.max_memory_allocated() - before
-        results[kind] = (timed(step, repeats), extra, master.clone())
+        extra = None
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            step()
+            extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+        results[kind] = (timed(step, repeats) if dev.type == "cuda" else wall(step, repeats), extra, master.clone())
         del opt, master
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     (whole_s, whole_mem, whole_m), (chunk_s, chunk_mem, chunk_m) = results["whole"], results["chunked"]
-    print(f"adamw from a bf16 gradient of {elements:,} elements: whole fp32 copy {whole_s * 1e3:.2f} ms, "
-          f"{whole_mem / 2**20:.0f} MiB beside; chunked {chunk_s * 1e3:.2f} ms ({whole_s / chunk_s:.2f}x), "
-          f"{chunk_mem / 2**20:.0f} MiB beside; same masters bit for bit: {torch.equal(whole_m, chunk_m)}")
+    beside = (lambda mib: "" if mib is None else f", {mib:.0f} MiB beside")
+    print(f"adamw from a bf16 gradient of {elements:,} elements ({device}): whole fp32 copy {whole_s * 1e3:.2f} ms"
+          f"{beside(whole_mem)}; chunked {chunk_s * 1e3:.2f} ms ({whole_s / chunk_s:.2f}x){beside(chunk_mem)}; "
+          f"same masters bit for bit: {torch.equal(whole_m, chunk_m)}")
+
+
+def wall(fn, repeats):
+    """The median wall-clock seconds of `fn` (CPU kernels run synchronously), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def ns_bf16(matrix, steps):
@@ -231,7 +247,11 @@ def main() -> int:
     ap.add_argument("--elements", type=int, default=100_000_000)
     ap.add_argument("--matrix", default="4096x14336")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--cpu-step", action="store_true", help="only AdamW's step from a bf16 gradient, on the CPU")
     args = ap.parse_args()
+    if args.cpu_step:
+        step_from_compute_dtype(args.elements, args.repeats, "cpu")
+        return 0
     if not torch.cuda.is_available():
         print("bench_optimizers: no CUDA device; this bench times the GPU kernels", file=sys.stderr)
         return 2
