@@ -48,9 +48,9 @@ class OptimizerStates:
         """K, the paper's optimizer bytes per parameter generalised: the fp32 master (mixed precision) plus the
         spec's states, each kind of group weighted by its share of Ψ (AdamW: 4 + 8 with fp32 moments, 4 + 4 with bf16)."""
         spec = spec_named(self.name)
-        states = (spec.state_bytes(False, self.state_dtype) * (1 - self.matrix_share)
-                  + spec.state_bytes(True, self.state_dtype) * self.matrix_share if spec.matrix
-                  else Fraction(spec.state_bytes(False, self.state_dtype)))
+        states = (spec.bytes_per_element(False, self.state_dtype) * (1 - self.matrix_share)
+                  + spec.bytes_per_element(True, self.state_dtype) * self.matrix_share if spec.matrix
+                  else Fraction(spec.bytes_per_element(False, self.state_dtype)))
         return PRECISIONS[precision].master_bytes + states
 
     @property

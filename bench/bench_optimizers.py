@@ -162,7 +162,7 @@ def timings(elements: int, matrix: tuple, repeats: int) -> None:
             opt = FlatOptimizer([FlatTensor(master, 0.1)], spec, OptimizerConfig(name=name, state_dtype=state_dtype),
                                 fused=True)
             seconds = timed(opt.step, repeats)
-            moved = elements * (4 + 4 + 4 + 2 * spec.state_bytes(False, state_dtype))  # master r+w, grad, states r+w
+            moved = elements * (4 + 4 + 4 + 2 * spec.bytes_per_element(False, state_dtype))  # master r+w, grad, states r+w
             print(f"{name:6} {state_dtype} states: {seconds * 1e3:8.2f} ms a step over {elements:,} elements "
                   f"({moved / seconds / 1e9:7.1f} GB/s of master, gradient and states)")
             del opt, master

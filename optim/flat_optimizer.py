@@ -1,4 +1,5 @@
 """The torch optimizer the engine steps: a spec's update over flat fp32 master pieces, with fp32 or bf16 states."""
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
@@ -133,13 +134,9 @@ class FlatOptimizer(torch.optim.Optimizer):
 
     def _update_slices(self, masters: list, grads: list, states: dict, steps: list, lr: float,
                        weight_decay: float) -> None:
-        """The spec's update of fp32 slices, their states in any dtype (upcast to fp32 for it and written back)."""
-        upcast = {k: [s if s.dtype == torch.float32 else s.float() for s in ss] for k, ss in states.items()}
-        self.spec.update(masters, grads, upcast, steps, lr, weight_decay, self.hyper, self.fused)
-        for key, ss in states.items():
-            for state, value in zip(ss, upcast[key]):
-                if state.dtype != torch.float32:
-                    state.copy_(value)
+        """The spec's update of fp32 slices, their states in any dtype (fp32_states)."""
+        with fp32_states(states) as upcast:
+            self.spec.update(masters, grads, upcast, steps, lr, weight_decay, self.hyper, self.fused)
 
     def update_piece(self, master, grad, states: dict, step, group: dict) -> None:
         """The spec's elementwise update of one piece (an NVMe chunk): the states in any dtype, computed in fp32 a
@@ -176,22 +173,32 @@ class FlatOptimizer(torch.optim.Optimizer):
         out = torch.empty_like(piece)
         for lo in range(0, piece.numel(), STEP_CHUNK):
             hi = min(lo + STEP_CHUNK, piece.numel())
-            chunk = out[lo:hi].copy_(grad[lo:hi])
-            for scale in scales:
-                chunk.mul_(scale)
-            upcast = {k: [s[lo:hi] if s.dtype == torch.float32 else s[lo:hi].float()] for k, s in states.items()}
-            chunk.copy_(rule.direction([chunk], upcast, self.hyper)[0])
-            for key, state in states.items():
-                if state.dtype != torch.float32:
-                    state[lo:hi].copy_(upcast[key][0])
+            chunk = as_fp32(grad[lo:hi], scales, out=out[lo:hi])
+            with fp32_states({k: [s[lo:hi]] for k, s in states.items()}) as upcast:
+                chunk.copy_(rule.direction([chunk], upcast, self.hyper)[0])
         return out
 
 
-def as_fp32(grad: torch.Tensor, scales: tuple = ()) -> torch.Tensor:
-    """`grad` in fp32 multiplied by each of `scales` in turn (a new tensor unless it is fp32 and there are none)."""
-    if grad.dtype == torch.float32 and not scales:
-        return grad
-    out = grad.to(torch.float32, copy=True)
+def as_fp32(grad: torch.Tensor, scales: tuple = (), out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`grad` in fp32 multiplied by each of `scales` in turn: written into `out` when given, else a new tensor unless
+    it is fp32 and there are no scales."""
+    if out is None:
+        if grad.dtype == torch.float32 and not scales:
+            return grad
+        out = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    out.copy_(grad)
     for scale in scales:
         out.mul_(scale)
     return out
+
+
+@contextmanager
+def fp32_states(states: dict):
+    """{name: [state slices]} as fp32 for an update: the fp32 ones themselves, the others upcast copies, written
+    back into their own dtype once the update is done."""
+    upcast = {k: [s if s.dtype == torch.float32 else s.float() for s in ss] for k, ss in states.items()}
+    yield upcast
+    for key, ss in states.items():
+        for state, value in zip(ss, upcast[key]):
+            if state.dtype != torch.float32:
+                state.copy_(value)

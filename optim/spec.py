@@ -89,7 +89,7 @@ class OptimizerSpec:
         """The states of a group: the matrix rule's for a group of whole matrices, else the elementwise ones."""
         return self.matrix.states if matrix and self.matrix else self.states
 
-    def state_bytes(self, matrix: bool = False, state_dtype: str = "fp32") -> int:
+    def bytes_per_element(self, matrix: bool = False, state_dtype: str = "fp32") -> int:
         """Bytes of state per element of a group's master (the master's own 4 bytes not included)."""
         return len(self.states_of(matrix)) * STATE_DTYPES[state_dtype]
 

@@ -30,7 +30,7 @@ def buffer_bytes_per_element(dtype: torch.dtype, optimizer_spec: OptimizerSpec =
     """One buffer holds a chunk of the fp32 master, every optimizer state (in its dtype) and the fp32 gradient, plus
     the compute-dtype copy of the updated parameters when that is not fp32."""
     extra = 0 if dtype == torch.float32 else torch.empty(0, dtype=dtype).element_size()
-    return FP32 + optimizer_spec.state_bytes(False, state_dtype) + FP32 + extra
+    return FP32 + optimizer_spec.bytes_per_element(False, state_dtype) + FP32 + extra
 
 
 def chunk_elements(buffer_bytes: int, dtype: torch.dtype, largest_group: int,
@@ -289,7 +289,7 @@ class NvmeOffload(OffDevicePlacement):
     def off_device_bytes(self) -> dict:
         numel = sum(s.numel for s in self.specs.values())
         return {"nvme_master_params": numel * FP32,
-                "nvme_optimizer_states": numel * self.optimizer_spec.state_bytes(False, self.state_dtype),
+                "nvme_optimizer_states": numel * self.optimizer_spec.bytes_per_element(False, self.state_dtype),
                 "host_buffers": sum(b.nbytes() for b in self.buffers)}
 
     def close(self) -> None:

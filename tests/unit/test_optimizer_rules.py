@@ -240,8 +240,8 @@ def test_state_bytes_per_parameter_of_each_spec():
     for name, (elementwise, matrix) in moments.items():
         spec = SPECS[name]
         for dtype, size in (("fp32", 4), ("bf16", 2)):
-            assert spec.state_bytes(False, dtype) == elementwise * size
-            assert spec.state_bytes(True, dtype) == (matrix if spec.matrix else elementwise) * size
+            assert spec.bytes_per_element(False, dtype) == elementwise * size
+            assert spec.bytes_per_element(True, dtype) == (matrix if spec.matrix else elementwise) * size
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -62,5 +62,5 @@ def test_the_manifest_names_the_optimizer_and_old_manifests_read_adam_step():
 
 
 def test_adamw_keeps_two_fp32_moments():
-    assert (ADAMW.name, ADAMW.states, ADAMW.state_bytes(), ADAMW.state_bytes(False, "bf16")) == (
+    assert (ADAMW.name, ADAMW.states, ADAMW.bytes_per_element(), ADAMW.bytes_per_element(False, "bf16")) == (
         "adamw", ("exp_avg", "exp_avg_sq"), 8, 4)
