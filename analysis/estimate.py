@@ -11,9 +11,11 @@ from analysis.context import context_backward_bytes, context_layer_bytes, local_
 from analysis.float8 import float8_copy_bytes, gathered_unit_bytes
 from analysis.job import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, GIB, V100_MEMORY_BYTES,  # noqa: F401
                           Budget, Parallelism, Step, ZeroChoice, job_of)
+from analysis.loss_memory import loss_bytes
 from analysis.model_states import (ADAMW_FP32, MASTER_BYTES, PRECISIONS, OptimizerStates,  # noqa: F401
                                    Precision, late_shard_room, model_state_bytes)
 from analysis.modes import extra_state_bytes, mode_costs  # noqa: F401 (extra_state_bytes: its readers)
+from analysis.stage3_peak import final_norm_bytes, stage3_moments, stage3_peak
 from analysis.step_moment import gradient_join_bytes, step_moment_bytes, whole_matrix_step_bytes
 from model_shape.gpt import VOCAB_DIVISIBLE_BY, GPTShape, padded_vocab
 
@@ -132,8 +134,8 @@ def buffer_terms(shape: GPTShape, *, stage: int, psi: int, micro_batch: int, tp:
     fp32 gradient buffer, 4Ψ (§III-B), capped by CB at one bucket, 4·min(CB, Ψ). Their executed backward
     transients (docs/estimator.md, Rank-local probe) stay inside the margin, as in the paper's accounting.
 
-    Stage 3 (not in the paper: this engine, zero3d/stage3.py) at its peak, the backward of the last layer,
-    every checkpoint still held (docs/estimator.md, Temporary buffers):
+    Stage 3 (not in the paper: this engine, zero3d/stage3.py) at the backward of the last layer, every checkpoint
+    still held (one of its moments, stage3_peak.py; docs/estimator.md, Temporary buffers):
     - "gradient bucket": the bucket fc2's weight gradient lands in, b_g·gradient_bucket_elements (the
       compute dtype: GradientBuckets stages in it; without CB the paper's 4Ψ fused buffer instead);
     - "gathered units": the unit being computed plus `prefetch_units` gathered ahead, (1 + p)·U·b_p, U the
@@ -185,6 +187,8 @@ class MemoryBreakdown:
     step_bytes: float = 0.0  # the optimizer step's moment beside the model states (analysis/step_moment.py)
     matrix_step_bytes: float = 0.0  # of step_bytes: Muon's whole-matrix step, on the device wherever its optimizer runs
     step_join_bytes: float = 0.0  # of step_bytes: stage 1's shard joined for the step, wherever the update runs
+    # stage 3: the moment of backward the activation, loss, buffer and gradient bytes are held at (stage3_peak.py)
+    peak_moment: str = ""
 
     @property
     def model_state_bytes(self) -> float:
@@ -371,13 +375,24 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
                                     prec.master_bytes > 0, states.elementwise_states if states.state_dtype == "bf16"
                                     else 0, joined, matrix_step)
     # One micro-batch a step (`step.grad_shard_per_step`): the stage 2/3 shard on the device is not all held at the
-    # activations' peak (late_shard_room); the step's moment holds it whole (MemoryBreakdown.total_bytes).
-    not_at_peak = 0.0
-    if step.grad_shard_per_step and stage >= 2 and on_device:
-        # a layer's backward frees for good its activations (none) or its checkpoint (a recomputed layer's working
-        # set is made again by the next)
+    # activations' peak; the step's moment holds it whole (MemoryBreakdown.total_bytes).
+    late_shard = step.grad_shard_per_step and on_device
+    not_at_peak, moment = 0.0, ""
+    if stage == 3:
+        # the activations, buffers and shards the largest of the step's moments holds (stage3_peak.py): at the loss,
+        # its whole memory (nothing else in use beside it), the final norm's tensors and the gathered output layer
+        loss = loss_bytes(shape, micro_batch * seq, tp, e, loss_chunk_tokens, loss_recompute, compiled=step.compiled)
+        final_norm = final_norm_bytes(shape, micro_batch * seq, tp, e, sp)
+        output_unit = (shape.output_params(tp) or shape.embedding_params(tp)) * prec.param_bytes
+        peak = stage3_peak(*stage3_moments(shape, tp, grad, late_shard, checkpoints, working, recompute, loss,
+                                           final_norm, buffers, output_unit))
+        checkpoints, working, logits, buffers = peak.checkpoints, peak.working, peak.loss, peak.buffers
+        not_at_peak, moment = grad - peak.grads, peak.name
+    elif late_shard and stage == 2:
+        # (late_shard_room) a layer's backward frees for good its activations (none) or its checkpoint (a recomputed
+        # layer's working set is made again by the next)
         freed_by_layer = kept_by_layer if recompute == "none" else checkpoints / shape.layers
-        room = late_shard_room(shape, stage, tp, bucket_elements, grad, logits, freed_by_layer)
+        room = late_shard_room(shape, tp, bucket_elements, grad, logits, freed_by_layer)
         not_at_peak = min(room, checkpoints + working + logits + mask_bytes + buffers)
     return MemoryBreakdown(
         params_per_rank=psi, param_bytes=param, grad_bytes=grad, optimizer_bytes=optimizer_bytes,
@@ -385,35 +400,7 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
         buffer_bytes=buffers, margin_bytes=margin_fraction * gpu_memory_bytes,
         gpu_memory_bytes=float(gpu_memory_bytes), margin_fraction=margin_fraction, host_bytes=float(host),
         mask_bytes=float(mask_bytes), grads_not_at_peak=float(not_at_peak), step_bytes=step_moment,
-        matrix_step_bytes=matrix_step, step_join_bytes=joined)
-
-
-def loss_logit_bytes(activation_bytes: int, fused: bool, compiled: bool) -> int:
-    """Bytes a logit of the loss holds at its peak (pretrain/model/loss.py; measured: tests/unit/test_fused_loss.py,
-    bench/bench_loss.py): an fp32 model's logits are worked on in place (4); a half-precision model's are held beside
-    their fp32 copy, the softmax's input, then its fp32 exps beside their gradient in the model dtype (e + 4) — on
-    every path but the `fused` one with `compiled` layers, whose softmax kernels (loss.SoftmaxKernels) hold only the
-    logits and their gradient (2e)."""
-    if activation_bytes == 4:
-        return 4
-    return 2 * activation_bytes if fused and compiled else activation_bytes + 4
-
-
-def loss_bytes(shape: GPTShape, tokens: int, tp: int, activation_bytes: int, chunk_tokens: int = 0,
-               recompute: bool = False, beside: float = 0.0, compiled: bool = False) -> float:
-    """What the loss of `tokens` tokens adds to the rank's peak on one TP rank (pretrain/model/loss.py): the logits of
-    the rank's padded vocabulary slice (loss_logit_bytes a logit) for all tokens (`chunk_tokens` 0, megatron's) or one
-    chunk; the fused chunked loss (not `recompute`) also keeps its fp32 output-weight gradient [V/t, h] and the
-    hidden-state gradient [tokens, h] (activation dtype) from its forward to its backward, a moment at which the
-    `beside` bytes counted elsewhere (the buffers, a recomputed layer) are not in use: only what it holds beyond them
-    is added. `compiled`: model.compile compiles the layers (and so the fused loss's softmax)."""
-    width = shape.padded_vocab(tp) // tp
-    fused = bool(chunk_tokens) and not recompute
-    per_logit = loss_logit_bytes(activation_bytes, fused, compiled)
-    if not chunk_tokens:
-        return float(tokens * width * per_logit)
-    stored = width * shape.hidden * 4 + tokens * shape.hidden * activation_bytes if fused else 0
-    return min(tokens, chunk_tokens) * width * per_logit + max(0.0, stored - beside)
+        matrix_step_bytes=matrix_step, step_join_bytes=joined, peak_moment=moment)
 
 
 def largest_fitting_layers(fits) -> int:
@@ -450,8 +437,10 @@ def format_breakdown(m: MemoryBreakdown, header: str, device: str = "GPU") -> st
     if m.host_bytes:
         rows.append(("host memory (Pa+cpu checkpoints)", m.host_bytes))
     verdict = "fits" if m.fits else "does NOT fit"
-    lines = [header, f"Ψ (parameters per TP rank, embeddings included) = {m.params_per_rank:,}", "",
-             f"{'category':<34}{'GB':>10}"] + [f"{name:<34}{value / GB:10.3f}" for name, value in rows]
+    lines = [header, f"Ψ (parameters per TP rank, embeddings included) = {m.params_per_rank:,}"]
+    if m.peak_moment:
+        lines.append(f"activations, buffers and gradients as held at {m.peak_moment}")
+    lines += ["", f"{'category':<34}{'GB':>10}"] + [f"{name:<34}{value / GB:10.3f}" for name, value in rows]
     lines.append(f"{device}: {m.gpu_memory_bytes / GIB:.2f} GiB = {m.gpu_memory_bytes / GB:.2f} GB: {verdict} (headroom "
                  f"{(m.gpu_memory_bytes - m.total_bytes) / GB:.2f} GB; largest: {m.dominant})")
     return "\n".join(lines)

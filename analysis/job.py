@@ -95,9 +95,9 @@ class Step:
     backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes),
     `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)
     and `compiled` layers (model.compile: the kernel path the planner's time reads; the fused loss's softmax, compiled
-    too, holds fewer bytes a logit: estimate.loss_logit_bytes). `grad_shard_per_step`: the step is this engine's with
+    too, holds fewer bytes a logit: loss_memory.loss_logit_bytes). `grad_shard_per_step`: the step is this engine's with
     one micro-batch on the rank and no pipeline, so its stage 2/3 gradient shard exists only from the first reduced
-    bucket piece of backward on (model_states.late_shard_room)."""
+    bucket piece of backward on (model_states.late_shard_room, stage3_peak.stage3_moments)."""
 
     micro_batch: int = 1
     recompute: str = "none"

@@ -1,6 +1,6 @@
 """Model states per parameter: the bytes of each precision, the optimizer's K (`OptimizerStates`, from its spec),
 and the paper's per-stage formulas over them (`model_state_bytes`), generalised from 16Ψ to (2 + 2 + K)Ψ; how much of
-this engine's gradient shard a one-micro-batch step's peak holds (`late_shard_room`)."""
+this engine's stage-2 gradient shard a one-micro-batch step's peak holds (`late_shard_room`)."""
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional
@@ -80,18 +80,13 @@ def model_state_bytes(params, stage: int, dp: int, precision: str = "fp16",
     return param, grad, optimizer_bytes
 
 
-def late_shard_room(shape: GPTShape, stage: int, tp: int, bucket_elements: Optional[int], grad: float, loss: float,
+def late_shard_room(shape: GPTShape, tp: int, bucket_elements: Optional[int], grad: float, loss: float,
                     layer: float) -> float:
-    """Bytes of the gradient shard `grad` (stages 2/3) that a rank's peak does not hold when its step runs one
-    micro-batch: this engine allocates a shard at its first reduced bucket piece (zero3d/engine.py: grad_shard) and frees
-    it after the step.
-    - Stage 2: each parameter group's shard whole, at the first piece, when a third bucket launches with two in flight
-      (zero3d/buckets.py): after the loss's backward, and after the last layer's when a layer's parameters fit in two
-      buckets (without CB the one bucket launches after backward). What those free for good, `loss` and `layer` bytes
-      (at least: a layer's activations, or a recomputed layer's checkpoint), makes room for it, up to `grad`.
-    - Stage 3: a shard per gather unit, each at its own unit's first piece: at the peak (the last layer's backward)
-      at most the output layer's and the last layer's are allocated, grad·(V·h/t + layer)/Ψ; the rest is not held."""
-    if stage == 3:
-        return grad * (1 - (shape.padded_vocab(tp) * shape.hidden // tp + shape.layer_params(tp)) / shape.params(tp))
+    """Bytes of stage 2's gradient shard `grad` that a rank's peak does not hold when its step runs one micro-batch:
+    this engine allocates each parameter group's shard whole at its first reduced bucket piece (zero3d/engine.py:
+    grad_shard), when a third bucket launches with two in flight (zero3d/buckets.py): after the loss's backward, and
+    after the last layer's when a layer's parameters fit in two buckets (without CB the one bucket launches after
+    backward). What those free for good, `loss` and `layer` bytes (at least: a layer's activations, or a recomputed
+    layer's checkpoint), makes room for it, up to `grad`. (Stage 3's shards, one a gather unit: stage3_peak.py.)"""
     whole_layer = bucket_elements is None or shape.layer_params(tp) <= 2 * bucket_elements
     return min(grad, loss + (layer if whole_layer else 0.0))

@@ -33,19 +33,23 @@ def test_bucket_elements_must_be_positive(capsys):
 
 
 def stage3_device_bytes(layers, hidden, heads, gpus):
-    """Stage 3, fp16, s = 1024, V = 50257 (padded 50304), micro-batch 1, full recompute, CB 5e7, 32 GiB; megatron's
-    loss on the fp16 logits, each beside its fp32 copy (2 + 4 bytes). Buffers
-    (estimate.buffer_terms): the fp16 bucket fc2's weight gradient lands in, two gathered units, the output layer's
-    bucket in flight, and the larger of fc2's activation gradients and local attention's score gradients. The step's
-    moment, when larger: the chunk of the fp16 gradient shard it casts to fp32 at once, at most 2²² elements of 4
-    bytes (never the whole shard), with activations and buffers freed."""
+    """Stage 3, fp16, s = 1024, V = 50257 (padded 50304), micro-batch 1, full recompute, CB 5e7, 32 GiB, the gradient
+    shard held whole (the paper's accounting). Beside the model states and every layer's checkpoint (s·h·2), the larger
+    of two moments: the loss — megatron's on the fp16 logits, each beside its fp32 copy (2 + 4 bytes), the final norm's
+    input and output (2·s·h·2) and the gathered output layer (V_pad·h·2) — and the last layer's backward — its working
+    set and the buffers (estimate.buffer_terms): the fp16 bucket fc2's weight gradient lands in, two gathered units,
+    the output layer's bucket in flight, and the larger of fc2's activation gradients and local attention's score
+    gradients. The step's moment, when larger: the chunk of the fp16 gradient shard it casts to fp32 at once, at most
+    2²² elements of 4 bytes (never the whole shard), with activations and buffers freed."""
     psi = gpt_param_count(layers, hidden, 50257, 1024)
     layer = 12 * hidden**2 + 13 * hidden
     embedding = 50304 * hidden + 1024 * hidden
     bucket = max(4 * hidden**2, min(50_000_000, layer))
     gradients = max(1024 * hidden * 2 + 1024 * 4 * hidden * 2, 2 * heads * 1024**2 * 2 - 2 * 1024 * 4 * hidden * 2)
-    backward = (layers * 1024 * hidden * 2 + layer_activation_bytes(1024, 1, hidden, heads, 1)
-                + 1024 * 50304 * (2 + 4) + 2 * bucket + 2 * max(layer, embedding) * 2 + 50304 * hidden * 2 + gradients)
+    loss = 1024 * 50304 * (2 + 4) + 2 * 1024 * hidden * 2 + 50304 * hidden * 2
+    last_layer = (layer_activation_bytes(1024, 1, hidden, heads, 1) + 2 * bucket + 2 * max(layer, embedding) * 2
+                  + 50304 * hidden * 2 + gradients)
+    backward = layers * 1024 * hidden * 2 + max(loss, last_layer)
     return 16 * psi / gpus + max(backward, 4 * min(psi / gpus, 2**22)) + 0.1 * 32 * GIB
 
 

@@ -236,7 +236,7 @@ def test_the_estimators_loss_term_is_the_eager_fused_losss_measured_peak(dtype):
     targets' columns): under 48 bytes a token, whatever the vocabulary."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from analysis.estimate import loss_bytes
+    from analysis.loss_memory import loss_bytes
     from model_shape.gpt import GPTShape
     tokens, hidden_size, vocab, chunk = 256, 8, 8000, 128
     shape = GPTShape(layers=1, hidden=hidden_size, heads=1, seq=tokens, vocab=vocab)

@@ -34,11 +34,17 @@ def test_8b_on_4_h100_nodes_by_hand(tmp_path, capsys):
     scores, fc2 = 2 * A * S * S * b * 2 - 2 * S * b * 4 * H * 2, S * b * H * 2 + S * b * 4 * H * 2
     assert scores > fc2
     buffers = (2 * 50_000_000 + 2 * max(12 * H * H + 13 * H, V_PAD * H + S * H) * 2 + V_PAD * H * 2 + scores)
-    # megatron's loss (the paper's): the bf16 logits, each beside its fp32 copy
-    # one micro-batch a step: of the 2Ψ/32 gradient shard the peak holds the output layer's and the last layer's units'
-    # only (docs/estimator.md, When the gradient shard is held)
-    late = 2 * psi / 32 * (1 - (V_PAD * H + 12 * H * H + 13 * H) / psi)
-    total = 16 * psi / 32 - late + L * b * S * H * 2 + layer + b * S * V_PAD * (2 + 4) + buffers + 0.1 * 80 * GIB
+    # stage 3's peak, the largest of its moments (docs/estimator.md, Stage 3's moments), one micro-batch a step: the
+    # loss — every checkpoint, the final norm's input and output, megatron's loss (the paper's: the bf16 logits, each
+    # beside its fp32 copy), the gathered output layer, no gradient shard yet —, the last layer's backward — every
+    # checkpoint, the layer's activations, the buffers, the output layer's and the last layer's shards of the 2Ψ/32 —
+    # and the end of the first layer's — its checkpoint and activations, the buffers, every shard but the
+    # embedding's and the first layer's
+    grads, checkpoints, unit = 2 * psi / 32, L * b * S * H * 2, 12 * H * H + 13 * H
+    loss = checkpoints + 2 * b * S * H * 2 + b * S * V_PAD * (2 + 4) + V_PAD * H * 2
+    last = grads * (V_PAD * H + unit) / psi + checkpoints + layer + buffers
+    first = grads * (1 - (V_PAD * H + S * H + unit) / psi) + checkpoints / L + layer + buffers
+    total = 16 * psi / 32 - grads + max(loss, last, first) + 0.1 * 80 * GIB
     assert float(row["peak_mem_GB"]) == pytest.approx(total / 1e9, rel=1e-9)
     assert "paper measured" not in row["reason"]  # H100: the paper's V100 numbers are not beside it
     assert "Reported in the paper" not in (tmp_path / "table.md").read_text()
