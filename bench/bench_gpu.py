@@ -17,7 +17,7 @@ row (precision.fp8 "tensorwise" and "rowwise", stage 2, the same process; MFU ag
 `probe --real` of the Llama-3 8B rank slice (configs/llama3_8b.toml: TP 1 × DP 16, stage 2) in bf16 and FP8
 under an 80 GB cap (the dry run: FP8 only, fake, 2 layers, 1 step). Each row: tokens/s, TFLOP/s (the model
 FLOPs of model_shape/flops.py: Megatron's formula, with grouped-query K/V and the gated MLP's third matrix for
-Llama), MFU (against the GPU's dense peak), peak CUDA memory. The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
+Llama), MFU (against the GPU's dense peak), peak CUDA memory (and for zero3d's rows the estimator's peak beside it). The dry run shrinks each shape to 2 layers × 64 hidden in fp32, compiles with the
 `aot_eager` backend (inductor's C++ codegen costs ~40 s on a CPU: the GPU run uses inductor), and runs the
 probes in fake mode with 2 layers for 1 step.
 """
@@ -261,11 +261,13 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 
                dry: bool = False, profile=None) -> dict:
     """One rank of `pretrain`: megatron GPTModel (model.attention auto, the fused chunked loss) under the ZeRO engine
     at `stage`, its layers `compiled` (model.compile: inductor; the dry run aot_eager) or eager; `fp8`: precision.fp8's
-    recipe (in bf16, whatever the shape's dtype)."""
+    recipe (in bf16, whatever the shape's dtype). With the row: the estimator's peak of this rank (`estimate_bytes`,
+    no margin: what `python -m pretrain --estimate` of the config says), beside the GPU's measured one."""
     import zero3d
     import pretrain.model.gpt as gpt
     from megatron.core import parallel_state
     from pretrain.config import load_config
+    from pretrain.memory_check import estimate_config
     from pretrain.model.gpt import build_model, parallel_groups
     from pretrain.runtime.layout import init_layout
     from pretrain.step import loss_share, run_micro_batches, step_mean_loss
@@ -277,6 +279,7 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 
         f"precision.dtype={'bf16' if fp8 != 'none' else shape['dtype']}", f"precision.fp8={fp8}", f"zero.stage={stage}",
         f"model.compile={'true' if compiled else 'false'}", f"optimizer.lr={LR}", f"optimizer.clip_grad={CLIP}",
         "logging.wandb=false"])
+    memory = estimate_config(cfg, 1, cfg.cluster.gpu_memory_gb * 2**30)  # the estimator's peak of this rank
     topo = init_layout(cfg)
     backend = gpt.COMPILE_BACKEND
     gpt.COMPILE_BACKEND = "aot_eager" if dry else backend  # the CPU dry run: no C++ build per row
@@ -296,7 +299,8 @@ def zero3d_row(shape: dict, device, steps: int, fp8: str = "none", stage: int = 
         step_s = timed(step, steps, warmup=2, device=topo.device,
                        profile=profile and (lambda s: found.update(profile(s))))
         return dict(row(zero3d_label(shape, fp8, stage, compiled), step_s, shape, topo.device, losses[-1],
-                        peak_dtype="fp8" if fp8 != "none" else ""), **found)
+                        peak_dtype="fp8" if fp8 != "none" else ""),
+                    estimate_bytes=memory.total_bytes - memory.margin_bytes, **found)
     finally:
         engine.close()
         parallel_state.destroy_model_parallel()
@@ -343,21 +347,22 @@ def table(rows: list, title: str) -> str:
     plain = next((r for r in rows if r["row"].startswith("plain PyTorch") and r["row"].endswith("compiled")
                   and "tokens_per_s" in r), None)
     lines = [f"{title}", "", "| row | tokens/s | ÷ compiled plain | TFLOP/s | MFU | peak GiB | peak ÷ compiled plain "
-             "| step s | loss |", "|---|---|---|---|---|---|---|---|---|"]
+             "| estimate GiB | step s | loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "tokens_per_s" not in r:  # a probe row
             peak = r.get("peak_bytes")
             verdict = (r.get("verdict") or f"error: {r.get('error')}").split(" — ")[0]  # e.g. "verdict: FITS"
             lines.append(f"| {r['row']} (rc {r['rc']}, {verdict}) | — | — | "
                          f"{fmt(r.get('tflops'), '.1f')} | {fmt(r.get('mfu'), '.1%')} | "
-                         f"{fmt(peak / 2**30 if peak else None, '.2f')} | — | {fmt(r.get('step_s'), '.3f')} | — |")
+                         f"{fmt(peak / 2**30 if peak else None, '.2f')} | — | — | {fmt(r.get('step_s'), '.3f')} | — |")
             continue
         peak = r["peak_bytes"] / 2**30 if r["peak_bytes"] else None
         speed = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
         memory = r["peak_bytes"] / plain["peak_bytes"] if plain and r["peak_bytes"] and plain["peak_bytes"] else None
+        estimate = r.get("estimate_bytes")
         lines.append(f"| {r['row']} | {r['tokens_per_s']:.0f} | {fmt(speed, '.3f')} | {r['tflops']:.3g} | "
-                     f"{fmt(r['mfu'], '.1%')} | {fmt(peak, '.2f')} | {fmt(memory, '.2f')} | {r['step_s']:.4f} | "
-                     f"{r['loss']:.4f} |")
+                     f"{fmt(r['mfu'], '.1%')} | {fmt(peak, '.2f')} | {fmt(memory, '.2f')} | "
+                     f"{fmt(estimate / 2**30 if estimate else None, '.2f')} | {r['step_s']:.4f} | {r['loss']:.4f} |")
     return "\n".join(lines) + "\n"
 
 

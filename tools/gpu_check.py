@@ -166,18 +166,20 @@ class BenchCut(Exception):
     def __init__(self, rows: list, what: str):
         super().__init__(what)
         lines = [f"{what}: stopped at the time budget after {len(rows)} row(s); those measured:", "",
-                 "| row | tokens/s | ÷ compiled plain | TFLOP/s | MFU | peak GiB | step s | loss |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "| row | tokens/s | ÷ compiled plain | TFLOP/s | MFU | peak GiB | estimate GiB | step s | loss |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         plain = {r["shape"]: r["tokens_per_s"] for r in rows if r["row"].startswith("plain PyTorch")
                  and r["row"].endswith("compiled") and "tokens_per_s" in r}
         for r in rows:
             if "tokens_per_s" not in r:
-                lines.append(f"| {r.get('row')} (rc {r.get('rc')}: {r.get('error')}) | — | — | — | — | — | — | — |")
+                lines.append(f"| {r.get('row')} (rc {r.get('rc')}: {r.get('error')}) | — | — | — | — | — | — | — | — |")
                 continue
             peak = r["peak_bytes"] / 2**30 if r.get("peak_bytes") else None
             speed = r["tokens_per_s"] / plain[r["shape"]] if r.get("shape") in plain else None
+            estimate = r["estimate_bytes"] / 2**30 if r.get("estimate_bytes") else None
             lines.append(f"| {r['row']} | {r['tokens_per_s']:.0f} | {fmt(speed, '.3f')} | {fmt(r.get('tflops'), '.3g')} | "
-                         f"{fmt(r.get('mfu'), '.1%')} | {fmt(peak, '.2f')} | {r['step_s']:.4f} | {r['loss']:.4f} |")
+                         f"{fmt(r.get('mfu'), '.1%')} | {fmt(peak, '.2f')} | {fmt(estimate, '.2f')} | {r['step_s']:.4f} | "
+                         f"{r['loss']:.4f} |")
         self.text = "\n".join(lines) + "\n"
 
 

@@ -78,6 +78,21 @@ def test_bench_gpu_cpu_dry_run_rows():
                                 rel_tol=1e-5), (model, z)
     for name in (PROBE, FP8_PROBE):
         assert rows[name]["rc"] == 0 and rows[name]["verdict"].startswith("verdict: FITS"), rows[name]
+    # zero3d's rows carry the estimator's peak of their rank beside the measured one: what `python -m pretrain
+    # --estimate` says of the row's config (its stage and compiled layers, one micro-batch a step), without the margin
+    from pretrain.config import load_config
+    from pretrain.memory_check import estimate_config
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "bench/bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for stage in (2, 3):
+        s = out["shapes"]["gpt"]
+        cfg = load_config(None, bench.model_overrides(s) + [
+            f"train.micro_batch_size={s['micro']}", f"train.global_batch_size={s['micro']}", "precision.dtype=fp32",
+            f"zero.stage={stage}", "model.compile=true"])
+        memory = estimate_config(cfg, 1, 80 * 2**30)
+        assert rows[f"zero3d GPT (compiled, stage {stage})"]["estimate_bytes"] == memory.total_bytes - memory.margin_bytes
+    assert all(("estimate_bytes" in rows[name]) == name.startswith("zero3d") for name in list(rows)[:12])
     # the FP8 rows (--fp8 on a GPU; always in the dry run): the same weights and data as the zero3d row, float8 GEMMs
     for recipe in ("tensorwise", "rowwise"):
         fp8 = rows[f"zero3d Llama FP8 {recipe} (compiled, stage 2)"]["loss"]
