@@ -51,13 +51,16 @@ def test_layer_bytes_by_hand_numbers():
 def test_working_set_and_tokens_per_rank(cp):
     """Without recomputation the working set is L layers' activations; the logits are this rank's S/C tokens'
     (b·s·V_pad/t, megatron's loss on bf16 logits: each beside its fp32 copy, 2 + 4 bytes); the model states are
-    sharded over dp·cp = gpus/t = 4 ranks whatever cp is (stage 2: the gradients and optimizer states; stage 3's
-    breakdown holds what its peak moment holds, stage3_peak.py)."""
+    sharded over dp·cp = gpus/t = 4 ranks whatever cp is (stage 2: the gradients and optimizer states; stage 3: the
+    parameters too). The activation fields are stage 2's, the step's totals (stage 3's hold what its peak moment
+    holds, stage3_peak.py)."""
     m = est.estimate(SHAPE, *est.job_of(stage=2, cp=cp, **LAYOUT))
     s = S // cp
     assert m.working_set_bytes == L * layer_bytes_by_hand(cp)
     assert m.logits_bytes == B * s * 1024 // T * (2 + 4)
     assert (m.param_bytes, m.grad_bytes, m.optimizer_bytes) == (PSI * 2, PSI * 2 / 4, PSI * 12 / 4)
+    m3 = est.estimate(SHAPE, *est.job_of(stage=3, cp=cp, **LAYOUT))
+    assert (m3.param_bytes, m3.grad_bytes, m3.optimizer_bytes) == (PSI * 2 / 4, PSI * 2 / 4, PSI * 12 / 4)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

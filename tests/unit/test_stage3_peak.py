@@ -1,7 +1,5 @@
 """Stage 3's peak moment (analysis/stage3_peak.py) by hand: which of the loss, the last layer's backward and the end of
 the first layer's holds the most, and what the estimate's breakdown then holds."""
-from fractions import Fraction
-
 from analysis import estimate as est
 from model_shape.gpt import GPTShape
 
@@ -26,6 +24,14 @@ def test_a_large_vocabulary_peaks_at_the_loss():
     assert (m.logits_bytes, m.buffer_bytes) == (B * s * 50_048 * (2 + 4), 50_048 * 64 * 2)
 
 
+def test_tied_embeddings_gather_the_embedding_unit_for_the_loss():
+    """Tied word embeddings: the output layer is the embedding's weight, so the loss gathers the embedding's unit,
+    word and position embeddings ((V_pad + s)·h·2)."""
+    s = 512
+    m = breakdown(GPTShape(layers=4, hidden=64, heads=4, seq=s, vocab=50_000, tied=True), 1)
+    assert m.peak_moment == "the loss" and m.buffer_bytes == (50_048 + s) * 64 * 2
+
+
 def test_one_rank_with_a_small_vocabulary_peaks_at_the_end_of_the_first_layers_backward():
     """One rank, h 256, 1,000 words: a layer's gradient shard (2·(12h² + 13h) bytes) outweighs a checkpoint, so the
     end of backward holds the most: every unit's shard but the embedding's and the first layer's, G·(1 − (embedding
@@ -35,7 +41,7 @@ def test_one_rank_with_a_small_vocabulary_peaks_at_the_end_of_the_first_layers_b
     m = breakdown(shape, 1, loss_chunk_tokens=16)
     psi, layer, embedding = shape.params(), 12 * h * h + 13 * h, 1024 * h + S * h
     assert m.peak_moment == "the end of the first layer's backward"
-    assert Fraction(m.grads_not_at_peak).limit_denominator() == Fraction(2 * psi * (embedding + layer), psi)
+    assert m.grads_not_at_peak == 2 * (embedding + layer)  # of G = 2Ψ bf16 bytes, the shards not yet allocated
     assert m.checkpoint_bytes == B * S * h * E and m.logits_bytes == 0
     assert m.working_set_bytes == est.layer_activation_bytes(S, B, h, 4, 1, E)
 
@@ -50,7 +56,7 @@ def test_many_ranks_peak_at_the_last_layers_backward():
     terms = est.buffer_terms(shape, stage=3, psi=psi, micro_batch=B, tp=1, bucket_elements=est.DEFAULT_BUCKET_ELEMENTS,
                              precision="bf16", prefetch_units=1)
     assert m.peak_moment == "the last layer's backward"
-    assert m.grad_bytes - m.grads_not_at_peak == m.grad_bytes * (1024 * h + layer) / psi
+    assert m.grad_bytes == 2 * psi / 64 and m.grad_bytes - m.grads_not_at_peak == 2 * (1024 * h + layer) / 64
     assert (m.checkpoint_bytes, m.logits_bytes, m.buffer_bytes) == (4 * B * S * h * E, 0, sum(terms.values()))
 
 
