@@ -292,8 +292,9 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
     (pretrain/model/loss.py), fused (its weight and hidden-state gradients kept from forward to backward) or,
     `loss_recompute`, recomputed in backward; `attention` (ATTENTION_KINDS): "local" (the paper's Megatron) keeps the
     [b·a, s, s] scores, "fused" (SDPA / Transformer Engine) only the softmax statistics, in every layer's activations and
-    so in the working set; `mask_bytes`: per-sample attention masks (document_mask_bytes), counted with the
-    activations; `float8` (precision.fp8: "tensorwise", "rowwise"): buffer_terms. `layout.cp` context-parallel ranks
+    so in the working set; `document_masks`: per-sample attention masks (document_mask_bytes: the step's
+    `accumulation` micro-batches, `layout.pp` of them in flight), counted with the activations; `float8`
+    (precision.fp8: "tensorwise", "rowwise"): buffer_terms. `layout.cp` context-parallel ranks
     (analysis/context.py) split each sequence: ZeRO shards over their dp·cp = gpus/tp ranks, each rank's
     activations are for S/C tokens, plus the other ranks' K and V gathered (context_layer_bytes). `step.sequence_parallel`:
     the activations TP leaves whole are cut over its ranks' tokens too (activations.layer_bytes). `optimizer`
@@ -303,8 +304,7 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
                                                           zero.prefetch_units)
     splits_node, cards, fp8_gather = zero.modes.needs_two_per_node, mode_costs(zero.modes), zero.fp8_gather
     micro_batch, recompute, precision, attention = step.micro_batch, step.recompute, step.precision, step.attention
-    loss_chunk_tokens, loss_recompute, float8, mask_bytes = (step.loss_chunk_tokens, step.loss_recompute, step.float8,
-                                                             step.mask_bytes)
+    loss_chunk_tokens, loss_recompute, float8 = step.loss_chunk_tokens, step.loss_recompute, step.float8
     gpu_memory_bytes, margin_fraction = budget.gpu_memory_bytes, budget.margin_fraction
     validate_layout(shape, gpus, tp, stage, micro_batch, recompute, pa, pa_cpu, precision, bucket_elements,
                     prefetch_units, attention)
@@ -329,6 +329,8 @@ def estimate(shape: GPTShape, layout: Parallelism, zero: ZeroChoice, step: Step 
         param += card.added_param_bytes(psi, dp_per_node, precision)
 
     e = prec.activation_bytes
+    mask_bytes = (document_mask_bytes(shape.seq, micro_batch, step.accumulation, layout.pp, e, attention)
+                  if step.document_masks else 0)
     sp = step.sequence_parallel
     if sp and (tp == 1 or pa):
         raise ValueError(f"sequence_parallel with tp = {tp}{' and pa' if pa else ''} is invalid; it needs tp > 1 "

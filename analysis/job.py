@@ -28,12 +28,14 @@ DEFAULT_BUCKET_ELEMENTS = ZeroConfig.bucket_elements  # CB: the engine's zero.bu
 class Parallelism:
     """Where the model (one pipeline stage's share of it) runs: gpus = tp × cp × dp GPUs, ZeRO sharding over the
     dp·cp = gpus / tp ranks of data × context, and `dp_per_node` of those ranks on each node (the engine's rank → node
-    rule, zero3d.comm.topology.dp_ranks_per_node; read by hpZ and hybrid)."""
+    rule, zero3d.comm.topology.dp_ranks_per_node; read by hpZ and hybrid); `pp` pipeline stages, each holding up to
+    pp micro-batches in flight."""
 
     gpus: int
     tp: int = 1
     cp: int = 1
     dp_per_node: int = 1
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -92,7 +94,8 @@ class Step:
     """What one step of a rank holds besides the model states: `micro_batch` samples at a time, `recompute`
     (estimate.RECOMPUTE), activations and gradients in `precision` (model_states.PRECISIONS), `attention`
     (estimate.ATTENTION_KINDS), the loss `loss_chunk_tokens` tokens at a time (0: all; `loss_recompute`: recomputed in
-    backward), `float8` GEMMs (precision.fp8), `mask_bytes` of per-sample attention masks (document_mask_bytes),
+    backward), `float8` GEMMs (precision.fp8), `accumulation` micro-batches a step, `document_masks`: per-sample
+    attention masks of document boundaries (data.reset_attention_mask; estimate.document_mask_bytes),
     `sequence_parallel` (parallel.sequence_parallel: the activations TP leaves whole cut over the TP ranks' tokens)
     and `compiled` layers (model.compile: the kernel path the planner's time reads; the fused loss's softmax, compiled
     too, holds fewer bytes a logit: loss_memory.loss_logit_bytes). `grad_shard_per_step`: the step is this engine's with
@@ -106,7 +109,8 @@ class Step:
     loss_chunk_tokens: int = 0
     loss_recompute: bool = False
     float8: str = "none"
-    mask_bytes: float = 0.0
+    accumulation: int = 1
+    document_masks: bool = False
     sequence_parallel: bool = False
     compiled: bool = False
     grad_shard_per_step: bool = False

@@ -20,7 +20,16 @@ class RankJob:
     step: Step
     budget: Budget
     optimizer: OptimizerStates
-    accumulation: int  # micro-batches a step on this rank (offload's host traffic)
+
+    def describe(self) -> str:
+        """The job in a line, the table's header: the whole model, the ranks and their degrees, ZeRO, the step, the
+        optimizer."""
+        shape, layout, pp = self.shape, self.layout, self.layout.pp
+        cp = f" × CP {layout.cp}" if layout.cp > 1 else ""
+        return (f"{shape.layers * pp} layers × hidden {shape.hidden}, seq {shape.seq}; "
+                f"{layout.gpus * pp} ranks = TP {layout.tp} × PP {pp}{cp} × DP {layout.dp // layout.cp}; "
+                f"ZeRO stage {self.zero.stage}, micro-batch {self.step.micro_batch}, {self.step.precision}; "
+                f"{self.optimizer.name}, {self.optimizer.state_dtype} states")
 
     def whole(self) -> MemoryBreakdown:
         """The model states' estimate with nothing offloaded (what a checkpoint holds)."""
@@ -33,7 +42,8 @@ def device_memory(job: RankJob) -> tuple[MemoryBreakdown, Optional[OffloadBreakd
     whole = job.whole()
     if job.zero.offload_optimizer == "none" and job.zero.offload_params == "none":
         return whole, None
-    offload = offload_breakdown(whole, job.layout, job.zero, job.step.precision, job.accumulation, job.optimizer)
+    offload = offload_breakdown(whole, job.layout, job.zero, job.step.precision, job.step.accumulation,
+                                job.optimizer)
     return offload.device, offload
 
 
@@ -46,7 +56,7 @@ def memory_table(on_device: MemoryBreakdown, offload: Optional[OffloadBreakdown]
     return "\n".join([table] + ([format_offload(offload)] if offload else []) + ([cpu_note] if cpu_note else []))
 
 
-def device_report(job: RankJob, header: str, device: str, cpu_note: Optional[str] = None) -> tuple:
-    """(what stays on the device, its table): device_memory, then memory_table."""
+def device_report(job: RankJob, device: str, cpu_note: Optional[str] = None) -> tuple:
+    """(what stays on the device, its table headed by the job's line): device_memory, then memory_table."""
     on_device, offload = device_memory(job)
-    return on_device, memory_table(on_device, offload, header, device, cpu_note)
+    return on_device, memory_table(on_device, offload, job.describe(), device, cpu_note)

@@ -9,7 +9,7 @@ from analysis.comm_model import (MUON_VALUE_BYTES, STAGE_MODES, Links, collectiv
 from analysis.context import valid_context_sizes
 from analysis.estimate import (DEFAULT_BUCKET_ELEMENTS, DEFAULT_MARGIN_FRACTION, PRECISIONS, RECOMPUTE,
                                V100_MEMORY_BYTES, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step,
-                               ZeroChoice, document_mask_bytes, estimate, estimate_from_shape, gpt_param_count,
+                               ZeroChoice, estimate, estimate_from_shape, gpt_param_count,
                                largest_fitting_layers, paper_shape)
 from analysis.modes import named_modes
 from analysis.offload_estimate import OffloadBreakdown, offload_breakdown
@@ -221,7 +221,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
          tp_choices: Optional[list] = None, stages=(0, 1, 2, 3), offload: bool = True,
          attention: str = "local", optimizer: str = "adamw", state_dtype: str = "fp32",
          float8: str = "none", fp8_gather: bool = False, step: Optional[Step] = None,
-         zero: Optional[ZeroChoice] = None, document_masks: bool = False) -> list:
+         zero: Optional[ZeroChoice] = None) -> list:
     """Every layout that fits, best modelled throughput first.
 
     The model: `model` (any GPTShape), or the paper's GPT-2 shape by `layers`, `hidden`, `heads`, `vocab`, `seq`.
@@ -236,12 +236,12 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     `float8` (precision.fp8) and `fp8_gather` (zero.fp8_gather, at stage 3 without hpZ / qwZ): the float8 GEMMs'
     copies and compute, and stage 3's float8 weight gathers (estimate, step_time).
     `recompute`: one of estimate.RECOMPUTE, or several (a tuple) for the planner to choose per layout (selective
-    not with cp > 1). `step` (a run's Step, pretrain/memory_check.py's estimate_args): what every layout's step
-    holds, its precision, attention, float8, loss chunking and sequence parallelism (at tp > 1) in place of
-    `precision`, `attention` and `float8`; its micro-batch, recompute and mask bytes are the planner's.
+    not with cp > 1). `step` (a run's Step, pretrain/memory_check.py's rank_job): what every layout's step
+    holds, its precision, attention, float8, loss chunking, per-sample document masks (each layout's counted, and no
+    context parallelism with them) and sequence parallelism (at tp > 1) in place of `precision`, `attention` and
+    `float8`; its micro-batch, accumulation and recompute are the planner's.
     `zero` (a run's ZeroChoice): the buckets, prefetch, float8 gathers and NVMe buffers every layout takes, in place
-    of `bucket_elements` and `fp8_gather`; its stage and modes are the planner's. `document_masks`
-    (data.reset_attention_mask): each layout's per-sample masks (estimate.document_mask_bytes) counted.
+    of `bucket_elements` and `fp8_gather`; its stage and modes are the planner's.
     """
     if (global_batch is None) == (batch_per_gpu is None):
         raise ValueError("give exactly one of global_batch (--global-batch) and batch_per_gpu "
@@ -264,8 +264,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
     tps = tp_choices or [t for t in _divisors(gpus) if model.heads % t == 0 and model.groups % t == 0
                          and model.hidden % t == 0 and model.ffn_size % t == 0]
     shape = dict(model=model, gpus=gpus, precision=precision, attention=attention, optimizer=optimizer,
-                 state_dtype=state_dtype, float8=float8, fp8_gather=fp8_gather, step=step, zero=zero_template,
-                 document_masks=document_masks)
+                 state_dtype=state_dtype, float8=float8, fp8_gather=fp8_gather, step=step, zero=zero_template)
 
     def search_layout(tp: int, cp: int, offload_optimizer: str, offload_params: str) -> list:
         found = []
@@ -300,7 +299,7 @@ def plan(cluster: Cluster = PAPER_CLUSTER, *, layers: Optional[int] = None, hidd
         found = []
         for tp in tps:
             # context parallelism: fused attention only, and no per-sample document masks (the engine refuses both)
-            cps = valid_context_sizes(model.seq, gpus // tp) if attention == "fused" and not document_masks else [1]
+            cps = valid_context_sizes(model.seq, gpus // tp) if attention == "fused" and not step.document_masks else [1]
             for cp in cps:  # the smallest context degree at which this tp fits (1: no context parallelism)
                 at_tp = search_layout(tp, cp, offload_optimizer, offload_params)
                 if at_tp:
@@ -348,9 +347,7 @@ def _candidate(cluster: Cluster, shape: dict, tp: int, zero: ZeroChoice, micro_b
     base = shape.get("step") or Step(precision=shape["precision"], attention=shape.get("attention", "local"),
                                      float8=shape.get("float8", "none"))
     accumulation = step_batch // (micro_batch * (gpus // (tp * cp)))
-    masks = (document_mask_bytes(model.seq, micro_batch, accumulation, 1, PRECISIONS[base.precision].activation_bytes,
-                                 base.attention) if shape.get("document_masks") else 0)
-    step = dataclasses.replace(base, micro_batch=micro_batch, recompute=shape["recompute"], mask_bytes=masks,
+    step = dataclasses.replace(base, micro_batch=micro_batch, recompute=shape["recompute"], accumulation=accumulation,
                                sequence_parallel=base.sequence_parallel and tp > 1, grad_shard_per_step=accumulation == 1)
     optimizer = OptimizerStates.of_shape(model, tp, shape.get("optimizer", "adamw"), shape.get("state_dtype", "fp32"))
     memory = estimate(model, layout, zero, step, Budget(cluster.gpu_memory_bytes, margin_fraction), optimizer)

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from model_shape.gpt import GPTShape
 from optim.spec import STEP_CHUNK
-from zero3d.matrix_owners import assign_owners, newton_schulz_cost
+from optim.matrix_owners import assign_owners, newton_schulz_cost
 
 FP32 = 4
 

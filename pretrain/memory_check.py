@@ -3,8 +3,7 @@ read once into one rank's job (`rank_job`), which the analysis (analysis/memory_
 import dataclasses
 from typing import Optional
 
-from analysis.estimate import (GB, GIB, PRECISIONS, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step,
-                               ZeroChoice, document_mask_bytes)
+from analysis.estimate import GB, GIB, Budget, MemoryBreakdown, OptimizerStates, Parallelism, Step, ZeroChoice
 from analysis.memory_report import RankJob, device_memory, device_report
 from pretrain.config import Config, ConfigError
 from pretrain.sections import ClusterConfig
@@ -17,42 +16,36 @@ def gpu_budget_bytes(cluster: ClusterConfig) -> float:
     return cluster.gpu_memory_gb * GIB
 
 
-def rank_job(cfg: Config, world_size: int, gpu_memory_bytes: float, gpus_per_node: Optional[int] = None,
+def rank_job(cfg: Config, world_size: int, gpu_memory_bytes: float, dp_per_node: int,
              compiled: Optional[bool] = None) -> RankJob:
     """A rank of this config as the estimator (analysis.memory_report) takes it. Pipeline stages: one stage's layers,
     with both the embeddings and the output layer counted (the first and last stages hold one each: an upper bound for
-    either). `gpus_per_node`: the ranks per node the run's Layout resolved (default: cluster.gpus_per_node).
+    either). `dp_per_node`: the DP ranks on each node (a run's Layout.dp_per_node, or `config_dp_per_node`).
     `compiled`: whether model.compile compiles the run's layers (pretrain/model/gpt.py's `compiles`); default, as on
     the config's GPUs with megatron's local layers: model.compile true or "auto"."""
     m, p = cfg.model, cfg.parallel
     shape = dataclasses.replace(m.shape, layers=m.num_layers // p.pipeline)
-    layout = Parallelism(world_size // p.pipeline, p.tensor, p.context, dp_per_node(cfg, world_size, gpus_per_node))
+    layout = Parallelism(world_size // p.pipeline, p.tensor, p.context, dp_per_node, p.pipeline)
+    micro_batches = accumulation(cfg, world_size)
     step = Step(micro_batch=cfg.train.micro_batch_size, recompute=m.recompute, precision=cfg.precision.dtype,
                 attention=attention_kind(m.attention), loss_chunk_tokens=m.loss_chunk_tokens,
-                loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, mask_bytes=mask_bytes(cfg, world_size),
-                sequence_parallel=p.sequence_parallel,
+                loss_recompute=m.loss_recompute, float8=cfg.precision.fp8, accumulation=micro_batches,
+                document_masks=cfg.data.reset_attention_mask, sequence_parallel=p.sequence_parallel,
                 compiled=m.compile in (True, "auto") if compiled is None else compiled,
-                grad_shard_per_step=accumulation(cfg, world_size) == 1 and p.pipeline == 1)
+                grad_shard_per_step=micro_batches == 1 and p.pipeline == 1)
     optimizer = OptimizerStates.of_shape(shape, p.tensor, cfg.optimizer.name, cfg.optimizer.state_dtype)
-    return RankJob(shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer,
-                   accumulation(cfg, world_size))
+    return RankJob(shape, layout, ZeroChoice.of(cfg.zero), step, Budget(gpu_memory_bytes), optimizer)
 
 
-def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float,
-                    gpus_per_node: Optional[int] = None) -> MemoryBreakdown:
-    """The estimator for this config's model, layout and ZeRO settings, nothing offloaded (rank_job)."""
-    return rank_job(cfg, world_size, gpu_memory_bytes, gpus_per_node).whole()
+def config_job(cfg: Config, world_size: int, gpu_memory_bytes: float, compiled: Optional[bool] = None) -> RankJob:
+    """rank_job of a config with no run's Layout at hand (`--estimate`, `--plan`, the probe, sbatch's check): its DP
+    ranks per node by the engine's rank → node rule (config_dp_per_node)."""
+    return rank_job(cfg, world_size, gpu_memory_bytes, config_dp_per_node(cfg, world_size), compiled)
 
 
-def mask_bytes(cfg: Config, world_size: int) -> int:
-    """The per-sample attention masks data.reset_attention_mask puts on each rank (estimate.document_mask_bytes):
-    the step's micro-batches all at once, one bias per micro-batch in flight (the pipeline's stages at most)."""
-    if not cfg.data.reset_attention_mask:
-        return 0
-    m = cfg.model
-    return document_mask_bytes(m.seq_length, cfg.train.micro_batch_size, accumulation(cfg, world_size),
-                               cfg.parallel.pipeline, PRECISIONS[cfg.precision.dtype].activation_bytes,
-                               attention_kind(m.attention))
+def estimate_config(cfg: Config, world_size: int, gpu_memory_bytes: float) -> MemoryBreakdown:
+    """The estimator for this config's model, layout and ZeRO settings, nothing offloaded (config_job)."""
+    return config_job(cfg, world_size, gpu_memory_bytes).whole()
 
 
 def accumulation(cfg: Config, world_size: int) -> int:
@@ -68,35 +61,23 @@ def attention_kind(choice: str) -> str:
     return "local" if choice == "local" else "fused"
 
 
-def dp_per_node(cfg: Config, world_size: int, gpus_per_node: Optional[int] = None) -> int:
-    """DP ranks on one node for hpZ and hybrid, by the engine's rank → node rule (zero3d.comm.topology): TP takes its
-    share of the node first; 1 without a node-aware mode. A layout whose DP groups do not split evenly into nodes is
-    the ConfigError the run's start gives."""
+def config_dp_per_node(cfg: Config, world_size: int) -> int:
+    """DP ranks on one node for hpZ and hybrid, by the engine's rank → node rule (zero3d.comm.topology) on
+    cluster.gpus_per_node: TP takes its share of the node first; 1 without a node-aware mode. A layout whose DP groups
+    do not split evenly into nodes is the ConfigError the run's start gives."""
     if not cfg.zero.node_aware():
         return 1
     try:
-        return dp_ranks_per_node(world_size, cfg.parallel.tensor, cfg.parallel.pipeline,
-                                 gpus_per_node or cfg.cluster.gpus_per_node)
+        return dp_ranks_per_node(world_size, cfg.parallel.tensor, cfg.parallel.pipeline, cfg.cluster.gpus_per_node)
     except TopologyError as err:
         raise ConfigError(str(err), "config", "set cluster.gpus_per_node to the ranks each node runs") from None
 
 
-def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float,
-                    gpus_per_node: Optional[int] = None, compiled: Optional[bool] = None) -> tuple:
+def device_estimate(cfg: Config, world_size: int, gpu_memory_bytes: float, compiled: Optional[bool] = None) -> tuple:
     """(what stays on the device, OffloadBreakdown or None): with zero.offload_* on, the check judges only
     the device's bytes (estimate_config stays the whole model states' estimate: checkpoint sizes). `compiled`:
     rank_job's."""
-    return device_memory(rank_job(cfg, world_size, gpu_memory_bytes, gpus_per_node, compiled))
-
-
-def describe(cfg: Config, world_size: int) -> str:
-    p = cfg.parallel
-    cp = f" × CP {p.context}" if p.context > 1 else ""
-    dp = world_size // (p.tensor * p.pipeline * p.context)
-    return (f"{cfg.model.num_layers} layers × hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}; "
-            f"{world_size} ranks = TP {p.tensor} × PP {p.pipeline}{cp} × DP {dp}; "
-            f"ZeRO stage {cfg.zero.stage}, micro-batch {cfg.train.micro_batch_size}, {cfg.precision.dtype}; "
-            f"{cfg.optimizer.name}, {cfg.optimizer.state_dtype} states")
+    return device_memory(config_job(cfg, world_size, gpu_memory_bytes, compiled))
 
 
 def config_device(cfg: Config) -> str:
@@ -104,20 +85,18 @@ def config_device(cfg: Config) -> str:
     return f"{cfg.cluster.gpu} (cluster.gpu_memory_gb = {cfg.cluster.gpu_memory_gb:g} GiB)"
 
 
-def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None,
-                  gpus_per_node: Optional[int] = None) -> tuple:
+def config_report(cfg: Config, world_size: int, cpu_note: Optional[str] = None) -> tuple:
     """(estimate, table) for the device the config describes (`--estimate`, no device at hand)."""
-    job = rank_job(cfg, world_size, gpu_budget_bytes(cfg.cluster), gpus_per_node)
-    return device_report(job, describe(cfg, world_size), config_device(cfg), cpu_note)
+    job = config_job(cfg, world_size, gpu_budget_bytes(cfg.cluster))
+    return device_report(job, config_device(cfg), cpu_note)
 
 
-def check_memory(cfg: Config, world_size: int, device, is_main: bool,
-                 gpus_per_node: Optional[int] = None) -> MemoryBreakdown:
+def check_memory(cfg: Config, world_size: int, device, is_main: bool, dp_per_node: int) -> MemoryBreakdown:
     """Print the estimate on rank 0; on CUDA refuse (every rank alike) a config that does not fit.
 
     The smallest device memory over all ranks is the budget, so every rank takes the same decision.
     On CPU ranks there is no device budget: the table is printed for the device the config
-    describes, and the verdict says that nothing was checked. `gpus_per_node`: the run's Layout's. The step is the
+    describes, and the verdict says that nothing was checked. `dp_per_node`: the run's Layout's. The step is the
     one this rank runs: its layers compiled or not as build_model compiles them (the fused loss's bytes a logit).
     """
     import torch
@@ -134,8 +113,8 @@ def check_memory(cfg: Config, world_size: int, device, is_main: bool,
         gpu_memory, judged = gpu_budget_bytes(cfg.cluster), config_device(cfg)
         cpu_note = (f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
                     f"{cfg.cluster.gpu_memory_gb:g} GiB)")
-    job = rank_job(cfg, world_size, gpu_memory, gpus_per_node, compiles_layers(cfg, on_cuda))
-    estimate, table = device_report(job, describe(cfg, world_size), judged, cpu_note)
+    job = rank_job(cfg, world_size, gpu_memory, dp_per_node, compiles_layers(cfg, on_cuda))
+    estimate, table = device_report(job, judged, cpu_note)
     if is_main:
         print(table, flush=True)
     if on_cuda and not estimate.fits and not cfg.train.ignore_memory_estimate:

@@ -1,5 +1,5 @@
 """`python -m pretrain --config X --plan`: the planner (analysis/planner.py) over a run config, with the memory model
-`--estimate` uses. The config is read once into one rank's job by rank_job (pretrain/memory_check.py);
+`--estimate` uses. The config is read once into one rank's job by config_job (pretrain/memory_check.py);
 the planner varies only the layout (TP, CP, ZeRO stage and activation options, offload, the node-aware mode, the
 recompute policy, the micro-batch) and keeps the rest of the step as the config has it: attention kernel, loss
 chunking, sequence parallelism (at TP > 1), float8, optimizer states, buckets, document masks. Each layout is
@@ -19,7 +19,7 @@ from analysis.offload_estimate import offload_breakdown
 from analysis.planner import Candidate, format_candidates, plan, step_time
 from analysis.throughput import MEASURED_ROWS, KernelPath, MeasuredRow
 from pretrain.config import RESOLVED_CONFIG, Config, ConfigError, _merge, validate
-from pretrain.memory_check import attention_kind, gpu_budget_bytes, rank_job
+from pretrain.memory_check import attention_kind, config_job, gpu_budget_bytes
 from pretrain.summary import read_records
 
 
@@ -80,16 +80,16 @@ def measured_row(run_dir: str) -> MeasuredRow:
 def config_step(cfg: Config, rows: tuple = MEASURED_ROWS) -> dict:
     """The planner's modelled step of cfg's own layout (analysis.planner.step_time: compute at the measured share of
     peak, exposed communication, offload traffic) and its parts, with its cluster's `efficiency` (an Efficiency). A
-    pipelined config: one stage's step (rank_job) × (m + p − 1) / m, the 1F1B bubble of p stages over m
+    pipelined config: one stage's step (config_job) × (m + p − 1) / m, the 1F1B bubble of p stages over m
     micro-batches."""
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     cluster = config_cluster(cfg, rows)
-    job = rank_job(cfg, world, gpu_budget_bytes(cfg.cluster))
+    job = config_job(cfg, world, gpu_budget_bytes(cfg.cluster))
     shape, layout, zero, step = job.shape, job.layout, job.zero, job.step
     memory = job.whole()
     pcie = 0.0
     if zero.offloaded:
-        pcie = offload_breakdown(memory, layout, zero, step.precision, accumulation=job.accumulation,
+        pcie = offload_breakdown(memory, layout, zero, step.precision, accumulation=step.accumulation,
                                  optimizer=job.optimizer).pcie_bytes_per_step
     try:
         timing = step_time(cluster, shape, layout, zero, step, cfg.train.global_batch_size, memory.params_per_rank,
@@ -105,7 +105,7 @@ def config_step(cfg: Config, rows: tuple = MEASURED_ROWS) -> dict:
 
 def plan_config(cfg: Config, rows: tuple = MEASURED_ROWS) -> list:
     """Every layout of `cfg`'s model on its [cluster] that fits, best modelled throughput first (analysis.planner.plan),
-    each step holding what cfg's does (rank_job), the recompute policy the planner's choice, the compute at the
+    each step holding what cfg's does (config_job), the recompute policy the planner's choice, the compute at the
     share of peak `rows` measured along cfg's kernel path."""
     p = cfg.parallel
     if p.pipeline > 1:
@@ -113,13 +113,12 @@ def plan_config(cfg: Config, rows: tuple = MEASURED_ROWS) -> list:
                           "config", "plan with parallel.pipeline=1, or --estimate the pipelined layout")
     cluster = config_cluster(cfg, rows)
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    job = rank_job(cfg, world, gpu_budget_bytes(cfg.cluster))
+    job = config_job(cfg, world, gpu_budget_bytes(cfg.cluster))
     shape, zero, step, budget = job.shape, job.zero, job.step, job.budget
     try:
         return plan(cluster, model=shape, gpus=world, global_batch=cfg.train.global_batch_size, recompute=RECOMPUTE,
                     margin_fraction=budget.margin_fraction, optimizer=cfg.optimizer.name,
-                    state_dtype=cfg.optimizer.state_dtype, step=step, zero=zero,
-                    document_masks=cfg.data.reset_attention_mask)
+                    state_dtype=cfg.optimizer.state_dtype, step=step, zero=zero)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -145,7 +144,7 @@ def plan_report(cfg: Config, top: int, as_json: bool, measured: tuple = ()) -> s
                             "memory": c.memory.to_dict(), "step_s": c.step_s, "tflops_per_gpu": c.tflops_per_gpu}
                            for c in found], indent=1)
     world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    world_step = rank_job(cfg, world, gpu_budget_bytes(cfg.cluster)).step
+    world_step = config_job(cfg, world, gpu_budget_bytes(cfg.cluster)).step
     lines = [f"{len(found)} feasible layouts of this config on {cfg.cluster.nodes} × {cfg.cluster.gpus_per_node} "
              f"{cfg.cluster.gpu} ({world} GPUs, {cfg.cluster.gpu_memory_gb:g} GiB); best first:",
              f"compute at {config_cluster(cfg, rows).efficiency_along(KernelPath.of(world_step))}"]

@@ -134,7 +134,7 @@ def run_training(cfg: Config, topo: Layout, progress: dict) -> dict:
     from pretrain.data.datasets import open_datasets, prepare_files
 
     check_attention_kernel(cfg, topo)  # before the memory check, which resolves the attention too
-    check_memory(cfg, topo.world_size, topo.device, topo.is_main, topo.gpus_per_node)
+    check_memory(cfg, topo.world_size, topo.device, topo.is_main, topo.dp_per_node)
     check_float8_device(cfg.precision.fp8, topo.device)  # precision.fp8 on a GPU without float8 matmuls: one line
     if topo.is_main and (kernels := fallbacks_line(topo.tp)):
         print(kernels, flush=True)

@@ -7,7 +7,7 @@ import torch
 from optim.flat_optimizer import hyper_of
 from zero3d.comm.core import Comm
 from zero3d.flat import ParamSlot
-from zero3d.matrix_owners import assign_owners, newton_schulz_cost
+from optim.matrix_owners import assign_owners, newton_schulz_cost
 
 
 @dataclass(frozen=True)

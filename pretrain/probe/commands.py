@@ -6,13 +6,14 @@ from pathlib import Path
 
 from pretrain import metrics
 from pretrain.config import Config, load_config
-from pretrain.memory_check import describe, device_estimate
+from pretrain.memory_check import config_job
 from pretrain.model.gpt import compiles_layers
 from pretrain.probe.kernels import profile_table
 from pretrain.probe.rank import probe_rank, rss_bytes
 from analysis.cluster import links_for_gpu
 from analysis.comm_model import comm_breakdown
 from analysis.estimate import DEFAULT_MARGIN_FRACTION, GB, gpt_param_count
+from analysis.memory_report import device_memory
 from analysis.planner import MP_STUDY, PAPER_CONFIGS, max_model_size
 from pretrain.probe.report import (PAPER_FIG2_TFLOPS, device_bytes, estimate_rows, extrapolate_phases,
                                           format_comparison, judge)
@@ -52,20 +53,21 @@ def probe_command(cfg: Config, world: int, args) -> int:
     except torch.OutOfMemoryError as err:  # --real on a GPU capped at --memory-gb: the verdict itself
         verdict = {"fits": False, "text": f"verdict: does NOT fit — out of memory on the GPU capped at "
                    f"{memory / GB:.2f} GB ({args.memory_gb:g} GiB): {str(err).splitlines()[0]}"}
-        out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real", "verdict": verdict,
-               "probe_wall_s": time.perf_counter() - t0, "probe_rss_bytes": rss_bytes()}
+        out = {"config": config_job(cfg, world, memory).describe(), "rank": args.rank, "mode": "real",
+               "verdict": verdict, "probe_wall_s": time.perf_counter() - t0, "probe_rss_bytes": rss_bytes()}
         print(json.dumps(out, indent=2) if args.json else f"{out['config']}\n{verdict['text']}")
         return 1
     wall = time.perf_counter() - t0
     on_gpu = run.cuda_max_allocated is not None  # model states (the engine's count) and the allocator's peak only
     # with offload: what stays on the device; the step as the probed rank ran it, its layers compiled or not (on
     # fake and CPU ranks model.compile "auto" leaves them eager: the loss's logits beside their fp32 copy)
-    estimate, _ = device_estimate(cfg, world, memory, compiled=compiles_layers(cfg, on_gpu))
+    job = config_job(cfg, world, memory, compiled=compiles_layers(cfg, on_gpu))
+    estimate, _ = device_memory(job)
     peak = run.cuda_max_allocated if run.cuda_max_allocated is not None else run.peak_bytes
     verdict = judge(peak, args.memory_gb)
     rows = estimate_rows(estimate, run.model_states, None if on_gpu else run.peak_by_category, peak,
                          run.host_peak_by_category.get("activations", 0))
-    out = {"config": describe(cfg, world), "rank": args.rank, "mode": "real" if args.real else "fake",
+    out = {"config": job.describe(), "rank": args.rank, "mode": "real" if args.real else "fake",
            "run": dataclasses.asdict(run), "estimate": estimate.to_dict(),
            "comparison": [{"category": n, "estimate_bytes": e, "executed_bytes": x} for n, e, x in rows],
            "verdict": dataclasses.asdict(verdict) | {"text": verdict.describe()},

@@ -86,6 +86,11 @@ class Layout:
         return self.rank == 0
 
     @property
+    def dp_per_node(self) -> int:
+        """The DP ranks on each node, as the node topology holds them (1 without a node-aware zero.* mode)."""
+        return self.node.per_node if self.node is not None else 1
+
+    @property
     def is_last_stage(self) -> bool:
         """The pipeline stage that computes the loss (every rank when pp = 1)."""
         return self.pp_rank == self.pp - 1

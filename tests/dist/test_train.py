@@ -194,6 +194,28 @@ def test_final_checkpoint_can_be_skipped_and_wandb_summary_holds_the_table(tmp_p
         assert stored[key] == pytest.approx(value, rel=1e-12), key
 
 
+def test_the_start_up_check_counts_the_node_topologys_dp_ranks(tmp_path, data_cache, capfd):
+    """hpZ (stage 3, zero.secondary_partition = node) on 4 ranks as 2 nodes × 2: the table the run prints at its start
+    is --estimate's of the same config, its secondary copy Ψ·b/m counted with the m = 2 DP ranks a node the run's node
+    topology holds (Layout.dp_per_node), not one."""
+    from pretrain.config import load_config
+    from pretrain.memory_check import config_report
+    overrides = SMALL + data_cache + ["parallel.tensor=1", "zero.stage=3", "zero.secondary_partition=node",
+                                      "cluster.gpus_per_node=2", "model.compile=false", "train.steps=1",
+                                      "train.save_final=false",
+                                      f"logging.run_dir={json.dumps(str(tmp_path / 'run'))}"]
+    capfd.readouterr()
+    run_train(4, overrides)
+    cfg = load_config(REPO / "configs/tiny.toml", overrides)
+    note = (f"CPU run: no device memory check (the estimate is for {cfg.cluster.gpu}, "
+            f"{cfg.cluster.gpu_memory_gb:g} GiB)")
+    estimate, table = config_report(cfg, 4, note)
+    one_per_node, _ = config_report(load_config(REPO / "configs/tiny.toml", overrides + ["cluster.gpus_per_node=1"]),
+                                    4, note)
+    assert estimate.param_bytes < one_per_node.param_bytes  # the secondary copy: Ψ·b/2 of it, not Ψ·b
+    assert table in capfd.readouterr().out
+
+
 def test_pipeline_run_logs_and_resumes(tmp_path, data_cache):
     """TP 2 × PP 2 through the real loop: loss on every rank's log, eval, exact resume."""
     base = SMALL + data_cache + ["parallel.tensor=2", "parallel.pipeline=2", "zero.stage=1", "train.save_interval=2"]

@@ -34,7 +34,7 @@ def _all_runs(rank, world_size):
     topo = init_layout(load_config(None, BASE + list(COMMON) + list(MODES["hpz"])))
     node = {"dp_global_ranks": list(topo.node.dp_global_ranks), "dp_rank": topo.dp_rank, "node": topo.node.node,
             "intra": dist.get_process_group_ranks(topo.node.intra_group),
-            "inter": dist.get_process_group_ranks(topo.node.inter_group)}
+            "inter": dist.get_process_group_ranks(topo.node.inter_group), "dp_per_node": topo.dp_per_node}
     destroy_model_parallel_groups()
     out = {"node": node}
     for name, overrides in RUNS.items():
@@ -55,7 +55,7 @@ def test_node_groups_hold_the_dp_ranks_that_share_a_node(runs):
         assert node["dp_global_ranks"] == list(range(rank % TP, WORLD, TP))
         assert (node["dp_rank"], node["node"]) == (rank // TP, rank // GPUS_PER_NODE)
         assert node["intra"] == [g for g in node["dp_global_ranks"] if g // GPUS_PER_NODE == rank // GPUS_PER_NODE]
-        assert len(node["intra"]) == PER_NODE
+        assert len(node["intra"]) == PER_NODE == node["dp_per_node"]  # what the run's memory check counts
         # the inter-node group: the DP ranks at this rank's place in its node, one per node
         assert node["inter"] == [g for g in node["dp_global_ranks"] if g % GPUS_PER_NODE == rank % GPUS_PER_NODE]
 

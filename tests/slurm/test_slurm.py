@@ -155,7 +155,7 @@ def test_cpu_ranks_get_no_device_verdict(capsys):
     import torch
     from pretrain.config import load_config
     from pretrain.memory_check import check_memory
-    check_memory(load_config(REPO / "configs/tiny.toml"), 4, torch.device("cpu"), is_main=True)
+    check_memory(load_config(REPO / "configs/tiny.toml"), 4, torch.device("cpu"), is_main=True, dp_per_node=1)
     out = capsys.readouterr().out
     assert out.rstrip().endswith("CPU run: no device memory check (the estimate is for H100, 80 GiB)")
     assert "fits" not in out

@@ -19,6 +19,17 @@ def test_a_consistent_layout_is_accepted():
     assert (layout.is_main, layout.is_last_stage, layout.gpus_per_node) == (False, True, 4)
 
 
+def test_the_dp_ranks_per_node_are_the_node_topologys():
+    """What the run's memory check counts for hpZ and hybrid: 1 without a node topology; with one, its DP ranks on a
+    node — rank 5's DP group {5, 7} (TP 2 × DP 2 × PP 2) on nodes of 2 ranks puts one of them on each node, on nodes
+    of 8 both on one."""
+    from zero3d.comm.topology import topology_of
+    assert Layout(**GOOD).dp_per_node == 1
+    for gpus_per_node, per_node in ((2, 1), (8, 2)):
+        node = topology_of(0, [5, 7], gpus_per_node)
+        assert Layout(**{**GOOD, "gpus_per_node": gpus_per_node, "node": node}).dp_per_node == per_node
+
+
 @pytest.mark.parametrize("change,message", [
     ({"world_size": 0}, "world_size = 0 is invalid; valid: an integer >= 1"),
     ({"tp": 0}, "tp = 0 is invalid; valid: an integer >= 1"),

@@ -162,7 +162,7 @@ def test_startup_memory_check_judges_only_what_stays_on_the_device(capsys):
     assert none.total_bytes - cpu.total_bytes == none.optimizer_bytes + none.grad_bytes > 0
     assert estimate_config(cfg, 2, 32 * GIB).optimizer_bytes == none.optimizer_bytes  # checkpoints still hold them
     assert "offload optimizer→cpu, grads→host: host" in table and "host master params" in table
-    check_memory(cfg, 2, torch.device("cpu"), is_main=True)
+    check_memory(cfg, 2, torch.device("cpu"), is_main=True, dp_per_node=1)
     out = capsys.readouterr().out
     assert "host optimizer states" in out and out.rstrip().endswith("GiB)") and "CPU run: no device memory check" in out
 
@@ -202,18 +202,18 @@ def test_on_cuda_the_smallest_card_over_the_ranks_is_the_budget_and_a_run_that_c
     assert estimate_config(big, 2, 80 * GIB).fits and not estimate_config(big, 2, other_rank).fits
     assert estimate_config(small, 2, other_rank).fits
     with pytest.raises(ConfigError) as refused:
-        check_memory(big, 2, cuda, is_main=True)
+        check_memory(big, 2, cuda, is_main=True, dp_per_node=1)
     total = estimate_config(big, 2, other_rank).total_bytes
     assert f"exceeds the device memory ({total / 1e9:.2f} GB > {other_rank / 1e9:.2f} GB)" in str(refused.value)
     assert "NVIDIA H100 80GB HBM3 (smallest over the ranks)" in capsys.readouterr().out
     kept = check_memory(load_config(None, shape + ["model.num_layers=8", "train.ignore_memory_estimate=true"]), 2,
-                        cuda, is_main=False)
+                        cuda, is_main=False, dp_per_node=1)
     assert not kept.fits and capsys.readouterr().out == ""  # rank 0 alone prints the table
-    assert check_memory(small, 2, cuda, is_main=True).fits
+    assert check_memory(small, 2, cuda, is_main=True, dp_per_node=1).fits
     assert "CPU run" not in capsys.readouterr().out
     # CPU ranks check nothing: the same run described on a 24 GiB card is estimated, printed and not refused
     on_cpu = check_memory(load_config(None, shape + ["model.num_layers=8", "cluster.gpu_memory_gb=24"]), 2,
-                          torch.device("cpu"), is_main=True)
+                          torch.device("cpu"), is_main=True, dp_per_node=1)
     assert not on_cpu.fits and "CPU run: no device memory check" in capsys.readouterr().out
 
 
@@ -232,7 +232,7 @@ def test_the_start_up_check_estimates_the_loss_this_rank_runs_compiled_or_eager(
             "train.micro_batch_size=2", "train.global_batch_size=4"]
     cpu, cuda = torch.device("cpu"), fake_cuda(monkeypatch, 80 * GIB)
     loss = {(device.type, choice): check_memory(load_config(None, base + [f"model.compile={choice}"]), 2, device,
-                                                is_main=False).logits_bytes
+                                                is_main=False, dp_per_node=1).logits_bytes
             for device in (cpu, cuda) for choice in ("\"auto\"", "true", "false")}
     eager, compiled = loss["cpu", "\"auto\""], loss["cuda", "\"auto\""]
     assert eager - compiled == 1024 * 50304 * (6 - 4)

@@ -109,7 +109,7 @@ def test_the_memory_check_and_the_planner_place_dp_ranks_as_the_engine_does():
     from analysis.planner import dp_per_node, node_split
     from pretrain.config import load_config
     from pretrain.errors import ConfigError
-    from pretrain.memory_check import dp_per_node as memory_dp_per_node
+    from pretrain.memory_check import config_dp_per_node as memory_dp_per_node
     for gpn in range(1, 17):
         cluster = ClusterSpec(gpus_per_node=gpn).cluster()
         for tp, dp in {(tp, dp) for tp, dp, pp in LAYOUTS}:

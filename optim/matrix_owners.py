@@ -1,5 +1,6 @@
-"""Which DP rank computes each whole matrix of Muon's step: dealt out by Newton–Schulz's work (torch-free, so the
-estimator deals them out as the engine does)."""
+"""Which DP rank computes each whole matrix of Muon's step: dealt out by Newton–Schulz's work. Below both of its
+readers, the engine's whole-matrix step (zero3d/whole_matrix.py) and the estimator (analysis/step_moment.py), and
+torch-free, so the estimator deals them out as the engine does."""
 
 
 def newton_schulz_cost(rows: int, cols: int) -> int:
