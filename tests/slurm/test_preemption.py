@@ -14,7 +14,9 @@ from slurm import collect
 from tests.slurm.jobs import job_fields, wait_for, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 8
+# Enough steps that the signal, sent once step 3 is logged, reaches the run before its last step: with 8, a loaded
+# suite once saw the run finish its other 5 steps (~1.5 s) before scancel's signal arrived, and no requeue came.
+STEPS = 30
 # TP 2 × DP 2 on 4 CPU ranks, a checkpoint only when stopped (save_final off), every step logged.
 TINY = ["--config", "configs/tiny.toml", f"train.steps={STEPS}", "train.eval_interval=0", "train.save_final=false",
         "logging.wandb=false", "logging.log_interval=1"]
