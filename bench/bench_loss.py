@@ -18,7 +18,9 @@ seconds, all its threads: a shared machine's other work does not count, on CUDA 
 of bytes alive at once above the inputs (the weight's and hidden states' gradients included): on CPU every storage an
 operator makes, counted until it is freed (a TorchDispatchMode; not for the compiled path, whose kernels allocate out of
 its sight: "—"), on CUDA torch's allocator peak. Kept: the bytes
-autograd holds for backward at the end of forward (saved_tensors_hooks; the inputs and weight excluded).
+autograd holds for backward at the end of forward (saved_tensors_hooks; the inputs and weight excluded). dW err: the
+largest difference of the path's weight gradient from megatron's path computed in fp32 on the same inputs, relative to
+that gradient's largest element (the fused loss's sum over chunks: on CUDA the GEMM adds into it, `add_product`).
 """
 import argparse
 import statistics
@@ -90,6 +92,13 @@ def loss_of(path, hidden, weight, labels, chunk, vocab):
                         kernels=KERNELS[0] if path == "compiled" else None)
 
 
+def weight_gradient_fp32(hidden, weight, labels, args, vocab):
+    """The output weight's gradient on megatron's path in fp32 (the inputs upcast): the `dW err` column's reference."""
+    hidden, weight = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    loss_of("megatron", hidden, weight, labels, args.chunk, vocab).mean().backward()
+    return weight.grad
+
+
 def run_once(path, hidden, weight, labels, args, vocab, census=None):
     hidden.grad = weight.grad = None
     hooks = (census.pack, lambda t: t) if census else (lambda t: t, lambda t: t)
@@ -100,12 +109,13 @@ def run_once(path, hidden, weight, labels, args, vocab, census=None):
 
 
 def measure(vocab, args, device):
-    """{path: (median step s, peak bytes, kept bytes, loss)} at one vocabulary."""
+    """{path: (median step s, peak bytes, kept bytes, loss, weight gradient's error)} at one vocabulary."""
     g = torch.Generator().manual_seed(0)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     hidden = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype).requires_grad_()
     weight = (0.02 * torch.randn(vocab, args.hidden, generator=g)).to(device, dtype).requires_grad_()
     labels = torch.randint(0, vocab, (args.tokens, 1), generator=g).to(device)
+    reference = weight_gradient_fp32(hidden, weight, labels, args, vocab)
     out = {}
     paths = PATHS if dtype != torch.float32 else PATHS[:-1]
     for path in paths:  # an untimed run, counted: its peak and what it keeps for backward
@@ -121,7 +131,8 @@ def measure(vocab, args, device):
             with live:
                 loss = run_once(path, hidden, weight, labels, args, vocab, census)
             peak = None if path == "compiled" else live.peak  # inductor's kernels allocate out of the mode's sight
-        out[path] = [[], peak, census.bytes, loss.item()]
+        error = ((weight.grad.float() - reference).abs().max() / reference.abs().max()).item()
+        out[path] = [[], peak, census.bytes, loss.item(), error]
     clock = time.perf_counter if device.type == "cuda" else time.process_time  # CPU: this process's CPU seconds
     for _ in range(args.steps):  # timed, the paths interleaved
         for path in paths:
@@ -132,7 +143,7 @@ def measure(vocab, args, device):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             out[path][0].append(clock() - t0)
-    return {path: (statistics.median(times), peak, kept, loss) for path, (times, peak, kept, loss) in out.items()}
+    return {path: (statistics.median(times), *counted) for path, (times, *counted) in out.items()}
 
 
 def bench(args):
@@ -144,8 +155,8 @@ def bench(args):
     device = torch.device(args.device)
     rows = []
     for vocab in args.vocab:
-        for path, (step, peak, kept, loss) in measure(vocab, args, device).items():
-            rows.append(dict(vocab=vocab, path=path, time=step, peak=peak, kept=kept, loss=loss))
+        for path, (step, peak, kept, loss, error) in measure(vocab, args, device).items():
+            rows.append(dict(vocab=vocab, path=path, time=step, peak=peak, kept=kept, loss=loss, dw_error=error))
     return rows
 
 
@@ -154,12 +165,13 @@ def print_table(rows, args):
     print(f"output layer + cross-entropy, {args.tokens} tokens, hidden {args.hidden}, chunks of {args.chunk}, "
           f"{args.dtype}, {where}; median of {args.steps} steps after a counted one")
     clock = "cpu s" if args.device == "cpu" else "step s"
-    print(f"{'vocab':>7} {'path':<10} {clock:>7} {'x fused':>7} {'peak MB':>8} {'kept MB':>8} {'loss':>9}")
+    print(f"{'vocab':>7} {'path':<10} {clock:>7} {'x fused':>7} {'peak MB':>8} {'kept MB':>8} {'loss':>9} "
+          f"{'dW err':>8}")
     fused = {r["vocab"]: r for r in rows if r["path"] == "fused"}
     for r in rows:
         peak = "—" if r["peak"] is None else f"{r['peak'] / 1e6:.1f}"
         print(f"{r['vocab']:7d} {r['path']:<10} {r['time']:7.3f} {r['time'] / fused[r['vocab']]['time']:7.2f} "
-              f"{peak:>8} {r['kept'] / 1e6:8.1f} {r['loss']:9.6f}")
+              f"{peak:>8} {r['kept'] / 1e6:8.1f} {r['loss']:9.6f} {r['dw_error']:8.1e}")
 
 
 def main():

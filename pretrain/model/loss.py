@@ -11,14 +11,14 @@ Loss paths (`model.loss_chunk_tokens` = c, `model.loss_recompute`):
 - c > 0 (default): `FusedLinearCrossEntropy`: output layer and vocab-parallel cross-entropy c tokens at a time, the
   gradients with respect to the hidden states, the weight and the bias computed in the forward pass (the softmax
   statistics all-reduced over TP per chunk, as megatron's cross-entropy does; the GEMMs in the model dtype, the
-  softmax and the weight gradient's sum over chunks in fp32); backward only scales them. Neither the
-  [tokens × vocab/TP] logits nor a second output GEMM exist. It holds from forward to backward the fp32 weight (and
-  bias) gradient [vocab/TP, h] and the [tokens, h] hidden-state gradient (model dtype), each token's part weighted by
-  its `loss_mask` (handed to the model's forward; none: every token 1). The weight gradient is a sum over tokens,
-  so backward can only scale it by one number: the gradient reaching the per-token losses must be that loss mask
-  times one number, as `pretrain.data.batch.token_mean` makes it (a mean, or a masked sum over a count; the loss
-  scale and the division by micro-batches are that one number too). Anything else is refused in backward (an
-  asynchronous check: no host read), naming model.loss_recompute.
+  softmax and the weight gradient's sum over chunks in fp32, added into by the GEMM itself where the device's can:
+  `add_product`); backward only scales them. Neither the [tokens × vocab/TP] logits nor a second output GEMM exist. It
+  holds from forward to backward the fp32 weight (and bias) gradient [vocab/TP, h] and the [tokens, h] hidden-state
+  gradient (model dtype), each token's part weighted by its `loss_mask` (handed to the model's forward; none: every
+  token 1). The weight gradient is a sum over tokens, so backward can only scale it by one number: the gradient
+  reaching the per-token losses must be that loss mask times one number, as `pretrain.data.batch.token_mean` makes it
+  (a mean, or a masked sum over a count; the loss scale and the division by micro-batches are that one number too).
+  Anything else is refused in backward (an asynchronous check: no host read), naming model.loss_recompute.
 - c > 0, `model.loss_recompute = true`: each chunk's output layer and cross-entropy under torch's non-reentrant
   checkpoint: nothing of the loss kept between forward and backward, one more output GEMM per step, any gradient.
 
@@ -176,6 +176,47 @@ def _compiled_chunk(hidden, weight, targets, columns: int, first_id: int, tp_gro
     return torch.log(sum_exp) - picked, kernels.gradient(logits, top, sum_exp, local, held, mask) if needs_grad else None
 
 
+_FP32_ACCUMULATING_GEMM: dict = {}  # device -> does its GEMM add a half-precision product into fp32 itself
+
+
+def fp32_accumulating_gemm(device: torch.device) -> bool:
+    """Whether `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)` adds a bf16 product into an fp32 `acc` in the
+    GEMM itself on `device` (cuBLAS's β = 1 over an fp32 C: megatron's gradient_accumulation_fusion, without apex): a
+    CUDA device whose torch passes `adds_unrounded`, asked once. Fake tensors (the probe) are never asked: False."""
+    if device.type != "cuda" or torch._guards.detect_fake_mode() is not None:
+        return False
+    if device not in _FP32_ACCUMULATING_GEMM:
+        _FP32_ACCUMULATING_GEMM[device] = adds_unrounded(device)
+    return _FP32_ACCUMULATING_GEMM[device]
+
+
+def adds_unrounded(device: torch.device) -> bool:
+    """`fp32_accumulating_gemm`'s question, on real numbers: 1 + 2⁻²⁰ (an fp32 value bf16 cannot hold) plus the bf16
+    product 1·3 + 2·4 must be 12 + 2⁻²⁰ to the bit; a torch that refuses the call (CPU in 2.13 has no such kernel,
+    older CUDA builds want `acc` in the inputs' dtype), rounds `acc` or drops it answers False."""
+    acc = torch.full((1, 1), 1 + 2.0 ** -20, dtype=torch.float32, device=device)
+    a = torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16, device=device)
+    b = torch.tensor([[3.0], [4.0]], dtype=torch.bfloat16, device=device)
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return acc.item() == 12 + 2.0 ** -20
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32, [m, n]) += a · b for model-dtype a [m, k] and b [k, n]: where the device's GEMM accumulates in fp32
+    (fp32_accumulating_gemm), by the GEMM itself — its fp32 product never rounded, no product tensor, no separate
+    add; else the product in the model dtype (as megatron's GEMM), added in blocks of rows no larger than `a`, so no
+    [m, n] product sits beside `acc`."""
+    if fp32_accumulating_gemm(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # acc += a · b, summed in fp32
+        return
+    rows_per_block = max(1, a.numel() // b.shape[1])
+    for r in range(0, acc.shape[0], rows_per_block):
+        acc[r:r + rows_per_block] += torch.matmul(a[r:r + rows_per_block], b)
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """Per-token loss [n] of hidden states [n, h] through `weight` [width, h] (and `bias`) against `targets` [n],
     `chunk` tokens at a time, with every gradient computed in forward (see the module docstring); the TP ranks'
@@ -208,11 +249,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             torch.matmul(grad_logits, weight, out=d_hidden[part])
             if weight.dtype == torch.float32:  # (addmm with out=, not addmm_: what torch's FLOP counter sees)
                 torch.addmm(d_weight, grad_logits.t(), h, out=d_weight)
-            else:  # the chunk's product in the model dtype (as megatron's GEMM), summed over the chunks in fp32, in
-                # blocks of vocabulary rows no larger than the chunk's logits: no [V, h] product beside the fp32 sum
-                rows_per_block = max(1, grad_logits.numel() // hidden.shape[1])
-                for r in range(0, d_weight.shape[0], rows_per_block):
-                    d_weight[r:r + rows_per_block] += torch.matmul(grad_logits[:, r:r + rows_per_block].t(), h)
+            else:
+                add_product(d_weight, grad_logits.t(), h)
             del grad_logits  # freed before the next chunk's logits exist
         ctx.save_for_backward(d_hidden, d_weight, d_bias, loss_mask)
         ctx.dtypes, ctx.backward_ran = (hidden.dtype, weight.dtype), False

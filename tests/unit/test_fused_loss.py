@@ -5,8 +5,9 @@ losses, and the model path: tests/dist/test_loss.py.)"""
 import pytest
 import torch
 
+import pretrain.model.loss as loss_module
 from pretrain.model.loss import (NOT_PROPORTIONAL, SoftmaxKernels, _logits_gradient, _softmax_gradient,
-                                 _softmax_sums, chunked_loss, compiled_softmax)
+                                 _softmax_sums, add_product, adds_unrounded, chunked_loss, compiled_softmax)
 
 S, B, H, WIDTH, VOCAB, CHUNK = 7, 3, 16, 40, 29, 4  # 21 tokens in chunks of 4 (the last 1); rows 29..39 padding
 EAGER_SOFTMAX = SoftmaxKernels(_softmax_sums, _softmax_gradient)  # what model.compile compiles, run eagerly
@@ -254,3 +255,63 @@ def test_the_estimators_loss_term_is_the_eager_fused_losss_measured_peak(dtype):
     made = measured["Total"] - sum(t.untyped_storage().nbytes() for t in (hidden, weight))
     estimated = loss_bytes(shape, tokens, 1, hidden.element_size(), chunk)
     assert 0 <= made - estimated < 48 * tokens, (made, estimated)
+
+
+REAL_ADDMM = torch.addmm
+
+
+def gemm_adding_in(precision):
+    """A stand-in for torch.addmm's out_dtype call (CUDA's; CPU has no such kernel): out = β·acc + α·a·b, acc taken in
+    `precision` (None: dropped), the product in fp64, rounded once to fp32; other calls go to torch's."""
+    def addmm(acc, a, b, *args, out_dtype=None, out=None, beta=1, alpha=1):
+        if out_dtype is None:
+            return REAL_ADDMM(acc, a, b, *args, out=out, beta=beta, alpha=alpha)
+        assert out_dtype == torch.float32 and out is acc and acc.dtype == torch.float32
+        assert a.dtype == b.dtype == torch.bfloat16 or a.dtype == b.dtype == torch.float16
+        kept = 0 if precision is None else beta * acc.to(precision).double()
+        added = alpha * (a.double() @ b.double()) + kept
+        return out.copy_(added.float())
+    return addmm
+
+
+@pytest.mark.parametrize("precision, answer", [(torch.float32, True), (torch.bfloat16, False), (None, False)],
+                         ids=["fp32-sum", "bf16-rounded-sum", "sum-dropped"])
+def test_the_gemms_fp32_accumulation_is_asked_on_numbers_bf16_cannot_hold(monkeypatch, precision, answer):
+    """adds_unrounded says yes only for a GEMM that adds the product into an fp32 value without rounding it: one that
+    rounds the fp32 sum to bf16 first, or ignores it, answers no; CPU's torch (no out_dtype kernel) answers no."""
+    assert not adds_unrounded(torch.device("cpu"))
+    monkeypatch.setattr(torch, "addmm", gemm_adding_in(precision))
+    assert adds_unrounded(torch.device("cpu")) is answer
+
+
+def test_add_product_by_the_gemm_adds_the_fp32_product_unrounded(monkeypatch):
+    """Where the GEMM accumulates in fp32, add_product hands it the operands as they are (a [m, k] · b [k, n] into
+    acc): acc + a · b rounded once to fp32; elsewhere the bf16 product, added a block of rows at a time, is the product
+    rounded to bf16 first, which differs from it."""
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randn(37, 40, generator=g)
+    a, b = torch.randn(37, 11, generator=g).bfloat16(), torch.randn(11, 40, generator=g).bfloat16()
+    exact = (acc.double() + a.double() @ b.double()).float()
+    blocked = acc.clone()
+    add_product(blocked, a, b)  # CPU: the model-dtype product in blocks of rows no larger than `a` (37·11 // 40 = 10)
+    assert torch.equal(blocked, acc + (a @ b).float()) and not torch.equal(blocked, exact)
+    monkeypatch.setattr(loss_module, "fp32_accumulating_gemm", lambda device: True)
+    monkeypatch.setattr(torch, "addmm", gemm_adding_in(torch.float32))
+    fused_sum = acc.clone()
+    add_product(fused_sum, a.t().contiguous().t(), b)  # a transposed view, as the fused loss hands grad_logitsᵀ
+    assert torch.equal(fused_sum, exact)
+
+
+def test_the_fused_loss_through_the_fp32_accumulating_gemm_within_bf16s_rounding_of_fp32(monkeypatch):
+    """The bf16 fused loss with the GEMM adding each chunk's weight gradient into the fp32 sum (CUDA's path, the GEMM
+    stood in for): loss and gradients within 4 units of bf16's rounding of fp32, the padded rows without gradient."""
+    monkeypatch.setattr(loss_module, "fp32_accumulating_gemm", lambda device: True)
+    monkeypatch.setattr(torch, "addmm", gemm_adding_in(torch.float32))
+    hidden, weight, _, labels, mask = inputs(torch.bfloat16)
+    expected = reference(hidden, weight, torch.zeros(WIDTH), labels, mask)
+    per_token = chunked_loss(hidden, weight, None, labels, CHUNK, False, None, VOCAB, loss_mask=mask)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    for name, a, b in (("loss", per_token.detach(), expected[0]), ("hidden", hidden.grad, expected[1]),
+                       ("weight", weight.grad, expected[2])):
+        assert (a.float() - b).abs().max() <= 4 * 2.0 ** -8 * b.abs().max(), name
+    assert weight.grad[VOCAB:].abs().max() == 0
