@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E402
 from model_shape.flops import gpt_step_flops  # noqa: E402
 from pretrain.probe.kernels import kernel_profile, profile_table  # noqa: E402
+from bench.fp8_ceiling import ceiling_table, fp8_ceiling  # noqa: E402
 
 SHAPE = dict(kind="gpt", layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
@@ -397,7 +398,7 @@ def main(argv=None) -> int:
     shapes = {"gpt": DRY_SHAPE if dry else SHAPE, "llama": DRY_LLAMA_SHAPE if dry else LLAMA_SHAPE}
     if args.shapes != "both":
         shapes = {args.shapes: shapes[args.shapes]}
-    rows, fp8 = [], args.fp8 or dry
+    rows, fp8, ceilings = [], args.fp8 or dry, {}
 
     def profiler(label: str):
         """--profile: each row's steps after the timed ones, under torch.profiler (its kernels' summary in the row)."""
@@ -430,16 +431,28 @@ def main(argv=None) -> int:
             measured.append(contained(label, shape, make))
             print(MEASURED + json.dumps(measured[-1], default=str), file=sys.stderr, flush=True)  # kept if cut short
         rows += sorted(measured, key=lambda r: shown.index(r["row"]))
+        baseline = next((r for r in measured if r["row"] == zero3d_label(shape, "none", 2, True) and "step_s" in r), None)
+        if float8 and baseline:  # what the FP8 rows could gain at most: the linears' GEMMs timed in bf16 and float8
+            release_cuda(device)
+            try:
+                ceilings[shape["kind"]] = [fp8_ceiling(shape, recipe, baseline["step_s"], device)
+                                           for recipe in FP8_RECIPES]
+            except Exception as err:  # noqa: BLE001 - the rows stand without it
+                print(f"FP8 ceiling not measured: {type(err).__name__}: {err}", file=sys.stderr)
     if not args.no_probes:
         release_cuda(device)  # the probes: subprocesses capped at 32 GB that these blocks must not crowd
         rows += probe_rows(dry, timeout=300, quick=args.quick, fp8=fp8)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run: tiny shapes, no GPU figure)"
     if args.json:
-        print(json.dumps({"device": gpu, "shapes": shapes, "rows": rows}, default=str))
+        print(json.dumps({"device": gpu, "shapes": shapes, "rows": rows, "fp8_ceilings": ceilings}, default=str))
     else:
         for kind, shape in shapes.items():
             spec = ", ".join(f"{k} {v}" for k, v in shape.items() if k != "kind")
             print(table([r for r in rows if r.get("shape") == kind], f"{gpu}; {NAMES[kind]} shape: {spec}"))
+            if kind in ceilings:
+                fp8_steps = {recipe: r["step_s"] for recipe in FP8_RECIPES for r in rows
+                             if r["row"] == zero3d_label(shape, recipe, 2, True) and "step_s" in r}
+                print(ceiling_table(ceilings[kind], fp8_steps, zero3d_label(shape, "none", 2, True)))
         if not args.no_probes:
             print(table([r for r in rows if "shape" not in r], f"{gpu}; the paper's rank slices (probe --real)"))
         if args.profile:

@@ -354,6 +354,26 @@ LOSS_S = 90
 PROFILED_ROWS = ("(compiled, stage 2)", "PyTorch Llama, compiled")
 PROFILED_PROBES = ("Llama-3 8B selective compiled", "Llama-3 8B selective compiled FP8")
 LATER_S = 180
+# The 8B slice's FP8 ceiling (bench/fp8_ceiling.py: its linears' GEMMs in bf16 and float8 against the bf16 probe's
+# step), after the pair of selective probes it compares: (bf16 probe, FP8 probe)
+FP8_PAIR = ("Llama-3 8B selective compiled", "Llama-3 8B selective compiled FP8")
+CEILING_S = 60
+
+
+def fp8_ceiling_part(env: dict, bf16_row: dict, fp8_row: dict, timeout: float) -> str:
+    """bench/fp8_ceiling.py for the 8B slice (its config's linears, 8 micro-batches a step), against the bf16 probe's
+    steady step and beside the FP8 probe's; a line saying why where the bf16 probe has no step time."""
+    bf16, fp8 = bf16_row.get("step_s"), fp8_row.get("step_s")
+    if not bf16:
+        return f"FP8 ceiling of the 8B slice not measured: the probe '{FP8_PAIR[0]}' has no step time\n"
+    cmd = [sys.executable, "-W", "ignore", "bench/fp8_ceiling.py", "--config", LLAMA_PROBE[1], "--bf16-step-s",
+           str(bf16), "--recipe", "tensorwise", *(["--fp8-step-s", f"tensorwise={fp8}"] if fp8 else [])]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"bench/fp8_ceiling.py did not finish inside {timeout:.0f} s\n"
+    return proc.stdout if proc.returncode == 0 else (f"bench/fp8_ceiling.py failed (rc {proc.returncode}): "
+                                                     f"{error_line(proc)[0]}\n")
 
 
 def parity(args, started: float) -> int:
@@ -366,7 +386,7 @@ def parity(args, started: float) -> int:
     if not args.cpu_dry_run and info["gpus"] == 0:
         raise SystemExit("no CUDA device visible: run on a GPU machine, or use --cpu-dry-run")
     steps = ["--steps", "1" if args.cpu_dry_run else "8"]
-    parts, results, skipped = [], [], []
+    parts, results, skipped, probed = [], [], [], {}
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - started)
@@ -403,6 +423,10 @@ def parity(args, started: float) -> int:
                 results.append(probe_row(probe, LLAMA_PROBE[1], env, args.cpu_dry_run, timeout=left(),
                                          overrides=extra, memory_gb=LLAMA_PROBE[2], profile=profile))
                 print(json.dumps(results[-1], default=str), flush=True)
+                probed[probe] = results[-1]
+                if probe == FP8_PAIR[1] and not args.cpu_dry_run:
+                    parts.append(fp8_ceiling_part(env, probed.get(FP8_PAIR[0], {}), probed[probe],
+                                                  timeout=min(CEILING_S, left())))
         except subprocess.TimeoutExpired:
             skipped.append(f"{name}: did not finish inside the time budget")
     write_report(Path(args.out), info, results, skipped, started, "\n".join(parts))

@@ -1,7 +1,8 @@
 """bench/bench_gpu.py --cpu-dry-run (what `make gpu-check` runs on a GPU, shrunk): every row runs, for the GPT and the
 Llama shape, the throughput arithmetic is each model's FLOPs over the measured step time (Llama: grouped-query K/V and
 the gated MLP's third matrix), and compiling a plain model changes no loss; the FP8 rows (`--fp8` on a GPU) run: the
-Llama shape in precision.fp8 tensorwise and rowwise, and the Llama-3 8B rank slice probed in FP8."""
+Llama shape in precision.fp8 tensorwise and rowwise, and the Llama-3 8B rank slice probed in FP8; the FP8 ceiling
+(bench/fp8_ceiling.py: the linears' GEMMs in bf16 and float8) is measured beside them."""
 import importlib.util
 import json
 import math
@@ -78,6 +79,14 @@ def test_bench_gpu_cpu_dry_run_rows():
                                 rel_tol=1e-5), (model, z)
     for name in (PROBE, FP8_PROBE):
         assert rows[name]["rc"] == 0 and rows[name]["verdict"].startswith("verdict: FITS"), rows[name]
+    # the FP8 ceiling beside the FP8 rows: the Llama shape's linear GEMMs timed in bf16 and float8, against the compiled
+    # stage-2 bf16 row's step (bench/fp8_ceiling.py)
+    baseline = rows["zero3d Llama (compiled, stage 2)"]["step_s"]
+    ceilings = out["fp8_ceilings"]
+    assert list(ceilings) == ["llama"] and [c["recipe"] for c in ceilings["llama"]] == ["tensorwise", "rowwise"]
+    for c in ceilings["llama"]:
+        assert c["bf16_step_s"] == baseline and c["linears_bf16_s"] > 0 and c["linears_fp8_s"] > 0
+        assert math.isclose(c["ceiling"], baseline / (baseline - c["linears_bf16_s"] + c["linears_fp8_s"]), rel_tol=1e-12)
     # zero3d's rows carry the estimator's peak of their rank beside the measured one: what `python -m pretrain
     # --estimate` says of the row's config (its stage and compiled layers, one micro-batch a step), without the margin
     from pretrain.config import load_config

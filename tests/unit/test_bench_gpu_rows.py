@@ -159,3 +159,34 @@ def test_the_parity_command_profiles_the_8b_slices_selective_probes_on_a_gpu(mon
     assert "| probe slice model.compile=true --real, 80 GB cap | 9.5000 | 9.0000 | 5.0% | 1234 |" in report
     assert "    4.0000     64  sm90_xmma_gemm_e4m3" in report and "    0.5000     32  aten::copy_" in report
     assert "| — | 21.50, 9.25 |" in report  # every step's wall: the warm-up's beside the timed one's
+
+
+def test_the_parity_command_measures_the_8b_slices_fp8_ceiling_after_its_probes(monkeypatch, tmp_path):
+    """On a GPU, after the FP8 8B probe, --parity runs bench/fp8_ceiling.py on the slice's config against the bf16
+    selective probe's step, the FP8 probe's beside it, and its table goes in the report; without the bf16 step time,
+    one line says so and nothing runs."""
+    import argparse
+    import subprocess
+    tool = load("tools/gpu_check.py", "gpu_check_ceiling")
+    steps = {"Llama-3 8B selective compiled": 8.25, "Llama-3 8B selective compiled FP8": 7.5}
+    commands, reports = [], []
+    monkeypatch.setattr(tool, "ensure_megatron", lambda: {})
+    monkeypatch.setattr(tool, "versions", lambda env: {"gpus": 1})
+    monkeypatch.setattr(tool, "bench_table", lambda *args, **kwargs: "")
+    monkeypatch.setattr(tool, "probe_row", lambda name, *args, **kwargs: {"row": f"probe {name} --real", "rc": 0,
+                                                                          "step_s": steps.get(name)})
+    monkeypatch.setattr(tool, "write_report", lambda *args: reports.append(args))
+
+    def run(cmd, **kwargs):
+        commands.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "FP8 ceiling table\n" if "bench/fp8_ceiling.py" in cmd else "", "")
+    monkeypatch.setattr(subprocess, "run", run)
+    args = argparse.Namespace(cpu_dry_run=False, budget_s=3600.0, out=str(tmp_path / "report.md"))
+    assert tool.parity(args, started=tool.time.perf_counter()) == 0
+    ceiling = [cmd for cmd in commands if "bench/fp8_ceiling.py" in cmd]
+    assert len(ceiling) == 1 and ceiling[0][ceiling[0].index("bench/fp8_ceiling.py") + 1:] == [
+        "--config", "configs/llama3_8b.toml", "--bf16-step-s", "8.25", "--recipe", "tensorwise",
+        "--fp8-step-s", "tensorwise=7.5"]
+    assert "FP8 ceiling table" in reports[0][-1]
+    assert tool.fp8_ceiling_part({}, {"row": "bf16"}, {"step_s": 7.5}, timeout=60) == (
+        "FP8 ceiling of the 8B slice not measured: the probe 'Llama-3 8B selective compiled' has no step time\n")
