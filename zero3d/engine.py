@@ -9,7 +9,6 @@ import torch.nn as nn
 from optim import OptimizerSpec, spec_named
 from optim.config import OptimizerConfig
 from optim.flat_optimizer import FlatOptimizer, FlatTensor
-from optim.spec import STEP_CHUNK, step_batches
 from zero3d.accounting import model_state_bytes
 from zero3d.comm.core import Comm, CommStats, wait_all
 from zero3d.comm.plan import CommPlan
@@ -33,27 +32,25 @@ NORM_BLOCK = 1 << 22  # the most elements whose squares one norm sums in fp32; t
 
 
 def sum_of_squares(pieces: list, unscale: float = 1.0) -> torch.Tensor:
-    """Σ x² over 1-D tensors, a 0-d fp64 tensor: each piece's blocks of NORM_BLOCK elements (counted from the piece's
-    start, so a shard's pieces give the same sums whatever coordinates they are cut from) 2-normed in fp32 by one
-    multi-tensor kernel, in one read and no copy of the gradients (relative error ~1e-7; a `.double()` copy squared
-    and summed in fp64 moves three times the bytes in three kernels a piece: on a GPU it was the step's largest cost
-    beyond the model); the blocks' squares added in fp64. A block norm past 1.8e19 is inf: an overflow, skipped.
-    Pieces in a compute dtype (the gradients a mixed-precision step reads so): each block cast to fp32 and multiplied
-    by `unscale` first, as fp32 gradients would be, runs of blocks of at most STEP_CHUNK elements at a time (a block
-    larger: alone), so no fp32 copy of a whole shard exists: the same norms."""
+    """Σ x² over 1-D tensors of one dtype, a 0-d fp64 tensor: each piece's blocks of NORM_BLOCK elements (counted from
+    the piece's start, so a shard's pieces give the same sums whatever coordinates they are cut from) 2-normed in fp32
+    by one multi-tensor kernel, in one read and no copy of the gradients (relative error ~1e-7; a `.double()` copy
+    squared and summed in fp64 moves three times the bytes in three kernels a piece: on a GPU it was the step's largest
+    cost beyond the model); the blocks' squares added in fp64. A block norm past 1.8e19 is inf: an overflow, skipped.
+    Pieces in a compute dtype (the gradients a mixed-precision step reads so) are read as they are, the kernel upcasting
+    each element (the norms of their fp32 copies, to the bit, without the copy: 2 bytes an element read where the copy
+    moved 10); `unscale`, the factor they still need, multiplies their norms in fp64 (‖u·x‖ = |u|·‖x‖: to the bit for
+    a power-of-two loss scale, as dynamic loss scaling keeps it)."""
     blocks = [piece[lo:lo + NORM_BLOCK] for piece in pieces for lo in range(0, piece.numel(), NORM_BLOCK)]
     if not blocks:
         return torch.zeros((), dtype=torch.float64)
-    if all(block.dtype == torch.float32 for block in blocks):
-        norms = torch._foreach_norm(blocks, 2, dtype=torch.float32)
-    else:
-        norms = []
-        for run in step_batches([block.numel() for block in blocks], STEP_CHUNK):
-            batch = [blocks[i].to(torch.float32, copy=True) for i in run]
-            if unscale != 1.0:
-                torch._foreach_mul_(batch, unscale)
-            norms += torch._foreach_norm(batch, 2, dtype=torch.float32)
-    return torch.stack(norms).double().square().sum()
+    dtypes = {block.dtype for block in blocks}
+    if len(dtypes) > 1:
+        raise ValueError(f"sum_of_squares takes pieces of one dtype (a group's gradient), got {sorted(map(str, dtypes))}")
+    norms = torch.stack(torch._foreach_norm(blocks, 2, dtype=torch.float32)).double()
+    if unscale != 1.0 and blocks[0].dtype != torch.float32:
+        norms = norms * abs(unscale)
+    return norms.square().sum()
 
 
 @dataclass

@@ -43,12 +43,11 @@ def test_a_sum_past_fp32s_range_stays_finite(small_blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_compute_dtype_pieces_give_the_norm_of_their_unscaled_fp32_copy(small_blocks, monkeypatch, dtype):
-    """Gradients a mixed-precision step reads in the compute dtype: each block cast to fp32 and unscaled, runs of at most
-    STEP_CHUNK elements at a time (here 14: 2 blocks of 7, over 6 blocks), give bit for bit the sum of the fp32 copy unscaled whole, as the
-    engine makes it for the other placements; values from 1e-3 to 1e3, so unscaled in fp16 the small ones would fall
-    below its normal range (6.1e-5) and lose bits."""
-    monkeypatch.setattr(engine, "STEP_CHUNK", 14)
+def test_compute_dtype_pieces_give_the_norm_of_their_unscaled_fp32_copy(small_blocks, dtype):
+    """Gradients a mixed-precision step reads in the compute dtype, each block normed as it is and its norm unscaled
+    (a power-of-two loss scale), give bit for bit the sum of their fp32 copy unscaled whole, as the engine makes it for
+    the other placements; values from 1e-3 to 1e3, so unscaled in fp16 the small ones would fall below its normal
+    range (6.1e-5) and lose bits. A scale that is no power of two: within fp32's rounding of the exact sum."""
     g = torch.Generator().manual_seed(0)
     pieces = [(torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 4, (n,), generator=g)).to(dtype)
               for n in (15, 3, 22)]
@@ -56,3 +55,33 @@ def test_compute_dtype_pieces_give_the_norm_of_their_unscaled_fp32_copy(small_bl
     copies = [p.float() * unscale for p in pieces]
     assert torch.equal(engine.sum_of_squares(pieces, unscale), engine.sum_of_squares(copies))
     assert torch.equal(engine.sum_of_squares(pieces), engine.sum_of_squares([p.float() for p in pieces]))
+    exact = sum(((p.double() / 3) ** 2).sum() for p in pieces)
+    assert engine.sum_of_squares(pieces, 1 / 3).item() == pytest.approx(exact.item(), rel=1e-6, abs=0)
+
+
+def test_compute_dtype_pieces_are_read_without_a_copy(monkeypatch):
+    """The norm reads a bf16 gradient as it is: no operator makes a tensor of the gradient's size in any dtype (the
+    fp32 copy it made before moved 5× the bytes the kernel reads), only the blocks' norms and their sum."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not any(r.alias_info is not None for r in func._schema.returns):  # not a view
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    monkeypatch.setattr(engine, "NORM_BLOCK", 16)
+    pieces = [torch.randn(40).bfloat16(), torch.randn(33).bfloat16()]
+    with Largest():
+        engine.sum_of_squares(pieces, 1 / 8)
+    assert Largest.numel == 3 + 3  # the stacked norms of 3 + 3 blocks: nothing the size of a block (16) or a piece
+
+
+def test_pieces_of_two_dtypes_are_refused():
+    with pytest.raises(ValueError, match=r"one dtype .*torch.bfloat16.*torch.float32"):
+        engine.sum_of_squares([torch.ones(3), torch.ones(3).bfloat16()])
