@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from pretrain.metrics import device_peak_tflops, throughput_metrics  # noqa: E40
 from model_shape.flops import gpt_step_flops  # noqa: E402
 from pretrain.probe.kernels import kernel_profile, profile_table  # noqa: E402
 from bench.fp8_ceiling import ceiling_table, fp8_ceiling  # noqa: E402
+from bench.timing import mean_seconds  # noqa: E402
 
 SHAPE = dict(kind="gpt", layers=24, hidden=2048, heads=16, seq=2048, vocab=50257, micro=4, dtype="bf16")
 DRY_SHAPE = dict(kind="gpt", layers=2, hidden=64, heads=4, seq=32, vocab=512, micro=2, dtype="fp32")
@@ -163,15 +163,7 @@ def tokens_batch(shape: dict, device) -> torch.Tensor:
 def timed(step, steps: int, warmup: int, device, profile=None) -> float:
     """Mean seconds per `step()` over `steps` after `warmup` (compilation, allocator, optimizer states); `profile`,
     when given, is called with `step` after the timed steps (--profile: where the device time goes)."""
-    for _ in range(warmup):
-        step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    seconds = (time.perf_counter() - t0) / steps
+    seconds = mean_seconds(step, steps, warmup, device)
     if profile is not None:
         profile(step)
     return seconds

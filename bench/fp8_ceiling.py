@@ -12,7 +12,6 @@ and weight gradient dW = dyᵀ·x with the codes transposed where the contractio
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,45 +30,40 @@ def linear_shapes(shape: dict) -> list:
     return [(h, (query + 2 * kv) // tp), (query // tp, h), (h, (2 * ffn if gated else ffn) // tp), (ffn // tp, h)]
 
 
-def _seconds(fn, device, repeats: int) -> float:
-    """Mean seconds of fn() over `repeats` calls after two untimed ones."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / repeats
-
-
-def layer_gemm_seconds(tokens: int, d_in: int, d_out: int, recipe: str, device, repeats: int = 10) -> tuple:
-    """(bf16 s, float8 s) of one linear's three GEMMs for `tokens` tokens: forward, input and weight gradient."""
-    from pretrain.model.fp8 import scaled_matmul
+def float8_operands(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, recipe: str) -> list:
+    """[((a, a_scale), (b, b_scale), fast_accum)] of one linear's three float8 GEMMs (forward, input gradient, weight
+    gradient), each `scaled_matmul(a, a_scale, b, b_scale)`, cast as pretrain/model/fp8.py casts them (its
+    forward_gemm and backward_gemms: the same products, tests/unit/test_fp8_ceiling.py)."""
     from zero3d.float8 import E4M3, RECIPES, quantize
 
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, d_in, generator=g, device=device, dtype=torch.bfloat16)
-    w = torch.randn(d_out, d_in, generator=g, device=device, dtype=torch.bfloat16)
-    dy = torch.randn(tokens, d_out, generator=g, device=device, dtype=torch.bfloat16)
-    bf16 = _seconds(lambda: (torch.matmul(x, w.t()), torch.matmul(dy, w), torch.matmul(dy.t(), x)), device, repeats)
     spec = RECIPES[recipe]
     if spec.rowwise:  # each operand along the contraction dimension of the GEMM it enters
         pow2 = spec.power_of_two_scales
         x_rows, w_rows = quantize(x, E4M3, pow2, dim=1), quantize(w, E4M3, pow2, dim=1)
         dy_rows, w_cols = quantize(dy, spec.grad_dtype, pow2, dim=1), quantize(w, E4M3, pow2, dim=0)
         dy_cols, x_cols = quantize(dy, spec.grad_dtype, pow2, dim=0), quantize(x, E4M3, pow2, dim=0)
-        operands = [(x_rows, w_rows, True),
-                    (dy_rows, (w_cols[0].t().contiguous(), w_cols[1].t()), False),
-                    ((dy_cols[0].t().contiguous(), dy_cols[1].t()), (x_cols[0].t().contiguous(), x_cols[1].t()),
-                     False)]
-    else:
-        (x8, xs), (w8, ws), (g8, gs) = quantize(x, E4M3), quantize(w, E4M3), quantize(dy, spec.grad_dtype)
-        operands = [((x8, xs), (w8, ws), True), ((g8, gs), (w8.t().contiguous(), ws), False),
-                    ((g8.t().contiguous(), gs), (x8.t().contiguous(), xs), False)]
-    fp8 = _seconds(lambda: [scaled_matmul(a, a_scale, b, b_scale, torch.bfloat16, fast_accum=fast)
-                            for (a, a_scale), (b, b_scale), fast in operands], device, repeats)
+        return [(x_rows, w_rows, True),
+                (dy_rows, (w_cols[0].t().contiguous(), w_cols[1].t()), False),
+                ((dy_cols[0].t().contiguous(), dy_cols[1].t()), (x_cols[0].t().contiguous(), x_cols[1].t()), False)]
+    (x8, xs), (w8, ws), (g8, gs) = quantize(x, E4M3), quantize(w, E4M3), quantize(dy, spec.grad_dtype)
+    return [((x8, xs), (w8, ws), True), ((g8, gs), (w8.t().contiguous(), ws), False),
+            ((g8.t().contiguous(), gs), (x8.t().contiguous(), xs), False)]
+
+
+def layer_gemm_seconds(tokens: int, d_in: int, d_out: int, recipe: str, device, repeats: int = 10) -> tuple:
+    """(bf16 s, float8 s) of one linear's three GEMMs for `tokens` tokens: forward, input and weight gradient."""
+    from bench.timing import mean_seconds
+    from pretrain.model.fp8 import scaled_matmul
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, d_in, generator=g, device=device, dtype=torch.bfloat16)
+    w = torch.randn(d_out, d_in, generator=g, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, d_out, generator=g, device=device, dtype=torch.bfloat16)
+    bf16 = mean_seconds(lambda: (torch.matmul(x, w.t()), torch.matmul(dy, w), torch.matmul(dy.t(), x)), repeats, 2,
+                        device)
+    operands = float8_operands(x, w, dy, recipe)
+    fp8 = mean_seconds(lambda: [scaled_matmul(a, a_scale, b, b_scale, torch.bfloat16, fast_accum=fast)
+                                for (a, a_scale), (b, b_scale), fast in operands], repeats, 2, device)
     return bf16, fp8
 
 
@@ -140,8 +134,14 @@ def main(argv=None) -> int:
         if recipe not in ("tensorwise", "rowwise") or fp8_steps[recipe] <= 0:
             ap.error(f"--fp8-step-s {item!r} is invalid; give RECIPE=SECONDS, RECIPE tensorwise or rowwise, SECONDS > 0")
     from pretrain.config import load_config
-    shape = config_shape(load_config(args.config, args.overrides))
+    from pretrain.errors import ProjectError
+    try:
+        shape = config_shape(load_config(args.config, args.overrides))
+    except ProjectError as err:  # a missing file, a bad key or value: one line, no traceback
+        ap.error(str(err))
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device visible; use --device cpu")
     ceilings = [fp8_ceiling(shape, recipe, args.bf16_step_s, device) for recipe in args.recipe or ("tensorwise",
                                                                                                    "rowwise")]
     print(ceiling_table(ceilings, fp8_steps, f"bf16, {args.config}"))

@@ -36,9 +36,21 @@ def test_the_ceiling_is_the_bf16_step_with_the_linears_gemms_in_float8_instead(m
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_the_float8_gemms_run_as_the_fp8_linear_runs_them(recipe):
-    """On CPU (torch._scaled_mm runs there): each recipe's three GEMMs of one linear take their operands in the layouts
-    and scale shapes the kernel accepts, and both timings are measured."""
+def test_the_float8_gemms_timed_are_the_fp8_linears(recipe):
+    """The GEMMs the ceiling times in float8 are the FP8 linear's own: scaled_matmul over float8_operands gives, to the
+    bit, pretrain/model/fp8.py's forward output and its input and weight gradients (CPU runs torch._scaled_mm), with
+    the fast accumulation on the forward GEMM only; and both timings are measured."""
+    from pretrain.model.fp8 import backward_gemms, forward_gemm, scaled_matmul
+    from zero3d.float8 import RECIPES
+
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*size, generator=g).bfloat16() for size in ((32, 48), (80, 48), (32, 80)))
+    y, scales = forward_gemm(x, w, RECIPES[recipe])
+    dx, dw = backward_gemms(dy, x, w, RECIPES[recipe], scales)
+    operands = ceiling.float8_operands(x, w, dy, recipe)
+    assert [fast for _, _, fast in operands] == [True, False, False]
+    for name, (a, b, fast), expected in zip(("y", "dx", "dW"), operands, (y, dx, dw)):
+        assert torch.equal(scaled_matmul(*a, *b, torch.bfloat16, fast_accum=fast), expected), name
     bf16, fp8 = ceiling.layer_gemm_seconds(32, 48, 80, recipe, torch.device("cpu"), repeats=1)
     assert bf16 > 0 and fp8 > 0
 
@@ -58,3 +70,7 @@ def test_a_configs_rank_runs_its_tp_slices_linears_for_each_micro_batch(capsys):
     with pytest.raises(SystemExit):
         ceiling.main(["--config", TINY_LLAMA, "--bf16-step-s", "1", "--fp8-step-s", "tensorwise=0"])
     assert "--fp8-step-s 'tensorwise=0' is invalid; give RECIPE=SECONDS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a config that is not there: one line, no traceback
+        ceiling.main(["--config", "no/such.toml", "--bf16-step-s", "1"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python bench/fp8_ceiling.py: error: config file 'no/such.toml' does not exist")
